@@ -1,0 +1,5 @@
+import sys
+
+from taylor_tune.cli import main
+
+sys.exit(main())

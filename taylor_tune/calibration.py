@@ -1,0 +1,104 @@
+"""Calibration sequences: `num_samples` windows of `seq_len` tokens from WikiText-2, C4 or a text file.
+
+The draw is deterministic per seed and nested: documents are put in a seed-determined order, tokenized
+one by one and concatenated (joined by "\\n\\n"), and sequence i is tokens [i*seq_len, (i+1)*seq_len) of
+that stream. The stream does not depend on how many sequences are asked for, so the first n of a draw of
+N > n are exactly the draw of n; only as many documents are tokenized as the draw needs.
+
+WikiText-2 and C4 go through the real `datasets` loaders (as in LLM-Pruner). Where the hub cannot be
+reached, the same `load_documents` reads any local dataset of the same schema (`DatasetSource`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from taylor_tune.errors import CalibrationError
+
+
+@dataclass(frozen=True)
+class DatasetSource:
+    """Arguments of `datasets.load_dataset` plus the column that holds the text."""
+
+    path: str
+    name: str | None = None
+    split: str = "train"
+    data_files: dict[str, str] | None = None
+    text_field: str = "text"
+    kwargs: dict = field(default_factory=dict)
+
+
+DATASETS = {
+    "wikitext2": DatasetSource(path="wikitext", name="wikitext-2-raw-v1", split="train"),
+    "c4": DatasetSource(
+        path="allenai/c4", data_files={"train": "en/c4-train.00000-of-01024.json.gz"}, split="train"
+    ),
+}
+
+
+def sample_text_path() -> Path:
+    """The small English-like corpus shipped with the package (for demos and offline runs)."""
+    return Path(str(resources.files("taylor_tune") / "data" / "sample_corpus.txt"))
+
+
+def split_paragraphs(text: str) -> list[str]:
+    return [p.strip() for p in text.split("\n\n") if p.strip()]
+
+
+def load_documents(source: str | DatasetSource) -> list[str]:
+    """The source's non-empty documents: a dataset's rows, or a text file's blank-line separated paragraphs."""
+    if isinstance(source, str) and source in DATASETS:
+        source = DATASETS[source]
+    if isinstance(source, DatasetSource):
+        import datasets
+
+        try:
+            data = datasets.load_dataset(
+                source.path, source.name, split=source.split, data_files=source.data_files, **source.kwargs
+            )
+        except Exception as error:  # datasets raises many kinds (ConnectionError, FileNotFoundError, ...)
+            raise CalibrationError(
+                f"calibration: cannot load dataset {source.path!r}: {type(error).__name__}: {str(error).splitlines()[0]}"
+            ) from None
+        if source.text_field not in data.column_names:
+            raise CalibrationError(f"calibration: dataset {source.path!r} has no column {source.text_field!r}")
+        return [t for t in data[source.text_field] if t and t.strip()]
+    path = sample_text_path() if source == "sample" else Path(source)
+    try:
+        return split_paragraphs(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise CalibrationError(f"calibration: cannot read {path}: {error.strerror}") from None
+
+
+def draw_calibration(
+    tokenizer, documents: list[str], *, seq_len: int, num_samples: int, seed: int, name: str = "source"
+) -> torch.Tensor:
+    """[num_samples, seq_len] token ids (int64), nested across num_samples for a fixed seed."""
+    needed = seq_len * num_samples
+    order = np.random.default_rng(seed).permutation(len(documents))
+    separator = tokenizer("\n\n", add_special_tokens=False)["input_ids"]
+    stream: list[int] = []
+    for index in order:
+        if stream:
+            stream += separator
+        stream += tokenizer(documents[index], add_special_tokens=False)["input_ids"]
+        if len(stream) >= needed:
+            break
+    if len(stream) < needed:
+        raise CalibrationError(
+            f"calibration: {name} has {len(stream)} tokens, {len(stream) // seq_len} sequences of {seq_len}; "
+            f"{num_samples} were asked for ({needed} tokens)"
+        )
+    return torch.tensor(stream[:needed], dtype=torch.long).view(num_samples, seq_len)
+
+
+def load_calibration(tokenizer, source: str | DatasetSource, *, seq_len: int, num_samples: int, seed: int) -> torch.Tensor:
+    name = source if isinstance(source, str) else source.path
+    return draw_calibration(
+        tokenizer, load_documents(source), seq_len=seq_len, num_samples=num_samples, seed=seed, name=name
+    )

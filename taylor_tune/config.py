@@ -1,0 +1,134 @@
+"""Typed configuration of one pruning run, loaded from YAML or the CLI, validated before anything heavy runs.
+
+Must not import torch or ray: validation has to be instant and usable by the sweep driver and the reports.
+Checks that need the model (seq_len against its context, the architecture) happen in `prune.py` right after
+the model's config is read and before its weights are.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from taylor_tune.errors import ConfigError
+
+CALIBRATION_DATASETS = ("wikitext2", "c4")
+BUILTIN_TEXTS = ("sample",)
+_DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+
+
+class PruneConfig(BaseModel):
+    """One pruning run: which model, how to score groups, how much to remove."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(description="hub id, local folder, or tiny-llama / tiny-qwen2 / tiny-mistral")
+    method: str = Field("taylor", description="pruning method (see `taylor_tune.methods.METHODS`)")
+    sparsity: float = Field(0.2, gt=0.0, lt=1.0, description="fraction of the model's total parameters to remove")
+    seq_len: int = Field(64, gt=0, description="tokens per calibration sequence")
+    num_samples: int = Field(128, gt=0, description="number of calibration sequences")
+    calibration: str = Field("wikitext2", description="wikitext2, c4, sample, or a path to a .txt file")
+    seed: int = Field(0, ge=0, description="seed of the calibration draw (and of the random baseline)")
+    micro_batch_size: int = Field(8, gt=0, description="sequences per forward/backward in the importance pass")
+    device: str = Field("auto", description="auto (cuda if available, else cpu), cpu, cuda, cuda:N or mps")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weights' dtype; auto = bfloat16 on CUDA, float32 elsewhere (gradients accumulate in fp32)"
+    )
+    trust_remote_code: bool = Field(False, description="allow a hub model's own code to run (off: safe default)")
+    layerwise_max_ratio: float | None = Field(
+        None, gt=0.0, le=1.0, description="layerwise: most any one layer may lose; default min(0.95, 2 x sparsity)"
+    )
+    blockwise_layer_start: int | None = Field(None, ge=0, description="blockwise: first pruned layer; default 1")
+    blockwise_layer_end: int | None = Field(
+        None, ge=1, description="blockwise: first layer after the pruned range; default num_layers - 1"
+    )
+    extreme_ratio_threshold: float | None = Field(
+        None, gt=0.0, description="a layer pruned above this ratio counts as extreme; default 2 x sparsity"
+    )
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, value: str) -> str:
+        from taylor_tune.methods import METHODS  # numpy-only; avoids a cycle at import time
+
+        if value not in METHODS:
+            raise ValueError(f"unknown method {value!r}; allowed: {', '.join(sorted(METHODS))}")
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if not _DEVICE.match(value):
+            raise ValueError(f"unknown device {value!r}; allowed: auto, cpu, cuda, cuda:N, mps")
+        return value
+
+    @field_validator("calibration")
+    @classmethod
+    def _known_calibration(cls, value: str) -> str:
+        if value in CALIBRATION_DATASETS or value in BUILTIN_TEXTS:
+            return value
+        if not Path(value).is_file():
+            raise ValueError(
+                f"{value!r} is neither a dataset ({', '.join(CALIBRATION_DATASETS + BUILTIN_TEXTS)}) nor an existing text file"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _blockwise_range(self) -> PruneConfig:
+        start, end = self.blockwise_layer_start, self.blockwise_layer_end
+        if start is not None and end is not None and end <= start:
+            raise ValueError(f"blockwise_layer_end ({end}) must be greater than blockwise_layer_start ({start})")
+        return self
+
+    @property
+    def extreme_threshold(self) -> float:
+        return self.extreme_ratio_threshold if self.extreme_ratio_threshold is not None else 2.0 * self.sparsity
+
+    @property
+    def layerwise_cap(self) -> float:
+        return self.layerwise_max_ratio if self.layerwise_max_ratio is not None else min(0.95, 2.0 * self.sparsity)
+
+
+def format_validation_error(error: ValidationError) -> str:
+    """One line per problem, each naming the field: `sparsity: Input should be less than 1 (got 1.5)`."""
+    parts = []
+    for item in error.errors():
+        field = ".".join(str(p) for p in item["loc"]) or "config"
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "unknown key"
+        elif "input" in item and item["type"] not in ("missing",) and not isinstance(item["input"], dict):
+            message += f" (got {item['input']!r})"
+        parts.append(f"{field}: {message}")
+    return "; ".join(parts)
+
+
+def build_prune_config(values: dict[str, Any]) -> PruneConfig:
+    """Validate a plain dict, turning pydantic's error into a ConfigError that names every bad field."""
+    try:
+        return PruneConfig(**values)
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(error)) from None
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A YAML mapping (safe_load only), not yet validated."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as error:
+        raise ConfigError(f"cannot read config file {path}: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path} is not valid YAML: {error}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
+    return data
+
+
+def load_prune_config(path: str | Path) -> PruneConfig:
+    """Read a YAML file into a validated PruneConfig."""
+    return build_prune_config(read_config_file(path))

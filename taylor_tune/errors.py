@@ -1,0 +1,21 @@
+"""Errors that are the user's to fix. The CLI prints them as one line and exits 2; anything else is a bug."""
+
+
+class TaylorTuneError(Exception):
+    """Base of every error caused by input (config, files, models), never by our own code."""
+
+
+class ConfigError(TaylorTuneError):
+    """A configuration value is not allowed; the message names the field."""
+
+
+class ModelLoadError(TaylorTuneError):
+    """A model or tokenizer cannot be found, loaded or is of an unsupported architecture."""
+
+
+class CalibrationError(TaylorTuneError):
+    """The calibration source cannot supply the requested sequences."""
+
+
+class PlanError(TaylorTuneError):
+    """A pruning plan cannot meet its target under the method's constraints."""

@@ -1,0 +1,140 @@
+"""Load a causal LM (hub id, local folder, a pruned folder, or a tiny built-in) with explicit device and dtype.
+
+Real loading code for real models (`AutoModelForCausalLM.from_pretrained`); `trust_remote_code` stays off
+unless asked. The tiny built-ins (`tiny-llama`, `tiny-qwen2`, `tiny-mistral`) are random-init models built
+from their config classes with a byte-level tokenizer: no download, used by tests and the demo.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+
+from taylor_tune.errors import ModelLoadError
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+PRUNED_MANIFEST = "pruned_layout.json"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+# Llama-3-style GQA (4 query heads per key/value head) at toy size; heads x head_dim (128) != hidden (64)
+# exercises an explicit head_dim. Qwen2 adds q/k/v biases by design.
+_TINY_SHAPE = dict(
+    hidden_size=64, intermediate_size=192, num_hidden_layers=4, num_attention_heads=16,
+    num_key_value_heads=4, head_dim=8, max_position_embeddings=512, rms_norm_eps=1e-5,
+)
+TINY_MODELS = {"tiny-llama": "llama", "tiny-qwen2": "qwen2", "tiny-mistral": "mistral"}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device: {device!r} was asked for but CUDA is not available here; use cpu or auto")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if cuda_bf16 else torch.float32
+    return getattr(torch, dtype)
+
+
+@lru_cache(maxsize=1)
+def byte_tokenizer():
+    """A byte-level tokenizer (256 byte tokens + <s>, </s>, <pad>) built offline; lossless on any text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    core = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(["<s>", "</s>", "<pad>"])
+    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def tiny_config(name: str) -> PretrainedConfig:
+    tok = byte_tokenizer()
+    extra = {"sliding_window": None} if TINY_MODELS[name] == "mistral" else {}
+    return AutoConfig.for_model(
+        TINY_MODELS[name], vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, tie_word_embeddings=False, **_TINY_SHAPE, **extra,
+    )
+
+
+def _source(spec: str) -> str:
+    """Which loader a model spec names: tiny, pruned, folder or hub. A missing local path is an error here."""
+    if spec in TINY_MODELS:
+        return "tiny"
+    path = Path(spec)
+    if path.is_dir():
+        return "pruned" if (path / PRUNED_MANIFEST).is_file() else "folder"
+    if _HUB_ID.match(spec) and not spec.startswith((".", "/")):
+        return "hub"
+    raise ModelLoadError(
+        f"model: {spec!r} is not a tiny model ({', '.join(TINY_MODELS)}), an existing folder, or a hub id (org/name)"
+    )
+
+
+def load_model_config(spec: str, *, trust_remote_code: bool = False) -> PretrainedConfig:
+    """The model's config only (cheap): used to validate the run before any weight is read."""
+    source = _source(spec)
+    if source == "tiny":
+        config = tiny_config(spec)
+    else:
+        try:
+            config = AutoConfig.from_pretrained(spec, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as error:
+            raise ModelLoadError(f"model: cannot read the config of {spec!r}: {str(error).splitlines()[0]}") from None
+    if config.model_type not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"model: architecture {config.model_type!r} of {spec!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return config
+
+
+def load_tokenizer(spec: str, *, trust_remote_code: bool = False):
+    if _source(spec) == "tiny":
+        return byte_tokenizer()
+    try:
+        return AutoTokenizer.from_pretrained(spec, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"model: cannot load the tokenizer of {spec!r}: {str(error).splitlines()[0]}") from None
+
+
+def load_model(
+    spec: str, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False, seed: int = 0,
+) -> PreTrainedModel:
+    """The model in eval mode on `device` in `dtype`. Tiny models are initialised from `seed`."""
+    source = _source(spec)
+    config = load_model_config(spec, trust_remote_code=trust_remote_code)
+    if source == "tiny":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = model.to(device=device, dtype=dtype)
+    elif source == "pruned":
+        from taylor_tune.apply import load_pruned
+
+        model = load_pruned(spec, device=device, dtype=dtype)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                spec, dtype=dtype, trust_remote_code=trust_remote_code
+            ).to(device)
+        except (OSError, ValueError) as error:
+            raise ModelLoadError(f"model: cannot load the weights of {spec!r}: {str(error).splitlines()[0]}") from None
+    return model.eval()
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Distinct parameters (tied weights counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

@@ -1,0 +1,110 @@
+"""One pruning run, start to finish and without Ray: validate -> calibrate -> importance -> plan -> apply.
+
+Every check that can fail on user input runs before the weights are loaded: the config (pydantic), the
+model's config (architecture, context length), the tokenizer and the calibration draw.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from taylor_tune.apply import apply_plan
+from taylor_tune.calibration import load_calibration
+from taylor_tune.config import PruneConfig
+from taylor_tune.diagnostics import pruning_diagnostics
+from taylor_tune.errors import ConfigError
+from taylor_tune.groups import describe_layout
+from taylor_tune.importance import Importance, compute_importance, magnitude_scores
+from taylor_tune.methods import METHODS, PlanOptions
+from taylor_tune.models import load_model, load_model_config, load_tokenizer, resolve_device, resolve_dtype
+from taylor_tune.plan import ModelLayout, PrunePlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PruneResult:
+    model: torch.nn.Module  # pruned, in place
+    tokenizer: object
+    layout: ModelLayout  # of the model before pruning
+    plan: PrunePlan
+    importance: Importance | None  # None for methods that use no gradients
+    calibration_ids: torch.Tensor | None
+    diagnostics: dict
+    timings: dict[str, float]
+
+
+def plan_options(config: PruneConfig) -> PlanOptions:
+    return PlanOptions(
+        sparsity=config.sparsity,
+        layerwise_max_ratio=config.layerwise_cap,
+        blockwise_layer_start=config.blockwise_layer_start,
+        blockwise_layer_end=config.blockwise_layer_end,
+        seed=config.seed,
+    )
+
+
+def check_against_model(config: PruneConfig) -> None:
+    """Checks that need the model's config (not its weights)."""
+    model_config = load_model_config(config.model, trust_remote_code=config.trust_remote_code)
+    limit = getattr(model_config, "max_position_embeddings", None)
+    if limit is not None and config.seq_len > limit:
+        raise ConfigError(f"seq_len: {config.seq_len} exceeds the model's maximum context of {limit} tokens")
+    layers = model_config.num_hidden_layers
+    for field in ("blockwise_layer_start", "blockwise_layer_end"):
+        value = getattr(config, field)
+        if value is not None and value > layers:
+            raise ConfigError(f"{field}: {value} is beyond the model's {layers} layers")
+
+
+def prune(config: PruneConfig) -> PruneResult:
+    """Run one pruning as `config` says; nothing is written to disk (see artifacts.write_prune_artifacts)."""
+    timings: dict[str, float] = {}
+    method = METHODS[config.method]
+    check_against_model(config)
+    tokenizer = load_tokenizer(config.model, trust_remote_code=config.trust_remote_code)
+    device = resolve_device(config.device)
+    calibration_ids = None
+    if method.criterion == "taylor":
+        start = time.perf_counter()
+        calibration_ids = load_calibration(
+            tokenizer, config.calibration, seq_len=config.seq_len, num_samples=config.num_samples, seed=config.seed
+        )
+        timings["calibration_s"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    model = load_model(
+        config.model, device=device, dtype=resolve_dtype(config.dtype, device),
+        trust_remote_code=config.trust_remote_code, seed=config.seed,
+    )
+    layout = describe_layout(model)
+    timings["load_s"] = time.perf_counter() - start
+    log.info("loaded %s: %d parameters, %d layers on %s", config.model, layout.total_params, layout.num_layers, device)
+
+    importance, scores = None, None
+    start = time.perf_counter()
+    if method.criterion == "taylor":
+        importance = compute_importance(model, layout, calibration_ids, micro_batch_size=config.micro_batch_size)[
+            config.num_samples
+        ]
+        scores = importance.scores
+    elif method.criterion == "magnitude":
+        scores = magnitude_scores(model, layout)
+    timings["importance_s"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    plan = method.plan(scores, layout, plan_options(config))
+    plan.validate(layout)
+    apply_plan(model, plan)
+    timings["prune_s"] = time.perf_counter() - start
+
+    diagnostics = pruning_diagnostics(
+        layout, plan, sparsity=config.sparsity, extreme_threshold=config.extreme_threshold,
+        grad_mean=None if importance is None else importance.grad_mean,
+        grad_norm=None if importance is None else importance.grad_norm,
+    )
+    return PruneResult(model, tokenizer, layout, plan, importance, calibration_ids, diagnostics, timings)

@@ -1,0 +1,134 @@
+"""The `taylor-tune prune` command: artifacts of a good run, and one clear line for every bad input."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import taylor_tune.prune
+from taylor_tune.calibration import load_calibration
+from taylor_tune.cli import main
+from taylor_tune.models import byte_tokenizer, load_model
+
+EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
+BASE = ["prune", "--model", "tiny-llama", "--calibration", "sample", "--seq-len", "32", "--num-samples", "16", "--device", "cpu"]
+
+
+def run(capsys, *args):
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_prune_writes_summary_importance_and_model(capsys, tmp_path):
+    out = tmp_path / "run"
+    code, stdout, _ = run(capsys, *BASE, "--method", "blockwise", "--sparsity", "0.25", "--output", str(out))
+    assert code == 0 and "pruning_ratio" in stdout
+    summary = json.loads((out / "pruning_summary.json").read_text())
+    for key in ("params_count", "pruning_ratio", "layer_pruning_ratio", "layer_retention_ratio", "extreme_pruning_layers",
+                "grad_mean_ratio", "grad_norm_ratio", "grad_mean_range", "grad_norm_range", "removed_groups", "config"):
+        assert key in summary, key
+    assert summary["config"]["method"] == "blockwise" and summary["config"]["sparsity"] == 0.25
+    model = load_model(str(out / "model"))
+    for layer, removed in zip(model.model.layers, summary["removed_groups"]):
+        assert layer.self_attn.k_proj.out_features == 8 * (4 - len(removed["attention_groups"]))
+        assert layer.mlp.gate_proj.out_features == 192 - len(removed["mlp_channels"])
+    tensors = load_file(out / "importance.safetensors")
+    expected_ids = load_calibration(byte_tokenizer(), "sample", seq_len=32, num_samples=16, seed=0)
+    assert torch.equal(tensors["calibration_input_ids"], expected_ids)
+    assert tensors["layers.0.attention_scores"].shape == (4,) and tensors["layers.3.mlp_scores"].shape == (192,)
+    # the stored scores are the ones the plan used: every removed channel of layer 1 scores below every kept one
+    scores, removed = tensors["layers.1.mlp_scores"].numpy(), summary["removed_groups"][1]["mlp_channels"]
+    kept = np.setdiff1d(np.arange(192), removed)
+    assert scores[removed].max() <= scores[kept].min()
+    assert np.isclose(np.max(tensors["layer_grad_mean"].numpy()) / np.min(tensors["layer_grad_mean"].numpy()), summary["grad_mean_ratio"])
+
+
+def test_help_shows_a_worked_example(capsys):
+    with pytest.raises(SystemExit):
+        main(["prune", "--help"])
+    assert "taylor-tune prune --model tiny-llama" in capsys.readouterr().out
+
+
+@pytest.fixture
+def gpt2_folder(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(tmp_path / "gpt2")
+    return str(tmp_path / "gpt2")
+
+
+@pytest.fixture
+def tiny_text(tmp_path):
+    path = tmp_path / "small.txt"
+    path.write_text("only a few words here\n\nand a few more")
+    return str(path)
+
+
+BEFORE_LOADING = [
+    (["--sparsity", "1.5"], "sparsity: Input should be less than 1"),
+    (["--sparsity", "0"], "sparsity: Input should be greater than 0"),
+    (["--method", "pruneall"], "method: unknown method 'pruneall'; allowed: blockwise, layerwise, magnitude, random, taylor"),
+    (["--seq-len", "0"], "seq_len: Input should be greater than 0"),
+    (["--seq-len", "4096"], "seq_len: 4096 exceeds the model's maximum context of 512 tokens"),
+    (["--num-samples", "0"], "num_samples: Input should be greater than 0"),
+    (["--num-samples", "abc"], "num_samples: Input should be a valid integer"),
+    (["--calibration", "missing.txt"], "calibration: 'missing.txt' is neither a dataset"),
+    (["--model", "./no/such/folder"], "model: './no/such/folder' is not a tiny model"),
+    (["--model", "tiny-gpt"], "model: 'tiny-gpt' is not a tiny model"),
+    (["--model", "GPT2"], "architecture 'gpt2'"),
+    (["--calibration", "SMALL"], "calibration: SMALL"),
+    (["--blockwise-layer-start", "3", "--blockwise-layer-end", "2"], "blockwise_layer_end (2) must be greater"),
+    (["--device", "tpu"], "device: unknown device 'tpu'"),
+]
+
+
+@pytest.mark.parametrize("extra, message", BEFORE_LOADING)
+def test_bad_input_is_one_line_before_any_weight_loads(extra, message, capsys, monkeypatch, tmp_path, gpt2_folder, tiny_text):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("weights were loaded before the input was validated")
+
+    monkeypatch.setattr(taylor_tune.prune, "load_model", no_loading)
+    extra = [gpt2_folder if x == "GPT2" else tiny_text if x == "SMALL" else x for x in extra]
+    message = message.replace("SMALL", tiny_text)
+    code, _, err = run(capsys, *BASE, *extra, "--output", str(tmp_path / "out"))
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("taylor-tune: error: ")
+    assert message in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_plan_that_would_empty_a_block_is_refused(capsys, tmp_path):
+    code, _, err = run(capsys, *BASE, "--method", "blockwise", "--sparsity", "0.9", "--output", str(tmp_path / "o"))
+    assert code == 2 and "emptying a block" in err and err.count("\n") == 1
+
+
+def test_the_installed_command_exits_2_without_a_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "taylor_tune", *BASE, "--sparsity", "2", "--output", str(tmp_path / "o")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and "sparsity" in proc.stderr
+
+
+def test_a_yaml_config_with_overrides_on_the_command_line(capsys, tmp_path):
+    code, _, _ = run(capsys, "prune", "--config", str(EXPERIMENTS / "prune_tiny_llama.yaml"), "--num-samples", "8",
+                     "--seq-len", "16", "--method", "magnitude", "--output", str(tmp_path / "o"))
+    assert code == 0
+    config = json.loads((tmp_path / "o" / "pruning_summary.json").read_text())["config"]
+    assert (config["model"], config["method"], config["num_samples"], config["trust_remote_code"]) == ("tiny-llama", "magnitude", 8, False)
+
+
+def test_every_shipped_experiment_config_validates():
+    from taylor_tune.config import load_prune_config
+
+    paths = sorted(EXPERIMENTS.glob("prune_*.yaml"))
+    assert paths
+    for path in paths:
+        load_prune_config(path)

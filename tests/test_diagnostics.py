@@ -1,0 +1,41 @@
+"""Diagnostics: per-layer ratios by hand, and infinities or undefined values written out, never NaN."""
+
+import json
+
+import numpy as np
+import pytest
+
+from taylor_tune.diagnostics import pruning_diagnostics
+from taylor_tune.plan import ModelLayout, PrunePlan
+
+LAYOUT = ModelLayout((4, 4, 4), (10, 10, 10), 20, 3, (110, 110, 110), 500)
+PLAN = PrunePlan("t", ((), (0,), (1, 2)), ((1,), (), (0, 1, 2, 3)))
+
+
+def diag(grad_mean, grad_norm, threshold=0.3):
+    return pruning_diagnostics(LAYOUT, PLAN, sparsity=0.2, extreme_threshold=threshold, grad_mean=grad_mean, grad_norm=grad_norm)
+
+
+def test_ratios_counts_and_extreme_layers():
+    d = diag(np.array([1.0, 2.0, 4.0]), np.array([3.0, 1.0, 2.0]))
+    removed = [3, 20, 2 * 20 + 4 * 3]
+    assert d["layer_pruning_ratio"] == pytest.approx([r / 110 for r in removed])
+    assert d["layer_retention_ratio"] == pytest.approx([1 - r / 110 for r in removed])
+    assert d["params_count"] == 500 - sum(removed) and d["pruning_ratio"] == pytest.approx(sum(removed) / 500)
+    assert d["extreme_pruning_layers"] == 1  # only 52/110 > 0.3
+    assert (d["grad_mean_ratio"], d["grad_mean_range"], d["grad_norm_ratio"], d["grad_norm_range"]) == (4.0, 3.0, 3.0, 2.0)
+    assert d["notes"] == {}
+
+
+def test_zero_statistics_are_infinite_or_undefined_and_say_why():
+    d = diag(np.array([0.0, 2.0, 4.0]), np.zeros(3))
+    assert d["grad_mean_ratio"] == "inf" and "is 0" in d["notes"]["grad_mean_ratio"]
+    assert d["grad_norm_ratio"] is None and "undefined" in d["notes"]["grad_norm_ratio"]
+    json.dumps(d, allow_nan=False)
+
+
+def test_methods_without_gradients_have_undefined_gradient_spreads():
+    d = diag(None, None)
+    assert d["grad_mean_ratio"] is None and d["grad_norm_range"] is None
+    assert "no gradient" in d["notes"]["grad_norm_range"]
+    json.dumps(d, allow_nan=False)

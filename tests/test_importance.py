@@ -1,0 +1,117 @@
+"""Group scores against an independent brute force: full autograd gradient of the mean loss, then loops."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from taylor_tune.groups import describe_layout
+from taylor_tune.importance import compute_importance, magnitude_scores
+from tests.helpers import calibration_ids, tiny
+
+
+def brute_force(model, ids):
+    """Scores by the definition, written without the library's grouping code: one group at a time."""
+    model = copy.deepcopy(model)
+    for p in model.parameters():
+        p.requires_grad_(True)
+        p.grad = None
+    model(input_ids=ids, labels=ids).loss.backward()  # mean over every token of every sample
+    torch.set_grad_enabled(False)
+    try:
+        return _group_by_loops(model)
+    finally:
+        torch.set_grad_enabled(True)
+
+
+def _group_by_loops(model):
+    cfg = model.config
+    d, rep = cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
+    attn_scores, mlp_scores, grad_mean, grad_norm = [], [], [], []
+    for layer in model.model.layers:
+        at, mlp = layer.self_attn, layer.mlp
+        sal = lambda m: (m.weight * m.weight.grad).abs()
+        sal_b = lambda m: (m.bias * m.bias.grad).abs() if m.bias is not None else None
+        groups = []
+        for g in range(cfg.num_key_value_heads):
+            q = slice(g * rep * d, (g + 1) * rep * d)
+            kv = slice(g * d, (g + 1) * d)
+            total = sal(at.q_proj)[q].sum() + sal(at.k_proj)[kv].sum() + sal(at.v_proj)[kv].sum() + sal(at.o_proj)[:, q].sum()
+            count = at.q_proj.weight[q].numel() + 2 * at.k_proj.weight[kv].numel() + at.o_proj.weight[:, q].numel()
+            for proj, rows in ((at.q_proj, q), (at.k_proj, kv), (at.v_proj, kv)):
+                if proj.bias is not None:
+                    total = total + sal_b(proj)[rows].sum()
+                    count += proj.bias[rows].numel()
+            groups.append(float(total) / count)
+        attn_scores.append(np.array(groups))
+        channels = []
+        for c in range(mlp.gate_proj.out_features):
+            total = sal(mlp.gate_proj)[c].sum() + sal(mlp.up_proj)[c].sum() + sal(mlp.down_proj)[:, c].sum()
+            channels.append(float(total) / (3 * mlp.gate_proj.in_features))
+        mlp_scores.append(np.array(channels))
+        grads = [p.grad.flatten() for m in (at.q_proj, at.k_proj, at.v_proj, at.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+                 for p in (m.weight, m.bias) if p is not None and not (m is at.o_proj and p is m.bias)]
+        flat = torch.cat(grads)
+        grad_mean.append(float(flat.abs().mean()))
+        grad_norm.append(float(flat.norm()))
+    return attn_scores, mlp_scores, np.array(grad_mean), np.array(grad_norm)
+
+
+def assert_scores_close(ours, attn, mlp):
+    for a, b in zip(ours.attn, attn):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-12)
+    for a, b in zip(ours.mlp, mlp):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-12)
+
+
+def test_scores_equal_brute_force_and_snapshots_equal_separate_runs(arch):
+    model = tiny(arch)
+    layout = describe_layout(model)
+    ids = calibration_ids(12, 16)
+    # micro-batch 5 does not divide the snapshot boundary 4 nor 12: the pass must split at boundaries
+    nested = compute_importance(model, layout, ids, micro_batch_size=5, snapshots=[4, 12])
+    for n in (4, 12):
+        attn, mlp, gmean, gnorm = brute_force(model, ids[:n])
+        assert_scores_close(nested[n].scores, attn, mlp)
+        np.testing.assert_allclose(nested[n].grad_mean, gmean, rtol=1e-5)
+        np.testing.assert_allclose(nested[n].grad_norm, gnorm, rtol=1e-5)
+    separate = compute_importance(model, layout, ids[:4], micro_batch_size=3)[4]
+    assert_scores_close(separate.scores, nested[4].scores.attn, nested[4].scores.mlp)
+
+
+def test_qwen2_biases_count_in_the_attention_groups():
+    model = tiny("tiny-qwen2")
+    layout = describe_layout(model)
+    assert model.model.layers[0].self_attn.q_proj.bias is not None
+    cfg = model.config
+    rep = cfg.num_attention_heads // cfg.num_key_value_heads
+    # q (rep*d rows) + k + v (d rows each) of hidden inputs, o_proj's rep*d columns, and the three biases
+    expected = (2 * rep * cfg.head_dim + 2 * cfg.head_dim) * cfg.hidden_size + (rep + 2) * cfg.head_dim
+    assert layout.attn_group_params == expected
+
+
+def test_pass_leaves_no_gradients_and_restores_flags():
+    model = tiny("tiny-llama")
+    model.lm_head.weight.requires_grad_(False)  # a flag the caller chose must survive
+    compute_importance(model, describe_layout(model), calibration_ids(4, 8), micro_batch_size=2)
+    assert all(p.grad is None for p in model.parameters())
+    assert model.model.embed_tokens.weight.requires_grad and not model.lm_head.weight.requires_grad
+    assert not model.training
+
+
+def test_magnitude_scores_are_mean_squared_weights():
+    model = tiny("tiny-llama")
+    scores = magnitude_scores(model, describe_layout(model))
+    mlp = model.model.layers[1].mlp
+    c = 7
+    with torch.no_grad():
+        expected = (mlp.gate_proj.weight[c].square().sum() + mlp.up_proj.weight[c].square().sum()
+                    + mlp.down_proj.weight[:, c].square().sum()) / (3 * mlp.gate_proj.in_features)
+    assert scores.mlp[1][c] == pytest.approx(float(expected), rel=1e-6)
+
+
+def test_snapshot_outside_the_draw_is_rejected():
+    model = tiny("tiny-llama")
+    with pytest.raises(ValueError, match="snapshots"):
+        compute_importance(model, describe_layout(model), calibration_ids(4, 8), snapshots=[8])

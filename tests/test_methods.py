@@ -1,0 +1,147 @@
+"""Method semantics on hand-built layouts and scores (pure planning: no model, milliseconds)."""
+
+import numpy as np
+import pytest
+
+from taylor_tune.errors import PlanError
+from taylor_tune.methods import METHODS, PlanOptions
+from taylor_tune.methods.blockwise import plan_blockwise
+from taylor_tune.methods.layerwise import allocate_layer_ratios, layer_importance, plan_layerwise
+from taylor_tune.methods.taylor import plan_taylor
+from taylor_tune.plan import GroupScores, ModelLayout, PrunePlan
+
+G, C, A, M, NORMS = 8, 64, 50, 15, 10  # groups, channels, group sizes (MLP outweighs attention, as in LLMs), norms
+
+
+def layout(layers: int = 8, embeddings: int = 500) -> ModelLayout:
+    per_layer = G * A + C * M + NORMS
+    return ModelLayout((G,) * layers, (C,) * layers, A, M, (per_layer,) * layers, per_layer * layers + embeddings)
+
+
+def random_scores(lay: ModelLayout, seed: int, layer_scale=None) -> GroupScores:
+    rng = np.random.default_rng(seed)
+    scale = np.ones(lay.num_layers) if layer_scale is None else np.asarray(layer_scale)
+    return GroupScores(tuple(rng.random(G) * s for s in scale), tuple(rng.random(C) * s for s in scale))
+
+
+def options(sparsity=0.2, **kw) -> PlanOptions:
+    return PlanOptions(sparsity=sparsity, layerwise_max_ratio=kw.pop("cap", 0.4), **kw)
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("sparsity", [0.05, 0.2, 0.3])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_method_reaches_the_target_within_one_group(method, sparsity, seed):
+    lay = layout()
+    plan = METHODS[method].plan(random_scores(lay, seed), lay, options(sparsity, seed=seed))
+    plan.validate(lay)
+    removed, target = plan.params_removed(lay), sparsity * lay.total_params
+    assert target <= removed < target + max(A, M)
+
+
+def test_taylor_ranking_is_global_when_the_weakest_groups_sit_in_one_layer():
+    lay = layout()
+    base = random_scores(lay, 0)
+    # every group of layer 5 scores in [0, 1e-3), every other group in [1, 2)
+    shift = lambda l, s: s * 1e-3 if l == 5 else s + 1.0
+    scores = GroupScores(tuple(shift(l, s) for l, s in enumerate(base.attn)), tuple(shift(l, s) for l, s in enumerate(base.mlp)))
+    plan = plan_taylor(scores, lay, options(0.05))
+    # 5% of the total fits inside layer 5 alone: a global ranking takes nothing from any other layer
+    assert all(not plan.attn_removed[l] and not plan.mlp_removed[l] for l in range(lay.num_layers) if l != 5)
+    assert plan.mlp_removed[5]
+    # and within the model, every removed group scores below every kept one (brute force over all groups)
+    removed = [scores.attn[l][i] for l, r in enumerate(plan.attn_removed) for i in r] + [
+        scores.mlp[l][i] for l, r in enumerate(plan.mlp_removed) for i in r]
+    kept = [s for l in range(lay.num_layers) for i, s in enumerate(scores.attn[l]) if i not in plan.attn_removed[l]] + [
+        s for l in range(lay.num_layers) for i, s in enumerate(scores.mlp[l]) if i not in plan.mlp_removed[l]]
+    assert max(removed) <= min(kept)
+
+
+def test_taylor_never_empties_a_block_even_when_one_layer_is_worthless():
+    lay = layout()
+    scale = np.ones(lay.num_layers)
+    scale[2] = 0.0
+    plan = plan_taylor(random_scores(lay, 0, scale), lay, options(0.2))
+    assert len(plan.attn_removed[2]) == G - 1 and len(plan.mlp_removed[2]) == C - 1
+
+
+def test_blockwise_prunes_only_its_range_at_one_ratio():
+    lay = layout()
+    scores = random_scores(lay, 3)
+    plan = plan_blockwise(scores, lay, options(0.2, blockwise_layer_start=2, blockwise_layer_end=6))
+    inside, outside = range(2, 6), [0, 1, 6, 7]
+    assert all(not plan.attn_removed[l] and not plan.mlp_removed[l] for l in outside)
+    assert len({len(plan.attn_removed[l]) for l in inside}) == 1
+    mlp_counts = [len(plan.mlp_removed[l]) for l in inside]
+    assert max(mlp_counts) - min(mlp_counts) <= 1
+    attn_ratio = len(plan.attn_removed[2]) / G
+    # attention and MLP lose the same share up to half a step of the attention granularity
+    assert abs(attn_ratio - np.mean(mlp_counts) / C) <= 0.5 / G + A / (2 * M * C)
+    for l in inside:  # inside a block the lowest groups go
+        k = len(plan.mlp_removed[l])
+        assert set(plan.mlp_removed[l]) == set(np.argsort(scores.mlp[l], kind="stable")[:k].tolist())
+
+
+def test_blockwise_default_range_keeps_first_and_last_layer():
+    lay = layout()
+    plan = plan_blockwise(random_scores(lay, 4), lay, options(0.2))
+    for l in (0, lay.num_layers - 1):
+        assert not plan.attn_removed[l] and not plan.mlp_removed[l]
+
+
+@pytest.mark.parametrize("cap", [0.25, 0.3, 0.5])
+def test_layerwise_never_exceeds_its_cap_and_prunes_weak_layers_more(cap):
+    lay = layout()
+    scale = np.linspace(0.2, 2.0, lay.num_layers)  # layer importance grows with depth
+    scores = random_scores(lay, 5, scale)
+    plan = plan_layerwise(scores, lay, options(0.2, cap=cap))
+    ratios = [r / p for r, p in zip(plan.layer_params_removed(lay), lay.layer_params)]
+    assert max(ratios) <= cap + 1e-12
+    assert ratios[0] >= ratios[-1]
+
+
+def test_layerwise_allocation_is_water_filling_under_the_cap():
+    importance = np.array([1.0, 2.0, 4.0, 8.0])
+    params = np.full(4, 100.0)
+    ratios = allocate_layer_ratios(importance, params, target=80.0, cap=0.3)
+    assert (ratios * params).sum() == pytest.approx(80.0)
+    assert ratios.max() <= 0.3 + 1e-12
+    uncapped = ratios < 0.3 - 1e-9  # below the cap, ratio x importance is one constant
+    products = ratios[uncapped] * importance[uncapped]
+    assert np.allclose(products, products[0])
+
+
+def test_layer_importance_is_the_size_weighted_mean_score():
+    lay = layout(layers=2)
+    scores = random_scores(lay, 6)
+    expected = (scores.attn[1].sum() * A + scores.mlp[1].sum() * M) / (G * A + C * M)
+    assert layer_importance(scores, lay)[1] == pytest.approx(expected)
+
+
+def test_random_is_seeded():
+    lay = layout()
+    a, b, c = (METHODS["random"].plan(None, lay, options(seed=s)) for s in (0, 0, 1))
+    assert a == b and a != c
+
+
+@pytest.mark.parametrize(
+    "method, opts, match",
+    [
+        ("blockwise", dict(blockwise_layer_start=5, blockwise_layer_end=20), "layer range"),
+        ("blockwise", dict(sparsity=0.6, blockwise_layer_start=3, blockwise_layer_end=5), "emptying a block"),
+        ("layerwise", dict(sparsity=0.5, cap=0.2), "layerwise_max_ratio"),
+        ("taylor", dict(sparsity=0.95), "emptying a block"),
+    ],
+)
+def test_impossible_plans_raise_a_plan_error(method, opts, match):
+    lay = layout()
+    sparsity = opts.pop("sparsity", 0.2)
+    with pytest.raises(PlanError, match=match):
+        METHODS[method].plan(random_scores(lay, 0), lay, options(sparsity, **opts))
+
+
+def test_validate_rejects_a_plan_that_empties_a_block():
+    lay = layout(layers=2)
+    plan = PrunePlan("x", (tuple(range(G)), ()), ((), ()))
+    with pytest.raises(PlanError, match="empty the attention block"):
+        plan.validate(lay)
