@@ -27,7 +27,7 @@ test: setup
 	$(PY) -m pytest -q
 
 bench: setup
-	$(PY) bench/bench_importance.py
+	$(PY) bench/bench_importance.py --json bench/out/importance.json
 
 clean:
 	rm -rf $(VENV) runs bench/out

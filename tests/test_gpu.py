@@ -1,0 +1,39 @@
+"""The same engine on CUDA: skipped where there is no GPU (the project's CPU machines and CI)."""
+
+import numpy as np
+import pytest
+import torch
+
+from taylor_tune.apply import apply_plan
+from taylor_tune.groups import describe_layout
+from taylor_tune.importance import compute_importance
+from taylor_tune.methods import METHODS, PlanOptions
+from taylor_tune.models import load_model
+from tests.helpers import calibration_ids
+
+pytestmark = pytest.mark.gpu
+
+
+def test_cuda_fp32_scores_equal_cpu_scores():
+    ids = calibration_ids(8, 32)
+    cpu = load_model("tiny-llama", device="cpu")
+    gpu = load_model("tiny-llama", device="cuda")
+    a = compute_importance(cpu, describe_layout(cpu), ids, micro_batch_size=4)[8].scores
+    b = compute_importance(gpu, describe_layout(gpu), ids, micro_batch_size=4)[8].scores
+    for x, y in zip(a.mlp + a.attn, b.mlp + b.attn):
+        np.testing.assert_allclose(x, y, rtol=1e-3, atol=1e-9)
+
+
+def test_bf16_pass_ranks_like_fp32_and_prunes_on_cuda():
+    ids = calibration_ids(8, 32)
+    fp32 = load_model("tiny-qwen2", device="cuda", dtype=torch.float32)
+    bf16 = load_model("tiny-qwen2", device="cuda", dtype=torch.bfloat16)
+    s32 = compute_importance(fp32, describe_layout(fp32), ids)[8].scores
+    s16 = compute_importance(bf16, describe_layout(bf16), ids)[8].scores
+    ranks = [np.corrcoef(np.argsort(np.argsort(x)), np.argsort(np.argsort(y)))[0, 1] for x, y in zip(s32.mlp, s16.mlp)]
+    assert min(ranks) > 0.9  # bf16 weights, fp32 accumulation: the ranking survives
+    layout = describe_layout(bf16)
+    plan = METHODS["taylor"].plan(s16, layout, PlanOptions(sparsity=0.2))
+    model = apply_plan(bf16, plan)
+    out = model.generate(ids[:1, :8].cuda(), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 12)
