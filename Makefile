@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench world clean
 
 setup: $(STAMP)
 
@@ -18,16 +18,24 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
+# Until the sweep exists the main job is one prune + evaluation of the tiny trained Llama, all offline.
 demo: setup
 	$(VENV)/bin/taylor-tune prune --model tiny-llama --method taylor --sparsity 0.2 \
-	    --seq-len 64 --num-samples 128 --calibration sample --seed 0 --output $(DEMO_OUT)
-	@echo "demo outputs in $(DEMO_OUT)/: pruning_summary.json importance.safetensors model/"
+	    --seq-len 64 --num-samples 128 --calibration world --seed 0 --output $(DEMO_OUT)
+	$(VENV)/bin/taylor-tune evaluate --model $(DEMO_OUT)/model --tasks all --ppl world \
+	    --output $(DEMO_OUT)/evaluation.json
+	@echo "demo outputs in $(DEMO_OUT)/: pruning_summary.json importance.safetensors model/ evaluation.json"
 
 test: setup
 	$(PY) -m pytest -q
 
 bench: setup
 	$(PY) bench/bench_importance.py --json bench/out/importance.json
+	$(PY) bench/bench_evaluation.py --json bench/out/evaluation.json
+
+# Regenerate the offline world (corpus, tasks, tokenizer, tiny trained models); ~7 min of CPU.
+world: setup
+	$(PY) scripts/make_offline_world.py
 
 clean:
 	rm -rf $(VENV) runs bench/out

@@ -87,13 +87,16 @@ def layer_shapes(model: nn.Module) -> list[dict[str, int]]:
     ]
 
 
-def save_pruned(model: nn.Module, directory: str | Path, tokenizer=None) -> Path:
-    """Write config.json, pruned_layout.json, model.safetensors (and the tokenizer if given)."""
+def save_pruned(model: nn.Module, directory: str | Path, tokenizer=None, *, source_model: str | None = None) -> Path:
+    """Write config.json, pruned_layout.json, model.safetensors (and the tokenizer if given).
+
+    `source_model` (the spec the model was loaded from) is recorded so that tools can tell what it was.
+    """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(directory)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    manifest = {"format": 1, "dtype": dtype, "layers": layer_shapes(model)}
+    manifest = {"format": 1, "dtype": dtype, "source_model": source_model, "layers": layer_shapes(model)}
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=2))
     save_safetensors(model, str(directory / WEIGHTS))
     if tokenizer is not None:

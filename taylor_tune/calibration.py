@@ -50,25 +50,33 @@ def split_paragraphs(text: str) -> list[str]:
     return [p.strip() for p in text.split("\n\n") if p.strip()]
 
 
+def load_dataset_rows(source: DatasetSource, what: str = "calibration") -> list[str]:
+    """Every row of the dataset's text column, empty ones included, through `datasets.load_dataset`."""
+    import datasets
+
+    try:
+        data = datasets.load_dataset(source.path, source.name, split=source.split, data_files=source.data_files, **source.kwargs)
+    except Exception as error:  # datasets raises many kinds (ConnectionError, FileNotFoundError, ...)
+        raise CalibrationError(
+            f"{what}: cannot load dataset {source.path!r}: {type(error).__name__}: {str(error).splitlines()[0]}"
+        ) from None
+    if source.text_field not in data.column_names:
+        raise CalibrationError(f"{what}: dataset {source.path!r} has no column {source.text_field!r}")
+    return list(data[source.text_field])
+
+
 def load_documents(source: str | DatasetSource) -> list[str]:
     """The source's non-empty documents: a dataset's rows, or a text file's blank-line separated paragraphs."""
     if isinstance(source, str) and source in DATASETS:
         source = DATASETS[source]
     if isinstance(source, DatasetSource):
-        import datasets
+        return [t for t in load_dataset_rows(source) if t and t.strip()]
+    if source == "world":
+        from taylor_tune.world import corpus_path
 
-        try:
-            data = datasets.load_dataset(
-                source.path, source.name, split=source.split, data_files=source.data_files, **source.kwargs
-            )
-        except Exception as error:  # datasets raises many kinds (ConnectionError, FileNotFoundError, ...)
-            raise CalibrationError(
-                f"calibration: cannot load dataset {source.path!r}: {type(error).__name__}: {str(error).splitlines()[0]}"
-            ) from None
-        if source.text_field not in data.column_names:
-            raise CalibrationError(f"calibration: dataset {source.path!r} has no column {source.text_field!r}")
-        return [t for t in data[source.text_field] if t and t.strip()]
-    path = sample_text_path() if source == "sample" else Path(source)
+        path = corpus_path()
+    else:
+        path = sample_text_path() if source == "sample" else Path(source)
     try:
         return split_paragraphs(path.read_text(encoding="utf-8"))
     except OSError as error:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from taylor_tune.errors import TaylorTuneError
@@ -67,16 +68,80 @@ def _run_prune(args: argparse.Namespace) -> int:
     return 0
 
 
+EVALUATE_EXAMPLE = """\
+example (the tiny trained Llama on the offline world, CPU, ~15 s):
+  taylor-tune evaluate --model tiny-llama --tasks all --ppl world --output runs/eval-tiny.json
+
+example (a pruned model written by `taylor-tune prune`, the real tasks from the hub, on a GPU):
+  taylor-tune evaluate --model runs/llama3-8b/model --tasks all --ppl wikitext2 --task-data hub \\
+      --device cuda --dtype bfloat16 --output runs/llama3-8b/evaluation.json
+"""
+
+
+def _add_evaluate(subparsers) -> None:
+    from taylor_tune.config import EvalSpec
+
+    fields = EvalSpec.model_fields
+    p = subparsers.add_parser(
+        "evaluate", help="perplexity and zero-shot accuracy of one model",
+        description="Evaluate a causal LM: perplexity, and the 7 zero-shot tasks through lm-eval.",
+        epilog=EVALUATE_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", required=True, help="hub id, folder (pruned or not) or a built-in tiny model")
+    p.add_argument("--output", required=True, help="JSON file for the results")
+    for name in ("tasks", "task_data", "limit", "batch_size", "ppl", "ppl_window"):
+        p.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
+                       help=f"{fields[name].description} (default: {fields[name].default})")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.set_defaults(handler=_run_evaluate)
+
+
+def _run_evaluate(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from taylor_tune.config import EvalSpec, build_eval_spec, build_prune_config
+
+    values = {k: v for k, v in vars(args).items() if k in EvalSpec.model_fields and v is not None}
+    spec = build_eval_spec(values)
+    # the model-side fields are validated by the same rules as a prune run's
+    build_prune_config({"model": args.model, "device": args.device, "dtype": args.dtype})
+
+    from taylor_tune.evaluation import check_window, evaluate
+    from taylor_tune.models import load_model, load_model_config, load_tokenizer, resolve_device, resolve_dtype
+
+    if spec.ppl is not None:  # before the weights are read
+        check_window(spec.ppl_window, load_model_config(args.model, trust_remote_code=args.trust_remote_code))
+    device = resolve_device(args.device)
+    tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
+    model = load_model(args.model, device=device, dtype=resolve_dtype(args.dtype, device), trust_remote_code=args.trust_remote_code)
+    result = evaluate(model, tokenizer, spec, model_name=args.model)
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps({"model": args.model, "spec": spec.model_dump(), **result}, indent=2) + "\n")
+    parts = [f"ppl {result['ppl']:.3f} (window {result['ppl_window']})"] if "ppl" in result else []
+    if "acc_mean" in result:
+        parts.append(f"acc_mean {result['acc_mean']:.4f} over {len(result['tasks'])} tasks")
+    print(f"{args.model}: " + ", ".join(parts) + f"; wrote {output}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="taylor-tune", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_prune(subparsers)
+    _add_evaluate(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not args.verbose:  # progress bars of transformers, datasets and lm-eval would bury the one-line answer
+        os.environ.setdefault("TQDM_DISABLE", "1")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.handler(args)

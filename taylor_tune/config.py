@@ -17,7 +17,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from taylor_tune.errors import ConfigError
 
 CALIBRATION_DATASETS = ("wikitext2", "c4")
-BUILTIN_TEXTS = ("sample",)
+ZERO_SHOT_TASKS = ("boolq", "piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
+# The metric LLM-Pruner reports per task (and so what `acc_mean` averages by default).
+DEFAULT_TASK_METRIC = {
+    "boolq": "acc", "piqa": "acc", "winogrande": "acc", "arc_easy": "acc",
+    "hellaswag": "acc_norm", "arc_challenge": "acc_norm", "openbookqa": "acc_norm",
+}
+PPL_DATASETS = ("wikitext2", "world")
+BUILTIN_TEXTS = ("sample", "world")
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
 
@@ -26,12 +33,12 @@ class PruneConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str = Field(description="hub id, local folder, or tiny-llama / tiny-qwen2 / tiny-mistral")
+    model: str = Field(description="hub id, local folder, tiny-llama / tiny-qwen2 / tiny-mistral (trained on the offline world) or their -random variants")
     method: str = Field("taylor", description="pruning method (see `taylor_tune.methods.METHODS`)")
     sparsity: float = Field(0.2, gt=0.0, lt=1.0, description="fraction of the model's total parameters to remove")
     seq_len: int = Field(64, gt=0, description="tokens per calibration sequence")
     num_samples: int = Field(128, gt=0, description="number of calibration sequences")
-    calibration: str = Field("wikitext2", description="wikitext2, c4, sample, or a path to a .txt file")
+    calibration: str = Field("wikitext2", description="wikitext2, c4, world (the offline corpus), sample, or a path to a .txt file")
     seed: int = Field(0, ge=0, description="seed of the calibration draw (and of the random baseline)")
     micro_batch_size: int = Field(8, gt=0, description="sequences per forward/backward in the importance pass")
     device: str = Field("auto", description="auto (cuda if available, else cpu), cpu, cuda, cuda:N or mps")
@@ -91,6 +98,77 @@ class PruneConfig(BaseModel):
     @property
     def layerwise_cap(self) -> float:
         return self.layerwise_max_ratio if self.layerwise_max_ratio is not None else min(0.95, 2.0 * self.sparsity)
+
+
+class EvalSpec(BaseModel):
+    """What to evaluate: perplexity and the zero-shot tasks (through lm-eval), and at what fidelity."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tasks: tuple[str, ...] = Field(ZERO_SHOT_TASKS, description="zero-shot tasks, any of " + ", ".join(ZERO_SHOT_TASKS))
+    task_data: str = Field(
+        "auto", description="hub (the real datasets), world (the shipped offline mini tasks), a folder of <task>.jsonl "
+        "files in the real schemas, or auto (world for the built-in tiny models, hub otherwise)"
+    )
+    limit: int | None = Field(None, gt=0, description="at most this many items per task (the fidelity knob); None = all")
+    batch_size: int | Literal["auto"] = Field("auto", description="lm-eval batch size; auto = lm-eval's search on CUDA, 16 on CPU")
+    ppl: str | None = Field("wikitext2", description="wikitext2 (test split), world (the offline held-out text), a .txt file, or None")
+    ppl_window: int = Field(128, gt=1, description="tokens per non-overlapping perplexity window (LLM-Pruner: 128; 2048 also common)")
+    metrics: dict[str, Literal["acc", "acc_norm"]] = Field(
+        default_factory=dict, description="per-task metric for acc_mean, overriding LLM-Pruner's choice"
+    )
+
+    @field_validator("tasks", mode="before")
+    @classmethod
+    def _known_tasks(cls, value):
+        if isinstance(value, str):
+            value = ZERO_SHOT_TASKS if value == "all" else tuple(t.strip() for t in value.split(",") if t.strip())
+        unknown = [t for t in value if t not in ZERO_SHOT_TASKS]
+        if unknown:
+            raise ValueError(f"unknown task {unknown[0]!r}; allowed: all or any of {', '.join(ZERO_SHOT_TASKS)}")
+        return tuple(value)
+
+    @field_validator("task_data")
+    @classmethod
+    def _known_task_data(cls, value: str) -> str:
+        if value not in ("auto", "hub", "world") and not Path(value).is_dir():
+            raise ValueError(f"{value!r} is neither auto, hub, world nor an existing folder")
+        return value
+
+    @field_validator("ppl")
+    @classmethod
+    def _known_ppl(cls, value: str | None) -> str | None:
+        if value in (None, "none"):
+            return None
+        if value not in PPL_DATASETS and not Path(value).is_file():
+            raise ValueError(f"{value!r} is neither {', '.join(PPL_DATASETS)}, none, nor an existing text file")
+        return value
+
+    @field_validator("metrics")
+    @classmethod
+    def _metric_tasks(cls, value: dict) -> dict:
+        unknown = [t for t in value if t not in ZERO_SHOT_TASKS]
+        if unknown:
+            raise ValueError(f"unknown task {unknown[0]!r}; allowed: {', '.join(ZERO_SHOT_TASKS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _task_files_exist(self) -> EvalSpec:
+        if self.task_data not in ("auto", "hub", "world"):
+            missing = [t for t in self.tasks if not (Path(self.task_data) / f"{t}.jsonl").is_file()]
+            if missing:
+                raise ValueError(f"task_data: {self.task_data} has no {missing[0]}.jsonl")
+        return self
+
+    def metric(self, task: str) -> str:
+        return self.metrics.get(task, DEFAULT_TASK_METRIC[task])
+
+
+def build_eval_spec(values: dict[str, Any]) -> EvalSpec:
+    try:
+        return EvalSpec(**values)
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(error)) from None
 
 
 def format_validation_error(error: ValidationError) -> str:

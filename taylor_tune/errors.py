@@ -19,3 +19,7 @@ class CalibrationError(TaylorTuneError):
 
 class PlanError(TaylorTuneError):
     """A pruning plan cannot meet its target under the method's constraints."""
+
+
+class EvaluationError(TaylorTuneError):
+    """An evaluation cannot run (bad window, missing data) or failed inside a named task."""

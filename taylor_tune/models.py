@@ -1,8 +1,11 @@
 """Load a causal LM (hub id, local folder, a pruned folder, or a tiny built-in) with explicit device and dtype.
 
 Real loading code for real models (`AutoModelForCausalLM.from_pretrained`); `trust_remote_code` stays off
-unless asked. The tiny built-ins (`tiny-llama`, `tiny-qwen2`, `tiny-mistral`) are random-init models built
-from their config classes with a byte-level tokenizer: no download, used by tests and the demo.
+unless asked. Two kinds of tiny built-ins need no download:
+- `tiny-llama`, `tiny-qwen2`, `tiny-mistral`: trained on the offline world's corpus and shipped in the
+  package (`taylor_tune/data/world/models/`); loaded by the same `from_pretrained` code as any folder.
+- `tiny-llama-random`, `tiny-qwen2-random`, `tiny-mistral-random`: random-init, built from their config
+  classes with a byte-level tokenizer; the engine's tests use them.
 """
 
 from __future__ import annotations
@@ -26,7 +29,29 @@ _TINY_SHAPE = dict(
     hidden_size=64, intermediate_size=192, num_hidden_layers=4, num_attention_heads=16,
     num_key_value_heads=4, head_dim=8, max_position_embeddings=512, rms_norm_eps=1e-5,
 )
-TINY_MODELS = {"tiny-llama": "llama", "tiny-qwen2": "qwen2", "tiny-mistral": "mistral"}
+TINY_MODELS = {"tiny-llama-random": "llama", "tiny-qwen2-random": "qwen2", "tiny-mistral-random": "mistral"}
+TRAINED_MODELS = ("tiny-llama", "tiny-qwen2", "tiny-mistral")
+
+
+def builtin_path(spec: str) -> Path | None:
+    """The shipped folder of a trained tiny model, else None."""
+    if spec not in TRAINED_MODELS:
+        return None
+    from taylor_tune.world import model_dir
+
+    return model_dir(spec)
+
+
+def is_builtin(spec: str) -> bool:
+    """A built-in tiny model, or a pruned folder made from one (evaluated on the offline world by default)."""
+    if spec in TINY_MODELS or spec in TRAINED_MODELS:
+        return True
+    manifest = Path(spec) / PRUNED_MANIFEST
+    if manifest.is_file():
+        import json
+
+        return is_builtin(str(json.loads(manifest.read_text()).get("source_model", "")))
+    return False
 
 
 def resolve_device(device: str) -> torch.device:
@@ -68,28 +93,27 @@ def tiny_config(name: str) -> PretrainedConfig:
     )
 
 
-def _source(spec: str) -> str:
-    """Which loader a model spec names: tiny, pruned, folder or hub. A missing local path is an error here."""
+def _source(spec: str) -> tuple[str, str]:
+    """(loader, location) for a model spec: tiny, pruned, folder or hub. A missing local path is an error here."""
     if spec in TINY_MODELS:
-        return "tiny"
-    path = Path(spec)
+        return "tiny", spec
+    path = builtin_path(spec) or Path(spec)
     if path.is_dir():
-        return "pruned" if (path / PRUNED_MANIFEST).is_file() else "folder"
+        return ("pruned" if (path / PRUNED_MANIFEST).is_file() else "folder"), str(path)
     if _HUB_ID.match(spec) and not spec.startswith((".", "/")):
-        return "hub"
-    raise ModelLoadError(
-        f"model: {spec!r} is not a tiny model ({', '.join(TINY_MODELS)}), an existing folder, or a hub id (org/name)"
-    )
+        return "hub", spec
+    names = ", ".join(TRAINED_MODELS + tuple(TINY_MODELS))
+    raise ModelLoadError(f"model: {spec!r} is not a built-in model ({names}), an existing folder, or a hub id (org/name)")
 
 
 def load_model_config(spec: str, *, trust_remote_code: bool = False) -> PretrainedConfig:
     """The model's config only (cheap): used to validate the run before any weight is read."""
-    source = _source(spec)
+    source, location = _source(spec)
     if source == "tiny":
         config = tiny_config(spec)
     else:
         try:
-            config = AutoConfig.from_pretrained(spec, trust_remote_code=trust_remote_code)
+            config = AutoConfig.from_pretrained(location, trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as error:
             raise ModelLoadError(f"model: cannot read the config of {spec!r}: {str(error).splitlines()[0]}") from None
     if config.model_type not in SUPPORTED_ARCHITECTURES:
@@ -101,10 +125,11 @@ def load_model_config(spec: str, *, trust_remote_code: bool = False) -> Pretrain
 
 
 def load_tokenizer(spec: str, *, trust_remote_code: bool = False):
-    if _source(spec) == "tiny":
+    source, location = _source(spec)
+    if source == "tiny":
         return byte_tokenizer()
     try:
-        return AutoTokenizer.from_pretrained(spec, trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
         raise ModelLoadError(f"model: cannot load the tokenizer of {spec!r}: {str(error).splitlines()[0]}") from None
 
@@ -114,7 +139,7 @@ def load_model(
     trust_remote_code: bool = False, seed: int = 0,
 ) -> PreTrainedModel:
     """The model in eval mode on `device` in `dtype`. Tiny models are initialised from `seed`."""
-    source = _source(spec)
+    source, location = _source(spec)
     config = load_model_config(spec, trust_remote_code=trust_remote_code)
     if source == "tiny":
         with torch.random.fork_rng(devices=[]):
@@ -124,11 +149,11 @@ def load_model(
     elif source == "pruned":
         from taylor_tune.apply import load_pruned
 
-        model = load_pruned(spec, device=device, dtype=dtype)
+        model = load_pruned(location, device=device, dtype=dtype)
     else:
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                spec, dtype=dtype, trust_remote_code=trust_remote_code
+                location, dtype=dtype, trust_remote_code=trust_remote_code
             ).to(device)
         except (OSError, ValueError) as error:
             raise ModelLoadError(f"model: cannot load the weights of {spec!r}: {str(error).splitlines()[0]}") from None

@@ -2,7 +2,7 @@
 
 import torch
 
-ARCHS = ["tiny-llama", "tiny-qwen2", "tiny-mistral"]
+ARCHS = ["tiny-llama-random", "tiny-qwen2-random", "tiny-mistral-random"]
 
 
 def tiny(name: str, seed: int = 0):

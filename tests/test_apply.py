@@ -107,7 +107,7 @@ def test_lm_eval_hflm_scores_the_pruned_model():
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 
-    result = pruned("tiny-qwen2", "blockwise")
+    result = pruned("tiny-qwen2-random", "blockwise")
     lm = HFLM(pretrained=result.model, tokenizer=result.tokenizer, device="cpu", batch_size=2)
     context, continuation = "The market of Holt", " opens every week"
     request = Instance("loglikelihood", {}, (context, continuation), 0)

@@ -16,7 +16,7 @@ from taylor_tune.cli import main
 from taylor_tune.models import byte_tokenizer, load_model
 
 EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
-BASE = ["prune", "--model", "tiny-llama", "--calibration", "sample", "--seq-len", "32", "--num-samples", "16", "--device", "cpu"]
+BASE = ["prune", "--model", "tiny-llama-random", "--calibration", "sample", "--seq-len", "32", "--num-samples", "16", "--device", "cpu"]
 
 
 def run(capsys, *args):
@@ -79,8 +79,8 @@ BEFORE_LOADING = [
     (["--num-samples", "0"], "num_samples: Input should be greater than 0"),
     (["--num-samples", "abc"], "num_samples: Input should be a valid integer"),
     (["--calibration", "missing.txt"], "calibration: 'missing.txt' is neither a dataset"),
-    (["--model", "./no/such/folder"], "model: './no/such/folder' is not a tiny model"),
-    (["--model", "tiny-gpt"], "model: 'tiny-gpt' is not a tiny model"),
+    (["--model", "./no/such/folder"], "model: './no/such/folder' is not a built-in model"),
+    (["--model", "tiny-gpt"], "model: 'tiny-gpt' is not a built-in model"),
     (["--model", "GPT2"], "architecture 'gpt2'"),
     (["--calibration", "SMALL"], "calibration: SMALL"),
     (["--blockwise-layer-start", "3", "--blockwise-layer-end", "2"], "blockwise_layer_end (2) must be greater"),
@@ -132,3 +132,26 @@ def test_every_shipped_experiment_config_validates():
     assert paths
     for path in paths:
         load_prune_config(path)
+
+
+def test_evaluate_writes_results_json(capsys, tmp_path):
+    out = tmp_path / "eval.json"
+    code, stdout, _ = run(capsys, "evaluate", "--model", "tiny-llama", "--tasks", "arc_easy,piqa", "--limit", "20",
+                          "--ppl", "world", "--ppl-window", "64", "--device", "cpu", "--output", str(out))
+    assert code == 0 and "acc_mean" in stdout
+    result = json.loads(out.read_text())
+    assert set(result["tasks"]) == {"arc_easy", "piqa"} and result["ppl_window"] == 64
+    assert all(result["tasks"][t]["n"] == 20 for t in result["tasks"])
+    assert result["acc_mean"] == pytest.approx((result["acc_arc_easy"] + result["acc_piqa"]) / 2)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--tasks", "boolq,nope"], "tasks: unknown task 'nope'"),
+    (["--limit", "0"], "limit: Input should be greater than 0"),
+    (["--ppl-window", "1024"], "ppl_window: 1024 is longer than the model's maximum context of 512 tokens"),
+    (["--task-data", "/no/such/dir"], "task_data: '/no/such/dir' is neither"),
+])
+def test_evaluate_bad_input_is_one_line(extra, message, capsys, tmp_path):
+    code, _, err = run(capsys, "evaluate", "--model", "tiny-llama", "--ppl", "world", "--device", "cpu", *extra,
+                       "--output", str(tmp_path / "e.json"))
+    assert code == 2 and err.count("\n") == 1 and message in err, err

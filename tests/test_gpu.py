@@ -16,8 +16,8 @@ pytestmark = pytest.mark.gpu
 
 def test_cuda_fp32_scores_equal_cpu_scores():
     ids = calibration_ids(8, 32)
-    cpu = load_model("tiny-llama", device="cpu")
-    gpu = load_model("tiny-llama", device="cuda")
+    cpu = load_model("tiny-llama-random", device="cpu")
+    gpu = load_model("tiny-llama-random", device="cuda")
     a = compute_importance(cpu, describe_layout(cpu), ids, micro_batch_size=4)[8].scores
     b = compute_importance(gpu, describe_layout(gpu), ids, micro_batch_size=4)[8].scores
     for x, y in zip(a.mlp + a.attn, b.mlp + b.attn):
@@ -26,8 +26,8 @@ def test_cuda_fp32_scores_equal_cpu_scores():
 
 def test_bf16_pass_ranks_like_fp32_and_prunes_on_cuda():
     ids = calibration_ids(8, 32)
-    fp32 = load_model("tiny-qwen2", device="cuda", dtype=torch.float32)
-    bf16 = load_model("tiny-qwen2", device="cuda", dtype=torch.bfloat16)
+    fp32 = load_model("tiny-qwen2-random", device="cuda", dtype=torch.float32)
+    bf16 = load_model("tiny-qwen2-random", device="cuda", dtype=torch.bfloat16)
     s32 = compute_importance(fp32, describe_layout(fp32), ids)[8].scores
     s16 = compute_importance(bf16, describe_layout(bf16), ids)[8].scores
     ranks = [np.corrcoef(np.argsort(np.argsort(x)), np.argsort(np.argsort(y)))[0, 1] for x, y in zip(s32.mlp, s16.mlp)]

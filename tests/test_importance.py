@@ -81,7 +81,7 @@ def test_scores_equal_brute_force_and_snapshots_equal_separate_runs(arch):
 
 
 def test_qwen2_biases_count_in_the_attention_groups():
-    model = tiny("tiny-qwen2")
+    model = tiny("tiny-qwen2-random")
     layout = describe_layout(model)
     assert model.model.layers[0].self_attn.q_proj.bias is not None
     cfg = model.config
@@ -92,7 +92,7 @@ def test_qwen2_biases_count_in_the_attention_groups():
 
 
 def test_pass_leaves_no_gradients_and_restores_flags():
-    model = tiny("tiny-llama")
+    model = tiny("tiny-llama-random")
     model.lm_head.weight.requires_grad_(False)  # a flag the caller chose must survive
     compute_importance(model, describe_layout(model), calibration_ids(4, 8), micro_batch_size=2)
     assert all(p.grad is None for p in model.parameters())
@@ -101,7 +101,7 @@ def test_pass_leaves_no_gradients_and_restores_flags():
 
 
 def test_magnitude_scores_are_mean_squared_weights():
-    model = tiny("tiny-llama")
+    model = tiny("tiny-llama-random")
     scores = magnitude_scores(model, describe_layout(model))
     mlp = model.model.layers[1].mlp
     c = 7
@@ -112,6 +112,6 @@ def test_magnitude_scores_are_mean_squared_weights():
 
 
 def test_snapshot_outside_the_draw_is_rejected():
-    model = tiny("tiny-llama")
+    model = tiny("tiny-llama-random")
     with pytest.raises(ValueError, match="snapshots"):
         compute_importance(model, describe_layout(model), calibration_ids(4, 8), snapshots=[8])

@@ -1,0 +1,71 @@
+"""Regenerate the offline world in taylor_tune/data/world/: corpus, held-out text, mini tasks, tokenizer, models.
+
+    .venv/bin/python scripts/make_offline_world.py              # everything (~7 min of CPU training in all)
+    .venv/bin/python scripts/make_offline_world.py --data-only  # text and tasks only (seconds)
+
+The text and task files are byte-identical for the same code (seeded); the tokenizer is deterministic; the
+models are trained for a fixed number of steps from fixed seeds (bitwise identical on the same machine and
+torch build, close elsewhere).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from taylor_tune.world import world_dir  # noqa: E402
+from taylor_tune.world.generate import write_world_data  # noqa: E402
+from taylor_tune.world.train import train_causal_lm, train_tokenizer  # noqa: E402
+
+ARCHITECTURES = {"tiny-llama": "llama", "tiny-qwen2": "qwen2", "tiny-mistral": "mistral"}
+# Small enough that pruning visibly costs accuracy; Llama-3-style GQA (4 query heads per key/value head).
+SHAPE = dict(hidden_size=96, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=2, head_dim=12, max_position_embeddings=512, rms_norm_eps=1e-5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=world_dir())
+    parser.add_argument("--data-only", action="store_true")
+    parser.add_argument("--steps", type=int, default=600)
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+
+    write_world_data(args.out)
+    print(f"wrote text and tasks to {args.out}")
+    if args.data_only:
+        return
+    text = (args.out / "corpus.txt").read_text()
+    tokenizer = train_tokenizer(text)
+    tokenizer.save_pretrained(args.out / "tokenizer")
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    print(f"tokenizer: {len(tokenizer)} tokens; corpus: {ids.numel()} tokens")
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    for seed, (name, arch) in enumerate(ARCHITECTURES.items()):
+        extra = {"sliding_window": None} if arch == "mistral" else {}
+        config = AutoConfig.for_model(
+            arch, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, **SHAPE, **extra,
+        )
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        print(f"{name}: {sum(p.numel() for p in model.parameters())} parameters, training {args.steps} steps", flush=True)
+        start = time.perf_counter()
+        losses = train_causal_lm(model, ids, steps=args.steps, seed=seed)
+        print(f"{name}: final loss {sum(losses[-20:]) / 20:.3f} after {time.perf_counter() - start:.0f}s", flush=True)
+        target = args.out / "models" / name
+        shutil.rmtree(target, ignore_errors=True)
+        model.save_pretrained(target)
+        tokenizer.save_pretrained(target)
+
+
+if __name__ == "__main__":
+    main()

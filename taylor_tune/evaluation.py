@@ -1,0 +1,205 @@
+"""Evaluate an in-memory model: perplexity, and the seven zero-shot tasks through lm-eval's `simple_evaluate`.
+
+Perplexity (LLM-Pruner's definition): the text's documents joined with "\\n\\n", tokenized once, cut into
+non-overlapping windows of `ppl_window` tokens (the last partial window is dropped); ppl = exp(mean NLL
+of every predicted token, i.e. positions 1..W-1 of each window). The window length is reported with it.
+
+Zero-shot: lm-eval's own task definitions (prompts, preprocessing such as HellaSwag's process_docs and
+WinoGrande's partial scoring) on the real datasets (`task_data: hub`), or with only their data replaced
+by local files of the same schema (the offline world, or a folder). `acc_mean` averages one metric per
+task, by default as LLM-Pruner reports them: acc for BoolQ, PIQA, WinoGrande, ARC-e; acc_norm for
+HellaSwag, ARC-c, OpenBookQA. No model is saved or reloaded: lm-eval's HFLM wraps the model in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from taylor_tune.calibration import DatasetSource, load_dataset_rows
+from taylor_tune.config import EvalSpec
+from taylor_tune.errors import EvaluationError
+
+log = logging.getLogger(__name__)
+
+WIKITEXT2_TEST = DatasetSource(path="wikitext", name="wikitext-2-raw-v1", split="test")
+# Where lm-eval keeps each task's YAML (checked against lm-eval's own index by a test, since it is private).
+TASK_YAML = {
+    "boolq": "super_glue/boolq/default.yaml", "piqa": "piqa/piqa.yaml", "hellaswag": "hellaswag/hellaswag.yaml",
+    "winogrande": "winogrande/default.yaml", "arc_easy": "arc/arc_easy.yaml", "arc_challenge": "arc/arc_challenge.yaml",
+    "openbookqa": "openbookqa/openbookqa.yaml",
+}
+TINY_MODEL_PREFIX = "tiny-"
+
+
+# ---------------------------------------------------------------- perplexity
+
+def load_ppl_text(source: str) -> str:
+    if source == "wikitext2":
+        return "\n\n".join(load_dataset_rows(WIKITEXT2_TEST, what="ppl"))
+    if source == "world":
+        from taylor_tune.world import heldout_path
+
+        source = str(heldout_path())
+    try:
+        return Path(source).read_text(encoding="utf-8")
+    except OSError as error:
+        raise EvaluationError(f"ppl: cannot read {source}: {error.strerror}") from None
+
+
+def check_window(window: int, model_config) -> None:
+    limit = getattr(model_config, "max_position_embeddings", None)
+    if limit is not None and window > limit:
+        raise EvaluationError(f"ppl_window: {window} is longer than the model's maximum context of {limit} tokens")
+
+
+@torch.no_grad()
+def perplexity(model, tokenizer, text: str, *, window: int = 128, batch_size: int = 8) -> dict:
+    """exp(mean token NLL) over non-overlapping windows; returns ppl, window, windows and tokens scored."""
+    check_window(window, model.config)
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    count = ids.numel() // window
+    if count == 0:
+        raise EvaluationError(f"ppl: the text has {ids.numel()} tokens, fewer than one window of {window}")
+    windows = ids[: count * window].view(count, window)
+    device = next(model.parameters()).device
+    total = torch.zeros((), dtype=torch.float64)
+    for start in range(0, count, batch_size):
+        batch = windows[start : start + batch_size].to(device)
+        logits = model(input_ids=batch, use_cache=False).logits.float()
+        nll = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
+        )
+        total += nll.double().cpu()
+    scored = count * (window - 1)
+    return {"ppl": math.exp(float(total) / scored), "ppl_window": window, "ppl_windows": count, "ppl_tokens": scored}
+
+
+# ---------------------------------------------------------------- zero-shot through lm-eval
+
+@lru_cache(maxsize=1)
+def _lm_eval_tasks_dir() -> Path:
+    import lm_eval.tasks
+
+    return Path(lm_eval.tasks.__file__).parent
+
+
+def offline_task_config(task: str, data_file: Path) -> dict:
+    """lm-eval's registered config of `task` with only its data source replaced by a local jsonl file."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    config = dict(load_yaml(_lm_eval_tasks_dir() / TASK_YAML[task], resolve_func=True))
+    split = "test" if config.get("test_split") else "validation"
+    config.pop("tag", None)
+    config.update(
+        task=f"{task}_offline", dataset_path="json", dataset_name=None,
+        dataset_kwargs={"data_files": {split: str(Path(data_file).resolve())}},
+        training_split=None, validation_split="validation" if split == "validation" else None,
+        test_split="test" if split == "test" else None, fewshot_split=None,
+    )
+    return config
+
+
+@lru_cache(maxsize=2)
+def _task_manager(with_defaults: bool):
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_defaults=with_defaults)
+
+
+def resolve_task_data(spec: EvalSpec, model_name: str | None) -> str:
+    if spec.task_data != "auto":
+        return spec.task_data
+    return "world" if model_name and model_name.startswith(TINY_MODEL_PREFIX) else "hub"
+
+
+def task_source(task: str, task_data: str) -> tuple[str | dict, object]:
+    """What to pass to simple_evaluate for one task, and the TaskManager that resolves it."""
+    if task_data == "hub":
+        return task, _task_manager(True)
+    if task_data == "world":
+        from taylor_tune.world import task_file
+
+        path = task_file(task)
+    else:
+        path = Path(task_data) / f"{task}.jsonl"
+    if not path.is_file():
+        raise EvaluationError(f"task {task}: data file {path} is missing")
+    return offline_task_config(task, path), _task_manager(False)
+
+
+def _metric(results: dict, name: str) -> float | None:
+    value = results.get(f"{name},none")
+    return None if value in (None, "N/A") else float(value)
+
+
+def zero_shot(lm, spec: EvalSpec, task_data: str) -> dict[str, dict]:
+    from lm_eval import simple_evaluate
+
+    out = {}
+    for task in spec.tasks:
+        source, manager = task_source(task, task_data)
+        start = time.perf_counter()
+        try:
+            result = simple_evaluate(
+                model=lm, tasks=[source], task_manager=manager, limit=spec.limit, bootstrap_iters=1000,
+                log_samples=False, verbosity="ERROR",
+            )
+        except Exception as error:  # lm-eval and datasets raise anything; say which task it was
+            raise EvaluationError(f"task {task}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from None
+        seconds = time.perf_counter() - start
+        (raw,) = result["results"].values()
+        metric = spec.metric(task)
+        entry = {
+            "acc": _metric(raw, "acc"), "acc_stderr": _metric(raw, "acc_stderr"),
+            "acc_norm": _metric(raw, "acc_norm"), "acc_norm_stderr": _metric(raw, "acc_norm_stderr"),
+            "metric": metric, "n": int(raw.get("sample_len") or result["n-samples"][next(iter(result["n-samples"]))]["effective"]),
+            "seconds": seconds,
+        }
+        if entry[metric] is None:
+            raise EvaluationError(f"task {task}: lm-eval reported no {metric}")
+        entry["score"], entry["score_stderr"] = entry[metric], entry[f"{metric}_stderr"]
+        entry["items_per_s"] = entry["n"] / seconds if seconds > 0 else None
+        out[task] = entry
+        log.info("%s: %s %.4f (n=%d, %.1fs)", task, metric, entry["score"], entry["n"], seconds)
+    return out
+
+
+def make_lm(model, tokenizer, batch_size: int | str):
+    from lm_eval.models.huggingface import HFLM
+
+    device = next(model.parameters()).device
+    if batch_size == "auto" and device.type != "cuda":
+        batch_size = 16  # lm-eval's auto search probes GPU memory; on CPU a fixed size is faster and predictable
+    return HFLM(pretrained=model, tokenizer=tokenizer, device=str(device), batch_size=batch_size)
+
+
+def evaluate(model, tokenizer, spec: EvalSpec, *, model_name: str | None = None) -> dict:
+    """Perplexity and zero-shot results of the in-memory `model`, as one flat-plus-nested dict."""
+    if spec.ppl is not None:
+        check_window(spec.ppl_window, model.config)
+    was_training = model.training
+    model.eval()
+    try:
+        result: dict = {}
+        if spec.ppl is not None:
+            start = time.perf_counter()
+            result |= perplexity(model, tokenizer, load_ppl_text(spec.ppl), window=spec.ppl_window)
+            result["ppl_source"] = spec.ppl
+            result["ppl_seconds"] = time.perf_counter() - start
+        if spec.tasks:
+            task_data = resolve_task_data(spec, model_name)
+            tasks = zero_shot(make_lm(model, tokenizer, spec.batch_size), spec, task_data)
+            result["task_data"] = task_data
+            result["tasks"] = tasks
+            for task, entry in tasks.items():
+                result[f"acc_{task}"] = entry["score"]
+            result["acc_mean"] = sum(e["score"] for e in tasks.values()) / len(tasks)
+        return result
+    finally:
+        model.train(was_training)

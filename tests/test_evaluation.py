@@ -1,0 +1,156 @@
+"""Evaluation on the offline world: the shipped models know their world, pruning costs them, numbers are exact."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from taylor_tune.config import build_eval_spec, build_prune_config
+from taylor_tune.errors import ConfigError, EvaluationError
+from taylor_tune.evaluation import TASK_YAML, evaluate, load_ppl_text, offline_task_config, perplexity
+from taylor_tune.models import load_model, load_tokenizer
+from taylor_tune.prune import prune
+from taylor_tune.world import TASKS, heldout_path, task_file
+
+CHANCE = {"boolq": 0.5, "piqa": 0.5, "winogrande": 0.5, "hellaswag": 0.25, "arc_easy": 0.25, "arc_challenge": 0.25, "openbookqa": 0.25}
+
+
+def world_spec(**kw):
+    return build_eval_spec({"task_data": "world", "ppl": "world", **kw})
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-mistral"])
+def test_shipped_models_beat_chance_and_know_their_text(name):
+    model, tokenizer = load_model(name), load_tokenizer(name)
+    result = evaluate(model, tokenizer, world_spec(), model_name=name)
+    assert result["task_data"] == "world"
+    beaten = [t for t, e in result["tasks"].items() if e["score"] - CHANCE[t] > 2 * e["score_stderr"]]
+    assert len(beaten) >= 5, {t: (e["score"], e["score_stderr"]) for t, e in result["tasks"].items()}
+    assert all(e["n"] >= 100 for e in result["tasks"].values())
+    assert result["ppl"] < len(tokenizer) / 50  # a uniform guess would score the vocabulary size
+    assert result["acc_mean"] == pytest.approx(sum(result[f"acc_{t}"] for t in TASKS) / 7)
+
+
+def prune_tiny_llama(method, sparsity):
+    return prune(build_prune_config({"model": "tiny-llama", "method": method, "sparsity": sparsity, "calibration": "world",
+                                     "seq_len": 64, "num_samples": 128, "device": "cpu"}))
+
+
+def test_pruning_the_tiny_llama_costs_perplexity_and_random_costs_more():
+    text = load_ppl_text("world")
+    ppl = lambda model, tok: perplexity(model, tok, text)["ppl"]
+    base = ppl(load_model("tiny-llama"), load_tokenizer("tiny-llama"))
+    taylor20, taylor50, random20 = (prune_tiny_llama(m, s) for m, s in (("taylor", 0.2), ("taylor", 0.5), ("random", 0.2)))
+    p20, p50, r20 = (ppl(r.model, r.tokenizer) for r in (taylor20, taylor50, random20))
+    assert base < p20 < p50
+    assert r20 > p20
+
+
+def test_in_memory_evaluation_equals_the_saved_and_reloaded_model(tmp_path):
+    from taylor_tune.artifacts import write_prune_artifacts
+
+    config = build_prune_config({"model": "tiny-qwen2", "method": "blockwise", "sparsity": 0.3, "calibration": "world",
+                                 "seq_len": 32, "num_samples": 16, "device": "cpu"})
+    result = prune(config)
+    spec = world_spec(tasks="piqa,hellaswag,arc_challenge", limit=60)
+    in_memory = evaluate(result.model, result.tokenizer, spec, model_name="tiny-qwen2")
+    write_prune_artifacts(tmp_path, config, result)
+    folder = str(tmp_path / "model")
+    reloaded = evaluate(load_model(folder), load_tokenizer(folder), spec, model_name=folder)
+    drop = lambda r: {k: v for k, v in r.items() if "seconds" not in k and k != "tasks"}
+    assert drop(in_memory) == drop(reloaded)
+    for task in in_memory["tasks"]:
+        a, b = in_memory["tasks"][task], reloaded["tasks"][task]
+        assert {k: v for k, v in a.items() if k not in ("seconds", "items_per_s")} == {k: v for k, v in b.items() if k not in ("seconds", "items_per_s")}
+    assert reloaded["task_data"] == "world"  # a pruned tiny model is still evaluated on its world
+
+
+@pytest.mark.parametrize("window", [16, 128])
+def test_perplexity_equals_a_plain_loop_over_windows(window):
+    model, tok = load_model("tiny-mistral"), load_tokenizer("tiny-mistral")
+    text = heldout_path().read_text()[:20000]
+    ours = perplexity(model, tok, text, window=window, batch_size=7)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    losses = []
+    with torch.no_grad():
+        for start in range(0, len(ids) - window + 1, window):
+            chunk = torch.tensor([ids[start : start + window]])
+            losses.append(model(input_ids=chunk, labels=chunk).loss.item())  # mean over window - 1 tokens
+    assert ours["ppl_windows"] == len(losses) and ours["ppl_window"] == window
+    assert ours["ppl"] == pytest.approx(math.exp(sum(losses) / len(losses)), rel=1e-4)
+
+
+def test_offline_tasks_keep_lm_evals_own_definitions():
+    import lm_eval.tasks.hellaswag.utils as hellaswag_utils
+
+    config = offline_task_config("hellaswag", task_file("hellaswag"))
+    assert config["process_docs"].__code__ is hellaswag_utils.process_docs.__code__
+    assert config["doc_to_text"] == "{{query}}" and config["dataset_path"] == "json"
+    wino = offline_task_config("winogrande", task_file("winogrande"))
+    assert callable(wino["doc_to_choice"]) and wino["doc_to_choice"].__module__.endswith("preprocess_winogrande")
+    arc = offline_task_config("arc_challenge", task_file("arc_challenge"))
+    assert arc["test_split"] == "test" and "test" in arc["dataset_kwargs"]["data_files"]
+
+
+def test_task_yaml_paths_are_where_lm_eval_keeps_them():
+    # Private lm-eval layout (pinned 0.4.13): this fails loudly if an upgrade moves a task.
+    from lm_eval.tasks import TaskManager
+
+    from taylor_tune.evaluation import _lm_eval_tasks_dir
+
+    manager = TaskManager()
+    for task, relative in TASK_YAML.items():
+        assert manager._entry(task).yaml_path.resolve() == (_lm_eval_tasks_dir() / relative).resolve(), task
+
+
+def test_the_world_data_regenerates_byte_for_byte(tmp_path):
+    from taylor_tune.world import world_dir
+    from taylor_tune.world.generate import write_world_data
+
+    write_world_data(tmp_path)
+    for name in ["corpus.txt", "heldout.txt"] + [f"tasks/{t}.jsonl" for t in TASKS]:
+        assert (tmp_path / name).read_bytes() == (world_dir() / name).read_bytes(), name
+
+
+def test_task_files_use_the_real_schemas():
+    keys = {
+        "boolq": {"passage", "question", "label"}, "piqa": {"goal", "sol1", "sol2", "label"},
+        "hellaswag": {"ctx_a", "ctx_b", "ctx", "activity_label", "endings", "label"},
+        "winogrande": {"sentence", "option1", "option2", "answer"}, "arc_easy": {"question", "choices", "answerKey"},
+        "arc_challenge": {"question", "choices", "answerKey"}, "openbookqa": {"question_stem", "choices", "answerKey"},
+    }
+    for task in TASKS:
+        items = [json.loads(line) for line in task_file(task).read_text().splitlines()]
+        assert len(items) >= 100 and all(keys[task] <= set(item) for item in items), task
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"tasks": "boolq,squad"}, "tasks: unknown task 'squad'"),
+    ({"limit": 0}, "limit: Input should be greater than 0"),
+    ({"task_data": "EMPTY"}, "has no boolq.jsonl"),
+    ({"ppl": "missing.txt"}, "ppl: 'missing.txt' is neither"),
+])
+def test_bad_specs_name_the_field(values, message, tmp_path):
+    values = {k: (str(tmp_path) if v == "EMPTY" else v) for k, v in values.items()}
+    with pytest.raises(ConfigError, match=message):
+        build_eval_spec(values)
+
+
+def test_a_window_longer_than_the_model_is_refused():
+    with pytest.raises(EvaluationError, match="ppl_window: 1024 is longer than the model's maximum context of 512"):
+        evaluate(load_model("tiny-llama"), load_tokenizer("tiny-llama"), world_spec(ppl_window=1024, tasks=[]))
+
+
+def test_a_failure_inside_a_task_names_the_task(tmp_path):
+    for task in TASKS:
+        (tmp_path / f"{task}.jsonl").write_text(task_file(task).read_text())
+    (tmp_path / "piqa.jsonl").write_text(json.dumps({"goal": "no solutions here", "label": 0}) + "\n")
+    spec = build_eval_spec({"task_data": str(tmp_path), "tasks": "boolq,piqa", "ppl": None, "limit": 5})
+    with pytest.raises(EvaluationError, match=r"^task piqa: "):
+        evaluate(load_model("tiny-llama"), load_tokenizer("tiny-llama"), spec)
+
+
+def test_wikitext2_goes_through_the_datasets_loader_and_fails_clearly_offline():
+    with pytest.raises(Exception, match="ppl: cannot load dataset 'wikitext'"):
+        load_ppl_text("wikitext2")
