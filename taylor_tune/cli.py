@@ -128,12 +128,70 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+SWEEP_EXAMPLE = """\
+example (the offline world on this machine's CPUs, a few minutes):
+  taylor-tune sweep experiments/smoke.yaml
+
+example (the paper grid on a GPU cluster, from a machine that can reach the head node):
+  ray job submit --address http://HEAD:8265 --working-dir . -- \\
+      taylor-tune sweep experiments/paper_grid_20.yaml --storage /mnt/shared/sweeps
+
+Running the same command again resumes the experiment: finished trials are kept, the rest run.
+"""
+
+
+def _add_sweep(subparsers) -> None:
+    p = subparsers.add_parser(
+        "sweep", help="run or resume a Ray Tune sweep", epilog=SWEEP_EXAMPLE,
+        description="Run an experiment's search with Ray Tune; resumes it if it already exists.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("experiment", help="experiment YAML (see experiments/)")
+    p.add_argument("--storage", help="storage path (local folder, NFS or s3://); overrides storage_path")
+    p.add_argument("--name", help="experiment name; overrides name")
+    p.set_defaults(handler=_run_sweep)
+
+    p = subparsers.add_parser("status", help="trials pending/running/finished/errored and the best so far per model")
+    p.add_argument("path", help="the experiment folder (storage_path/name)")
+    p.set_defaults(handler=_run_status)
+
+
+def _run_sweep(args: argparse.Namespace) -> int:
+    from taylor_tune.experiment import load_experiment
+
+    experiment = load_experiment(args.experiment, storage_path=args.storage, name=args.name)
+    from taylor_tune.tune.driver import experiment_path, run_sweep, sweep_status
+
+    results = run_sweep(experiment)
+    status = sweep_status(experiment_path(experiment))
+    print(f"{experiment.name}: {status['finished']} finished, {status['errored']} errored, "
+          f"{status['pending'] + status['running'] + status['paused']} not done, of {status['total']}; "
+          f"results in {experiment_path(experiment)}")
+    for error in results.errors:
+        print(f"  errored trial: {str(error).splitlines()[0][:200]}")
+    return 0
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    from taylor_tune.tune.driver import sweep_status
+
+    status = sweep_status(args.path)
+    print(f"trials: {status['total']} (pending {status['pending']}, running {status['running']}, "
+          f"finished {status['finished']}, errored {status['errored']})")
+    for model, best in sorted(status["best"].items()):
+        ppl = f", ppl {best['ppl']:.3f}" if best.get("ppl") is not None else ""
+        print(f"best so far for {model}: acc_mean {best['acc_mean']:.4f}{ppl} with {best['pruning_method']}, "
+              f"seq_len {best['taylor_seq_len']}, num_samples {best['taylor_num_samples']}, seed {best['seed']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="taylor-tune", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_prune(subparsers)
     _add_evaluate(subparsers)
+    _add_sweep(subparsers)
     return parser
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -61,15 +62,22 @@ def check_against_model(config: PruneConfig) -> None:
             raise ConfigError(f"{field}: {value} is beyond the model's {layers} layers")
 
 
-def prune(config: PruneConfig) -> PruneResult:
-    """Run one pruning as `config` says; nothing is written to disk (see artifacts.write_prune_artifacts)."""
+# Given the loaded model, its layout and tokenizer: the importance at config.num_samples and the tokens used.
+ImportanceProvider = Callable[[torch.nn.Module, ModelLayout, object], tuple[Importance, torch.Tensor]]
+
+
+def prune(config: PruneConfig, *, importance_provider: ImportanceProvider | None = None) -> PruneResult:
+    """Run one pruning as `config` says; nothing is written to disk (see artifacts.write_prune_artifacts).
+
+    `importance_provider` replaces the calibration draw and gradient pass (the sweep's shared cache uses it).
+    """
     timings: dict[str, float] = {}
     method = METHODS[config.method]
     check_against_model(config)
     tokenizer = load_tokenizer(config.model, trust_remote_code=config.trust_remote_code)
     device = resolve_device(config.device)
     calibration_ids = None
-    if method.criterion == "taylor":
+    if method.criterion == "taylor" and importance_provider is None:
         start = time.perf_counter()
         calibration_ids = load_calibration(
             tokenizer, config.calibration, seq_len=config.seq_len, num_samples=config.num_samples, seed=config.seed
@@ -87,7 +95,10 @@ def prune(config: PruneConfig) -> PruneResult:
 
     importance, scores = None, None
     start = time.perf_counter()
-    if method.criterion == "taylor":
+    if method.criterion == "taylor" and importance_provider is not None:
+        importance, calibration_ids = importance_provider(model, layout, tokenizer)
+        scores = importance.scores
+    elif method.criterion == "taylor":
         importance = compute_importance(model, layout, calibration_ids, micro_batch_size=config.micro_batch_size)[
             config.num_samples
         ]

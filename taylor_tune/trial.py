@@ -1,0 +1,131 @@
+"""One trial of a sweep, without Ray: prune -> perplexity -> zero-shot at each fidelity, reporting after each.
+
+`report` is called with the cumulative metrics after every stage (the Ray trainable passes `tune.report`,
+so ASHA can stop a trial before its expensive evaluation); the artifacts go to `trial_dir`. The importance
+comes from the sweep's shared cache when one is given.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from taylor_tune.config import PruneConfig
+from taylor_tune.experiment import Evaluation
+
+log = logging.getLogger(__name__)
+
+
+class TrialConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    prune: PruneConfig
+    evaluation: Evaluation
+    sample_counts: tuple[int, ...] = ()  # every num_samples of the search: one cached pass serves them all
+    cache_dir: str | None = None
+    fault: dict[str, Any] | None = None  # test-only fault injection: {field: value, ...} of the configs to fail
+
+
+class InjectedFault(RuntimeError):
+    """Raised on purpose by a test-only setting."""
+
+
+def search_columns(config: PruneConfig) -> dict:
+    """The configuration columns of the consolidated table (SPEC §3)."""
+    return {"model": config.model, "pruning_method": config.method, "taylor_seq_len": config.seq_len,
+            "taylor_num_samples": config.num_samples, "seed": config.seed, "sparsity": config.sparsity}
+
+
+def cached_importance(trial: TrialConfig):
+    """An importance provider backed by the shared cache (None: compute inside the trial)."""
+    if trial.cache_dir is None:
+        return None
+    from taylor_tune.calibration import load_calibration
+    from taylor_tune.importance import compute_importance
+    from taylor_tune.importance_cache import ImportanceCache
+
+    config = trial.prune
+    counts = sorted(set(trial.sample_counts) | {config.num_samples})
+    largest = counts[-1]
+    cache = ImportanceCache(trial.cache_dir)
+    fields = {"model": config.model, "calibration": config.calibration, "seq_len": config.seq_len, "seed": config.seed,
+              "dtype": config.dtype, "micro_batch_size": config.micro_batch_size}
+
+    def provide(model, layout, tokenizer):
+        ids = load_calibration(tokenizer, config.calibration, seq_len=config.seq_len, num_samples=largest, seed=config.seed)
+        results = cache.get_or_compute(
+            fields, counts, lambda: compute_importance(model, layout, ids, micro_batch_size=config.micro_batch_size, snapshots=counts)
+        )
+        return results[config.num_samples], ids[: config.num_samples]
+
+    return provide
+
+
+def layer_analysis(diagnostics: dict) -> list[dict]:
+    grad_mean, grad_norm = diagnostics["layer_grad_mean"], diagnostics["layer_grad_norm"]
+    return [
+        {"layer": i, "pruning_ratio": r, "retention_ratio": 1 - r,
+         "attention_groups_kept": diagnostics["attention_groups_kept"][i], "mlp_channels_kept": diagnostics["mlp_channels_kept"][i],
+         "grad_mean": None if grad_mean is None else grad_mean[i], "grad_norm": None if grad_norm is None else grad_norm[i]}
+        for i, r in enumerate(diagnostics["layer_pruning_ratio"])
+    ]
+
+
+def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict], None] = lambda metrics: None) -> dict:
+    from taylor_tune.artifacts import summary_dict
+    from taylor_tune.evaluation import check_window, load_ppl_text, make_lm, perplexity, resolve_task_data, zero_shot
+    from taylor_tune.prune import prune
+
+    trial_dir = Path(trial_dir)
+    trial_dir.mkdir(parents=True, exist_ok=True)
+    with open(trial_dir / "attempts.log", "a") as f:  # one line per attempt: retries are visible
+        f.write(f"{time.time()}\n")
+    config = trial.prune
+    columns = search_columns(config)
+    if trial.fault and all(columns.get(k) == v for k, v in trial.fault.items()):
+        raise InjectedFault(f"injected fault for {trial.fault}")
+    (trial_dir / "config.json").write_text(json.dumps(trial.model_dump(), indent=2))
+
+    result = prune(config, importance_provider=cached_importance(trial))
+    diagnostics = result.diagnostics
+    (trial_dir / "pruning_summary.json").write_text(json.dumps(summary_dict(config, result), indent=2))
+    (trial_dir / "layer_analysis.json").write_text(json.dumps(layer_analysis(diagnostics), indent=2))
+    metrics: dict[str, Any] = {
+        **columns, "output_dir": str(trial_dir), "stage": "pruned",
+        **{k: diagnostics[k] for k in ("params_count", "params_count_before", "pruning_ratio", "extreme_pruning_layers",
+                                       "grad_mean_ratio", "grad_norm_ratio", "grad_mean_range", "grad_norm_range")},
+        **result.timings,
+    }
+    for key in ("grad_mean_ratio", "grad_norm_ratio", "grad_mean_range", "grad_norm_range"):
+        if isinstance(metrics[key], str):  # "inf": Tune stores floats
+            metrics[key] = float(metrics[key])
+    report(dict(metrics))
+
+    evaluation = trial.evaluation
+    if evaluation.ppl is not None:
+        check_window(evaluation.ppl_window, result.model.config)
+        start = time.perf_counter()
+        metrics |= perplexity(result.model, result.tokenizer, load_ppl_text(evaluation.ppl), window=evaluation.ppl_window)
+        metrics |= {"stage": "ppl", "ppl_s": time.perf_counter() - start}
+        report(dict(metrics))
+
+    lm = make_lm(result.model, result.tokenizer, evaluation.batch_size)
+    task_data = resolve_task_data(evaluation.spec(None), config.model)
+    full = {}
+    for limit in evaluation.fidelities:
+        start = time.perf_counter()
+        tasks = zero_shot(lm, evaluation.spec(limit), task_data)
+        full = {"tasks": tasks, "limit": limit}
+        metrics |= {f"acc_{t}": e["score"] for t, e in tasks.items()}
+        metrics |= {f"acc_{t}_stderr": e["score_stderr"] for t, e in tasks.items()}
+        metrics |= {"acc_mean": sum(e["score"] for e in tasks.values()) / len(tasks), "fidelity": limit or 0,
+                    "stage": f"zero_shot_{limit or 'all'}", f"zero_shot_{limit or 'all'}_s": time.perf_counter() - start}
+        report(dict(metrics))
+    (trial_dir / "evaluation.json").write_text(json.dumps({**{k: v for k, v in metrics.items()}, **full}, indent=2))
+    metrics["stage"] = "done"
+    return metrics

@@ -1,0 +1,121 @@
+"""Start or resume a sweep (idempotent), and read its status.
+
+`run_sweep` restores the experiment when its folder holds one (`Tuner.can_restore`, then `Tuner.restore`
+with `resume_errored=True`), else starts it. Finished trials are never run again. SIGTERM (what `ray job
+stop` sends) becomes Tune's graceful SIGINT stop, and the experiment state is saved every second
+(TUNE_GLOBAL_CHECKPOINT_S=1), so even a SIGKILLed driver loses no finished trial. Locally Ray starts with
+`ray.init(address="local")`; under `ray job submit` (RAY_ADDRESS set) the driver joins the cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+from taylor_tune.errors import ConfigError
+from taylor_tune.experiment import Experiment, check_models, check_storage
+
+
+def experiment_path(experiment: Experiment) -> str:
+    storage = experiment.storage_path
+    return f"{storage.rstrip('/')}/{experiment.name}" if "://" in storage else str(Path(storage).resolve() / experiment.name)
+
+
+def validate(experiment: Experiment) -> None:
+    """Every check that needs no Ray: storage, models, and a GPU request on a machine without one (local runs)."""
+    check_storage(experiment.storage_path)
+    check_models(experiment)
+    gpu = experiment.resources.gpu
+    if gpu != "auto" and gpu > 0 and not os.environ.get("RAY_ADDRESS"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"resources.gpu: {gpu} GPU per trial requested, but this machine has no GPU; use auto or 0")
+
+
+def _start_ray() -> None:
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address="auto", log_to_driver=False)
+    else:
+        ray.init(address="local", include_dashboard=False, log_to_driver=False)
+
+
+def _resources(experiment: Experiment) -> dict:
+    import ray
+
+    cluster_gpus = ray.cluster_resources().get("GPU", 0)
+    gpu = experiment.resources.gpu
+    if gpu == "auto":
+        gpu = 1 if cluster_gpus > 0 else 0
+    elif gpu > 0 and cluster_gpus == 0:
+        raise ConfigError(f"resources.gpu: {gpu} GPU per trial requested, but the cluster has none; use auto or 0")
+    return {"cpu": experiment.resources.cpu, "gpu": gpu}
+
+
+def run_sweep(experiment: Experiment):
+    """Run (or resume) the sweep to completion; returns Tune's ResultGrid."""
+    validate(experiment)
+    os.environ["TUNE_GLOBAL_CHECKPOINT_S"] = "1"  # read when the Tuner starts; a SIGKILL then loses <= 1 s of state
+    os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")  # early stages report no acc_mean yet
+    _start_ray()
+    from ray import tune
+
+    from taylor_tune.tune.space import param_space
+    from taylor_tune.tune.trainable import sweep_trainable
+
+    path = experiment_path(experiment)
+    trainable = tune.with_resources(sweep_trainable, _resources(experiment))
+    if tune.Tuner.can_restore(path):
+        tuner = tune.Tuner.restore(path, trainable=trainable, resume_errored=True)
+    else:
+        scheduler = None
+        if experiment.search.scheduler == "asha":
+            stages = 1 + (experiment.evaluation.ppl is not None) + len(experiment.evaluation.fidelities)
+            scheduler = tune.schedulers.ASHAScheduler(
+                time_attr="training_iteration", max_t=stages, grace_period=stages - len(experiment.evaluation.fidelities) + 1,
+                reduction_factor=2,
+            )
+        if experiment.search.algorithm != "grid":
+            raise ConfigError("search.algorithm: tpe runs through run_tpe_sweep (one study per model)")
+        tuner = tune.Tuner(
+            trainable,
+            param_space=param_space(experiment, cache_dir=f"{path}/importance_cache"),
+            tune_config=tune.TuneConfig(metric=experiment.metric, mode=experiment.mode, scheduler=scheduler,
+                                        max_concurrent_trials=experiment.search.max_concurrent),
+            run_config=tune.RunConfig(
+                name=experiment.name, storage_path=str(Path(path).parent) if "://" not in path else experiment.storage_path,
+                failure_config=tune.FailureConfig(max_failures=experiment.max_failures), verbose=1,
+            ),
+        )
+    previous = signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+    try:
+        return tuner.fit()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def sweep_status(path: str) -> dict:
+    """Trial counts by state and the best acc_mean so far per model, from the saved experiment state."""
+    from ray.tune import ExperimentAnalysis
+
+    try:
+        analysis = ExperimentAnalysis(path)
+    except Exception as error:  # ray raises ValueError / FileNotFoundError / TuneError for a missing or bad folder
+        raise ConfigError(f"{path}: not a readable Tune experiment ({type(error).__name__}: {error})") from None
+    counts = {"PENDING": 0, "RUNNING": 0, "TERMINATED": 0, "ERROR": 0, "PAUSED": 0}
+    best: dict[str, dict] = {}
+    for trial in analysis.trials:
+        counts[trial.status] = counts.get(trial.status, 0) + 1
+        result = trial.last_result or {}
+        model = trial.config.get("model")
+        if "acc_mean" in result and (model not in best or result["acc_mean"] > best[model]["acc_mean"]):
+            best[model] = {"acc_mean": result["acc_mean"], "ppl": result.get("ppl"), "trial_id": trial.trial_id,
+                           **{k: trial.config.get(k) for k in ("pruning_method", "taylor_seq_len", "taylor_num_samples", "seed")}}
+    return {"pending": counts["PENDING"], "running": counts["RUNNING"], "finished": counts["TERMINATED"],
+            "errored": counts["ERROR"], "paused": counts["PAUSED"], "total": len(analysis.trials), "best": best}

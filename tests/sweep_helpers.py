@@ -1,0 +1,90 @@
+"""Helpers for the sweep tests: small experiment files, running the CLI in a subprocess, cleaning up Ray."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+
+SMALL = {
+    "models": ["tiny-llama"],
+    "search_space": {"taylor_seq_len": {"grid": [16, 32, 48]}, "taylor_num_samples": {"grid": [8]},
+                     "pruning_method": {"grid": ["taylor", "blockwise"]}},
+    "prune": {"sparsity": 0.2, "calibration": "world", "device": "cpu", "dtype": "float32"},
+    "evaluation": {"tasks": "piqa", "task_data": "world", "ppl": None, "batch_size": 16, "fidelities": [10]},
+    "resources": {"cpu": 1, "gpu": 0},
+    "max_failures": 1,
+}
+
+
+def write_experiment(folder: Path, name: str, **changes) -> Path:
+    data = {"name": name, **SMALL, "storage_path": str(folder / "sweeps"), **changes}
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def env() -> dict:
+    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def sweep_command(experiment: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "taylor_tune", "sweep", str(experiment), *extra]
+
+
+def run_sweep(experiment: Path, *extra: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(sweep_command(experiment, *extra), capture_output=True, text=True, timeout=timeout, env=env(), cwd=REPO)
+
+
+def trial_dirs(experiment_dir: Path) -> dict[str, Path]:
+    """trial id -> folder, for every trial folder Tune made."""
+    return {"_".join(p.name.split("_")[2:4]): p for p in experiment_dir.glob("sweep_trainable_*") if p.is_dir()}
+
+
+def finished(experiment_dir: Path) -> dict[str, Path]:
+    return {t: p for t, p in trial_dirs(experiment_dir).items() if (p / "evaluation.json").is_file()}
+
+
+def wait_for(predicate, timeout: float, poll: float = 0.5) -> bool:
+    end = time.time() + timeout
+    while time.time() < end:
+        if predicate():
+            return True
+        time.sleep(poll)
+    return False
+
+
+def ray_processes(started_after: float) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline", "create_time"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if proc.info["create_time"] >= started_after - 1 and ("ray::" in cmd or "/ray/" in cmd or "raylet" in cmd or "gcs_server" in cmd):
+            found.append(proc)
+    return found
+
+
+def kill_ray_started_after(started_after: float) -> None:
+    """Stop what a test started: Ray processes created since `started_after` (a SIGKILLed driver leaves some)."""
+    for proc in ray_processes(started_after):
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+
+
+def analysis_rows(experiment_dir: Path) -> list[dict]:
+    """ExperimentAnalysis in a fresh process: one dict per trial (last result, config flattened)."""
+    code = (
+        "import json, sys\n"
+        "from ray.tune import ExperimentAnalysis\n"
+        "df = ExperimentAnalysis(sys.argv[1]).dataframe()\n"
+        "print(json.dumps(json.loads(df.to_json(orient='records'))))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(experiment_dir)], capture_output=True, text=True, check=True, env=env())
+    return json.loads(out.stdout.strip().splitlines()[-1])

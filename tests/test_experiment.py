@@ -1,0 +1,82 @@
+"""Experiment files: every shipped one validates; bad ones are refused before Ray starts, naming the field."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from taylor_tune.errors import ConfigError
+from taylor_tune.experiment import load_experiment
+from tests.sweep_helpers import SMALL, env
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_the_shipped_experiments_validate_and_the_paper_grid_has_135_trials():
+    grid = load_experiment(REPO / "experiments" / "paper_grid_20.yaml")
+    assert grid.grid_size() == 135 and len(grid.grid_points()) == 135
+    assert grid.resources.gpu == 1 and grid.sample_counts() == (128, 256, 512)
+    assert load_experiment(REPO / "experiments" / "smoke.yaml").grid_size() == 36
+    assert load_experiment(REPO / "experiments" / "tpe_asha.yaml").search.scheduler == "asha"
+
+
+def test_the_tune_param_space_expands_to_the_grid():
+    from ray.tune.search.variant_generator import generate_variants
+
+    from taylor_tune.tune.space import param_space
+
+    experiment = load_experiment(REPO / "experiments" / "paper_grid_20.yaml")
+    variants = [v for _, v in generate_variants(param_space(experiment, "/cache"))]
+    assert len(variants) == 135
+    points = {(v["model"], v["pruning_method"], v["taylor_seq_len"], v["taylor_num_samples"]) for v in variants}
+    assert points == {(p["model"], p["pruning_method"], p["taylor_seq_len"], p["taylor_num_samples"]) for p in experiment.grid_points()}
+
+
+def bad(tmp_path, **changes):
+    data = {"name": "bad", **SMALL, "storage_path": str(tmp_path / "s")}
+    for key, value in changes.items():
+        if value is None:
+            data.pop(key)
+        else:
+            data[key] = value
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+CASES = [
+    (dict(colour="blue"), "colour: unknown key"),
+    (dict(max_failures="many"), "max_failures: Input should be a valid integer"),
+    (dict(search_space={"taylor_seq_len": {"grid": []}, "taylor_num_samples": {"grid": [8]}, "pruning_method": {"grid": ["taylor"]}}),
+     "search_space.taylor_seq_len: Value error, empty list of values".replace("Value error, ", "")),
+    (dict(models=["no/such-model-here-offline"]), "model: cannot read the config of 'no/such-model-here-offline'"),
+    (dict(models=["tiny-gpt"]), "model: 'tiny-gpt' is not a built-in model"),
+    (dict(search_space={"taylor_seq_len": {"grid": [16]}, "taylor_num_samples": {"grid": [8]}, "pruning_method": {"grid": ["wanda"]}}),
+     "search_space.pruning_method: unknown method 'wanda'"),
+    (dict(evaluation={"tasks": "piqa,squad", "ppl": None}), "tasks: unknown task 'squad'"),
+    (dict(resources={"cpu": 1, "gpu": 1}), "resources.gpu: 1.0 GPU per trial requested, but this machine has no GPU"),
+    (dict(storage_path="/proc/no-write"), "storage_path: /proc/no-write is not writable"),
+    (dict(models=[]), "models: Tuple should have at least 1 item"),
+]
+
+
+@pytest.mark.parametrize("changes, message", CASES)
+def test_bad_experiment_files_exit_2_before_ray_starts(changes, message, tmp_path):
+    import torch
+
+    if "GPU" in message and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    path = bad(tmp_path, **changes)
+    proc = subprocess.run([sys.executable, "-m", "taylor_tune", "sweep", str(path)], capture_output=True, text=True,
+                          env={**env(), "RAY_ADDRESS": ""}, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert "Started a local Ray instance" not in proc.stderr + proc.stdout
+
+
+def test_an_unreadable_search_space_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="search_space: cannot read"):
+        load_experiment(bad(tmp_path, search_space="search_spaces/none.yaml"))

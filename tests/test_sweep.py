@@ -1,0 +1,142 @@
+"""The sweep service end to end: real local Ray, real Tune, the offline world's tiny models."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.sweep_helpers import (REPO, analysis_rows, env, finished, kill_ray_started_after, run_sweep, sweep_command,
+                                 trial_dirs, wait_for, write_experiment)
+
+SPEC_COLUMNS = ["output_dir", "ppl", "acc_mean", *[f"acc_{t}" for t in ("boolq", "piqa", "hellaswag", "winogrande",
+                "arc_easy", "arc_challenge", "openbookqa")], "params_count", "pruning_ratio", "grad_mean_ratio",
+                "grad_norm_ratio", "grad_mean_range", "grad_norm_range", "extreme_pruning_layers", "pruning_method",
+                "taylor_seq_len", "taylor_num_samples"]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """The shipped smoke experiment, run once through the CLI into a temporary storage path."""
+    storage = tmp_path_factory.mktemp("smoke")
+    started = time.time()
+    proc = run_sweep(REPO / "experiments" / "smoke.yaml", "--storage", str(storage), timeout=900)
+    kill_ray_started_after(started)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return storage / "smoke", proc
+
+
+def test_smoke_sweep_runs_end_to_end_and_analysis_has_every_column(smoke):
+    path, proc = smoke
+    assert "36 finished, 0 errored" in proc.stdout
+    rows = analysis_rows(path)
+    assert len(rows) == 36
+    for row in rows:
+        missing = [c for c in SPEC_COLUMNS if row.get(c) is None]
+        assert not missing, missing
+        assert 0.19 < row["pruning_ratio"] < 0.21 and row["stage"] == "zero_shot_100"
+        assert Path(row["output_dir"]).is_dir() and (Path(row["output_dir"]) / "pruning_summary.json").is_file()
+    grid = {(r["model"], r["pruning_method"], r["taylor_seq_len"], r["taylor_num_samples"]) for r in rows}
+    assert len(grid) == 36
+
+
+def test_importance_passes_equal_distinct_model_seq_len_seed(smoke):
+    path, _ = smoke
+    events = [json.loads(l) for l in (path / "importance_cache" / "events.jsonl").read_text().splitlines()]
+    computed = [e for e in events if e["event"] == "computed"]
+    distinct = {(r["model"], r["taylor_seq_len"], r["seed"]) for r in analysis_rows(path)}
+    assert len(computed) == len(distinct) == 6  # 3 models x 2 seq_lens x 1 seed, shared by methods and sample counts
+    assert sum(e["event"] == "hit" for e in events) == 36 - 6
+
+
+def test_status_reports_counts_and_best_per_model(smoke):
+    from taylor_tune.cli import main
+
+    path, _ = smoke
+    proc = subprocess.run([os.sys.executable, "-m", "taylor_tune", "status", str(path)], capture_output=True, text=True, env=env())
+    assert proc.returncode == 0
+    assert "finished 36, errored 0" in proc.stdout
+    assert sum(line.startswith("best so far for tiny-") for line in proc.stdout.splitlines()) == 3
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_an_interrupted_sweep_resumes_without_rerunning_finished_trials(sig, tmp_path):
+    experiment = write_experiment(tmp_path, "resume")
+    path = tmp_path / "sweeps" / "resume"
+    started = time.time()
+    log = open(tmp_path / "first-run.log", "w")  # a file, not a pipe: nobody reads a pipe while we wait
+    proc = subprocess.Popen(sweep_command(experiment), stdout=log, stderr=subprocess.STDOUT, env=env(), cwd=REPO)
+    try:
+        assert wait_for(lambda: len(finished(path)) >= 2, timeout=180), "two trials never finished"
+        time.sleep(2.5)  # the experiment state is saved every second
+        proc.send_signal(sig)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+        kill_ray_started_after(started)
+    before = {t: (p / "result.json").read_bytes() for t, p in finished(path).items()}
+    assert 2 <= len(before) < 6, "the sweep must be interrupted part-way for this test to mean anything"
+
+    again = run_sweep(experiment)
+    kill_ray_started_after(started)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    after = finished(path)
+    assert set(after) == set(trial_dirs(path)) and len(after) == 6  # the rest completed, no extra trials
+    for trial_id, result in before.items():
+        assert (after[trial_id] / "result.json").read_bytes() == result  # not rerun: results untouched
+        assert len((after[trial_id] / "attempts.log").read_text().splitlines()) == 1
+    rows = analysis_rows(path)
+    assert {(r["pruning_method"], r["taylor_seq_len"]) for r in rows} == {(m, s) for m in ("taylor", "blockwise") for s in (16, 32, 48)}
+
+
+def test_a_failing_trial_is_retried_then_errored_and_the_rest_finish(tmp_path):
+    fault = {"pruning_method": "blockwise", "taylor_seq_len": 32}
+    experiment = write_experiment(tmp_path, "faulty", test_fault=fault, max_failures=2)
+    started = time.time()
+    proc = run_sweep(experiment)
+    kill_ray_started_after(started)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "5 finished, 1 errored" in proc.stdout
+    path = tmp_path / "sweeps" / "faulty"
+    (bad,) = [p for p in trial_dirs(path).values() if "pruning_method=blockwise" in p.name and "taylor_seq_len=32" in p.name]
+    assert len((bad / "attempts.log").read_text().splitlines()) == 3  # the first try and max_failures=2 retries
+    assert "InjectedFault" in (bad / "error.txt").read_text()
+    assert len(finished(path)) == 5
+
+
+def test_ray_job_submit_to_a_real_head_node(tmp_path):
+    import socket
+
+    def free_port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    port, dashboard = free_port(), free_port()
+    temp = Path("/tmp") / f"tt-ray-{os.getpid()}"  # Ray's socket paths must stay short
+    ray_env = {**env(), "RAY_AUTH_MODE": "disabled"}
+    ray = str(Path(os.sys.executable).parent / "ray")
+    experiment = write_experiment(tmp_path, "jobs", search_space={
+        "taylor_seq_len": {"grid": [16]}, "taylor_num_samples": {"grid": [8]}, "pruning_method": {"grid": ["taylor", "layerwise"]}})
+    started = time.time()
+    try:
+        subprocess.run([ray, "start", "--head", f"--port={port}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+                        "--num-cpus=2", f"--temp-dir={temp}", "--disable-usage-stats"], check=True, env=ray_env,
+                       capture_output=True, timeout=120)
+        job = subprocess.run(
+            [ray, "job", "submit", "--address", f"http://127.0.0.1:{dashboard}", "--",
+             str(Path(os.sys.executable).parent / "taylor-tune"), "sweep", str(experiment)],
+            capture_output=True, text=True, env=ray_env, timeout=600,
+        )
+        assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+        assert "2 finished, 0 errored" in job.stdout
+        assert "succeeded" in job.stdout
+    finally:
+        subprocess.run([ray, "stop", "--force"], env=ray_env, capture_output=True, timeout=120)
+        kill_ray_started_after(started)
+    assert len(finished(tmp_path / "sweeps" / "jobs")) == 2
