@@ -141,6 +141,14 @@ class Experiment(BaseModel):
         return values
 
     @model_validator(mode="after")
+    def _tpe(self) -> Experiment:
+        if self.search.algorithm == "tpe" and self.search.repeats > 1:
+            raise ValueError("search.repeats > 1 is for grid search; TPE draws one calibration seed (0)")
+        if self.search.algorithm == "grid" and any(d.grid is None for d in self.search_space.domains().values()):
+            raise ValueError("search.algorithm grid needs grid domains in the search space (choice is for tpe)")
+        return self
+
+    @model_validator(mode="after")
     def _evaluation(self) -> Experiment:
         for limit in self.evaluation.fidelities:
             self.evaluation.spec(limit)

@@ -83,8 +83,6 @@ def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict]
 
     trial_dir = Path(trial_dir)
     trial_dir.mkdir(parents=True, exist_ok=True)
-    with open(trial_dir / "attempts.log", "a") as f:  # one line per attempt: retries are visible
-        f.write(f"{time.time()}\n")
     config = trial.prune
     columns = search_columns(config)
     if trial.fault and all(columns.get(k) == v for k, v in trial.fault.items()):

@@ -19,7 +19,8 @@ def test_the_shipped_experiments_validate_and_the_paper_grid_has_135_trials():
     assert grid.grid_size() == 135 and len(grid.grid_points()) == 135
     assert grid.resources.gpu == 1 and grid.sample_counts() == (128, 256, 512)
     assert load_experiment(REPO / "experiments" / "smoke.yaml").grid_size() == 36
-    assert load_experiment(REPO / "experiments" / "tpe_asha.yaml").search.scheduler == "asha"
+    tpe = load_experiment(REPO / "experiments" / "tpe_asha.yaml")
+    assert tpe.search.scheduler == "asha" and tpe.search.algorithm == "tpe" and tpe.grid_size() == 36
 
 
 def test_the_tune_param_space_expands_to_the_grid():
@@ -80,3 +81,28 @@ def test_bad_experiment_files_exit_2_before_ray_starts(changes, message, tmp_pat
 def test_an_unreadable_search_space_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match="search_space: cannot read"):
         load_experiment(bad(tmp_path, search_space="search_spaces/none.yaml"))
+
+
+def test_the_define_by_run_space_samples_the_experiments_domains():
+    import optuna
+
+    from taylor_tune.tune.search import define_by_run
+
+    experiment = load_experiment(REPO / "experiments" / "tpe_asha.yaml")
+    study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=0))
+    space = define_by_run(experiment)
+    for _ in range(20):
+        trial = study.ask()
+        space(trial)
+        assert trial.params["taylor_seq_len"] in (16, 32, 64, 128, 256)
+        assert trial.params["taylor_num_samples"] in (128, 256, 512)
+        assert trial.params["pruning_method"] in ("taylor", "layerwise", "blockwise")
+        study.tell(trial, 0.5)
+
+
+def test_grid_search_refuses_choice_domains_and_tpe_refuses_repeats(tmp_path):
+    space = {"taylor_seq_len": {"choice": [16]}, "taylor_num_samples": {"grid": [8]}, "pruning_method": {"grid": ["taylor"]}}
+    with pytest.raises(ConfigError, match="grid needs grid domains"):
+        load_experiment(bad(tmp_path, search_space=space))
+    with pytest.raises(ConfigError, match="repeats > 1 is for grid search"):
+        load_experiment(bad(tmp_path, search={"algorithm": "tpe", "repeats": 2}))

@@ -37,7 +37,7 @@ def test_smoke_sweep_runs_end_to_end_and_analysis_has_every_column(smoke):
     for row in rows:
         missing = [c for c in SPEC_COLUMNS if row.get(c) is None]
         assert not missing, missing
-        assert 0.19 < row["pruning_ratio"] < 0.21 and row["stage"] == "zero_shot_100"
+        assert 0.19 < row["pruning_ratio"] < 0.21 and row["stage"] == "zero_shot_40"
         assert Path(row["output_dir"]).is_dir() and (Path(row["output_dir"]) / "pruning_summary.json").is_file()
     grid = {(r["model"], r["pruning_method"], r["taylor_seq_len"], r["taylor_num_samples"]) for r in rows}
     assert len(grid) == 36
@@ -89,7 +89,6 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_trials(sig, tmp
     assert set(after) == set(trial_dirs(path)) and len(after) == 6  # the rest completed, no extra trials
     for trial_id, result in before.items():
         assert (after[trial_id] / "result.json").read_bytes() == result  # not rerun: results untouched
-        assert len((after[trial_id] / "attempts.log").read_text().splitlines()) == 1
     rows = analysis_rows(path)
     assert {(r["pruning_method"], r["taylor_seq_len"]) for r in rows} == {(m, s) for m in ("taylor", "blockwise") for s in (16, 32, 48)}
 
@@ -104,8 +103,8 @@ def test_a_failing_trial_is_retried_then_errored_and_the_rest_finish(tmp_path):
     assert "5 finished, 1 errored" in proc.stdout
     path = tmp_path / "sweeps" / "faulty"
     (bad,) = [p for p in trial_dirs(path).values() if "pruning_method=blockwise" in p.name and "taylor_seq_len=32" in p.name]
-    assert len((bad / "attempts.log").read_text().splitlines()) == 3  # the first try and max_failures=2 retries
-    assert "InjectedFault" in (bad / "error.txt").read_text()
+    errors = (bad / "error.txt").read_text()  # Tune's own record: one entry per failed attempt
+    assert errors.count("Failure # ") == 3 and errors.count("InjectedFault: injected fault") == 3  # first try + 2 retries
     assert len(finished(path)) == 5
 
 
@@ -140,3 +139,21 @@ def test_ray_job_submit_to_a_real_head_node(tmp_path):
         subprocess.run([ray, "stop", "--force"], env=ray_env, capture_output=True, timeout=120)
         kill_ray_started_after(started)
     assert len(finished(tmp_path / "sweeps" / "jobs")) == 2
+
+
+def test_tpe_with_asha_runs_one_study_per_model(tmp_path):
+    experiment = write_experiment(
+        tmp_path, "tpe", models=["tiny-llama", "tiny-qwen2"],
+        search_space={"taylor_seq_len": {"choice": [16, 32, 48]}, "taylor_num_samples": {"choice": [8, 16]},
+                      "pruning_method": {"choice": ["taylor", "layerwise", "blockwise"]}},
+        search={"algorithm": "tpe", "num_trials": 3, "scheduler": "asha", "seed": 0},
+        evaluation={"tasks": "arc_challenge,openbookqa", "task_data": "world", "ppl": None, "batch_size": 16, "fidelities": [5, 20]},
+    )
+    started = time.time()
+    proc = run_sweep(experiment)
+    kill_ray_started_after(started)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = analysis_rows(tmp_path / "sweeps" / "tpe")
+    assert sorted(r["model"] for r in rows) == ["tiny-llama"] * 3 + ["tiny-qwen2"] * 3
+    assert all(r["stage"] in ("zero_shot_5", "zero_shot_20") for r in rows)  # ASHA may stop after the cheap pass
+    assert all(r["taylor_seq_len"] in (16, 32, 48) and r["taylor_num_samples"] in (8, 16) for r in rows)

@@ -81,13 +81,25 @@ def run_sweep(experiment: Experiment):
                 time_attr="training_iteration", max_t=stages, grace_period=stages - len(experiment.evaluation.fidelities) + 1,
                 reduction_factor=2,
             )
-        if experiment.search.algorithm != "grid":
-            raise ConfigError("search.algorithm: tpe runs through run_tpe_sweep (one study per model)")
+        cache_dir = f"{path}/importance_cache"
+        search_alg, num_samples, space = None, 1, param_space(experiment, cache_dir=cache_dir)
+        if experiment.search.algorithm == "tpe":
+            from taylor_tune.tune.search import PerModelSearcher, define_by_run
+            from taylor_tune.tune.space import fixed_settings
+
+            search_alg = PerModelSearcher(
+                experiment.models, define_by_run(experiment), experiment.search.num_trials,
+                fixed_settings(experiment, cache_dir), metric=experiment.metric, mode=experiment.mode, seed=experiment.search.seed,
+            )
+            num_samples, space = experiment.grid_size(), {}
         tuner = tune.Tuner(
             trainable,
-            param_space=param_space(experiment, cache_dir=f"{path}/importance_cache"),
+            param_space=space,
+            # no reuse_actors: a reused actor's tune.get_context().get_trial_dir() kept pointing at its first
+            # trial's folder (seen with Ray 2.60), which sent later trials' artifacts to the wrong place
             tune_config=tune.TuneConfig(metric=experiment.metric, mode=experiment.mode, scheduler=scheduler,
-                                        max_concurrent_trials=experiment.search.max_concurrent),
+                                        search_alg=search_alg, num_samples=num_samples,
+                                        max_concurrent_trials=experiment.search.max_concurrent, reuse_actors=False),
             run_config=tune.RunConfig(
                 name=experiment.name, storage_path=str(Path(path).parent) if "://" not in path else experiment.storage_path,
                 failure_config=tune.FailureConfig(max_failures=experiment.max_failures), verbose=1,

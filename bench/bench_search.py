@@ -1,0 +1,93 @@
+"""Search efficiency: replay TPE and TPE+ASHA against a complete grid result, offline.
+
+Input: a finished grid sweep whose trials report a cheap zero-shot fidelity and then the full one
+(`experiments/offline_paper_grid.yaml`). Every configuration's accuracy and evaluation seconds are read
+from its trial's results; a replay then asks Optuna's TPE (one study, seeded) for configurations and
+"evaluates" them by lookup:
+- TPE: every proposal costs its full evaluation;
+- TPE+ASHA: every proposal first costs the cheap fidelity; ASHA (Ray's rule, reduction factor 2, one
+  rung) lets it continue only if its cheap score is at least the median of the cheap scores seen so far;
+  a stopped trial reports its cheap score to TPE.
+A replay succeeds at the first fully evaluated configuration within `--tolerance` (0.5 points) of the
+grid's best. Its cost is reported as a fraction of the grid's cost (every configuration at full fidelity).
+
+    .venv/bin/python bench/bench_search.py runs/sweeps/offline_paper_grid --repeats 20 --json bench/out/search.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import numpy as np
+import optuna
+
+
+def load_grid(path: Path) -> dict[tuple, dict]:
+    """(seq_len, num_samples, method) -> cheap/full accuracy and seconds, from each trial's result.json."""
+    table = {}
+    for result_file in path.glob("*/result.json"):
+        rows = [json.loads(line) for line in result_file.read_text().splitlines() if line.strip()]
+        cheap = next(r for r in rows if r.get("stage", "").startswith("zero_shot_") and r["stage"] != "zero_shot_all")
+        full = next(r for r in rows if r.get("stage") == "zero_shot_all")
+        key = (full["taylor_seq_len"], full["taylor_num_samples"], full["pruning_method"])
+        cheap_s = cheap[cheap["stage"] + "_s"]
+        table[key] = {"cheap": cheap["acc_mean"], "full": full["acc_mean"], "cheap_s": cheap_s, "full_s": full["zero_shot_all_s"]}
+    return table
+
+
+def replay(table: dict, *, seed: int, asha: bool, tolerance: float, max_trials: int) -> dict:
+    domains = {name: sorted({k[i] for k in table}, key=str) for i, name in enumerate(("seq_len", "num_samples", "method"))}
+    best = max(v["full"] for v in table.values())
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=seed))
+    cost, rung = 0.0, []
+    for n in range(1, max_trials + 1):
+        trial = study.ask()
+        key = tuple(trial.suggest_categorical(name, values) for name, values in domains.items())
+        row = table[key]
+        if asha:
+            cost += row["cheap_s"]
+            cutoff = np.nanpercentile(rung, 50) if rung else None
+            rung.append(row["cheap"])
+            if cutoff is not None and row["cheap"] < cutoff:
+                study.tell(trial, row["cheap"])
+                continue
+        cost += row["full_s"]
+        study.tell(trial, row["full"])
+        if row["full"] >= best - tolerance:
+            return {"reached": True, "trials": n, "cost_s": cost}
+    return {"reached": False, "trials": max_trials, "cost_s": cost}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("experiment", type=Path)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--tolerance", type=float, default=0.005, help="accuracy points as a fraction (0.005 = 0.5 points)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    table = load_grid(args.experiment)
+    grid_cost = sum(v["full_s"] for v in table.values())
+    best = max(table.items(), key=lambda kv: kv[1]["full"])
+    within = sum(v["full"] >= best[1]["full"] - args.tolerance for v in table.values())
+    print(f"grid: {len(table)} configurations, full-fidelity cost {grid_cost:.1f} s; best {best[0]} acc_mean {best[1]['full']:.4f}; "
+          f"{within} configurations within {args.tolerance * 100:.1f} points")
+    result = {"configurations": len(table), "grid_cost_s": grid_cost, "best": list(best[0]), "best_acc": best[1]["full"],
+              "within_tolerance": within, "tolerance": args.tolerance}
+    for name, asha in (("tpe", False), ("tpe_asha", True)):
+        runs = [replay(table, seed=s, asha=asha, tolerance=args.tolerance, max_trials=3 * len(table)) for s in range(args.repeats)]
+        fractions = [r["cost_s"] / grid_cost for r in runs]
+        result[name] = {"runs": runs, "reached": sum(r["reached"] for r in runs), "median_fraction": statistics.median(fractions),
+                        "mean_fraction": statistics.fmean(fractions), "max_fraction": max(fractions)}
+        print(f"{name}: reached in {result[name]['reached']}/{args.repeats}; cost as a fraction of the grid: median "
+              f"{result[name]['median_fraction']:.3f}, mean {result[name]['mean_fraction']:.3f}, max {result[name]['max_fraction']:.3f}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
