@@ -7,6 +7,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.sweep_helpers import (REPO, analysis_rows, env, finished, kill_ray_started_after, run_sweep, sweep_command,
@@ -18,20 +19,44 @@ SPEC_COLUMNS = ["output_dir", "ppl", "acc_mean", *[f"acc_{t}" for t in ("boolq",
                 "taylor_seq_len", "taylor_num_samples"]
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    """The shipped smoke experiment, run once through the CLI into a temporary storage path."""
+    """The shipped smoke experiment, submitted as a Ray job to a real head node on loopback (its own temp dir,
+    token auth disabled for the test), into a temporary storage path; the cluster is stopped afterwards."""
     storage = tmp_path_factory.mktemp("smoke")
+    port, dashboard = free_port(), free_port()
+    temp = Path("/tmp") / f"tt-ray-{os.getpid()}"  # Ray's socket paths must stay short
+    ray_env = {**env(), "RAY_AUTH_MODE": "disabled"}
+    bin_dir = Path(os.sys.executable).parent
     started = time.time()
-    proc = run_sweep(REPO / "experiments" / "smoke.yaml", "--storage", str(storage), timeout=900)
-    kill_ray_started_after(started)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return storage / "smoke", proc
+    try:
+        subprocess.run([str(bin_dir / "ray"), "start", "--head", f"--port={port}", "--dashboard-host=127.0.0.1",
+                        f"--dashboard-port={dashboard}", "--num-cpus=2", f"--temp-dir={temp}", "--disable-usage-stats"],
+                       check=True, env=ray_env, capture_output=True, timeout=120)
+        job = subprocess.run(
+            [str(bin_dir / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{dashboard}", "--",
+             str(bin_dir / "taylor-tune"), "sweep", str(REPO / "experiments" / "smoke.yaml"), "--storage", str(storage)],
+            capture_output=True, text=True, env=ray_env, timeout=900, cwd=REPO,
+        )
+    finally:
+        kill_ray_started_after(started)  # the head node's processes and everything they started, by PID
+    assert wait_for(lambda: not [p for p in psutil.process_iter(["cmdline"]) if str(temp) in " ".join(p.info["cmdline"] or [])], 30)
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    assert "succeeded" in job.stdout
+    return storage / "smoke", job
 
 
-def test_smoke_sweep_runs_end_to_end_and_analysis_has_every_column(smoke):
-    path, proc = smoke
-    assert "36 finished, 0 errored" in proc.stdout
+def test_smoke_sweep_runs_end_to_end_under_ray_job_submit_and_analysis_has_every_column(smoke):
+    path, job = smoke
+    assert "36 finished, 0 errored" in job.stdout
     rows = analysis_rows(path)
     assert len(rows) == 36
     for row in rows:
@@ -41,6 +66,20 @@ def test_smoke_sweep_runs_end_to_end_and_analysis_has_every_column(smoke):
         assert Path(row["output_dir"]).is_dir() and (Path(row["output_dir"]) / "pruning_summary.json").is_file()
     grid = {(r["model"], r["pruning_method"], r["taylor_seq_len"], r["taylor_num_samples"]) for r in rows}
     assert len(grid) == 36
+
+
+def test_tensorboard_has_the_per_stage_metrics(smoke):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    path, _ = smoke
+    trial = next(path.glob("sweep_trainable_*"))
+    tags = set()
+    for events in trial.glob("events.out.tfevents.*"):
+        accumulator = EventAccumulator(str(events))
+        accumulator.Reload()
+        tags |= set(accumulator.Tags()["scalars"])
+    for metric in ("pruning_ratio", "grad_norm_ratio", "ppl", "acc_mean", "acc_piqa"):
+        assert f"ray/tune/{metric}" in tags, sorted(tags)
 
 
 def test_importance_passes_equal_distinct_model_seq_len_seed(smoke):
@@ -53,8 +92,6 @@ def test_importance_passes_equal_distinct_model_seq_len_seed(smoke):
 
 
 def test_status_reports_counts_and_best_per_model(smoke):
-    from taylor_tune.cli import main
-
     path, _ = smoke
     proc = subprocess.run([os.sys.executable, "-m", "taylor_tune", "status", str(path)], capture_output=True, text=True, env=env())
     assert proc.returncode == 0
@@ -106,39 +143,6 @@ def test_a_failing_trial_is_retried_then_errored_and_the_rest_finish(tmp_path):
     errors = (bad / "error.txt").read_text()  # Tune's own record: one entry per failed attempt
     assert errors.count("Failure # ") == 3 and errors.count("InjectedFault: injected fault") == 3  # first try + 2 retries
     assert len(finished(path)) == 5
-
-
-def test_ray_job_submit_to_a_real_head_node(tmp_path):
-    import socket
-
-    def free_port():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-    port, dashboard = free_port(), free_port()
-    temp = Path("/tmp") / f"tt-ray-{os.getpid()}"  # Ray's socket paths must stay short
-    ray_env = {**env(), "RAY_AUTH_MODE": "disabled"}
-    ray = str(Path(os.sys.executable).parent / "ray")
-    experiment = write_experiment(tmp_path, "jobs", search_space={
-        "taylor_seq_len": {"grid": [16]}, "taylor_num_samples": {"grid": [8]}, "pruning_method": {"grid": ["taylor", "layerwise"]}})
-    started = time.time()
-    try:
-        subprocess.run([ray, "start", "--head", f"--port={port}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-                        "--num-cpus=2", f"--temp-dir={temp}", "--disable-usage-stats"], check=True, env=ray_env,
-                       capture_output=True, timeout=120)
-        job = subprocess.run(
-            [ray, "job", "submit", "--address", f"http://127.0.0.1:{dashboard}", "--",
-             str(Path(os.sys.executable).parent / "taylor-tune"), "sweep", str(experiment)],
-            capture_output=True, text=True, env=ray_env, timeout=600,
-        )
-        assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
-        assert "2 finished, 0 errored" in job.stdout
-        assert "succeeded" in job.stdout
-    finally:
-        subprocess.run([ray, "stop", "--force"], env=ray_env, capture_output=True, timeout=120)
-        kill_ray_started_after(started)
-    assert len(finished(tmp_path / "sweeps" / "jobs")) == 2
 
 
 def test_tpe_with_asha_runs_one_study_per_model(tmp_path):

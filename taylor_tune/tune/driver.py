@@ -116,6 +116,8 @@ def sweep_status(path: str) -> dict:
     """Trial counts by state and the best acc_mean so far per model, from the saved experiment state."""
     from ray.tune import ExperimentAnalysis
 
+    if "://" not in path:
+        path = str(Path(path).resolve())  # pyarrow reads a relative path as a URI without a scheme
     try:
         analysis = ExperimentAnalysis(path)
     except Exception as error:  # ray raises ValueError / FileNotFoundError / TuneError for a missing or bad folder
