@@ -193,17 +193,17 @@ def build_prune_config(values: dict[str, Any]) -> PruneConfig:
         raise ConfigError(format_validation_error(error)) from None
 
 
-def read_config_file(path: str | Path) -> dict[str, Any]:
+def read_config_file(path: str | Path, what: str = "config") -> dict[str, Any]:
     """A YAML mapping (safe_load only), not yet validated."""
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
     except OSError as error:
-        raise ConfigError(f"cannot read config file {path}: {error.strerror}") from None
+        raise ConfigError(f"cannot read {what} file {path}: {error.strerror}") from None
     except yaml.YAMLError as error:
         raise ConfigError(f"{path} is not valid YAML: {error}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
+        raise ConfigError(f"{path}: expected a mapping of {what} keys, got {type(data).__name__}")
     return data
 
 

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from taylor_tune.config import EvalSpec, PruneConfig, format_validation_error
+from taylor_tune.config import EvalSpec, PruneConfig, format_validation_error, read_config_file
 from taylor_tune.errors import ConfigError
 
 # Search dimensions and the PruneConfig fields they set (names as the source tables spell them).
@@ -196,14 +196,7 @@ def _resolve_space(data: dict, base: Path) -> dict:
 def load_experiment(path: str | Path, **overrides: Any) -> Experiment:
     """Read and validate an experiment YAML; `overrides` (e.g. storage_path, name) replace its values."""
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as error:
-        raise ConfigError(f"cannot read experiment file {path}: {error.strerror}") from None
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{path} is not valid YAML: {error}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of experiment keys")
+    data = read_config_file(path, what="experiment")
     data = _resolve_space(data, path.resolve().parent.parent) | {k: v for k, v in overrides.items() if v is not None}
     try:
         return Experiment(**data)
