@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup demo test bench world clean
+.PHONY: setup demo prune-demo test bench world clean
 
 setup: $(STAMP)
 
@@ -18,13 +18,17 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
-# Until the sweep exists the main job is one prune + evaluation of the tiny trained Llama, all offline.
+# The main job: the smoke sweep of the offline world's tiny models through Ray Tune (CPU, ~4 min; running
+# it again resumes or just reports), then its status. `make prune-demo` is the one-model version (~30 s).
 demo: setup
+	$(VENV)/bin/taylor-tune sweep experiments/smoke.yaml
+	$(VENV)/bin/taylor-tune status runs/sweeps/smoke
+
+prune-demo: setup
 	$(VENV)/bin/taylor-tune prune --model tiny-llama --method taylor --sparsity 0.2 \
 	    --seq-len 64 --num-samples 128 --calibration world --seed 0 --output $(DEMO_OUT)
 	$(VENV)/bin/taylor-tune evaluate --model $(DEMO_OUT)/model --tasks all --ppl world \
 	    --output $(DEMO_OUT)/evaluation.json
-	@echo "demo outputs in $(DEMO_OUT)/: pruning_summary.json importance.safetensors model/ evaluation.json"
 
 test: setup
 	$(PY) -m pytest -q
