@@ -34,7 +34,6 @@ TASK_YAML = {
     "winogrande": "winogrande/default.yaml", "arc_easy": "arc/arc_easy.yaml", "arc_challenge": "arc/arc_challenge.yaml",
     "openbookqa": "openbookqa/openbookqa.yaml",
 }
-TINY_MODEL_PREFIX = "tiny-"
 
 
 # ---------------------------------------------------------------- perplexity
@@ -113,9 +112,12 @@ def _task_manager(with_defaults: bool):
 
 
 def resolve_task_data(spec: EvalSpec, model_name: str | None) -> str:
+    """auto: the offline world for the built-in tiny models (and pruned folders made from them), else the hub."""
     if spec.task_data != "auto":
         return spec.task_data
-    return "world" if model_name and model_name.startswith(TINY_MODEL_PREFIX) else "hub"
+    from taylor_tune.models import is_builtin
+
+    return "world" if model_name and is_builtin(model_name) else "hub"
 
 
 def task_source(task: str, task_data: str) -> tuple[str | dict, object]:

@@ -53,7 +53,7 @@ def test_in_memory_evaluation_equals_the_saved_and_reloaded_model(tmp_path):
     config = build_prune_config({"model": "tiny-qwen2", "method": "blockwise", "sparsity": 0.3, "calibration": "world",
                                  "seq_len": 32, "num_samples": 16, "device": "cpu"})
     result = prune(config)
-    spec = world_spec(tasks="piqa,hellaswag,arc_challenge", limit=60)
+    spec = build_eval_spec({"ppl": "world", "tasks": "piqa,hellaswag,arc_challenge", "limit": 60})  # task_data: auto
     in_memory = evaluate(result.model, result.tokenizer, spec, model_name="tiny-qwen2")
     write_prune_artifacts(tmp_path, config, result)
     folder = str(tmp_path / "model")
@@ -63,7 +63,7 @@ def test_in_memory_evaluation_equals_the_saved_and_reloaded_model(tmp_path):
     for task in in_memory["tasks"]:
         a, b = in_memory["tasks"][task], reloaded["tasks"][task]
         assert {k: v for k, v in a.items() if k not in ("seconds", "items_per_s")} == {k: v for k, v in b.items() if k not in ("seconds", "items_per_s")}
-    assert reloaded["task_data"] == "world"  # a pruned tiny model is still evaluated on its world
+    assert in_memory["task_data"] == reloaded["task_data"] == "world"  # a pruned tiny model is still evaluated on its world
 
 
 @pytest.mark.parametrize("window", [16, 128])
