@@ -25,6 +25,14 @@ writes OUTPUT/pruning_summary.json, OUTPUT/importance.safetensors and OUTPUT/mod
 """
 
 
+def _add_field_options(parser: argparse.ArgumentParser, model, names: tuple[str, ...]) -> None:
+    """One --option per config field; values stay strings: pydantic converts and validates them, naming the field."""
+    for name in names:
+        field = model.model_fields[name]
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
+                            help=f"{field.description} (default: {field.default})")
+
+
 def _add_prune(subparsers) -> None:
     from taylor_tune.config import PruneConfig
 
@@ -37,12 +45,9 @@ def _add_prune(subparsers) -> None:
     p.add_argument("--config", help="a YAML file of prune settings (keys as the options below); options given here override it")
     p.add_argument("--model", help=fields["model"].description)
     p.add_argument("--output", required=True, help="folder for the summary, the importance and the pruned model")
-    for name in ("method", "sparsity", "seq_len", "num_samples", "calibration", "seed", "micro_batch_size",
-                 "device", "dtype", "layerwise_max_ratio", "blockwise_layer_start", "blockwise_layer_end",
-                 "extreme_ratio_threshold"):
-        # Values stay strings here: pydantic converts and validates them, naming the field on error.
-        p.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
-                       help=f"{fields[name].description} (default: {fields[name].default})")
+    _add_field_options(p, PruneConfig, ("method", "sparsity", "seq_len", "num_samples", "calibration", "seed",
+                                        "micro_batch_size", "device", "dtype", "layerwise_max_ratio",
+                                        "blockwise_layer_start", "blockwise_layer_end", "extreme_ratio_threshold"))
     p.add_argument("--trust-remote-code", action="store_true", default=None, help=fields["trust_remote_code"].description)
     p.set_defaults(handler=_run_prune)
 
@@ -81,7 +86,6 @@ example (a pruned model written by `taylor-tune prune`, the real tasks from the 
 def _add_evaluate(subparsers) -> None:
     from taylor_tune.config import EvalSpec
 
-    fields = EvalSpec.model_fields
     p = subparsers.add_parser(
         "evaluate", help="perplexity and zero-shot accuracy of one model",
         description="Evaluate a causal LM: perplexity, and the 7 zero-shot tasks through lm-eval.",
@@ -89,9 +93,7 @@ def _add_evaluate(subparsers) -> None:
     )
     p.add_argument("--model", required=True, help="hub id, folder (pruned or not) or a built-in tiny model")
     p.add_argument("--output", required=True, help="JSON file for the results")
-    for name in ("tasks", "task_data", "limit", "batch_size", "ppl", "ppl_window"):
-        p.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
-                       help=f"{fields[name].description} (default: {fields[name].default})")
+    _add_field_options(p, EvalSpec, ("tasks", "task_data", "limit", "batch_size", "ppl", "ppl_window"))
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--trust-remote-code", action="store_true")

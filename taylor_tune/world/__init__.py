@@ -30,9 +30,5 @@ def corpus_path() -> Path:
     return world_dir() / "corpus.txt"
 
 
-def tokenizer_path() -> Path:
-    return world_dir() / "tokenizer.json"
-
-
 def model_dir(name: str) -> Path:
     return world_dir() / "models" / name

@@ -202,39 +202,39 @@ def winogrande_items(rng, zoo, n):
     return items
 
 
-def arc_easy_items(rng, zoo, n):
+def _multiple_choice_items(rng, zoo, n, id_prefix, text_key, question_of):
+    """ARC / OpenBookQA-style items: animal i % 24 asked `question_of(i, animal) -> (text, answer, pool)`."""
     items = []
     for i in range(n):
-        a = zoo[i % len(zoo)]
-        question, answer, pool = [(f"Where does the {a.name} live?", a.home, HOMES), (f"What does the {a.name} eat?", a.food, FOODS),
-                                  (f"What colour is the {a.name}?", a.colour, COLOURS)][(i // len(zoo)) % 3]
+        text, answer, pool = question_of(i, zoo[i % len(zoo)])
         choices, key = _choices(rng, answer, pool)
-        items.append({"id": f"world-e-{i}", "question": question, "choices": choices, "answerKey": key})
+        items.append({"id": f"{id_prefix}-{i}", text_key: text, "choices": choices, "answerKey": key})
     return items
+
+
+def arc_easy_items(rng, zoo, n):
+    def question(i, a):
+        return [(f"Where does the {a.name} live?", a.home, HOMES), (f"What does the {a.name} eat?", a.food, FOODS),
+                (f"What colour is the {a.name}?", a.colour, COLOURS)][(i // len(zoo)) % 3]
+
+    return _multiple_choice_items(rng, zoo, n, "world-e", "question", question)
 
 
 def arc_challenge_items(rng, zoo, n):
-    items = []
-    for i in range(n):
-        a = zoo[i % len(zoo)]
+    def question(i, a):
         if (i // len(zoo)) % 2 == 0:
-            question, answer, pool = f"What does {describe(a)} eat?", a.food, FOODS
-        else:
-            question, answer, pool = f"Which animal is {describe(a)}?", a.name, [z.name for z in zoo]
-        choices, key = _choices(rng, answer, pool)
-        items.append({"id": f"world-c-{i}", "question": question, "choices": choices, "answerKey": key})
-    return items
+            return f"What does {describe(a)} eat?", a.food, FOODS
+        return f"Which animal is {describe(a)}?", a.name, [z.name for z in zoo]
+
+    return _multiple_choice_items(rng, zoo, n, "world-c", "question", question)
 
 
 def openbookqa_items(rng, zoo, n):
-    items = []
-    for i in range(n):
-        a = zoo[i % len(zoo)]
-        stem, answer, pool = [(f"The {a.name} lives near the", a.home, HOMES), (f"The food of the {a.name} is", a.food, FOODS),
-                              (f"The colour of the {a.name} is", a.colour, COLOURS)][(i // len(zoo)) % 3]
-        choices, key = _choices(rng, answer, pool)
-        items.append({"id": f"world-o-{i}", "question_stem": stem, "choices": choices, "answerKey": key})
-    return items
+    def stem(i, a):
+        return [(f"The {a.name} lives near the", a.home, HOMES), (f"The food of the {a.name} is", a.food, FOODS),
+                (f"The colour of the {a.name} is", a.colour, COLOURS)][(i // len(zoo)) % 3]
+
+    return _multiple_choice_items(rng, zoo, n, "world-o", "question_stem", stem)
 
 
 TASK_MAKERS = {
