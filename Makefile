@@ -19,10 +19,11 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 # The main job: the smoke sweep of the offline world's tiny models through Ray Tune (CPU, ~4 min; running
-# it again resumes or just reports), then its status. `make prune-demo` is the one-model version (~30 s).
+# it again resumes or just reports), then its status and its report (runs/reports/smoke). `make prune-demo` is the one-model version (~30 s).
 demo: setup
 	$(VENV)/bin/taylor-tune sweep experiments/smoke.yaml
 	$(VENV)/bin/taylor-tune status runs/sweeps/smoke
+	$(VENV)/bin/taylor-tune report runs/sweeps/smoke --output runs/reports/smoke
 
 prune-demo: setup
 	$(VENV)/bin/taylor-tune prune --model tiny-llama --method taylor --sparsity 0.2 \
@@ -36,6 +37,7 @@ test: setup
 bench: setup
 	$(PY) bench/bench_importance.py --json bench/out/importance.json
 	$(PY) bench/bench_evaluation.py --json bench/out/evaluation.json
+	$(PY) bench/bench_report.py --trials 10000 --json bench/out/report.json
 
 # Regenerate the offline world (corpus, tasks, tokenizer, tiny trained models); ~7 min of CPU.
 world: setup

@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 
-from taylor_tune.errors import TaylorTuneError
+from taylor_tune.errors import ConfigError, TaylorTuneError
 
 PRUNE_EXAMPLE = """\
 example (a tiny model on the shipped sample text, CPU, a few seconds):
@@ -187,6 +187,44 @@ def _run_status(args: argparse.Namespace) -> int:
     return 0
 
 
+REPORT_EXAMPLE = """\
+example (after `make demo`):
+  taylor-tune report runs/sweeps/smoke --output runs/reports/smoke
+
+writes per-model consolidated CSVs and JSON, cross_model_comparison.json, final_analysis_report.txt/.md,
+paper/ (LaTeX tables), figures/ (heatmaps, method bars) and best_<model>/ (the best trial's artifacts + plots)
+"""
+
+
+def _add_report(subparsers) -> None:
+    p = subparsers.add_parser(
+        "report", help="analyse a finished (or running) sweep: best configs, method comparison, statistics",
+        description="Turn a Tune experiment into the analysis report, paper tables and plots.",
+        epilog=REPORT_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("path", help="the experiment folder (storage_path/name), local or a URI such as s3://bucket/sweeps/name")
+    p.add_argument("--output", required=True, help="folder for the report's files")
+    p.add_argument("--model", help="report on this model only")
+    p.add_argument("--z", type=float, default=None, help="z of the confidence intervals and ties (default 1.96: 95%%)")
+    p.set_defaults(handler=_run_report)
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from taylor_tune.reporting import build_report, write_report
+    from taylor_tune.reporting.stats import Z95
+
+    if args.z is not None and not args.z > 0:
+        raise ConfigError(f"--z: must be > 0, got {args.z}")
+    report = build_report(args.path, model=args.model, z=args.z or Z95)
+    written = write_report(report, args.output)
+    table = report.table
+    print(f"{len(table.trials)} trials ({len(table.valid)} valid, {len(table.invalid)} invalid); "
+          f"{len(written)} files written to {args.output}")
+    if (best := report.overall_best) is not None:
+        print(f"overall best: {best['model']} with {best['best_method']}, acc_mean {best['best_acc']:.4f}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="taylor-tune", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
@@ -194,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prune(subparsers)
     _add_evaluate(subparsers)
     _add_sweep(subparsers)
+    _add_report(subparsers)
     return parser
 
 

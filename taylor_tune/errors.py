@@ -23,3 +23,7 @@ class PlanError(TaylorTuneError):
 
 class EvaluationError(TaylorTuneError):
     """An evaluation cannot run (bad window, missing data) or failed inside a named task."""
+
+
+class ReportError(TaylorTuneError):
+    """A report's input cannot be read (no such experiment, unknown model)."""

@@ -140,6 +140,19 @@ def _metric(results: dict, name: str) -> float | None:
     return None if value in (None, "N/A") else float(value)
 
 
+def split_scores(samples: list[dict], metric: str) -> dict:
+    """The task's score on its even-numbered items ("sel") and on its odd-numbered ones ("heldout"), so that a
+    report can choose a configuration on one half and report it on the other, untouched half."""
+    halves: dict[str, list[float]] = {"sel": [], "heldout": []}
+    for sample in samples:
+        halves["sel" if sample["doc_id"] % 2 == 0 else "heldout"].append(float(sample[metric]))
+    out = {}
+    for half, values in halves.items():
+        out[f"score_{half}"] = sum(values) / len(values) if values else None
+        out[f"n_{half}"] = len(values)
+    return out
+
+
 def zero_shot(lm, spec: EvalSpec, task_data: str) -> dict[str, dict]:
     from lm_eval import simple_evaluate
 
@@ -150,7 +163,7 @@ def zero_shot(lm, spec: EvalSpec, task_data: str) -> dict[str, dict]:
         try:
             result = simple_evaluate(
                 model=lm, tasks=[source], task_manager=manager, limit=spec.limit, bootstrap_iters=1000,
-                log_samples=False, verbosity="ERROR",
+                log_samples=True, verbosity="ERROR",
             )
         except Exception as error:  # lm-eval and datasets raise anything; say which task it was
             raise EvaluationError(f"task {task}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from None
@@ -166,6 +179,7 @@ def zero_shot(lm, spec: EvalSpec, task_data: str) -> dict[str, dict]:
         if entry[metric] is None:
             raise EvaluationError(f"task {task}: lm-eval reported no {metric}")
         entry["score"], entry["score_stderr"] = entry[metric], entry[f"{metric}_stderr"]
+        entry |= split_scores(next(iter(result["samples"].values())), metric)
         entry["items_per_s"] = entry["n"] / seconds if seconds > 0 else None
         out[task] = entry
         log.info("%s: %s %.4f (n=%d, %.1fs)", task, metric, entry["score"], entry["n"], seconds)

@@ -30,6 +30,9 @@ def test_shipped_models_beat_chance_and_know_their_text(name):
     assert all(e["n"] >= 100 for e in result["tasks"].values())
     assert result["ppl"] < len(tokenizer) / 50  # a uniform guess would score the vocabulary size
     assert result["acc_mean"] == pytest.approx(sum(result[f"acc_{t}"] for t in TASKS) / 7)
+    for task, e in result["tasks"].items():  # the two halves (held-out selection) recombine into lm-eval's own score
+        assert e["n_sel"] + e["n_heldout"] == e["n"] and abs(e["n_sel"] - e["n_heldout"]) <= 1
+        assert (e["n_sel"] * e["score_sel"] + e["n_heldout"] * e["score_heldout"]) / e["n"] == pytest.approx(e["score"]), task
 
 
 def prune_tiny_llama(method, sparsity):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -10,6 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from taylor_tune.reporting import build_report, load_trials
 from tests.sweep_helpers import (REPO, analysis_rows, env, finished, kill_ray_started_after, run_sweep, sweep_command,
                                  trial_dirs, wait_for, write_experiment)
 
@@ -143,6 +145,9 @@ def test_a_failing_trial_is_retried_then_errored_and_the_rest_finish(tmp_path):
     errors = (bad / "error.txt").read_text()  # Tune's own record: one entry per failed attempt
     assert errors.count("Failure # ") == 3 and errors.count("InjectedFault: injected fault") == 3  # first try + 2 retries
     assert len(finished(path)) == 5
+    report = build_report(path)  # the errored trial is counted with its reason, never crashes the report
+    (reason,) = report.table.invalid["reason"]
+    assert reason.startswith("errored: ") and "InjectedFault: injected fault" in reason and len(report.table.valid) == 5
 
 
 def test_tpe_with_asha_runs_one_study_per_model(tmp_path):
@@ -161,3 +166,72 @@ def test_tpe_with_asha_runs_one_study_per_model(tmp_path):
     assert sorted(r["model"] for r in rows) == ["tiny-llama"] * 3 + ["tiny-qwen2"] * 3
     assert all(r["stage"] in ("zero_shot_5", "zero_shot_20") for r in rows)  # ASHA may stop after the cheap pass
     assert all(r["taylor_seq_len"] in (16, 32, 48) and r["taylor_num_samples"] in (8, 16) for r in rows)
+    table = load_trials(tmp_path / "sweeps" / "tpe")  # trials ASHA stopped at the cheap fidelity are not comparable
+    stopped = [r for r in rows if r["stage"] == "zero_shot_5"]
+    assert len(table.invalid) == len(stopped) and all("stopped early by the scheduler" in r for r in table.invalid["reason"])
+
+
+def test_report_on_the_smoke_sweep_writes_every_file_with_the_numbers_ray_reads(smoke, tmp_path):
+    import pandas as pd
+
+    from tests.test_reporting import tabular_rows_are_well_formed
+
+    path, _ = smoke
+    out = tmp_path / "report"
+    proc = subprocess.run([os.sys.executable, "-m", "taylor_tune", "report", str(path), "--output", str(out)],
+                          capture_output=True, text=True, env=env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "36 trials (36 valid, 0 invalid)" in proc.stdout
+    df = pd.DataFrame(analysis_rows(path))  # Ray's own reading of the experiment, the independent side
+    for model, rows in df.groupby("model"):
+        best = rows.loc[rows["acc_mean"].idxmax()]
+        written = json.loads((out / f"consolidated_{model}" / "global_best_config.json").read_text())
+        assert written["metrics"]["acc_mean"] == pytest.approx(best["acc_mean"])
+        top = rows[rows["acc_mean"] == best["acc_mean"]]  # ties at the top are possible on 40 items
+        assert written["config"]["pruning_method"] in set(top["pruning_method"])
+        methods = json.loads((out / f"consolidated_{model}" / "method_comparison.json").read_text())["methods"]
+        for method, group in rows.groupby("pruning_method"):
+            assert methods[method]["mean"] == pytest.approx(group["acc_mean"].mean()) and methods[method]["count"] == len(group)
+        heat = json.loads((out / "figures" / f"heatmap_{model}.json").read_text())
+        means = rows.groupby(["taylor_seq_len", "taylor_num_samples"])["acc_mean"].mean()
+        for i, s in enumerate(heat["seq_lens"]):
+            for j, n in enumerate(heat["num_samples"]):
+                assert heat["values"][i][j] == pytest.approx(means[(s, n)])
+        csv = pd.read_csv(out / f"consolidated_{model}" / "all_methods_results.csv")
+        assert len(csv) == len(rows) and {"ppl", "acc_mean", "acc_piqa", "grad_norm_ratio", "output_dir"} <= set(csv.columns)
+        best_dir = out / f"best_{model}"
+        for f in ("best_config.json", "evaluation/evaluation_results.json", "analysis/gradient_diagnosis.json",
+                  "analysis/pruning_comparison.json", "artifacts/config.json", "visualization/gradient_analysis.png",
+                  "visualization/pruning_ratio.png", "visualization/retention_ratio.png"):
+            assert (best_dir / f).is_file() and (best_dir / f).stat().st_size > 0, f
+        layers = json.loads((best_dir / "visualization" / "layer_profile.json").read_text())
+        source = json.loads((Path(written["metrics"]["output_dir"]) / "layer_analysis.json").read_text())
+        assert layers["pruning_ratio"] == [r["pruning_ratio"] for r in source]
+    bars = json.loads((out / "figures" / "methods_by_models.json").read_text())
+    for k, method in enumerate(bars["methods"]):
+        for j, model in enumerate(bars["models"]):
+            assert bars["means"][k][j] == pytest.approx(df[(df["model"] == model) & (df["pruning_method"] == method)]["acc_mean"].mean())
+    text = (out / "final_analysis_report.txt").read_text()
+    assert "Perplexity vs acc_mean" in text and "Overall best:" in text and (out / "final_analysis_report.md").is_file()
+    tex = (out / "paper" / "tables.tex").read_text()
+    tabular_rows_are_well_formed(tex)
+    if shutil.which("pdflatex"):
+        latex = subprocess.run(["pdflatex", "-interaction=nonstopmode", "-halt-on-error", "tables.tex"], cwd=out / "paper",
+                               capture_output=True, text=True, timeout=120)
+        assert latex.returncode == 0, latex.stdout[-2000:]
+
+
+def test_the_example_notebook_runs_headless_on_the_smoke_sweep(smoke, tmp_path):
+    import nbclient
+    import nbformat
+
+    path, _ = smoke
+    notebook = nbformat.read(REPO / "dashboards" / "explore_experiment.ipynb", as_version=4)
+    os.environ["TAYLOR_TUNE_EXPERIMENT"], os.environ["TAYLOR_TUNE_REPORT"] = str(path), str(tmp_path / "nb-report")
+    try:
+        nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
+    finally:
+        del os.environ["TAYLOR_TUNE_EXPERIMENT"], os.environ["TAYLOR_TUNE_REPORT"]
+    printed = "".join(o.get("text", "") for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs)
+    assert "36 trials in" in printed and printed.count("lead real:") == 3
+    assert (tmp_path / "nb-report" / "final_analysis_report.txt").is_file()

@@ -1,0 +1,236 @@
+"""Tune results -> one tidy DataFrame, one row per trial (SPEC §3), with every trial's validity and reason.
+
+An experiment folder (local, `file://` or any URI pyarrow understands, such as `s3://`) is read file by file,
+so that a truncated result.json, an errored trial or one that never reported is counted, not fatal.
+`ExperimentAnalysis` and `ResultGrid` are read through their experiment path, so a notebook and the CLI see
+the same table. Must not import torch or ray.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import posixpath
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from taylor_tune.config import ZERO_SHOT_TASKS
+from taylor_tune.errors import ReportError
+
+CONFIG_COLUMNS = ("model", "pruning_method", "taylor_seq_len", "taylor_num_samples", "seed")
+GRAD_COLUMNS = ("grad_mean_ratio", "grad_norm_ratio", "grad_mean_range", "grad_norm_range")
+SPEC_COLUMNS = ("output_dir", "ppl", "acc_mean", "params_count", "pruning_ratio", *GRAD_COLUMNS,
+                "extreme_pruning_layers", "pruning_method", "taylor_seq_len", "taylor_num_samples")
+ARTIFACTS = ("config.json", "evaluation.json", "pruning_summary.json", "layer_analysis.json")
+_SUFFIXES = ("_stderr", "_sel", "_heldout")
+
+
+def task_columns(columns) -> tuple[str, ...]:
+    """The zero-shot tasks present as `acc_<task>` columns: the paper's order first, then any others by name."""
+    found = {c[4:] for c in columns if c.startswith("acc_") and c != "acc_mean" and not c.startswith("acc_mean_")
+             and not c.endswith(_SUFFIXES)}
+    return tuple(t for t in ZERO_SHOT_TASKS if t in found) + tuple(sorted(found - set(ZERO_SHOT_TASKS)))
+
+
+@dataclass
+class TrialTable:
+    """Every trial of an experiment: `trials` has one row per trial with `valid` and `reason` columns."""
+
+    trials: pd.DataFrame
+    source: str
+    filesystem: object = None  # the pyarrow filesystem `output_dir` paths belong to, when not a local path or URI
+
+    @property
+    def valid(self) -> pd.DataFrame:
+        return self.trials[self.trials["valid"]]
+
+    @property
+    def invalid(self) -> pd.DataFrame:
+        cols = [c for c in ("trial_id", *CONFIG_COLUMNS, "reason") if c in self.trials]
+        return self.trials.loc[~self.trials["valid"], cols]
+
+    @property
+    def models(self) -> list[str]:
+        return sorted(self.trials["model"].dropna().unique().tolist()) if "model" in self.trials else []
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        return task_columns(self.valid.columns[self.valid.notna().any()]) if len(self.valid) else ()
+
+    def for_model(self, model: str) -> TrialTable:
+        if model not in self.models:
+            raise ReportError(f"--model {model!r}: not in the experiment; models: {', '.join(self.models) or 'none'}")
+        return TrialTable(self.trials[self.trials["model"] == model].reset_index(drop=True), self.source, self.filesystem)
+
+
+# ---------------------------------------------------------------- reading a folder
+
+
+def _filesystem(location: str, filesystem=None):
+    """(pyarrow filesystem, path inside it) for a local path or a URI."""
+    from pyarrow import fs
+
+    if filesystem is not None:
+        return filesystem, location
+    if "://" in location:
+        try:
+            return fs.FileSystem.from_uri(location)
+        except Exception as error:  # pyarrow raises ArrowInvalid / OSError for unknown schemes or bad URIs
+            raise ReportError(f"{location}: cannot open ({type(error).__name__}: {error})") from None
+    return fs.LocalFileSystem(), str(Path(location).resolve())
+
+
+def _read_text(filesystem, path: str) -> str | None:
+    try:
+        with filesystem.open_input_stream(path) as stream:
+            return stream.read().decode("utf-8", errors="replace")
+    except (FileNotFoundError, OSError):
+        return None
+
+
+def _last_failure(error_text: str) -> str:
+    """The last line of the last failure in Tune's error.txt: the exception and its message."""
+    block = error_text.rsplit("Failure # ", 1)[-1]
+    lines = [line.strip() for line in block.splitlines() if line.strip()]
+    return lines[-1] if lines else "unknown error"
+
+
+def _final_fidelity(config: dict) -> int | None:
+    """The item limit of a trial's last evaluation (0 = every item); None where the config does not say."""
+    fidelities = (((config or {}).get("fixed") or {}).get("evaluation") or {}).get("fidelities")
+    if not fidelities:
+        return None
+    return fidelities[-1] or 0
+
+
+def read_trial(filesystem, trial_dir: str) -> dict:
+    """One trial folder -> one row: its last reported metrics plus trial_id, trial_dir, error and read_error."""
+    name = posixpath.basename(trial_dir.rstrip("/"))
+    row: dict = {"trial_id": "_".join(name.split("_")[2:4]) or name, "trial_dir": trial_dir}
+    text = _read_text(filesystem, posixpath.join(trial_dir, "result.json"))
+    reports, broken = [], 0
+    for line in (text or "").splitlines():
+        if line.strip():
+            try:
+                reports.append(json.loads(line))
+            except json.JSONDecodeError:
+                broken += 1  # a driver killed mid-write leaves a truncated last line
+    params = _read_text(filesystem, posixpath.join(trial_dir, "params.json"))
+    try:
+        config = json.loads(params) if params else {}
+    except json.JSONDecodeError:
+        config = {}
+    if reports:
+        last = reports[-1]
+        config = config or last.get("config") or {}
+        row |= {k: v for k, v in last.items() if k != "config"}
+        row["run_dir"] = last.get("output_dir")
+    else:
+        row["read_error"] = "result.json is missing" if text is None else (
+            "result.json has no readable report" if broken else "no results reported")
+    for key in CONFIG_COLUMNS:  # a trial that never reported still says which configuration it was
+        if row.get(key) is None and key in config:
+            row[key] = config[key]
+    row["final_fidelity"] = _final_fidelity(config)
+    error = _read_text(filesystem, posixpath.join(trial_dir, "error.txt"))
+    if error:
+        row["error"] = _last_failure(error)
+    row["output_dir"] = trial_dir  # where the artifacts live now; the path during the run is kept as run_dir
+    return row
+
+
+def read_experiment(location: str, filesystem=None) -> pd.DataFrame:
+    """Every trial folder of a Tune experiment -> raw rows (not yet judged valid)."""
+    from pyarrow import fs as pafs
+
+    given = filesystem
+    filesystem, root = _filesystem(str(location), filesystem)
+    info = filesystem.get_file_info(root)
+    if info.type != pafs.FileType.Directory:
+        raise ReportError(f"{location}: no such experiment folder")
+    entries = filesystem.get_file_info(pafs.FileSelector(root, recursive=False))
+    trial_dirs = sorted(e.path for e in entries if e.type == pafs.FileType.Directory
+                        and filesystem.get_file_info(posixpath.join(e.path, "params.json")).type == pafs.FileType.File)
+    rows = pd.DataFrame([read_trial(filesystem, d) for d in trial_dirs])
+    if "://" in str(location) and given is None and len(rows):  # keep the scheme: s3://bucket/... not bucket/...
+        scheme = str(location).split("://", 1)[0]
+        rows["output_dir"] = [f"{scheme}://{d}" for d in rows["output_dir"]]
+    return rows
+
+
+# ---------------------------------------------------------------- deciding validity
+
+
+def _finite(value) -> bool:
+    try:
+        return value is not None and math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def _reason(row: pd.Series, tasks: tuple[str, ...]) -> str | None:
+    """Why a trial cannot enter the statistics (None: it can)."""
+    error = row.get("error") if isinstance(row.get("error"), str) else None
+    if isinstance(row.get("read_error"), str):
+        return f"errored: {error}" if error else row["read_error"]
+    if not _finite(row.get("acc_mean")):
+        if error:
+            return f"errored: {error}"
+        stage = row.get("stage")
+        return f"incomplete: no finite acc_mean (last stage {stage!r})" if isinstance(stage, str) else "no finite acc_mean"
+    expected, reached = row.get("final_fidelity"), row.get("fidelity")
+    if _finite(expected) and _finite(reached) and int(reached) != int(expected):
+        why = f"errored: {error}" if error else "stopped early by the scheduler"
+        return f"incomplete: evaluated on {int(reached)} items per task, not the full {int(expected) or 'set'} ({why})"
+    for task in tasks:
+        if not _finite(row.get(f"acc_{task}")):
+            return f"acc_{task} is missing or not finite"
+    return None
+
+
+def consolidate(rows: pd.DataFrame, source: str = "DataFrame") -> TrialTable:
+    """Judge each trial: valid trials have a finite acc_mean from their final evaluation and every task of their model."""
+    rows = rows.copy().reset_index(drop=True)
+    if "model" not in rows:
+        rows["model"] = pd.Series([None] * len(rows), dtype=object)
+    for column in (*SPEC_COLUMNS, *CONFIG_COLUMNS[1:]):
+        if column not in rows:
+            rows[column] = float("nan")
+    reasons = []
+    for _, group in rows.groupby("model", dropna=False, sort=False):
+        tasks = task_columns(group.columns[group.notna().any()])
+        reasons.extend((i, _reason(row, tasks)) for i, row in group.iterrows())
+    reason = pd.Series(dict(reasons), dtype=object).reindex(rows.index)
+    no_model = rows["model"].isna()
+    reason[no_model] = reason[no_model].fillna("no model recorded")
+    rows["reason"] = reason
+    rows["valid"] = rows["reason"].isna()
+    for task in task_columns(rows.columns):  # an accuracy and its stderr must be numbers, not "None" strings
+        for column in (f"acc_{task}", f"acc_{task}_stderr"):
+            if column in rows:
+                rows[column] = pd.to_numeric(rows[column], errors="coerce")
+    for column in ("acc_mean", "ppl", *GRAD_COLUMNS, "extreme_pruning_layers", "params_count", "pruning_ratio"):
+        if column in rows:
+            rows[column] = pd.to_numeric(rows[column], errors="coerce")
+    if "trial_id" not in rows:
+        rows["trial_id"] = [f"row{i}" for i in range(len(rows))]
+    return TrialTable(rows, source)
+
+
+def load_trials(source) -> TrialTable:
+    """An experiment path or URI, an ExperimentAnalysis, a ResultGrid, a DataFrame or a TrialTable -> TrialTable."""
+    if isinstance(source, TrialTable):
+        return source
+    if isinstance(source, pd.DataFrame):
+        return consolidate(source)
+    if isinstance(source, (str, Path)):
+        return consolidate(read_experiment(str(source)), str(source))
+    path = getattr(source, "experiment_path", None)  # ExperimentAnalysis and ResultGrid both carry it
+    if path is not None:
+        filesystem = getattr(source, "filesystem", None)
+        table = consolidate(read_experiment(str(path), filesystem), str(path))
+        table.filesystem = filesystem
+        return table
+    raise ReportError(f"cannot read results from a {type(source).__name__}; give a path, ExperimentAnalysis, ResultGrid or DataFrame")

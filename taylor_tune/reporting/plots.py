@@ -1,0 +1,156 @@
+"""Figures of a report: each is first computed as a plain data object (testable), then rendered headless.
+
+Rendering uses matplotlib's object API (`Figure` + the Agg canvas), never pyplot, so that no global
+backend or figure state is touched and nothing happens at import time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+
+@dataclass
+class HeatmapData:
+    """Mean acc_mean per (taylor_seq_len, taylor_num_samples) cell for one model, over methods and seeds."""
+
+    model: str
+    seq_lens: list[int]
+    num_samples: list[int]
+    values: list[list[float | None]]  # [seq_len index][num_samples index]; None where no trial ran
+    counts: list[list[int]]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class MethodBars:
+    """Mean acc_mean of each method on each model, with the std over its trials as the error bar."""
+
+    models: list[str]
+    methods: list[str]
+    means: list[list[float | None]]  # [method index][model index]
+    stds: list[list[float | None]]
+    counts: list[list[int]]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class LayerProfile:
+    """Per-layer data of one trial (from its layer_analysis.json)."""
+
+    title: str
+    layers: list[int]
+    pruning_ratio: list[float]
+    retention_ratio: list[float]
+    grad_mean: list[float | None]
+    grad_norm: list[float | None]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _none_if_nan(value) -> float | None:
+    return None if value is None or pd.isna(value) else float(value)
+
+
+def heatmap_data(df: pd.DataFrame, model: str) -> HeatmapData:
+    rows = df[df["model"] == model]
+    table = rows.pivot_table(index="taylor_seq_len", columns="taylor_num_samples", values="acc_mean", aggfunc=["mean", "count"])
+    seq_lens = sorted(int(v) for v in rows["taylor_seq_len"].unique())
+    samples = sorted(int(v) for v in rows["taylor_num_samples"].unique())
+    means = table["mean"].reindex(index=seq_lens, columns=samples) if len(rows) else pd.DataFrame(index=seq_lens, columns=samples)
+    counts = table["count"].reindex(index=seq_lens, columns=samples).fillna(0) if len(rows) else means.fillna(0)
+    return HeatmapData(model, seq_lens, samples, [[_none_if_nan(v) for v in r] for r in means.to_numpy()],
+                       [[int(v) for v in r] for r in counts.to_numpy()])
+
+
+def method_bars(df: pd.DataFrame) -> MethodBars:
+    models = sorted(df["model"].unique())
+    methods = sorted(df["pruning_method"].unique())
+    stats = df.groupby(["pruning_method", "model"])["acc_mean"].agg(["mean", "std", "count"])
+
+    def grid(column, convert):
+        return [[convert(stats[column].get((m, model), np.nan)) for model in models] for m in methods]
+
+    return MethodBars(models, methods, grid("mean", _none_if_nan), grid("std", _none_if_nan),
+                      grid("count", lambda v: 0 if pd.isna(v) else int(v)))
+
+
+def layer_profile(layers: list[dict], title: str) -> LayerProfile:
+    return LayerProfile(title, [int(r["layer"]) for r in layers], [float(r["pruning_ratio"]) for r in layers],
+                        [float(r["retention_ratio"]) for r in layers], [_none_if_nan(r.get("grad_mean")) for r in layers],
+                        [_none_if_nan(r.get("grad_norm")) for r in layers])
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def _figure(width: float, height: float, ncols: int = 1):
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(width, height), layout="constrained")
+    return figure, figure.subplots(1, ncols, squeeze=False)[0]
+
+
+def _as_array(values) -> np.ndarray:
+    return np.array([[np.nan if v is None else v for v in row] for row in values], dtype=float)
+
+
+def render_heatmap(data: HeatmapData, path: Path) -> None:
+    figure, (ax,) = _figure(1.4 + 1.1 * max(len(data.num_samples), 1), 1.2 + 0.55 * max(len(data.seq_lens), 1))
+    values = _as_array(data.values) if data.values else np.full((1, 1), np.nan)
+    image = ax.imshow(values, cmap="YlGnBu", aspect="auto")
+    ax.set_xticks(range(len(data.num_samples)), [str(v) for v in data.num_samples])
+    ax.set_yticks(range(len(data.seq_lens)), [str(v) for v in data.seq_lens])
+    for (i, j), value in np.ndenumerate(values):
+        if np.isfinite(value):
+            ax.text(j, i, f"{value:.3f}", ha="center", va="center", fontsize=8)
+    ax.set_xlabel("taylor_num_samples")
+    ax.set_ylabel("taylor_seq_len")
+    ax.set_title(f"{data.model}: mean acc_mean over methods")
+    figure.colorbar(image, ax=ax)
+    figure.savefig(path, dpi=120)
+
+
+def render_method_bars(data: MethodBars, path: Path) -> None:
+    figure, (ax,) = _figure(2 + 1.6 * max(len(data.models), 1), 3.6)
+    width = 0.8 / max(len(data.methods), 1)
+    x = np.arange(len(data.models))
+    for k, method in enumerate(data.methods):
+        means = _as_array([data.means[k]])[0]
+        stds = np.nan_to_num(_as_array([data.stds[k]])[0])
+        ax.bar(x + (k - (len(data.methods) - 1) / 2) * width, means, width, yerr=stds, capsize=3, label=method)
+    ax.set_xticks(x, data.models)
+    ax.set_ylabel("acc_mean (mean ± std over trials)")
+    ax.legend(fontsize=8)
+    figure.savefig(path, dpi=120)
+
+
+def render_layer_plots(data: LayerProfile, folder: Path) -> dict[str, Path]:
+    """gradient_analysis.png, pruning_ratio.png and retention_ratio.png for one trial."""
+    paths = {name: folder / f"{name}.png" for name in ("gradient_analysis", "pruning_ratio", "retention_ratio")}
+    figure, (left, right) = _figure(9, 3.2, ncols=2)
+    for ax, values, label in ((left, data.grad_mean, "mean |gradient|"), (right, data.grad_norm, "gradient norm")):
+        ax.plot(data.layers, _as_array([values])[0], marker="o")
+        ax.set_xticks(data.layers)
+        ax.set_xlabel("layer")
+        ax.set_ylabel(label)
+    figure.suptitle(f"{data.title}: per-layer gradient statistics")
+    figure.savefig(paths["gradient_analysis"], dpi=120)
+    for name, values in (("pruning_ratio", data.pruning_ratio), ("retention_ratio", data.retention_ratio)):
+        figure, (ax,) = _figure(6, 3.2)
+        ax.bar(data.layers, values)
+        ax.set_xticks(data.layers)
+        ax.set_xlabel("layer")
+        ax.set_ylabel(name.replace("_", " "))
+        ax.set_ylim(0, 1)
+        ax.set_title(f"{data.title}: per-layer {name.replace('_', ' ')}")
+        figure.savefig(paths[name], dpi=120)
+    return paths

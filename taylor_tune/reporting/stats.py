@@ -1,0 +1,291 @@
+"""Statistics over a table of valid trials: pure functions (pandas / scipy / Optuna), no files, no plots.
+
+Every function takes the DataFrame of one model's valid trials (or all models' for the cross-model ones)
+and returns plain data. Where a statistic cannot be computed it says why instead of returning nan.
+
+Correlation strength words, by |r|: below 0.3 "negligible", 0.3 to 0.5 "weak", 0.5 to 0.7 "moderate",
+0.7 and above "strong". These are the source tools' boundaries: they called r = 0.697 and -0.512 moderate,
+-0.754 strong, and left every |r| below 0.5 without comment. The p-value (scipy's two-sided Pearson test)
+and the number of rows used are always printed beside the words.
+
+Uncertainty: lm-eval gives each task's accuracy a standard error; acc_mean's is sqrt(sum se_t^2) / T
+(tasks are disjoint item sets, so their errors are independent). Two trials differ beyond their uncertainty
+when the difference exceeds z * sqrt(se_a^2 + se_b^2), z = 1.96 by default. Both trials answer the same
+items, so this independent-errors bound is conservative: a paired per-item test would call more leads real.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+Z95 = float(stats.norm.ppf(0.975))
+CONFIG = ("pruning_method", "taylor_seq_len", "taylor_num_samples")
+STRENGTHS = ((0.7, "strong"), (0.5, "moderate"), (0.3, "weak"), (0.0, "negligible"))
+
+
+def strength(r: float) -> str:
+    words = next(word for bound, word in STRENGTHS if abs(r) >= bound)
+    return words if words == "negligible" else f"{words} {'positive' if r > 0 else 'negative'}"
+
+
+@dataclass
+class Correlation:
+    """Pearson r of `x` with `y` over the rows where both are finite; r is None when undefined (`reason`)."""
+
+    x: str
+    y: str
+    n: int
+    r: float | None = None
+    p: float | None = None
+    strength: str | None = None
+    reason: str | None = None
+    excluded: dict = field(default_factory=dict)  # rows left out, by why: {"inf": 3, "missing": 1}
+
+    def describe(self) -> str:
+        left_out = ", ".join(f"{k} {v}" for k, v in self.excluded.items() if v)
+        left_out = f"; left out: {left_out}" if left_out else ""
+        if self.r is None:
+            return f"undefined: {self.reason} (n = {self.n}{left_out})"
+        return f"r = {self.r:+.3f} ({self.strength}, p = {self.p:.3g}, n = {self.n}{left_out})"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def correlation(df: pd.DataFrame, x: str, y: str = "acc_mean", min_rows: int = 3) -> Correlation:
+    if x not in df or y not in df:
+        missing = x if x not in df else y
+        return Correlation(x, y, 0, reason=f"column {missing} is absent")
+    a = pd.to_numeric(df[x], errors="coerce").to_numpy(dtype=float)
+    b = pd.to_numeric(df[y], errors="coerce").to_numpy(dtype=float)
+    inf = np.isinf(a) | np.isinf(b)
+    missing = (np.isnan(a) | np.isnan(b)) & ~inf
+    keep = np.isfinite(a) & np.isfinite(b)
+    excluded = {"inf": int(inf.sum()), "missing": int(missing.sum())}
+    n = int(keep.sum())
+    result = Correlation(x, y, n, excluded=excluded)
+    if n < min_rows:
+        result.reason = f"only {n} rows with finite {x} and {y} (needs {min_rows})"
+    elif np.ptp(a[keep]) == 0:
+        result.reason = f"{x} is constant ({a[keep][0]:g}) over these rows"
+    elif np.ptp(b[keep]) == 0:
+        result.reason = f"{y} is constant ({b[keep][0]:g}) over these rows"
+    else:
+        test = stats.pearsonr(a[keep], b[keep])
+        result.r, result.p = float(test.statistic), float(test.pvalue)
+        result.strength = strength(result.r)
+    return result
+
+
+def summary(df: pd.DataFrame, by: str, metric: str = "acc_mean") -> pd.DataFrame:
+    """mean, std (n-1), min, max and count of `metric` per value of `by`, sorted by that value."""
+    table = df.groupby(by)[metric].agg(["mean", "std", "min", "max", "count"])
+    return table.sort_index()
+
+
+def best_trial(df: pd.DataFrame) -> pd.Series | None:
+    """The trial with the highest acc_mean; ties go to the lower ppl, then the smaller trial id."""
+    if df.empty:
+        return None
+    ordered = df.assign(_ppl=df["ppl"].fillna(np.inf) if "ppl" in df else np.inf)
+    ordered = ordered.sort_values(["acc_mean", "_ppl", "trial_id"], ascending=[False, True, True], kind="stable")
+    return ordered.iloc[0].drop("_ppl")
+
+
+def method_comparison(df: pd.DataFrame) -> dict:
+    """Per method: acc_mean statistics; the best method is the best trial's (as the source tools chose),
+    and the method with the best mean is named beside it."""
+    table = summary(df, "pruning_method")
+    best = best_trial(df)
+    return {
+        "table": table,
+        "best_method": None if best is None else best["pruning_method"],
+        "best_acc": None if best is None else float(best["acc_mean"]),
+        "best_method_by_mean": None if table.empty else table["mean"].idxmax(),
+    }
+
+
+def hyperparameter_impact(df: pd.DataFrame, param: str) -> dict:
+    """acc_mean statistics per value of `param`; the best value is the one with the highest mean."""
+    table = summary(df, param)
+    return {"table": table, "best_value": None if table.empty else table["mean"].idxmax(),
+            "best_mean": None if table.empty else float(table["mean"].max())}
+
+
+def extreme_layers(df: pd.DataFrame) -> dict:
+    table = df.groupby("extreme_pruning_layers")["acc_mean"].agg(["mean", "count"]).sort_index()
+    return {"correlation": correlation(df, "extreme_pruning_layers"), "table": table}
+
+
+def acc_mean_stderr(df: pd.DataFrame, tasks: tuple[str, ...]) -> pd.Series:
+    """Standard error of each trial's acc_mean from its tasks' stderrs (NaN where one is missing)."""
+    columns = [f"acc_{t}_stderr" for t in tasks]
+    if not tasks or any(c not in df for c in columns):
+        return pd.Series(np.nan, index=df.index)
+    se = df[columns].apply(pd.to_numeric, errors="coerce")
+    return np.sqrt((se**2).sum(axis=1, min_count=len(columns))) / len(columns)
+
+
+def confidence_interval(value: float, stderr: float, z: float = Z95) -> tuple[float, float] | None:
+    """Normal-approximation interval value ± z * stderr, clipped to [0, 1] (these are accuracies)."""
+    if stderr is None or not math.isfinite(stderr):
+        return None
+    return (max(0.0, value - z * stderr), min(1.0, value + z * stderr))
+
+
+def coverage(z: float) -> float:
+    return float(2 * stats.norm.cdf(z) - 1)
+
+
+@dataclass
+class Lead:
+    """Whether the best trial's lead over the runner-up exceeds its uncertainty, and who is tied with the best."""
+
+    best: str | None
+    runner_up: str | None = None
+    difference: float | None = None
+    stderr: float | None = None
+    z: float = Z95
+    exceeds_uncertainty: bool | None = None
+    tied_with_best: list[str] = field(default_factory=list)  # trial ids whose gap to the best is within z * se
+    reason: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def lead_of_best(df: pd.DataFrame, tasks: tuple[str, ...], z: float = Z95) -> Lead:
+    best = best_trial(df)
+    if best is None:
+        return Lead(None, reason="no valid trials")
+    if len(df) < 2:
+        return Lead(best["trial_id"], reason="only one valid trial: nothing to compare with")
+    se = acc_mean_stderr(df, tasks)
+    others = df[df["trial_id"] != best["trial_id"]]
+    runner = best_trial(others)
+    lead = Lead(best["trial_id"], runner["trial_id"], float(best["acc_mean"] - runner["acc_mean"]), z=z)
+    se_best = se[df["trial_id"] == best["trial_id"]].iloc[0]
+    if not math.isfinite(se_best) or se[others.index].isna().any():
+        lead.reason = "a task stderr is missing, so the uncertainty is unknown"
+        return lead
+    gap_se = np.sqrt(se_best**2 + se[others.index] ** 2)
+    lead.stderr = float(gap_se[runner.name])
+    lead.exceeds_uncertainty = bool(lead.difference > z * lead.stderr)
+    tied = others[(best["acc_mean"] - others["acc_mean"]) <= z * gap_se]
+    lead.tied_with_best = tied.sort_values("acc_mean", ascending=False)["trial_id"].tolist()
+    return lead
+
+
+def seed_spread(df: pd.DataFrame) -> dict:
+    """With calibration-seed repeats: acc_mean across seeds for each configuration."""
+    if "seed" not in df or df.empty:
+        return {"table": None, "reason": "no seed column"}
+    table = df.groupby(list(CONFIG))["acc_mean"].agg(["mean", "std", "min", "max", "count"])
+    table = table[table["count"] > 1]
+    if table.empty:
+        return {"table": None, "reason": "one calibration seed per configuration (set search.repeats > 1 to measure the spread)"}
+    return {"table": table, "reason": None, "mean_std": float(table["std"].mean())}
+
+
+def heldout_selection(df: pd.DataFrame, tasks: tuple[str, ...]) -> dict:
+    """Choose the best configuration on one half of each task's items (`acc_<task>_sel`), report it on the
+    other half (`acc_<task>_heldout`): an estimate free of the winner's curse that picking by the same
+    numbers one reports carries."""
+    sel, held = [f"acc_{t}_sel" for t in tasks], [f"acc_{t}_heldout" for t in tasks]
+    if df.empty or not tasks:
+        return {"reason": "no valid trials"}
+    if any(c not in df for c in sel + held) or df[sel + held].isna().any().any():
+        return {"reason": "the trials did not record per-half accuracies (acc_<task>_sel / _heldout)"}
+    scores = pd.DataFrame({"sel": df[sel].mean(axis=1), "heldout": df[held].mean(axis=1)}, index=df.index)
+    chosen = df.loc[scores.sort_values("sel", ascending=False, kind="stable").index[0]]
+    return {
+        "reason": None, "chosen": chosen["trial_id"], "config": {k: _plain(chosen[k]) for k in CONFIG},
+        "selection_acc": float(scores.loc[chosen.name, "sel"]), "heldout_acc": float(scores.loc[chosen.name, "heldout"]),
+        "optimism": float(scores.loc[chosen.name, "sel"] - scores.loc[chosen.name, "heldout"]),
+        "best_heldout_acc": float(scores["heldout"].max()),
+    }
+
+
+def hyperparameter_importance(df: pd.DataFrame, params: tuple[str, ...] = CONFIG, seed: int = 0) -> dict:
+    """Optuna's fANOVA importance of each searched parameter for acc_mean (sums to 1 over the varied ones)."""
+    import optuna
+    from optuna.distributions import CategoricalDistribution
+    from optuna.importance import FanovaImportanceEvaluator, get_param_importances
+
+    varied = [p for p in params if p in df and df[p].nunique() > 1]
+    if len(df) < 2 or not varied:
+        return {"importances": {}, "reason": "fewer than two trials or no parameter takes two values"}
+    if df["acc_mean"].nunique() < 2:
+        return {"importances": {}, "reason": f"acc_mean is the same ({df['acc_mean'].iloc[0]:g}) in every trial: no variance to attribute"}
+    distributions = {p: CategoricalDistribution(sorted({_plain(v) for v in df[p]}, key=str)) for p in varied}
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        study = optuna.create_study(direction="maximize")
+        study.add_trials([
+            optuna.trial.create_trial(params={p: _plain(row[p]) for p in varied}, distributions=distributions,
+                                      value=float(row["acc_mean"]))
+            for _, row in df.iterrows()
+        ])
+        importances = get_param_importances(study, evaluator=FanovaImportanceEvaluator(seed=seed))
+    finally:
+        optuna.logging.set_verbosity(verbosity)
+    return {"importances": {k: float(v) for k, v in importances.items()}, "reason": None,
+            "constant": [p for p in params if p not in varied]}
+
+
+def value_of_search(df: pd.DataFrame) -> pd.DataFrame:
+    """The loss from pruning each model with another model's best configuration instead of its own
+    (mean over seeds where a configuration was repeated). NaN where the target never ran that configuration."""
+    rows = []
+    best = {m: best_trial(g) for m, g in df.groupby("model")}
+    for source, source_best in best.items():
+        config = {k: source_best[k] for k in CONFIG}
+        for target, target_best in best.items():
+            same = df[(df["model"] == target) & np.logical_and.reduce([df[k] == v for k, v in config.items()])]
+            acc = float(same["acc_mean"].mean()) if len(same) else float("nan")
+            rows.append({"config_of": source, "applied_to": target, **{k: _plain(v) for k, v in config.items()},
+                         "acc": acc, "own_best_acc": float(target_best["acc_mean"]),
+                         "loss": float(target_best["acc_mean"]) - acc})
+    return pd.DataFrame(rows)
+
+
+def cross_model(df: pd.DataFrame, invalid_counts: dict[str, int] | None = None) -> pd.DataFrame:
+    """Per model: its best trial's method, acc and ppl, and the valid-trial count; best model first."""
+    rows = []
+    for model, group in df.groupby("model"):
+        best = best_trial(group)
+        rows.append({"model": model, "best_method": best["pruning_method"], "best_acc": float(best["acc_mean"]),
+                     "best_ppl": _plain(best.get("ppl")), "taylor_seq_len": _plain(best["taylor_seq_len"]),
+                     "taylor_num_samples": _plain(best["taylor_num_samples"]), "valid_trials": len(group),
+                     "invalid_trials": (invalid_counts or {}).get(model, 0), "trial_id": best["trial_id"]})
+    columns = ["model", "best_method", "best_acc", "best_ppl", "taylor_seq_len", "taylor_num_samples",
+               "valid_trials", "invalid_trials", "trial_id"]
+    return pd.DataFrame(rows, columns=columns).sort_values("best_acc", ascending=False, kind="stable").reset_index(drop=True)
+
+
+def key_figures(df: pd.DataFrame, tasks: tuple[str, ...], total_trials: int) -> dict:
+    """The experiment's scale, cost and accuracy distribution (reference/001's 'key data points')."""
+    acc = df["acc_mean"]
+    hours = float(pd.to_numeric(df["time_total_s"], errors="coerce").sum() / 3600) if "time_total_s" in df else None
+    return {
+        "trials": total_trials, "valid_trials": len(df), "models": int(df["model"].nunique()),
+        "methods": int(df["pruning_method"].nunique()), "tasks": len(tasks), "task_evaluations": len(df) * len(tasks),
+        "trial_hours": hours,  # GPU-hours = trial-hours x GPUs per trial
+        "acc_max": _plain(acc.max()), "acc_min": _plain(acc.min()), "acc_median": _plain(acc.median()),
+        "acc_mean": _plain(acc.mean()), "acc_std": _plain(acc.std()),
+    }
+
+
+def _plain(value):
+    """numpy scalars -> Python; NaN -> None (JSON has no NaN)."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return value
