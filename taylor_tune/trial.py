@@ -57,11 +57,15 @@ def cached_importance(trial: TrialConfig):
               "dtype": config.dtype, "micro_batch_size": config.micro_batch_size}
 
     def provide(model, layout, tokenizer):
-        ids = load_calibration(tokenizer, config.calibration, seq_len=config.seq_len, num_samples=largest, seed=config.seed)
-        results = cache.get_or_compute(
-            fields, counts, lambda: compute_importance(model, layout, ids, micro_batch_size=config.micro_batch_size, snapshots=counts)
-        )
-        return results[config.num_samples], ids[: config.num_samples]
+        drawn = {}
+
+        def compute():  # only on a miss: a hit needs neither the corpus nor the tokenizer's time
+            drawn["ids"] = load_calibration(tokenizer, config.calibration, seq_len=config.seq_len, num_samples=largest, seed=config.seed)
+            return compute_importance(model, layout, drawn["ids"], micro_batch_size=config.micro_batch_size, snapshots=counts)
+
+        results = cache.get_or_compute(fields, counts, compute)
+        ids = drawn.get("ids")
+        return results[config.num_samples], None if ids is None else ids[: config.num_samples]
 
     return provide
 
@@ -76,7 +80,10 @@ def layer_analysis(diagnostics: dict) -> list[dict]:
     ]
 
 
-def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict], None] = lambda metrics: None) -> dict:
+def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict], None] = lambda metrics: None,
+              output_dir: str | None = None) -> dict:
+    """Run one trial, writing its artifacts to `trial_dir`; `output_dir` is where they will live for good
+    (the trial's folder in the sweep's storage), reported as the `output_dir` column; default `trial_dir`."""
     from taylor_tune.artifacts import summary_dict
     from taylor_tune.evaluation import check_window, load_ppl_text, make_lm, perplexity, resolve_task_data, zero_shot
     from taylor_tune.prune import prune
@@ -94,7 +101,7 @@ def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict]
     (trial_dir / "pruning_summary.json").write_text(json.dumps(summary_dict(config, result), indent=2))
     (trial_dir / "layer_analysis.json").write_text(json.dumps(layer_analysis(diagnostics), indent=2))
     metrics: dict[str, Any] = {
-        **columns, "output_dir": str(trial_dir), "stage": "pruned",
+        **columns, "output_dir": output_dir or str(trial_dir), "stage": "pruned",
         **{k: diagnostics[k] for k in ("params_count", "params_count_before", "pruning_ratio", "extreme_pruning_layers",
                                        "grad_mean_ratio", "grad_norm_ratio", "grad_mean_range", "grad_norm_range")},
         **result.timings,

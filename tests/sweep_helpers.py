@@ -43,8 +43,14 @@ def run_sweep(experiment: Path, *extra: str, timeout: float = 600) -> subprocess
 
 
 def trial_dirs(experiment_dir: Path) -> dict[str, Path]:
-    """trial id -> folder, for every trial folder Tune made."""
-    return {"_".join(p.name.split("_")[2:4]): p for p in experiment_dir.glob("sweep_trainable_*") if p.is_dir()}
+    """trial id -> folder, for every trial Tune made. A trial that started in the instant before a SIGKILL, before
+    the saved state knew of it, gets a second folder (a new timestamp) when it runs again: the finished one wins."""
+    folders: dict[str, Path] = {}
+    for p in sorted(experiment_dir.glob("sweep_trainable_*")):  # names end in the start time: later sorts last
+        trial_id = "_".join(p.name.split("_")[2:4])
+        if p.is_dir() and not (trial_id in folders and (folders[trial_id] / "evaluation.json").is_file()):
+            folders[trial_id] = p
+    return folders
 
 
 def finished(experiment_dir: Path) -> dict[str, Path]:
@@ -88,3 +94,15 @@ def analysis_rows(experiment_dir: Path) -> list[dict]:
     )
     out = subprocess.run([sys.executable, "-c", code, str(experiment_dir)], capture_output=True, text=True, check=True, env=env())
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def terminated(experiment_dir: Path) -> set[str]:
+    """Trial ids that Tune's saved experiment state records as finished (TERMINATED), read in a fresh process."""
+    code = (
+        "import json, sys\n"
+        "from ray.tune import ExperimentAnalysis\n"
+        "trials = ExperimentAnalysis(sys.argv[1]).trials\n"
+        "print(json.dumps([t.trial_id for t in trials if t.status == 'TERMINATED']))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(experiment_dir)], capture_output=True, text=True, check=True, env=env())
+    return set(json.loads(out.stdout.strip().splitlines()[-1]))

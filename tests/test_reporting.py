@@ -223,6 +223,18 @@ def test_a_tune_folder_reads_back_the_same_table(tmp_path, table):
     assert load_trials(f"file://{path}").valid.shape[0] == len(table)  # the URI path that s3:// takes too
 
 
+def test_a_trial_that_ran_again_after_a_resume_counts_once(tmp_path, table):
+    path = write_tune_folder(table.head(3), tmp_path / "exp")
+    first = sorted(path.iterdir())[1]  # its first run was killed after the pruning report: a partial result.json
+    orphan = path / first.name.replace("2026-11-21_00-00-00", "2026-11-20_23-59-59")
+    orphan.mkdir()
+    (orphan / "params.json").write_text((first / "params.json").read_text())
+    (orphan / "result.json").write_text((first / "result.json").read_text().splitlines()[0] + "\n")
+    report = build_report(path)
+    assert len(report.table.trials) == 3 and report.table.invalid.empty and report.table.superseded == 1
+    assert "1 folder(s) of trials that ran again" in render_text(report)
+
+
 def test_broken_trials_are_counted_with_their_reasons_and_the_report_still_builds(tmp_path, table):
     rows = table[table["model"] == "model-a"].head(8).copy()
     path = write_tune_folder(rows, tmp_path / "exp")

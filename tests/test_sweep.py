@@ -13,7 +13,7 @@ import pytest
 
 from taylor_tune.reporting import build_report, load_trials
 from tests.sweep_helpers import (REPO, analysis_rows, env, finished, kill_ray_started_after, run_sweep, sweep_command,
-                                 trial_dirs, wait_for, write_experiment)
+                                 terminated, trial_dirs, wait_for, write_experiment)
 
 SPEC_COLUMNS = ["output_dir", "ppl", "acc_mean", *[f"acc_{t}" for t in ("boolq", "piqa", "hellaswag", "winogrande",
                 "arc_easy", "arc_challenge", "openbookqa")], "params_count", "pruning_ratio", "grad_mean_ratio",
@@ -65,7 +65,10 @@ def test_smoke_sweep_runs_end_to_end_under_ray_job_submit_and_analysis_has_every
         missing = [c for c in SPEC_COLUMNS if row.get(c) is None]
         assert not missing, missing
         assert 0.19 < row["pruning_ratio"] < 0.21 and row["stage"] == "zero_shot_40"
-        assert Path(row["output_dir"]).is_dir() and (Path(row["output_dir"]) / "pruning_summary.json").is_file()
+        assert Path(row["output_dir"]).parent == path and (Path(row["output_dir"]) / "pruning_summary.json").is_file()
+        written = json.loads((Path(row["output_dir"]) / "config.json").read_text())["prune"]  # reused workers: own folder
+        assert (written["method"], written["seq_len"], written["num_samples"]) == (
+            row["pruning_method"], row["taylor_seq_len"], row["taylor_num_samples"])
     grid = {(r["model"], r["pruning_method"], r["taylor_seq_len"], r["taylor_num_samples"]) for r in rows}
     assert len(grid) == 36
 
@@ -103,7 +106,11 @@ def test_status_reports_counts_and_best_per_model(smoke):
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_an_interrupted_sweep_resumes_without_rerunning_finished_trials(sig, tmp_path):
-    experiment = write_experiment(tmp_path, "resume")
+    # 12 trials one at a time: with reused workers a trial takes about a second, so the interruption (2 finished
+    # + 2.5 s for the saved state) must leave most of the grid still to run
+    space = {"taylor_seq_len": {"grid": [16, 32, 48]}, "taylor_num_samples": {"grid": [8, 16]},
+             "pruning_method": {"grid": ["taylor", "blockwise"]}}
+    experiment = write_experiment(tmp_path, "resume", search_space=space, search={"algorithm": "grid", "max_concurrent": 1})
     path = tmp_path / "sweeps" / "resume"
     started = time.time()
     log = open(tmp_path / "first-run.log", "w")  # a file, not a pipe: nobody reads a pipe while we wait
@@ -118,18 +125,23 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_trials(sig, tmp
             proc.kill()
         log.close()
         kill_ray_started_after(started)
-    before = {t: (p / "result.json").read_bytes() for t, p in finished(path).items()}
-    assert 2 <= len(before) < 6, "the sweep must be interrupted part-way for this test to mean anything"
+    # finished = what Tune's saved state records as TERMINATED: a trial whose files were uploaded in the instant
+    # before a SIGKILL, but whose completion the driver had not yet saved, is in flight and may run again
+    before = {t: (trial_dirs(path)[t] / "result.json").read_bytes() for t in terminated(path)}
+    assert 2 <= len(before) < 12, "the sweep must be interrupted part-way for this test to mean anything"
 
     again = run_sweep(experiment)
     kill_ray_started_after(started)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     after = finished(path)
-    assert set(after) == set(trial_dirs(path)) and len(after) == 6  # the rest completed, no extra trials
+    assert set(after) == set(trial_dirs(path)) and len(after) == 12  # the rest completed, no extra trials
     for trial_id, result in before.items():
         assert (after[trial_id] / "result.json").read_bytes() == result  # not rerun: results untouched
     rows = analysis_rows(path)
-    assert {(r["pruning_method"], r["taylor_seq_len"]) for r in rows} == {(m, s) for m in ("taylor", "blockwise") for s in (16, 32, 48)}
+    assert {(r["pruning_method"], r["taylor_seq_len"], r["taylor_num_samples"]) for r in rows} == {
+        (m, s, n) for m in ("taylor", "blockwise") for s in (16, 32, 48) for n in (8, 16)}
+    table = load_trials(path)  # a re-run trial's first, partial folder does not count as a broken trial
+    assert len(table.valid) == 12 and table.invalid.empty
 
 
 def test_a_failing_trial_is_retried_then_errored_and_the_rest_finish(tmp_path):

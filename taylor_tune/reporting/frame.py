@@ -41,6 +41,7 @@ class TrialTable:
     trials: pd.DataFrame
     source: str
     filesystem: object = None  # the pyarrow filesystem `output_dir` paths belong to, when not a local path or URI
+    superseded: int = 0  # folders of trials that ran again after a resume, left out (see _drop_superseded)
 
     @property
     def valid(self) -> pd.DataFrame:
@@ -62,7 +63,8 @@ class TrialTable:
     def for_model(self, model: str) -> TrialTable:
         if model not in self.models:
             raise ReportError(f"--model {model!r}: not in the experiment; models: {', '.join(self.models) or 'none'}")
-        return TrialTable(self.trials[self.trials["model"] == model].reset_index(drop=True), self.source, self.filesystem)
+        return TrialTable(self.trials[self.trials["model"] == model].reset_index(drop=True), self.source, self.filesystem,
+                          self.superseded)
 
 
 # ---------------------------------------------------------------- reading a folder
@@ -190,6 +192,16 @@ def _reason(row: pd.Series, tasks: tuple[str, ...]) -> str | None:
     return None
 
 
+def _drop_superseded(rows: pd.DataFrame) -> tuple[pd.DataFrame, int]:
+    """A trial that started just before its driver was killed, before the saved state knew of it, runs again
+    after the resume in a second folder with the same trial id: keep one row per trial id, a valid one first."""
+    if "trial_id" not in rows or not rows["trial_id"].duplicated().any():
+        return rows, 0
+    order = rows.assign(_valid=rows["valid"].astype(int), _dir=rows.get("output_dir", pd.Series("", index=rows.index)).astype(str))
+    keep = order.sort_values(["_valid", "_dir"], ascending=[False, False], kind="stable").drop_duplicates("trial_id").index
+    return rows.loc[sorted(keep)].reset_index(drop=True), len(order) - len(keep)
+
+
 def consolidate(rows: pd.DataFrame, source: str = "DataFrame") -> TrialTable:
     """Judge each trial: valid trials have a finite acc_mean from their final evaluation and every task of their model."""
     rows = rows.copy().reset_index(drop=True)
@@ -207,6 +219,7 @@ def consolidate(rows: pd.DataFrame, source: str = "DataFrame") -> TrialTable:
     reason[no_model] = reason[no_model].fillna("no model recorded")
     rows["reason"] = reason
     rows["valid"] = rows["reason"].isna()
+    rows, superseded = _drop_superseded(rows)
     for task in task_columns(rows.columns):  # an accuracy and its stderr must be numbers, not "None" strings
         for column in (f"acc_{task}", f"acc_{task}_stderr"):
             if column in rows:
@@ -216,7 +229,7 @@ def consolidate(rows: pd.DataFrame, source: str = "DataFrame") -> TrialTable:
             rows[column] = pd.to_numeric(rows[column], errors="coerce")
     if "trial_id" not in rows:
         rows["trial_id"] = [f"row{i}" for i in range(len(rows))]
-    return TrialTable(rows, source)
+    return TrialTable(rows, source, superseded=superseded)
 
 
 def load_trials(source) -> TrialTable:

@@ -88,6 +88,9 @@ def build_report(source, model: str | None = None, z: float = stats.Z95, seed: i
     valid = table.valid
     invalid_counts = table.invalid.groupby("model").size().to_dict() if len(table.invalid) else {}
     notes = []
+    if table.superseded:
+        notes.append(f"{table.superseded} folder(s) of trials that ran again after a resume were superseded "
+                     "by the trial's later run and left out")
     unattributed = int(table.trials["model"].isna().sum())
     if unattributed:
         notes.append(f"{unattributed} trial(s) recorded no model and appear only in the invalid-trial count")

@@ -18,7 +18,13 @@ def trial_config(config: dict) -> TrialConfig:
 
 
 def sweep_trainable(config: dict) -> None:
+    """Artifacts go to the trial's working directory on whichever node runs it; Tune uploads that folder to
+    the trial's folder in storage (RunConfig's SyncConfig(sync_artifacts=True)), so they arrive on shared or
+    cloud storage from any node, and a reused actor (reuse_actors=True) gets each new trial's own folders."""
     import os
 
+    from ray.train._internal.session import get_storage  # DeveloperAPI; the paths of *this* trial, also after a reset
+
     os.environ.setdefault("TQDM_DISABLE", "1")
-    run_trial(trial_config(config), tune.get_context().get_trial_dir(), report=tune.report)
+    storage = get_storage()
+    run_trial(trial_config(config), storage.trial_working_directory, report=tune.report, output_dir=storage.trial_fs_path)
