@@ -225,6 +225,20 @@ def _run_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_dashboard(subparsers) -> None:
+    p = subparsers.add_parser("dashboard", help="print the URLs to watch a sweep: Ray dashboard, TensorBoard, Prometheus, Grafana")
+    p.add_argument("path", help="the experiment folder (storage_path/name)")
+    p.set_defaults(handler=_run_dashboard)
+
+
+def _run_dashboard(args: argparse.Namespace) -> int:
+    from taylor_tune.tune.dashboard import dashboard_urls, ray_dashboard_url
+
+    for name, url in dashboard_urls(args.path, ray_dashboard_url()).items():
+        print(f"{name:14s} {url}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="taylor-tune", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
@@ -233,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_evaluate(subparsers)
     _add_sweep(subparsers)
     _add_report(subparsers)
+    _add_dashboard(subparsers)
     return parser
 
 

@@ -61,7 +61,10 @@ class ImportanceCache:
         self.root = Path(root)
         self.poll_s, self.heartbeat_s, self.stale_s = poll_s, heartbeat_s, stale_s
 
+    last_event: str | None = None  # what this process's latest call did: "hit", "computed" or "takeover"
+
     def _record(self, event: str, key: str, **extra) -> None:
+        self.last_event = event
         line = json.dumps({"event": event, "key": key, "time": time.time(), "host": socket.gethostname(),
                            "pid": os.getpid(), **extra}) + "\n"
         with open(self.root / "events.jsonl", "a") as f:  # one short O_APPEND write per event

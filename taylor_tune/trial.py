@@ -60,10 +60,13 @@ def cached_importance(trial: TrialConfig):
         drawn = {}
 
         def compute():  # only on a miss: a hit needs neither the corpus nor the tokenizer's time
+            start = time.perf_counter()
             drawn["ids"] = load_calibration(tokenizer, config.calibration, seq_len=config.seq_len, num_samples=largest, seed=config.seed)
+            provide.calibration_s = time.perf_counter() - start
             return compute_importance(model, layout, drawn["ids"], micro_batch_size=config.micro_batch_size, snapshots=counts)
 
         results = cache.get_or_compute(fields, counts, compute)
+        provide.cache_event = cache.last_event
         ids = drawn.get("ids")
         return results[config.num_samples], None if ids is None else ids[: config.num_samples]
 
@@ -96,16 +99,29 @@ def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict]
         raise InjectedFault(f"injected fault for {trial.fault}")
     (trial_dir / "config.json").write_text(json.dumps(trial.model_dump(), indent=2))
 
-    result = prune(config, importance_provider=cached_importance(trial))
+    import torch
+
+    on_gpu = torch.cuda.is_available() and config.device != "cpu"
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
+    provider = cached_importance(trial)
+    result = prune(config, importance_provider=provider)
     diagnostics = result.diagnostics
+    timings = dict(result.timings)
+    if provider is not None and getattr(provider, "cache_event", None):  # taylor trials: what the shared cache did
+        if hasattr(provider, "calibration_s"):  # drawn inside the pass, on a miss only
+            timings["calibration_s"] = provider.calibration_s
+            timings["importance_s"] -= provider.calibration_s
     (trial_dir / "pruning_summary.json").write_text(json.dumps(summary_dict(config, result), indent=2))
     (trial_dir / "layer_analysis.json").write_text(json.dumps(layer_analysis(diagnostics), indent=2))
     metrics: dict[str, Any] = {
         **columns, "output_dir": output_dir or str(trial_dir), "stage": "pruned",
         **{k: diagnostics[k] for k in ("params_count", "params_count_before", "pruning_ratio", "extreme_pruning_layers",
                                        "grad_mean_ratio", "grad_norm_ratio", "grad_mean_range", "grad_norm_range")},
-        **result.timings,
+        **timings,
     }
+    if provider is not None and getattr(provider, "cache_event", None):
+        metrics["importance_cache"] = provider.cache_event
     for key in ("grad_mean_ratio", "grad_norm_ratio", "grad_mean_range", "grad_norm_range"):
         if isinstance(metrics[key], str):  # "inf": Tune stores floats
             metrics[key] = float(metrics[key])
@@ -131,6 +147,8 @@ def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict]
         metrics |= {f"acc_{t}_{half}": e[f"score_{half}"] for t, e in tasks.items() for half in ("sel", "heldout")}
         metrics |= {"acc_mean": sum(e["score"] for e in tasks.values()) / len(tasks), "fidelity": limit or 0,
                     "stage": f"zero_shot_{limit or 'all'}", f"zero_shot_{limit or 'all'}_s": time.perf_counter() - start}
+        if on_gpu:  # the trial's peak so far; the last report carries the whole trial's (pruning + evaluation)
+            metrics["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated()
         report(dict(metrics))
     (trial_dir / "evaluation.json").write_text(json.dumps({**{k: v for k, v in metrics.items()}, **full}, indent=2))
     metrics["stage"] = "done"

@@ -106,3 +106,35 @@ def terminated(experiment_dir: Path) -> set[str]:
     )
     out = subprocess.run([sys.executable, "-c", code, str(experiment_dir)], capture_output=True, text=True, check=True, env=env())
     return set(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+RAY_LABELS = {"Component", "NodeAddress", "SessionName", "Version", "WorkerId", "otel_scope_name", "otel_scope_schema_url",
+              "otel_scope_version", "instance", "job"}
+
+
+def scrape(url: str) -> dict[tuple, float]:
+    """One Prometheus scrape: {(sample name, sorted labels): value} for Ray's samples."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples if s.name.startswith("ray_")}
+
+
+def total(samples: dict[tuple, float], name: str, **labels) -> float:
+    """Sum of a sample over the series (workers, nodes) whose labels include `labels`."""
+    return sum(v for (n, ls), v in samples.items() if n == name and labels.items() <= dict(ls).items())
+
+
+def screenshot(url: str, path: Path, user_data: Path) -> subprocess.CompletedProcess:
+    """A headless Chromium (Debian's) screenshot, with the flags this machine's closed network needs."""
+    import shutil
+
+    return subprocess.run(
+        [shutil.which("chromium"), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync", f"--user-data-dir={user_data}",
+         "--window-size=1400,1000", "--virtual-time-budget=15000", f"--screenshot={path}", url],
+        capture_output=True, text=True, timeout=120,
+    )

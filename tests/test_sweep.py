@@ -2,18 +2,23 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
+import requests
 
 from taylor_tune.reporting import build_report, load_trials
-from tests.sweep_helpers import (REPO, analysis_rows, env, finished, kill_ray_started_after, run_sweep, sweep_command,
-                                 terminated, trial_dirs, wait_for, write_experiment)
+from tests.sweep_helpers import (REPO, analysis_rows, env, finished, kill_ray_started_after, run_sweep, scrape, screenshot,
+                                 sweep_command, terminated, total, trial_dirs, wait_for, write_experiment)
+
+ARTIFACTS = REPO / "test-artifacts"  # kept after the run (CI can upload it): the dashboard screenshot
 
 SPEC_COLUMNS = ["output_dir", "ppl", "acc_mean", *[f"acc_{t}" for t in ("boolq", "piqa", "hellaswag", "winogrande",
                 "arc_easy", "arc_challenge", "openbookqa")], "params_count", "pruning_ratio", "grad_mean_ratio",
@@ -32,33 +37,70 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     """The shipped smoke experiment, submitted as a Ray job to a real head node on loopback (its own temp dir,
-    token auth disabled for the test), into a temporary storage path; the cluster is stopped afterwards."""
+    token auth disabled for the test, a Prometheus metrics port), into a temporary storage path. While it runs
+    the fixture scrapes the metrics endpoint every second (keeping each series' latest value, as Prometheus
+    would: a driver's series leave the endpoint when it exits), finds the job through the dashboard's REST
+    API, screenshots the dashboard's jobs page with headless Chromium and runs `taylor-tune dashboard`.
+    The cluster is stopped afterwards."""
     storage = tmp_path_factory.mktemp("smoke")
-    port, dashboard = free_port(), free_port()
+    port, dashboard, metrics = free_port(), free_port(), free_port()
     temp = Path("/tmp") / f"tt-ray-{os.getpid()}"  # Ray's socket paths must stay short
-    ray_env = {**env(), "RAY_AUTH_MODE": "disabled"}
+    ray_env = {**env(), "RAY_AUTH_MODE": "disabled", "RAY_metrics_report_interval_ms": "1000"}
     bin_dir = Path(os.sys.executable).parent
+    run = SimpleNamespace(path=storage / "smoke", samples={}, jobs=[], screenshot=None, screenshot_error=None, dashboard_cli=None)
     started = time.time()
+    log_path = tmp_path_factory.mktemp("smoke-log") / "job.log"
     try:
         subprocess.run([str(bin_dir / "ray"), "start", "--head", f"--port={port}", "--dashboard-host=127.0.0.1",
-                        f"--dashboard-port={dashboard}", "--num-cpus=2", f"--temp-dir={temp}", "--disable-usage-stats"],
+                        f"--dashboard-port={dashboard}", f"--metrics-export-port={metrics}", "--num-cpus=2",
+                        f"--temp-dir={temp}", "--disable-usage-stats"],
                        check=True, env=ray_env, capture_output=True, timeout=120)
-        job = subprocess.run(
-            [str(bin_dir / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{dashboard}", "--",
-             str(bin_dir / "taylor-tune"), "sweep", str(REPO / "experiments" / "smoke.yaml"), "--storage", str(storage)],
-            capture_output=True, text=True, env=ray_env, timeout=900, cwd=REPO,
-        )
+        runtime_env = json.dumps({"env_vars": {"TAYLOR_TUNE_METRICS_FLUSH_S": "4"}})  # the driver's last values get out
+        with open(log_path, "w") as log:
+            job = subprocess.Popen(
+                [str(bin_dir / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{dashboard}", "--runtime-env-json",
+                 runtime_env, "--", str(bin_dir / "taylor-tune"), "sweep", str(REPO / "experiments" / "smoke.yaml"),
+                 "--storage", str(storage)],
+                stdout=log, stderr=subprocess.STDOUT, env=ray_env, cwd=REPO,
+            )
+            deadline = time.time() + 900
+            while job.poll() is None and time.time() < deadline:
+                try:
+                    run.samples.update(scrape(f"http://127.0.0.1:{metrics}/metrics"))
+                    run.jobs = requests.get(f"http://127.0.0.1:{dashboard}/api/jobs/", timeout=5).json()
+                except (OSError, ValueError):
+                    pass  # the agent or the dashboard is still starting
+                running = [j for j in run.jobs if "taylor-tune sweep" in j.get("entrypoint", "") and j.get("status") == "RUNNING"]
+                if running and run.dashboard_cli is None:
+                    run.dashboard_cli = subprocess.run(
+                        [str(bin_dir / "taylor-tune"), "dashboard", str(run.path)], capture_output=True, text=True, timeout=120,
+                        env={**ray_env, "RAY_ADDRESS": f"127.0.0.1:{port}"})
+                if running and run.screenshot is None and run.screenshot_error is None:
+                    if shutil.which("chromium") is None:
+                        run.screenshot_error = "Debian's chromium is not installed"
+                    else:
+                        ARTIFACTS.mkdir(exist_ok=True)
+                        shot = screenshot(f"http://127.0.0.1:{dashboard}/#/jobs", ARTIFACTS / "ray_dashboard_jobs.png",
+                                          tmp_path_factory.mktemp("chromium"))
+                        run.screenshot = ARTIFACTS / "ray_dashboard_jobs.png"
+                        run.screenshot_error = None if shot.returncode == 0 else shot.stderr[-2000:]
+                time.sleep(1)
+            if job.poll() is None:
+                job.kill()
+            job.wait()
+        run.samples.update(scrape(f"http://127.0.0.1:{metrics}/metrics"))
     finally:
         kill_ray_started_after(started)  # the head node's processes and everything they started, by PID
     assert wait_for(lambda: not [p for p in psutil.process_iter(["cmdline"]) if str(temp) in " ".join(p.info["cmdline"] or [])], 30)
-    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
-    assert "succeeded" in job.stdout
-    return storage / "smoke", job
+    run.stdout = log_path.read_text()
+    assert job.returncode == 0, run.stdout[-3000:]
+    assert "succeeded" in run.stdout
+    return run
 
 
 def test_smoke_sweep_runs_end_to_end_under_ray_job_submit_and_analysis_has_every_column(smoke):
-    path, job = smoke
-    assert "36 finished, 0 errored" in job.stdout
+    path = smoke.path
+    assert "36 finished, 0 errored" in smoke.stdout
     rows = analysis_rows(path)
     assert len(rows) == 36
     for row in rows:
@@ -76,7 +118,7 @@ def test_smoke_sweep_runs_end_to_end_under_ray_job_submit_and_analysis_has_every
 def test_tensorboard_has_the_per_stage_metrics(smoke):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    path, _ = smoke
+    path = smoke.path
     trial = next(path.glob("sweep_trainable_*"))
     tags = set()
     for events in trial.glob("events.out.tfevents.*"):
@@ -88,7 +130,7 @@ def test_tensorboard_has_the_per_stage_metrics(smoke):
 
 
 def test_importance_passes_equal_distinct_model_seq_len_seed(smoke):
-    path, _ = smoke
+    path = smoke.path
     events = [json.loads(l) for l in (path / "importance_cache" / "events.jsonl").read_text().splitlines()]
     computed = [e for e in events if e["event"] == "computed"]
     distinct = {(r["model"], r["taylor_seq_len"], r["seed"]) for r in analysis_rows(path)}
@@ -97,7 +139,7 @@ def test_importance_passes_equal_distinct_model_seq_len_seed(smoke):
 
 
 def test_status_reports_counts_and_best_per_model(smoke):
-    path, _ = smoke
+    path = smoke.path
     proc = subprocess.run([os.sys.executable, "-m", "taylor_tune", "status", str(path)], capture_output=True, text=True, env=env())
     assert proc.returncode == 0
     assert "finished 36, errored 0" in proc.stdout
@@ -188,7 +230,7 @@ def test_report_on_the_smoke_sweep_writes_every_file_with_the_numbers_ray_reads(
 
     from tests.test_reporting import tabular_rows_are_well_formed
 
-    path, _ = smoke
+    path = smoke.path
     out = tmp_path / "report"
     proc = subprocess.run([os.sys.executable, "-m", "taylor_tune", "report", str(path), "--output", str(out)],
                           capture_output=True, text=True, env=env(), timeout=300)
@@ -237,7 +279,7 @@ def test_the_example_notebook_runs_headless_on_the_smoke_sweep(smoke, tmp_path):
     import nbclient
     import nbformat
 
-    path, _ = smoke
+    path = smoke.path
     notebook = nbformat.read(REPO / "dashboards" / "explore_experiment.ipynb", as_version=4)
     os.environ["TAYLOR_TUNE_EXPERIMENT"], os.environ["TAYLOR_TUNE_REPORT"] = str(path), str(tmp_path / "nb-report")
     try:
@@ -247,3 +289,58 @@ def test_the_example_notebook_runs_headless_on_the_smoke_sweep(smoke, tmp_path):
     printed = "".join(o.get("text", "") for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs)
     assert "36 trials in" in printed and printed.count("lead real:") == 3
     assert (tmp_path / "nb-report" / "final_analysis_report.txt").is_file()
+
+
+# ---------------------------------------------------------------- operations: metrics, dashboards (issue 6)
+
+GPU_ONLY = {"ray_taylor_tune_trial_peak_gpu_memory_bytes", "ray_node_gpus_utilization", "ray_node_gram_used"}
+
+
+def test_the_custom_metrics_carry_the_sweeps_numbers(smoke):
+    samples, rows = smoke.samples, analysis_rows(smoke.path)
+    assert total(samples, "ray_taylor_tune_trials", experiment="smoke", state="finished") == 36 == len(rows)
+    assert total(samples, "ray_taylor_tune_trials", experiment="smoke", state="errored") == 0
+    assert total(samples, "ray_taylor_tune_trials", experiment="smoke", state="running") == 0
+    distinct = {(r["model"], r["taylor_seq_len"], r["seed"]) for r in rows}
+    assert total(samples, "ray_taylor_tune_importance_cache_events_total", event="computed") == len(distinct) == 6
+    assert total(samples, "ray_taylor_tune_importance_cache_events_total", event="hit") == 36 - 6
+    for stage, trials in (("load", 36), ("calibration", 6), ("importance", 36), ("prune", 36), ("ppl", 36), ("zero_shot_40", 36)):
+        assert total(samples, "ray_taylor_tune_stage_runs_total", stage=stage) == trials, stage
+    for stage in ("importance", "ppl", "zero_shot_40"):  # the seconds the trials reported, summed
+        seconds = sum(r[f"{stage}_s"] for r in rows)
+        assert total(samples, "ray_taylor_tune_stage_seconds_total", stage=stage) == pytest.approx(seconds, rel=1e-4), stage
+    for model in ("tiny-llama", "tiny-qwen2", "tiny-mistral"):
+        best = max(r["acc_mean"] for r in rows if r["model"] == model)
+        assert total(samples, "ray_taylor_tune_best_acc_mean", model=model) == pytest.approx(best)
+
+
+def test_every_metric_the_grafana_dashboard_queries_is_in_the_scrape(smoke):
+    dashboard = json.loads((REPO / "dashboards" / "taylor_tune.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    exprs += [v["definition"] for v in dashboard["templating"]["list"] if v.get("definition")]
+    queried = {name for e in exprs for name in re.findall(r"\b(ray_[a-z0-9_]+)", e)}
+    scraped = {name for name, _ in smoke.samples}
+    assert {"ray_taylor_tune_trials", "ray_taylor_tune_stage_seconds_total", "ray_node_cpu_utilization"} <= queried
+    missing = queried - scraped - GPU_ONLY  # the GPU panels need a GPU node; that is all they miss on this machine
+    assert not missing, missing
+    for p in dashboard["panels"]:
+        if p["type"] != "row":
+            assert p["datasource"]["uid"] == "${datasource}" and p["targets"], p["title"]
+
+
+def test_the_job_is_found_through_the_rest_api_and_its_dashboard_page_screenshotted(smoke):
+    (job,) = [j for j in smoke.jobs if "taylor-tune sweep" in j.get("entrypoint", "")]
+    assert "experiments/smoke.yaml" in job["entrypoint"] and job["submission_id"].startswith("raysubmit_")
+    if smoke.screenshot_error == "Debian's chromium is not installed":
+        pytest.skip(smoke.screenshot_error)
+    assert smoke.screenshot_error is None, smoke.screenshot_error
+    png = smoke.screenshot.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000  # a rendered page, not an empty canvas
+
+
+def test_dashboard_command_prints_the_running_clusters_urls(smoke):
+    proc = smoke.dashboard_cli
+    assert proc is not None and proc.returncode == 0, proc and proc.stderr[-2000:]
+    lines = {line[:14].strip(): line[15:] for line in proc.stdout.splitlines()}  # "{name:14s} {url}"
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+/#/jobs", lines["ray dashboard"])
+    assert "var-experiment=smoke" in lines["grafana"] and str(smoke.path) in lines["tensorboard"]

@@ -66,6 +66,7 @@ def run_sweep(experiment: Experiment):
     _start_ray()
     from ray import tune
 
+    from taylor_tune.tune.metrics import SweepMetricsCallback
     from taylor_tune.tune.space import param_space
     from taylor_tune.tune.trainable import sweep_trainable
 
@@ -104,6 +105,8 @@ def run_sweep(experiment: Experiment):
                 name=experiment.name, storage_path=str(Path(path).parent) if "://" not in path else experiment.storage_path,
                 failure_config=tune.FailureConfig(max_failures=experiment.max_failures), verbose=1,
                 sync_config=tune.SyncConfig(sync_artifacts=True),  # the trial's artifacts reach storage from any node
+                callbacks=[SweepMetricsCallback(experiment.name, f"zero_shot_{experiment.evaluation.fidelities[-1] or 'all'}",
+                                                experiment.metric)],
             ),
         )
     previous = signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))

@@ -25,6 +25,14 @@ def sweep_trainable(config: dict) -> None:
 
     from ray.train._internal.session import get_storage  # DeveloperAPI; the paths of *this* trial, also after a reset
 
+    from taylor_tune.tune.metrics import TrialMetrics
+
     os.environ.setdefault("TQDM_DISABLE", "1")
-    storage = get_storage()
-    run_trial(trial_config(config), storage.trial_working_directory, report=tune.report, output_dir=storage.trial_fs_path)
+    storage, context = get_storage(), tune.get_context()
+    emit = TrialMetrics(context.get_experiment_name(), config["model"], context.get_trial_id())
+
+    def report(metrics: dict) -> None:
+        emit.observe(metrics)
+        tune.report(metrics)
+
+    run_trial(trial_config(config), storage.trial_working_directory, report=report, output_dir=storage.trial_fs_path)
