@@ -37,3 +37,21 @@ def test_bf16_pass_ranks_like_fp32_and_prunes_on_cuda():
     model = apply_plan(bf16, plan)
     out = model.generate(ids[:1, :8].cuda(), max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 12)
+
+
+def test_a_cuda_trial_reports_its_peak_gpu_memory(tmp_path):
+    from taylor_tune.config import PruneConfig
+    from taylor_tune.experiment import Evaluation
+    from taylor_tune.trial import TrialConfig, run_trial
+    from taylor_tune.tune.metrics import stage_durations
+
+    trial = TrialConfig(
+        prune=PruneConfig(model="tiny-llama", method="taylor", seq_len=32, num_samples=8, calibration="world", device="cuda"),
+        evaluation=Evaluation(tasks="piqa", task_data="world", ppl=None, batch_size=16, fidelities=[10]),
+    )
+    reports = []
+    metrics = run_trial(trial, tmp_path, report=reports.append)
+    weights = sum(p.numel() * 4 for p in load_model("tiny-llama", device="cpu").parameters())
+    assert reports[-1]["peak_gpu_memory_bytes"] >= 0.5 * weights  # at least the (pruned) fp32 weights were on the GPU
+    assert metrics["peak_gpu_memory_bytes"] == reports[-1]["peak_gpu_memory_bytes"]
+    assert {"load", "calibration", "importance", "prune", "zero_shot_10"} <= set(stage_durations(reports[-1]))
