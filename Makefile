@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
-# The main job: the smoke sweep of the offline world's tiny models through Ray Tune (CPU, ~4 min; running
+# The main job: the smoke sweep of the offline world's tiny models through Ray Tune (CPU, ~2 min; running
 # it again resumes or just reports), then its status and its report (runs/reports/smoke). `make prune-demo` is the one-model version (~30 s).
 demo: setup
 	$(VENV)/bin/taylor-tune sweep experiments/smoke.yaml
