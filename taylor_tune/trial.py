@@ -144,6 +144,7 @@ def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict]
         full = {"tasks": tasks, "limit": limit}
         metrics |= {f"acc_{t}": e["score"] for t, e in tasks.items()}
         metrics |= {f"acc_{t}_stderr": e["score_stderr"] for t, e in tasks.items()}
+        metrics |= {f"acc_{t}_n": e["n"] for t, e in tasks.items()}  # items scored: the report's Wilson intervals
         metrics |= {f"acc_{t}_{half}": e[f"score_{half}"] for t, e in tasks.items() for half in ("sel", "heldout")}
         metrics |= {"acc_mean": sum(e["score"] for e in tasks.values()) / len(tasks), "fidelity": limit or 0,
                     "stage": f"zero_shot_{limit or 'all'}", f"zero_shot_{limit or 'all'}_s": time.perf_counter() - start}

@@ -112,6 +112,18 @@ def test_acc_mean_stderr_interval_and_ties_match_a_brute_force_loop(report, tabl
         assert low == pytest.approx(m.best["acc_mean"] - 1.959964 * se[best], abs=1e-6) and high <= 1.0
 
 
+@pytest.mark.parametrize("correct, n", [(40, 40), (0, 40), (31, 40), (150, 200)])
+def test_wilson_interval_equals_the_roots_of_its_quadratic_and_stays_honest_at_the_edges(correct, n):
+    # the closed form of the Wilson score interval, written independently: p_hat, z^2 terms, quadratic roots
+    z, p = 1.959963984540054, correct / n
+    a, b, c = 1 + z * z / n, -(2 * p + z * z / n), p * p
+    roots = sorted(((-b - math.sqrt(b * b - 4 * a * c)) / (2 * a), (-b + math.sqrt(b * b - 4 * a * c)) / (2 * a)))
+    low, high = stats.wilson_interval(p, n)
+    assert (low, high) == pytest.approx(tuple(roots), abs=1e-12)
+    if correct == n:
+        assert high == 1.0 and low < 0.95  # 40 of 40 is not certainty (the binomial stderr there is 0)
+
+
 def test_a_real_lead_and_a_tie_are_told_apart():
     df = synthetic_trials(n_items=100_000)  # tiny stderrs: the built-in 0.03 bonus is far beyond them
     lead = build_report(df).models["model-a"].lead
@@ -208,6 +220,15 @@ def test_text_and_markdown_name_every_section_in_english(report):
                   "Cross-model comparison", "Value of the search", "Statistically tied with the best"):
         assert title in text and title in markdown
     assert "nan" not in text.lower().replace("nan-", "")
+
+
+def test_per_task_intervals_use_the_item_count_when_trials_record_it(table):
+    rows = table.assign(**{f"acc_{t}_n": 40 for t in TASKS})
+    rows.loc[:, "acc_piqa"] = 1.0
+    rows.loc[:, "acc_piqa_stderr"] = 0.0
+    text = render_text(build_report(rows))
+    low, _ = stats.wilson_interval(1.0, 40)
+    assert f"{low:.4f}" in text  # piqa at 40/40: a real lower bound, not [1, 1]
 
 
 # ---------------------------------------------------------------- robustness on Tune-format folders

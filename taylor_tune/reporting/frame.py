@@ -24,7 +24,7 @@ GRAD_COLUMNS = ("grad_mean_ratio", "grad_norm_ratio", "grad_mean_range", "grad_n
 SPEC_COLUMNS = ("output_dir", "ppl", "acc_mean", "params_count", "pruning_ratio", *GRAD_COLUMNS,
                 "extreme_pruning_layers", "pruning_method", "taylor_seq_len", "taylor_num_samples")
 ARTIFACTS = ("config.json", "evaluation.json", "pruning_summary.json", "layer_analysis.json")
-_SUFFIXES = ("_stderr", "_sel", "_heldout")
+_SUFFIXES = ("_stderr", "_sel", "_heldout", "_n")
 
 
 def task_columns(columns) -> tuple[str, ...]:

@@ -191,8 +191,13 @@ def _best_blocks(m: ModelReport, z: float) -> list:
     rows = []
     for t in m.tasks:
         acc, se = b.get(f"acc_{t}"), b.get(f"acc_{t}_stderr")
-        interval = stats.confidence_interval(float(acc), float(se) if se is not None and not pd.isna(se) else float("nan"), z)
-        rows.append({"task": t, "acc": acc, "stderr": se, "ci_low": interval[0] if interval else None, "ci_high": interval[1] if interval else None})
+        n = b.get(f"acc_{t}_n")
+        if n is not None and not pd.isna(n):  # Wilson over the task's items; older trials lack n: normal approximation
+            interval = stats.wilson_interval(float(acc), int(n), z)
+        else:
+            interval = stats.confidence_interval(float(acc), float(se) if se is not None and not pd.isna(se) else float("nan"), z)
+        rows.append({"task": t, "acc": acc, "stderr": se, "n": None if n is None or pd.isna(n) else int(n),
+                     "ci_low": interval[0] if interval else None, "ci_high": interval[1] if interval else None})
     blocks.append(pd.DataFrame(rows))
     lead = m.lead
     if lead.runner_up is None:

@@ -12,6 +12,7 @@ Uncertainty: lm-eval gives each task's accuracy a standard error; acc_mean's is 
 (tasks are disjoint item sets, so their errors are independent). Two trials differ beyond their uncertainty
 when the difference exceeds z * sqrt(se_a^2 + se_b^2), z = 1.96 by default. Both trials answer the same
 items, so this independent-errors bound is conservative: a paired per-item test would call more leads real.
+A single task's interval is Wilson's over its item count (`acc_<task>_n`) where the trials record it.
 """
 
 from __future__ import annotations
@@ -136,6 +137,16 @@ def confidence_interval(value: float, stderr: float, z: float = Z95) -> tuple[fl
     if stderr is None or not math.isfinite(stderr):
         return None
     return (max(0.0, value - z * stderr), min(1.0, value + z * stderr))
+
+
+def wilson_interval(accuracy: float, n: int, z: float = Z95) -> tuple[float, float] | None:
+    """Wilson score interval of a task's accuracy over n items: unlike accuracy ± z * stderr it stays honest at
+    0 and 1, where the binomial stderr lm-eval reports is 0 (40 of 40 right is not certainty)."""
+    if n is None or not n > 0 or accuracy is None or not math.isfinite(accuracy):
+        return None
+    centre = (accuracy + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(accuracy * (1 - accuracy) / n + z * z / (4 * n * n))
+    return (max(0.0, centre - half), min(1.0, centre + half))
 
 
 def coverage(z: float) -> float:
