@@ -70,7 +70,7 @@ class TrialTable:
 # ---------------------------------------------------------------- reading a folder
 
 
-def _filesystem(location: str, filesystem=None):
+def open_filesystem(location: str, filesystem=None):
     """(pyarrow filesystem, path inside it) for a local path or a URI."""
     from pyarrow import fs
 
@@ -84,7 +84,7 @@ def _filesystem(location: str, filesystem=None):
     return fs.LocalFileSystem(), str(Path(location).resolve())
 
 
-def _read_text(filesystem, path: str) -> str | None:
+def read_text(filesystem, path: str) -> str | None:
     try:
         with filesystem.open_input_stream(path) as stream:
             return stream.read().decode("utf-8", errors="replace")
@@ -111,7 +111,7 @@ def read_trial(filesystem, trial_dir: str) -> dict:
     """One trial folder -> one row: its last reported metrics plus trial_id, trial_dir, error and read_error."""
     name = posixpath.basename(trial_dir.rstrip("/"))
     row: dict = {"trial_id": "_".join(name.split("_")[2:4]) or name, "trial_dir": trial_dir}
-    text = _read_text(filesystem, posixpath.join(trial_dir, "result.json"))
+    text = read_text(filesystem, posixpath.join(trial_dir, "result.json"))
     reports, broken = [], 0
     for line in (text or "").splitlines():
         if line.strip():
@@ -119,7 +119,7 @@ def read_trial(filesystem, trial_dir: str) -> dict:
                 reports.append(json.loads(line))
             except json.JSONDecodeError:
                 broken += 1  # a driver killed mid-write leaves a truncated last line
-    params = _read_text(filesystem, posixpath.join(trial_dir, "params.json"))
+    params = read_text(filesystem, posixpath.join(trial_dir, "params.json"))
     try:
         config = json.loads(params) if params else {}
     except json.JSONDecodeError:
@@ -136,7 +136,7 @@ def read_trial(filesystem, trial_dir: str) -> dict:
         if row.get(key) is None and key in config:
             row[key] = config[key]
     row["final_fidelity"] = _final_fidelity(config)
-    error = _read_text(filesystem, posixpath.join(trial_dir, "error.txt"))
+    error = read_text(filesystem, posixpath.join(trial_dir, "error.txt"))
     if error:
         row["error"] = _last_failure(error)
     row["output_dir"] = trial_dir  # where the artifacts live now; the path during the run is kept as run_dir
@@ -148,7 +148,7 @@ def read_experiment(location: str, filesystem=None) -> pd.DataFrame:
     from pyarrow import fs as pafs
 
     given = filesystem
-    filesystem, root = _filesystem(str(location), filesystem)
+    filesystem, root = open_filesystem(str(location), filesystem)
     info = filesystem.get_file_info(root)
     if info.type != pafs.FileType.Directory:
         raise ReportError(f"{location}: no such experiment folder")

@@ -73,7 +73,7 @@ def model_report(table: TrialTable, model: str, z: float = stats.Z95, seed: int 
         gradient=[stats.correlation(valid, g) for g in GRAD_COLUMNS],
         extreme=stats.extreme_layers(valid) if not empty else {"correlation": stats.correlation(valid, "extreme_pruning_layers"), "table": None},
         ppl=stats.correlation(valid, "ppl"),
-        best=best, best_stderr=None if best is None else stats._plain(best["acc_mean_stderr"]),
+        best=best, best_stderr=None if best is None else stats.plain(best["acc_mean_stderr"]),
         lead=stats.lead_of_best(valid, tasks, z), seeds=stats.seed_spread(valid), heldout=stats.heldout_selection(valid, tasks),
         importance=stats.hyperparameter_importance(valid, seed=seed) if not empty else {"importances": {}, "reason": "no valid trials"},
     )
@@ -276,7 +276,7 @@ def _json_safe(value):
         return [_json_safe(v) for v in value]
     if isinstance(value, pd.DataFrame):
         return _json_safe(value.reset_index().to_dict(orient="records") if value.index.name else value.to_dict(orient="records"))
-    value = stats._plain(value)
+    value = stats.plain(value)
     if isinstance(value, float) and math.isinf(value):
         return "inf" if value > 0 else "-inf"
     return value
@@ -318,15 +318,15 @@ def method_comparison_dict(m: ModelReport) -> dict:
 def _copy_artifacts(report_dir: Path, m: ModelReport, written: list[Path], filesystem=None) -> None:
     """The best trial's artifacts (reference/003's best_<model>/ layout) and its three per-layer plots."""
     from taylor_tune.reporting import plots
-    from taylor_tune.reporting.frame import _filesystem, _read_text
+    from taylor_tune.reporting.frame import open_filesystem, read_text
 
     folder = report_dir / f"best_{folder_name(m.model)}"
     written.append(_write_json(folder / "best_config.json", best_config_dict(m)))
     trial_dir = m.best.get("output_dir")
     texts = {}
     if isinstance(trial_dir, str):
-        filesystem, root = _filesystem(trial_dir, filesystem)
-        texts = {name: _read_text(filesystem, f"{root.rstrip('/')}/{name}") for name in ARTIFACTS}
+        filesystem, root = open_filesystem(trial_dir, filesystem)
+        texts = {name: read_text(filesystem, f"{root.rstrip('/')}/{name}") for name in ARTIFACTS}
     (folder / "artifacts").mkdir(parents=True, exist_ok=True)
     missing = [name for name, text in texts.items() if text is None] if texts else list(ARTIFACTS)
     for name, text in texts.items():

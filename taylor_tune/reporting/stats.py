@@ -215,7 +215,7 @@ def heldout_selection(df: pd.DataFrame, tasks: tuple[str, ...]) -> dict:
     scores = pd.DataFrame({"sel": df[sel].mean(axis=1), "heldout": df[held].mean(axis=1)}, index=df.index)
     chosen = df.loc[scores.sort_values("sel", ascending=False, kind="stable").index[0]]
     return {
-        "reason": None, "chosen": chosen["trial_id"], "config": {k: _plain(chosen[k]) for k in CONFIG},
+        "reason": None, "chosen": chosen["trial_id"], "config": {k: plain(chosen[k]) for k in CONFIG},
         "selection_acc": float(scores.loc[chosen.name, "sel"]), "heldout_acc": float(scores.loc[chosen.name, "heldout"]),
         "optimism": float(scores.loc[chosen.name, "sel"] - scores.loc[chosen.name, "heldout"]),
         "best_heldout_acc": float(scores["heldout"].max()),
@@ -233,13 +233,13 @@ def hyperparameter_importance(df: pd.DataFrame, params: tuple[str, ...] = CONFIG
         return {"importances": {}, "reason": "fewer than two trials or no parameter takes two values"}
     if df["acc_mean"].nunique() < 2:
         return {"importances": {}, "reason": f"acc_mean is the same ({df['acc_mean'].iloc[0]:g}) in every trial: no variance to attribute"}
-    distributions = {p: CategoricalDistribution(sorted({_plain(v) for v in df[p]}, key=str)) for p in varied}
+    distributions = {p: CategoricalDistribution(sorted({plain(v) for v in df[p]}, key=str)) for p in varied}
     verbosity = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
         study = optuna.create_study(direction="maximize")
         study.add_trials([
-            optuna.trial.create_trial(params={p: _plain(row[p]) for p in varied}, distributions=distributions,
+            optuna.trial.create_trial(params={p: plain(row[p]) for p in varied}, distributions=distributions,
                                       value=float(row["acc_mean"]))
             for _, row in df.iterrows()
         ])
@@ -260,7 +260,7 @@ def value_of_search(df: pd.DataFrame) -> pd.DataFrame:
         for target, target_best in best.items():
             same = df[(df["model"] == target) & np.logical_and.reduce([df[k] == v for k, v in config.items()])]
             acc = float(same["acc_mean"].mean()) if len(same) else float("nan")
-            rows.append({"config_of": source, "applied_to": target, **{k: _plain(v) for k, v in config.items()},
+            rows.append({"config_of": source, "applied_to": target, **{k: plain(v) for k, v in config.items()},
                          "acc": acc, "own_best_acc": float(target_best["acc_mean"]),
                          "loss": float(target_best["acc_mean"]) - acc})
     return pd.DataFrame(rows)
@@ -272,8 +272,8 @@ def cross_model(df: pd.DataFrame, invalid_counts: dict[str, int] | None = None) 
     for model, group in df.groupby("model"):
         best = best_trial(group)
         rows.append({"model": model, "best_method": best["pruning_method"], "best_acc": float(best["acc_mean"]),
-                     "best_ppl": _plain(best.get("ppl")), "taylor_seq_len": _plain(best["taylor_seq_len"]),
-                     "taylor_num_samples": _plain(best["taylor_num_samples"]), "valid_trials": len(group),
+                     "best_ppl": plain(best.get("ppl")), "taylor_seq_len": plain(best["taylor_seq_len"]),
+                     "taylor_num_samples": plain(best["taylor_num_samples"]), "valid_trials": len(group),
                      "invalid_trials": (invalid_counts or {}).get(model, 0), "trial_id": best["trial_id"]})
     columns = ["model", "best_method", "best_acc", "best_ppl", "taylor_seq_len", "taylor_num_samples",
                "valid_trials", "invalid_trials", "trial_id"]
@@ -288,12 +288,12 @@ def key_figures(df: pd.DataFrame, tasks: tuple[str, ...], total_trials: int) -> 
         "trials": total_trials, "valid_trials": len(df), "models": int(df["model"].nunique()),
         "methods": int(df["pruning_method"].nunique()), "tasks": len(tasks), "task_evaluations": len(df) * len(tasks),
         "trial_hours": hours,  # GPU-hours = trial-hours x GPUs per trial
-        "acc_max": _plain(acc.max()), "acc_min": _plain(acc.min()), "acc_median": _plain(acc.median()),
-        "acc_mean": _plain(acc.mean()), "acc_std": _plain(acc.std()),
+        "acc_max": plain(acc.max()), "acc_min": plain(acc.min()), "acc_median": plain(acc.median()),
+        "acc_mean": plain(acc.mean()), "acc_std": plain(acc.std()),
     }
 
 
-def _plain(value):
+def plain(value):
     """numpy scalars -> Python; NaN -> None (JSON has no NaN)."""
     if isinstance(value, np.generic):
         value = value.item()
