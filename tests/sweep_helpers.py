@@ -84,28 +84,22 @@ def kill_ray_started_after(started_after: float) -> None:
             pass
 
 
-def analysis_rows(experiment_dir: Path) -> list[dict]:
-    """ExperimentAnalysis in a fresh process: one dict per trial (last result, config flattened)."""
-    code = (
-        "import json, sys\n"
-        "from ray.tune import ExperimentAnalysis\n"
-        "df = ExperimentAnalysis(sys.argv[1]).dataframe()\n"
-        "print(json.dumps(json.loads(df.to_json(orient='records'))))\n"
-    )
+def _from_analysis(experiment_dir: Path, expression: str):
+    """`expression` over `analysis = ExperimentAnalysis(experiment_dir)`, evaluated in a fresh process, as JSON."""
+    code = ("import json, sys\nfrom ray.tune import ExperimentAnalysis\nanalysis = ExperimentAnalysis(sys.argv[1])\n"
+            f"print(json.dumps({expression}))\n")
     out = subprocess.run([sys.executable, "-c", code, str(experiment_dir)], capture_output=True, text=True, check=True, env=env())
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def analysis_rows(experiment_dir: Path) -> list[dict]:
+    """ExperimentAnalysis in a fresh process: one dict per trial (last result, config flattened)."""
+    return _from_analysis(experiment_dir, "json.loads(analysis.dataframe().to_json(orient='records'))")
+
+
 def terminated(experiment_dir: Path) -> set[str]:
     """Trial ids that Tune's saved experiment state records as finished (TERMINATED), read in a fresh process."""
-    code = (
-        "import json, sys\n"
-        "from ray.tune import ExperimentAnalysis\n"
-        "trials = ExperimentAnalysis(sys.argv[1]).trials\n"
-        "print(json.dumps([t.trial_id for t in trials if t.status == 'TERMINATED']))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code, str(experiment_dir)], capture_output=True, text=True, check=True, env=env())
-    return set(json.loads(out.stdout.strip().splitlines()[-1]))
+    return set(_from_analysis(experiment_dir, "[t.trial_id for t in analysis.trials if t.status == 'TERMINATED']"))
 
 
 RAY_LABELS = {"Component", "NodeAddress", "SessionName", "Version", "WorkerId", "otel_scope_name", "otel_scope_schema_url",
