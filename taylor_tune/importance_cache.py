@@ -60,8 +60,7 @@ class ImportanceCache:
     def __init__(self, root: str | Path, *, poll_s: float = 0.2, heartbeat_s: float = 5.0, stale_s: float = 60.0):
         self.root = Path(root)
         self.poll_s, self.heartbeat_s, self.stale_s = poll_s, heartbeat_s, stale_s
-
-    last_event: str | None = None  # what this process's latest call did: "hit", "computed" or "takeover"
+        self.last_event: str | None = None  # what this object's latest call did: "hit", "computed" or "takeover"
 
     def _record(self, event: str, key: str, **extra) -> None:
         self.last_event = event

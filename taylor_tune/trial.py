@@ -62,14 +62,15 @@ def cached_importance(trial: TrialConfig):
         def compute():  # only on a miss: a hit needs neither the corpus nor the tokenizer's time
             start = time.perf_counter()
             drawn["ids"] = load_calibration(tokenizer, config.calibration, seq_len=config.seq_len, num_samples=largest, seed=config.seed)
-            provide.calibration_s = time.perf_counter() - start
+            provide.info["calibration_s"] = time.perf_counter() - start
             return compute_importance(model, layout, drawn["ids"], micro_batch_size=config.micro_batch_size, snapshots=counts)
 
         results = cache.get_or_compute(fields, counts, compute)
-        provide.cache_event = cache.last_event
+        provide.info["importance_cache"] = cache.last_event
         ids = drawn.get("ids")
         return results[config.num_samples], None if ids is None else ids[: config.num_samples]
 
+    provide.info = {}  # what the call did, for the trial's metrics: importance_cache event, calibration_s on a miss
     return provide
 
 
@@ -107,11 +108,10 @@ def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict]
     provider = cached_importance(trial)
     result = prune(config, importance_provider=provider)
     diagnostics = result.diagnostics
-    timings = dict(result.timings)
-    if provider is not None and getattr(provider, "cache_event", None):  # taylor trials: what the shared cache did
-        if hasattr(provider, "calibration_s"):  # drawn inside the pass, on a miss only
-            timings["calibration_s"] = provider.calibration_s
-            timings["importance_s"] -= provider.calibration_s
+    timings, cached = dict(result.timings), getattr(provider, "info", {})  # cached: empty unless a taylor trial used the cache
+    if "calibration_s" in cached:  # drawn inside the cached pass, on a miss only: a stage of its own, as without a cache
+        timings["calibration_s"] = cached["calibration_s"]
+        timings["importance_s"] -= cached["calibration_s"]
     (trial_dir / "pruning_summary.json").write_text(json.dumps(summary_dict(config, result), indent=2))
     (trial_dir / "layer_analysis.json").write_text(json.dumps(layer_analysis(diagnostics), indent=2))
     metrics: dict[str, Any] = {
@@ -120,8 +120,8 @@ def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict]
                                        "grad_mean_ratio", "grad_norm_ratio", "grad_mean_range", "grad_norm_range")},
         **timings,
     }
-    if provider is not None and getattr(provider, "cache_event", None):
-        metrics["importance_cache"] = provider.cache_event
+    if "importance_cache" in cached:
+        metrics["importance_cache"] = cached["importance_cache"]
     for key in ("grad_mean_ratio", "grad_norm_ratio", "grad_mean_range", "grad_norm_range"):
         if isinstance(metrics[key], str):  # "inf": Tune stores floats
             metrics[key] = float(metrics[key])

@@ -64,18 +64,17 @@ def model_report(table: TrialTable, model: str, z: float = stats.Z95, seed: int 
     tasks = task_columns(valid.columns[valid.notna().any()]) if len(valid) else ()
     valid["acc_mean_stderr"] = stats.acc_mean_stderr(valid, tasks)
     best = stats.best_trial(valid)
-    empty = valid.empty
     return ModelReport(
         model=model, trials=len(trials), valid=valid, invalid=trials.loc[~trials["valid"]], tasks=tasks,
         methods=stats.method_comparison(valid),
         seq_len=stats.hyperparameter_impact(valid, "taylor_seq_len"),
         num_samples=stats.hyperparameter_impact(valid, "taylor_num_samples"),
         gradient=[stats.correlation(valid, g) for g in GRAD_COLUMNS],
-        extreme=stats.extreme_layers(valid) if not empty else {"correlation": stats.correlation(valid, "extreme_pruning_layers"), "table": None},
+        extreme=stats.extreme_layers(valid),
         ppl=stats.correlation(valid, "ppl"),
         best=best, best_stderr=None if best is None else stats.plain(best["acc_mean_stderr"]),
         lead=stats.lead_of_best(valid, tasks, z), seeds=stats.seed_spread(valid), heldout=stats.heldout_selection(valid, tasks),
-        importance=stats.hyperparameter_importance(valid, seed=seed) if not empty else {"importances": {}, "reason": "no valid trials"},
+        importance=stats.hyperparameter_importance(valid, seed=seed),
     )
 
 
@@ -96,9 +95,8 @@ def build_report(source, model: str | None = None, z: float = stats.Z95, seed: i
         notes.append(f"{unattributed} trial(s) recorded no model and appear only in the invalid-trial count")
     return Report(
         source=table.source, table=table, models=models,
-        cross=stats.cross_model(valid, invalid_counts) if len(valid) else stats.cross_model(valid.iloc[0:0]),
-        value_of_search=stats.value_of_search(valid) if len(valid) else pd.DataFrame(),
-        key=stats.key_figures(valid, table.tasks, len(table.trials)) if len(valid) else {"trials": len(table.trials), "valid_trials": 0},
+        cross=stats.cross_model(valid, invalid_counts), value_of_search=stats.value_of_search(valid),
+        key=stats.key_figures(valid, table.tasks, len(table.trials)),
         z=z, notes=notes,
     )
 

@@ -23,12 +23,11 @@ def sweep_trainable(config: dict) -> None:
     cloud storage from any node, and a reused actor (reuse_actors=True) gets each new trial's own folders."""
     import os
 
-    from ray.train._internal.session import get_storage  # DeveloperAPI; the paths of *this* trial, also after a reset
-
     from taylor_tune.tune.metrics import TrialMetrics
 
     os.environ.setdefault("TQDM_DISABLE", "1")
-    storage, context = get_storage(), tune.get_context()
+    context = tune.get_context()
+    storage = context.get_storage()  # DeveloperAPI: the paths of *this* trial, also in a reused worker
     emit = TrialMetrics(context.get_experiment_name(), config["model"], context.get_trial_id())
 
     def report(metrics: dict) -> None:
