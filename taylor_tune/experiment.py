@@ -76,6 +76,7 @@ class Search(BaseModel):
     repeats: int = Field(1, gt=0, description="calibration seeds per configuration (seeds 0..repeats-1)")
     seed: int = 0
     max_concurrent: int | None = Field(None, gt=0)
+    n_startup_trials: int = Field(10, ge=0, description="tpe: random trials per model before TPE models the results (Optuna's default)")
 
 
 class Evaluation(BaseModel):
@@ -146,6 +147,9 @@ class Experiment(BaseModel):
             raise ValueError("search.repeats > 1 is for grid search; TPE draws one calibration seed (0)")
         if self.search.algorithm == "grid" and any(d.grid is None for d in self.search_space.domains().values()):
             raise ValueError("search.algorithm grid needs grid domains in the search space (choice is for tpe)")
+        if self.search.algorithm == "tpe" and self.search.num_trials > self.space_size():
+            raise ValueError(f"search.num_trials: {self.search.num_trials} is more than the {self.space_size()} configurations "
+                             "of the search space, and TPE runs each at most once (algorithm: grid runs them all)")
         return self
 
     @model_validator(mode="after")
@@ -157,13 +161,16 @@ class Experiment(BaseModel):
     def prune_config(self, model: str, method: str, seq_len: int, num_samples: int, seed: int) -> PruneConfig:
         return PruneConfig(model=model, method=method, seq_len=seq_len, num_samples=num_samples, seed=seed, **self.prune)
 
+    def space_size(self) -> int:
+        """Configurations per model in the search space."""
+        size = 1
+        for domain in self.search_space.domains().values():
+            size *= len(domain.values)
+        return size
+
     def grid_size(self) -> int:
-        domains = self.search_space.domains().values()
         if self.search.algorithm == "grid":
-            size = 1
-            for domain in domains:
-                size *= len(domain.values)
-            return size * len(self.models) * self.search.repeats
+            return self.space_size() * len(self.models) * self.search.repeats
         return self.search.num_trials * len(self.models) * self.search.repeats
 
     def sample_counts(self) -> tuple[int, ...]:

@@ -140,7 +140,7 @@ def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict]
     full = {}
     for limit in evaluation.fidelities:
         start = time.perf_counter()
-        tasks = zero_shot(lm, evaluation.spec(limit), task_data)
+        tasks, _ = zero_shot(lm, evaluation.spec(limit), task_data)
         full = {"tasks": tasks, "limit": limit}
         metrics |= {f"acc_{t}": e["score"] for t, e in tasks.items()}
         metrics |= {f"acc_{t}_stderr": e["score_stderr"] for t, e in tasks.items()}

@@ -220,6 +220,9 @@ def test_tpe_with_asha_runs_one_study_per_model(tmp_path):
     assert sorted(r["model"] for r in rows) == ["tiny-llama"] * 3 + ["tiny-qwen2"] * 3
     assert all(r["stage"] in ("zero_shot_5", "zero_shot_20") for r in rows)  # ASHA may stop after the cheap pass
     assert all(r["taylor_seq_len"] in (16, 32, 48) and r["taylor_num_samples"] in (8, 16) for r in rows)
+    for model in ("tiny-llama", "tiny-qwen2"):  # a study never runs a configuration twice
+        keys = [(r["taylor_seq_len"], r["taylor_num_samples"], r["pruning_method"]) for r in rows if r["model"] == model]
+        assert len(set(keys)) == 3
     table = load_trials(tmp_path / "sweeps" / "tpe")  # trials ASHA stopped at the cheap fidelity are not comparable
     stopped = [r for r in rows if r["stage"] == "zero_shot_5"]
     assert len(table.invalid) == len(stopped) and all("stopped early by the scheduler" in r for r in table.invalid["reason"])

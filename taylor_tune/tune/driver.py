@@ -85,12 +85,13 @@ def run_sweep(experiment: Experiment):
         cache_dir = f"{path}/importance_cache"
         search_alg, num_samples, space = None, 1, param_space(experiment, cache_dir=cache_dir)
         if experiment.search.algorithm == "tpe":
-            from taylor_tune.tune.search import PerModelSearcher, define_by_run
+            from taylor_tune.tune.search import PerModelSearcher, domains_of
             from taylor_tune.tune.space import fixed_settings
 
             search_alg = PerModelSearcher(
-                experiment.models, define_by_run(experiment), experiment.search.num_trials,
+                experiment.models, domains_of(experiment), experiment.search.num_trials,
                 fixed_settings(experiment, cache_dir), metric=experiment.metric, mode=experiment.mode, seed=experiment.search.seed,
+                n_startup_trials=experiment.search.n_startup_trials,
             )
             num_samples, space = experiment.grid_size(), {}
         tuner = tune.Tuner(
