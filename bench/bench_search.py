@@ -90,10 +90,14 @@ def main() -> None:
         runs = [replay(table, seed=s, asha=asha, tolerance=args.tolerance, n_startup_trials=args.n_startup_trials,
                        cheap_share=args.cheap_share) for s in range(args.repeats)]
         fractions = [r["cost_s"] / grid_cost for r in runs]
+        # a fixed budget of trials per model (experiments/tpe_asha.yaml runs 12): how often it contains the best
+        within = {budget: sum(r["reached"] and r["trials"] <= budget for r in runs) for budget in (12, 20)}
         result[name] = {"runs": runs, "reached": sum(r["reached"] for r in runs), "median_fraction": statistics.median(fractions),
-                        "mean_fraction": statistics.fmean(fractions), "max_fraction": max(fractions)}
+                        "mean_fraction": statistics.fmean(fractions), "max_fraction": max(fractions),
+                        "reached_within_trials": within, "median_trials": statistics.median(r["trials"] for r in runs)}
         print(f"{name}: reached in {result[name]['reached']}/{args.repeats}; cost as a fraction of the grid: median "
-              f"{result[name]['median_fraction']:.3f}, mean {result[name]['mean_fraction']:.3f}, max {result[name]['max_fraction']:.3f}")
+              f"{result[name]['median_fraction']:.3f}, mean {result[name]['mean_fraction']:.3f}, max {result[name]['max_fraction']:.3f}; "
+              f"median trials {result[name]['median_trials']:g}; within 12 trials {within[12]}/{args.repeats}, within 20 {within[20]}/{args.repeats}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
