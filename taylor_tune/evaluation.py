@@ -153,10 +153,9 @@ def split_scores(samples: list[dict], metric: str) -> dict:
     return out
 
 
-def _simple_evaluate(lm, spec: EvalSpec, tasks: list[str], task_data: str) -> dict:
+def _simple_evaluate(lm, spec: EvalSpec, sources: list[tuple[str | dict, object]]) -> dict:
     from lm_eval import simple_evaluate
 
-    sources = [task_source(task, task_data) for task in tasks]
     return simple_evaluate(
         model=lm, tasks=[source for source, _ in sources], task_manager=sources[0][1], limit=spec.limit,
         bootstrap_iters=1000, log_samples=True, verbosity="ERROR",
@@ -170,20 +169,24 @@ def _failure(task: str | None, error: Exception) -> EvaluationError:
 
 def zero_shot(lm, spec: EvalSpec, task_data: str) -> tuple[dict[str, dict], float]:
     """Every task in one `simple_evaluate` call: lm-eval then pools the requests of all tasks into one sorted
-    batch stream, and pays its per-call set-up (it collects the environment with pip, ~0.3 s) once, not per
-    task. A pass's time is reported as a whole (`zero_shot_seconds`): per-task times do not exist in one call."""
+    batch stream, and pays its per-call set-up once, not per task (it collects the environment by running pip,
+    0.3-0.5 s here). A pass's time is reported as a whole: per-task times do not exist in one call."""
+    sources = {task: task_source(task, task_data) for task in spec.tasks}
     start = time.perf_counter()
     try:
-        result = _simple_evaluate(lm, spec, list(spec.tasks), task_data)
+        result = _simple_evaluate(lm, spec, list(sources.values()))
+    except torch.cuda.OutOfMemoryError as error:  # the model's, not a task's: running tasks alone would only repeat it
+        raise _failure(None, error) from None
     except Exception as error:  # lm-eval and datasets raise anything: find the task it came from by running each alone
-        for task in spec.tasks:
+        for task, source in sources.items():
             try:
-                _simple_evaluate(lm, spec, [task], task_data)
+                _simple_evaluate(lm, spec, [source])
             except Exception as task_error:
                 raise _failure(task, task_error) from None
         raise _failure(None, error) from None
     seconds = time.perf_counter() - start
-    names = {task: f"{task}_offline" if task_data != "hub" else task for task in spec.tasks}
+    # lm-eval keys results by the task's own name: the hub task's, or the offline config's
+    names = {task: source if isinstance(source, str) else source["task"] for task, (source, _) in sources.items()}
     out = {}
     for task, name in names.items():
         raw = result["results"][name]
