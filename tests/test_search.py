@@ -47,6 +47,25 @@ def test_a_failed_configuration_is_not_run_again_and_teaches_tpe_nothing():
     assert failed and all(t.value is None for t in failed)
 
 
+def test_a_study_pickled_with_a_trial_running_resumes_without_repeating_it():
+    import pickle
+
+    space = {"taylor_seq_len": [16, 32], "taylor_num_samples": [8], "pruning_method": ["taylor"]}
+    proposed_again = 0
+    for seed in range(6):
+        study = ModelStudy(space, seed=seed, mode="max", n_startup_trials=10)  # random phase: repeats are likely
+        first = study.ask()
+        restored = pickle.loads(pickle.dumps(study))  # what Tune's searcher checkpoint does mid-sweep
+        second = restored.ask()
+        assert second is not None and second != first
+        proposed_again += restored.repeats_answered  # TPE proposed the running one: answered, not handed out
+        assert restored.ask() is None
+        restored.tell(first, 0.5)
+        restored.tell(second, 0.7)
+        assert sorted(t.value for t in restored.study.trials if t.state.name == "COMPLETE") == [0.5, 0.7]
+    assert proposed_again > 0
+
+
 def drive(searcher: PerModelSearcher, tables: dict, start: int, stop: int) -> list[tuple]:
     out = []
     for n in range(start, stop):

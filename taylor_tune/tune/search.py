@@ -21,8 +21,6 @@ from itertools import product
 
 from ray.tune.search import Searcher
 
-PENDING = object()  # a configuration handed out whose result has not come back
-
 
 class ModelStudy:
     """One model's TPE study over a finite space; `ask` returns each configuration at most once."""
@@ -37,7 +35,8 @@ class ModelStudy:
         self.study = optuna.create_study(direction="maximize" if mode == "max" else "minimize", sampler=sampler)
         self.rng = random.Random(seed)
         self.patience = patience
-        self.seen: dict[tuple, object] = {}  # configuration -> its result (or PENDING)
+        self.results: dict[tuple, float | None] = {}  # configuration -> its result (None: it failed)
+        self.running: set[tuple] = set()  # handed out, result not back yet
         self.numbers: dict[tuple, int] = {}  # configuration -> the Optuna trial that runs it
         self.repeats_answered = 0
 
@@ -53,22 +52,22 @@ class ModelStudy:
         from optuna.trial import TrialState
 
         repeats = 0
-        while len(self.seen) < self.size:
+        while len(self.results) + len(self.running) < self.size:
             if repeats >= self.patience:
-                unseen = [key for key in product(*self.domains.values()) if key not in self.seen]
+                unseen = [key for key in product(*self.domains.values()) if key not in self.results and key not in self.running]
                 self.study.enqueue_trial(dict(zip(self.domains, self.rng.choice(unseen))))
             trial = self.study.ask()
             key = tuple(trial.suggest_categorical(name, values) for name, values in self.domains.items())
-            if key not in self.seen:
-                self.seen[key], self.numbers[key] = PENDING, trial.number
+            if key not in self.results and key not in self.running:
+                self.running.add(key)
+                self.numbers[key] = trial.number
                 return dict(zip(self.domains, key))
             repeats += 1
             self.repeats_answered += 1
-            earlier = self.seen[key]
-            if earlier is PENDING or earlier is None:  # still running, or it failed: nothing to answer with
+            if self.results.get(key) is None:  # still running, or it failed: nothing to answer with
                 self.study.tell(trial, state=TrialState.FAIL)
             else:
-                self.study.tell(trial, earlier)
+                self.study.tell(trial, self.results[key])
         return None
 
     def tell(self, params: dict, value: float | None) -> None:
@@ -76,7 +75,8 @@ class ModelStudy:
         from optuna.trial import TrialState
 
         key = tuple(params[name] for name in self.domains)
-        self.seen[key] = value
+        self.running.discard(key)
+        self.results[key] = value
         if value is None:
             self.study.tell(self.numbers[key], state=TrialState.FAIL)
         else:
