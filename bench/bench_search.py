@@ -11,7 +11,7 @@ TPE sweep runs, seeded) and "evaluates" each configuration it hands out by looku
 A replay succeeds at the first fully evaluated configuration within `--tolerance` (0.5 points) of the
 grid's best. Its cost is reported as a fraction of the grid's cost (every configuration at full fidelity).
 
-    .venv/bin/python bench/bench_search.py runs/sweeps/offline_paper_grid --repeats 100 --json bench/out/search.json
+    .venv/bin/python bench/bench_search.py runs/sweeps/offline_paper_grid --cheap-limit 40 --json bench/out/search.json
 """
 
 from __future__ import annotations
@@ -30,12 +30,15 @@ from taylor_tune.tune.search import PerModelSearcher  # noqa: E402
 NAMES = ("taylor_seq_len", "taylor_num_samples", "pruning_method")
 
 
-def load_grid(path: Path) -> dict[tuple, dict]:
-    """(seq_len, num_samples, method) -> cheap/full accuracy and seconds, from each trial's result.json."""
+def load_grid(path: Path, cheap_limit: int | None = None) -> dict[tuple, dict]:
+    """(seq_len, num_samples, method) -> cheap/full accuracy and seconds, from each trial's result.json. The cheap
+    fidelity is the pass at `cheap_limit` items per task, by default the trials' first."""
     table = {}
+    cheap_stage = f"zero_shot_{cheap_limit}" if cheap_limit else None
     for result_file in path.glob("*/result.json"):
         rows = [json.loads(line) for line in result_file.read_text().splitlines() if line.strip()]
-        cheap = next(r for r in rows if r.get("stage", "").startswith("zero_shot_") and r["stage"] != "zero_shot_all")
+        cheap = next(r for r in rows if r.get("stage", "").startswith("zero_shot_") and r["stage"] != "zero_shot_all"
+                     and r["stage"] == (cheap_stage or r["stage"]))
         full = next(r for r in rows if r.get("stage") == "zero_shot_all")
         key = (full["taylor_seq_len"], full["taylor_num_samples"], full["pruning_method"])
         cheap_s = cheap[cheap["stage"] + "_s"]
@@ -71,12 +74,13 @@ def main() -> None:
     parser.add_argument("experiment", type=Path)
     parser.add_argument("--repeats", type=int, default=100)
     parser.add_argument("--n-startup-trials", type=int, default=10, help="the experiment's search.n_startup_trials")
+    parser.add_argument("--cheap-limit", type=int, help="the fidelity ASHA stops at (items per task); default: the first")
     parser.add_argument("--tolerance", type=float, default=0.005, help="accuracy points as a fraction (0.005 = 0.5 points)")
     parser.add_argument("--cheap-share", type=float, help="what-if: cost the cheap fidelity at this share of each trial's "
                         "full evaluation instead of its measured seconds (on a 7-8B model 40 items per task are ~1.4%% of the items)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    table = load_grid(args.experiment)
+    table = load_grid(args.experiment, args.cheap_limit)
     grid_cost = sum(v["full_s"] for v in table.values())
     best = max(table.items(), key=lambda kv: kv[1]["full"])
     within = sum(v["full"] >= best[1]["full"] - args.tolerance for v in table.values())
