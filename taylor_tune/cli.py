@@ -183,7 +183,8 @@ def _run_status(args: argparse.Namespace) -> int:
     for model, best in sorted(status["best"].items()):
         ppl = f", ppl {best['ppl']:.3f}" if best.get("ppl") is not None else ""
         print(f"best so far for {model}: acc_mean {best['acc_mean']:.4f}{ppl} with {best['pruning_method']}, "
-              f"seq_len {best['taylor_seq_len']}, num_samples {best['taylor_num_samples']}, seed {best['seed']}")
+              f"seq_len {best['taylor_seq_len']}, num_samples {best['taylor_num_samples']}, seed {best['seed']} "
+              f"(trial {best['trial_id']})")
     return 0
 
 

@@ -15,6 +15,8 @@ import pytest
 import requests
 
 from taylor_tune.reporting import build_report, load_trials
+from taylor_tune.reporting.stats import best_trial
+from taylor_tune.tune.driver import sweep_status
 from tests.sweep_helpers import (REPO, analysis_rows, env, finished, kill_ray_started_after, run_sweep, scrape, screenshot,
                                  sweep_command, terminated, total, trial_dirs, wait_for, write_experiment)
 
@@ -143,7 +145,10 @@ def test_status_reports_counts_and_best_per_model(smoke):
     proc = subprocess.run([os.sys.executable, "-m", "taylor_tune", "status", str(path)], capture_output=True, text=True, env=env())
     assert proc.returncode == 0
     assert "finished 36, errored 0" in proc.stdout
-    assert sum(line.startswith("best so far for tiny-") for line in proc.stdout.splitlines()) == 3
+    named = dict(re.findall(r"^best so far for (\S+): .*\(trial (\S+)\)$", proc.stdout, flags=re.M))
+    table = load_trials(path)  # the report's reading and tie rule name the same best trial per model
+    assert named == {model: best_trial(rows)["trial_id"] for model, rows in table.valid.groupby("model")}
+    assert len(named) == 3
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
@@ -220,6 +225,10 @@ def test_tpe_with_asha_runs_one_study_per_model(tmp_path):
     assert sorted(r["model"] for r in rows) == ["tiny-llama"] * 3 + ["tiny-qwen2"] * 3
     assert all(r["stage"] in ("zero_shot_5", "zero_shot_20") for r in rows)  # ASHA may stop after the cheap pass
     assert all(r["taylor_seq_len"] in (16, 32, 48) and r["taylor_num_samples"] in (8, 16) for r in rows)
+    status = sweep_status(str(tmp_path / "sweeps" / "tpe"))  # best so far: full evaluations only, not ASHA's cheap pass
+    final = [r for r in rows if r["stage"] == "zero_shot_20"]
+    full = {m: max(r["acc_mean"] for r in final if r["model"] == m) for m in {r["model"] for r in final}}
+    assert {m: b["acc_mean"] for m, b in status["best"].items()} == full
     for model in ("tiny-llama", "tiny-qwen2"):  # a study never runs a configuration twice
         keys = [(r["taylor_seq_len"], r["taylor_num_samples"], r["pruning_method"]) for r in rows if r["model"] == model]
         assert len(set(keys)) == 3

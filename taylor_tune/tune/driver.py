@@ -9,6 +9,8 @@ stop` sends) becomes Tune's graceful SIGINT stop, and the experiment state is sa
 
 from __future__ import annotations
 
+import math
+
 import os
 import signal
 from pathlib import Path
@@ -133,8 +135,17 @@ def sweep_status(path: str) -> dict:
         counts[trial.status] = counts.get(trial.status, 0) + 1
         result = trial.last_result or {}
         model = trial.config.get("model")
-        if "acc_mean" in result and (model not in best or result["acc_mean"] > best[model]["acc_mean"]):
-            best[model] = {"acc_mean": result["acc_mean"], "ppl": result.get("ppl"), "trial_id": trial.trial_id,
+        # only a trial's full evaluation counts (a cheap pass, or a trial ASHA stopped after one, is not comparable);
+        # ties as the report breaks them: higher acc_mean, then lower ppl, then the smaller trial id
+        fidelities = trial.config.get("fixed", {}).get("evaluation", {}).get("fidelities") or [None]
+        if result.get("stage") != f"zero_shot_{fidelities[-1] or 'all'}" or "acc_mean" not in result:
+            continue
+        ppl = result.get("ppl")
+        rank = (-result["acc_mean"], math.inf if ppl is None else ppl, trial.trial_id)
+        if model not in best or rank < best[model]["_rank"]:
+            best[model] = {"_rank": rank, "acc_mean": result["acc_mean"], "ppl": ppl, "trial_id": trial.trial_id,
                            **{k: trial.config.get(k) for k in ("pruning_method", "taylor_seq_len", "taylor_num_samples", "seed")}}
+    for entry in best.values():
+        del entry["_rank"]
     return {"pending": counts["PENDING"], "running": counts["RUNNING"], "finished": counts["TERMINATED"],
             "errored": counts["ERROR"], "paused": counts["PAUSED"], "total": len(analysis.trials), "best": best}
