@@ -84,6 +84,23 @@ def test_an_unreadable_search_space_file_is_named(tmp_path):
         load_experiment(bad(tmp_path, search_space="search_spaces/none.yaml"))
 
 
+def test_the_define_by_run_space_samples_the_experiments_domains():
+    import optuna
+
+    from taylor_tune.tune.search import define_by_run
+
+    experiment = load_experiment(REPO / "experiments" / "tpe_asha.yaml")
+    study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=0))
+    space = define_by_run(experiment)
+    for _ in range(20):
+        trial = study.ask()
+        seq_len, num_samples, method = space(trial)
+        assert (seq_len, num_samples, method) == (trial.params["taylor_seq_len"], trial.params["taylor_num_samples"],
+                                                  trial.params["pruning_method"])
+        assert seq_len in (16, 32, 64, 128, 256) and num_samples in (128, 256, 512) and method in ("taylor", "layerwise", "blockwise")
+        study.tell(trial, 0.5)
+
+
 def test_grid_search_refuses_choice_domains_and_tpe_refuses_repeats(tmp_path):
     space = {"taylor_seq_len": {"choice": [16]}, "taylor_num_samples": {"grid": [8]}, "pruning_method": {"grid": ["taylor"]}}
     with pytest.raises(ConfigError, match="grid needs grid domains"):

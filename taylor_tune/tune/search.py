@@ -22,6 +22,24 @@ from itertools import product
 from ray.tune.search import Searcher
 
 
+class ChoiceSpace:
+    """An Optuna define-by-run space: one categorical per dimension (a class, not a lambda, so it pickles)."""
+
+    def __init__(self, domains: dict[str, list]):
+        self.domains = {name: list(values) for name, values in domains.items()}
+
+    def __call__(self, trial) -> tuple:
+        return tuple(trial.suggest_categorical(name, values) for name, values in self.domains.items())
+
+
+def define_by_run(experiment) -> ChoiceSpace:
+    return ChoiceSpace(domains_of(experiment))
+
+
+def domains_of(experiment) -> dict[str, list]:
+    return {name: list(domain.values) for name, domain in experiment.search_space.domains().items()}
+
+
 class ModelStudy:
     """One model's TPE study over a finite space; `ask` returns each configuration at most once."""
 
@@ -29,7 +47,8 @@ class ModelStudy:
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        self.domains = {name: list(values) for name, values in domains.items()}
+        self.space = ChoiceSpace(domains)
+        self.domains = self.space.domains
         # constant_liar: with concurrent trials, TPE treats running ones as bad and looks elsewhere
         sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=n_startup_trials, constant_liar=True)
         self.study = optuna.create_study(direction="maximize" if mode == "max" else "minimize", sampler=sampler)
@@ -57,7 +76,7 @@ class ModelStudy:
                 unseen = [key for key in product(*self.domains.values()) if key not in self.results and key not in self.running]
                 self.study.enqueue_trial(dict(zip(self.domains, self.rng.choice(unseen))))
             trial = self.study.ask()
-            key = tuple(trial.suggest_categorical(name, values) for name, values in self.domains.items())
+            key = self.space(trial)
             if key not in self.results and key not in self.running:
                 self.running.add(key)
                 self.numbers[key] = trial.number
@@ -81,10 +100,6 @@ class ModelStudy:
             self.study.tell(self.numbers[key], state=TrialState.FAIL)
         else:
             self.study.tell(self.numbers[key], value)
-
-
-def domains_of(experiment) -> dict[str, list]:
-    return {name: list(domain.values) for name, domain in experiment.search_space.domains().items()}
 
 
 class PerModelSearcher(Searcher):
