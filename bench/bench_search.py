@@ -34,11 +34,10 @@ def load_grid(path: Path, cheap_limit: int | None = None) -> dict[tuple, dict]:
     """(seq_len, num_samples, method) -> cheap/full accuracy and seconds, from each trial's result.json. The cheap
     fidelity is the pass at `cheap_limit` items per task, by default the trials' first."""
     table = {}
-    cheap_stage = f"zero_shot_{cheap_limit}" if cheap_limit else None
     for result_file in path.glob("*/result.json"):
         rows = [json.loads(line) for line in result_file.read_text().splitlines() if line.strip()]
-        cheap = next(r for r in rows if r.get("stage", "").startswith("zero_shot_") and r["stage"] != "zero_shot_all"
-                     and r["stage"] == (cheap_stage or r["stage"]))
+        passes = [r for r in rows if r.get("stage", "").startswith("zero_shot_") and r["stage"] != "zero_shot_all"]
+        cheap = next(r for r in passes if cheap_limit is None or r["stage"] == f"zero_shot_{cheap_limit}")
         full = next(r for r in rows if r.get("stage") == "zero_shot_all")
         key = (full["taylor_seq_len"], full["taylor_num_samples"], full["pruning_method"])
         cheap_s = cheap[cheap["stage"] + "_s"]

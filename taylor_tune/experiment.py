@@ -7,6 +7,7 @@ search_spaces/ (see search_spaces/README.md for its format).
 
 from __future__ import annotations
 
+import math
 from itertools import product
 from pathlib import Path
 from typing import Any, Literal
@@ -163,10 +164,7 @@ class Experiment(BaseModel):
 
     def space_size(self) -> int:
         """Configurations per model in the search space."""
-        size = 1
-        for domain in self.search_space.domains().values():
-            size *= len(domain.values)
-        return size
+        return math.prod(len(domain.values) for domain in self.search_space.domains().values())
 
     def grid_size(self) -> int:
         if self.search.algorithm == "grid":

@@ -10,7 +10,6 @@ stop` sends) becomes Tune's graceful SIGINT stop, and the experiment state is sa
 from __future__ import annotations
 
 import math
-
 import os
 import signal
 from pathlib import Path
@@ -131,6 +130,7 @@ def sweep_status(path: str) -> dict:
         raise ConfigError(f"{path}: not a readable Tune experiment ({type(error).__name__}: {error})") from None
     counts = {"PENDING": 0, "RUNNING": 0, "TERMINATED": 0, "ERROR": 0, "PAUSED": 0}
     best: dict[str, dict] = {}
+    ranks: dict[str, tuple] = {}
     for trial in analysis.trials:
         counts[trial.status] = counts.get(trial.status, 0) + 1
         result = trial.last_result or {}
@@ -142,10 +142,9 @@ def sweep_status(path: str) -> dict:
             continue
         ppl = result.get("ppl")
         rank = (-result["acc_mean"], math.inf if ppl is None else ppl, trial.trial_id)
-        if model not in best or rank < best[model]["_rank"]:
-            best[model] = {"_rank": rank, "acc_mean": result["acc_mean"], "ppl": ppl, "trial_id": trial.trial_id,
+        if model not in ranks or rank < ranks[model]:
+            ranks[model] = rank
+            best[model] = {"acc_mean": result["acc_mean"], "ppl": ppl, "trial_id": trial.trial_id,
                            **{k: trial.config.get(k) for k in ("pruning_method", "taylor_seq_len", "taylor_num_samples", "seed")}}
-    for entry in best.values():
-        del entry["_rank"]
     return {"pending": counts["PENDING"], "running": counts["RUNNING"], "finished": counts["TERMINATED"],
             "errored": counts["ERROR"], "paused": counts["PAUSED"], "total": len(analysis.trials), "best": best}

@@ -15,6 +15,7 @@ configuration drawn at random, so that a converged TPE cannot stall the sweep.
 
 from __future__ import annotations
 
+import math
 import pickle
 import random
 from itertools import product
@@ -49,6 +50,7 @@ class ModelStudy:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.space = ChoiceSpace(domains)
         self.domains = self.space.domains
+        self.size = math.prod(len(values) for values in self.domains.values())
         # constant_liar: with concurrent trials, TPE treats running ones as bad and looks elsewhere
         sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=n_startup_trials, constant_liar=True)
         self.study = optuna.create_study(direction="maximize" if mode == "max" else "minimize", sampler=sampler)
@@ -58,13 +60,6 @@ class ModelStudy:
         self.running: set[tuple] = set()  # handed out, result not back yet
         self.numbers: dict[tuple, int] = {}  # configuration -> the Optuna trial that runs it
         self.repeats_answered = 0
-
-    @property
-    def size(self) -> int:
-        size = 1
-        for values in self.domains.values():
-            size *= len(values)
-        return size
 
     def ask(self) -> dict | None:
         """The next configuration never handed out before, or None when every one has been."""
