@@ -78,6 +78,8 @@ class Search(BaseModel):
     seed: int = 0
     max_concurrent: int | None = Field(None, gt=0)
     n_startup_trials: int = Field(10, ge=0, description="tpe: random trials per model before TPE models the results (Optuna's default)")
+    reduction_factor: float = Field(2, gt=1, description="asha: each cheap zero-shot pass lets the best 1/reduction_factor "
+                                    "of the trials seen there go on")
 
 
 class Evaluation(BaseModel):
@@ -146,6 +148,9 @@ class Experiment(BaseModel):
     def _tpe(self) -> Experiment:
         if self.search.algorithm == "tpe" and self.search.repeats > 1:
             raise ValueError("search.repeats > 1 is for grid search; TPE draws one calibration seed (0)")
+        if self.search.scheduler == "asha" and len(self.evaluation.fidelities) < 2:
+            raise ValueError("search.scheduler: asha stops trials at a cheap zero-shot pass, and evaluation.fidelities has "
+                             "only one; give cheaper limits first, e.g. fidelities: [200, null]")
         if self.search.algorithm == "grid" and any(d.grid is None for d in self.search_space.domains().values()):
             raise ValueError("search.algorithm grid needs grid domains in the search space (choice is for tpe)")
         if self.search.algorithm == "tpe" and self.search.num_trials > self.space_size():

@@ -138,14 +138,14 @@ def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict]
     lm = make_lm(result.model, result.tokenizer, evaluation.batch_size)
     task_data = resolve_task_data(evaluation.spec(None), config.model)
     full = {}
-    for limit in evaluation.fidelities:
+    for index, limit in enumerate(evaluation.fidelities):
         tasks, seconds = zero_shot(lm, evaluation.spec(limit), task_data)
         full = {"tasks": tasks, "limit": limit}
         metrics |= {f"acc_{t}": e["score"] for t, e in tasks.items()}
         metrics |= {f"acc_{t}_stderr": e["score_stderr"] for t, e in tasks.items()}
         metrics |= {f"acc_{t}_n": e["n"] for t, e in tasks.items()}  # items scored: the report's Wilson intervals
         metrics |= {f"acc_{t}_{half}": e[f"score_{half}"] for t, e in tasks.items() for half in ("sel", "heldout")}
-        metrics |= {"acc_mean": sum(e["score"] for e in tasks.values()) / len(tasks), "fidelity": limit or 0,
+        metrics |= {"acc_mean": sum(e["score"] for e in tasks.values()) / len(tasks), "fidelity": limit or 0, "zero_shot_pass": index,
                     "stage": f"zero_shot_{limit or 'all'}", f"zero_shot_{limit or 'all'}_s": seconds}
         if on_gpu:  # the trial's peak so far; the last report carries the whole trial's (pruning + evaluation)
             metrics["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated()

@@ -61,6 +61,8 @@ CASES = [
     (dict(storage_path="/proc/no-write"), "storage_path: /proc/no-write is not writable"),
     (dict(models=[]), "models: Tuple should have at least 1 item"),
     (dict(search={"algorithm": "tpe", "num_trials": 7}), "search.num_trials: 7 is more than the 6 configurations"),
+    (dict(search={"algorithm": "tpe", "num_trials": 3, "scheduler": "asha"}), "search.scheduler: asha stops trials at a cheap"),
+    (dict(search={"scheduler": "asha", "reduction_factor": 1}), "search.reduction_factor: Input should be greater than 1"),
 ]
 
 

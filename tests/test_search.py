@@ -104,3 +104,43 @@ def test_a_restored_searcher_continues_exactly_as_an_uninterrupted_one(tmp_path)
     second = make_searcher()
     second.restore(str(tmp_path / "searcher.pkl"))
     assert head + drive(second, tables, 5, 20) == whole
+
+
+@pytest.mark.parametrize("reduction_factor", [2, 3])
+def test_asha_decides_at_every_cheap_zero_shot_pass_as_successive_halving_does(reduction_factor):
+    """Reference: per cheap pass, the scores seen there so far; a trial stops where its score is below their
+    1 - 1/rf quantile (linear interpolation, as Ray's ASHA), and the last pass always ends the trial."""
+    import pickle
+    import statistics
+    from types import SimpleNamespace
+
+    from taylor_tune.tune.scheduler import FidelityASHA
+
+    passes = 3
+    scheduler = FidelityASHA(passes, reduction_factor=reduction_factor, metric="acc_mean", mode="max")
+    rng = random.Random(reduction_factor)
+    seen = {k: [] for k in range(passes - 1)}
+    stops = {k: 0 for k in range(passes)}
+    for n in range(60):
+        trial = SimpleNamespace(trial_id=f"t{n}")
+        scheduler.on_trial_add(None, trial)
+        for early in ({"stage": "pruned"}, {"stage": "ppl", "ppl": 12.0}):  # no acc_mean yet: never scheduled
+            assert scheduler.on_trial_result(None, trial, early) == "CONTINUE"
+        for k in range(passes):
+            score = rng.choice([0.5, 0.6, 0.7]) + rng.random() / 10
+            action = scheduler.on_trial_result(None, trial, {"acc_mean": score, "zero_shot_pass": k, "stage": f"pass{k}"})
+            if k == passes - 1:
+                expected = "STOP"  # the full evaluation: the trial is done
+            else:
+                ranks = seen[k]
+                cut = (ranks[0] if len(ranks) == 1 else statistics.quantiles(ranks, n=reduction_factor, method="inclusive")[-1]) if ranks else None
+                expected = "STOP" if cut is not None and score < cut else "CONTINUE"
+                ranks.append(score)
+            assert action == expected, (n, k)
+            if action == "STOP":
+                stops[k] += 1
+                scheduler.on_trial_complete(None, trial, {"acc_mean": score, "zero_shot_pass": k})
+                break
+        if n == 30:  # Tune pickles the scheduler into the experiment state; a restored one goes on the same
+            scheduler = pickle.loads(pickle.dumps(scheduler))
+    assert stops[0] > 0 and stops[1] > 0 and stops[2] > 0  # both cheap passes stopped trials, and some finished

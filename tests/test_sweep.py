@@ -214,7 +214,7 @@ def test_tpe_with_asha_runs_one_study_per_model(tmp_path):
         tmp_path, "tpe", models=["tiny-llama", "tiny-qwen2"],
         search_space={"taylor_seq_len": {"choice": [16, 32, 48]}, "taylor_num_samples": {"choice": [8, 16]},
                       "pruning_method": {"choice": ["taylor", "layerwise", "blockwise"]}},
-        search={"algorithm": "tpe", "num_trials": 3, "scheduler": "asha", "seed": 0},
+        search={"algorithm": "tpe", "num_trials": 3, "scheduler": "asha", "seed": 0, "reduction_factor": 3},
         evaluation={"tasks": "arc_challenge,openbookqa", "task_data": "world", "ppl": None, "batch_size": 16, "fidelities": [5, 20]},
     )
     started = time.time()
@@ -224,6 +224,7 @@ def test_tpe_with_asha_runs_one_study_per_model(tmp_path):
     rows = analysis_rows(tmp_path / "sweeps" / "tpe")
     assert sorted(r["model"] for r in rows) == ["tiny-llama"] * 3 + ["tiny-qwen2"] * 3
     assert all(r["stage"] in ("zero_shot_5", "zero_shot_20") for r in rows)  # ASHA may stop after the cheap pass
+    assert all(r["zero_shot_pass"] == (r["stage"] == "zero_shot_20") for r in rows)  # the scheduler's clock: pass 0, 1
     assert all(r["taylor_seq_len"] in (16, 32, 48) and r["taylor_num_samples"] in (8, 16) for r in rows)
     status = sweep_status(str(tmp_path / "sweeps" / "tpe"))  # best so far: full evaluations only, not ASHA's cheap pass
     final = [r for r in rows if r["stage"] == "zero_shot_20"]

@@ -78,11 +78,9 @@ def run_sweep(experiment: Experiment):
     else:
         scheduler = None
         if experiment.search.scheduler == "asha":
-            stages = 1 + (experiment.evaluation.ppl is not None) + len(experiment.evaluation.fidelities)
-            scheduler = tune.schedulers.ASHAScheduler(
-                time_attr="training_iteration", max_t=stages, grace_period=stages - len(experiment.evaluation.fidelities) + 1,
-                reduction_factor=2,
-            )
+            from taylor_tune.tune.scheduler import FidelityASHA
+
+            scheduler = FidelityASHA(len(experiment.evaluation.fidelities), reduction_factor=experiment.search.reduction_factor)
         cache_dir = f"{path}/importance_cache"
         search_alg, num_samples, space = None, 1, param_space(experiment, cache_dir=cache_dir)
         if experiment.search.algorithm == "tpe":
