@@ -178,8 +178,11 @@ def _run_status(args: argparse.Namespace) -> int:
     from taylor_tune.tune.driver import sweep_status
 
     status = sweep_status(args.path)
+    # the counts are the driver's last saved state: a running sweep saves it every second, so an old one
+    # means the driver stopped (a killed driver leaves its trials "running" until the sweep is resumed)
+    saved = "" if status["saved_s_ago"] is None else f"; state saved {status['saved_s_ago']:.0f} s ago"
     print(f"trials: {status['total']} (pending {status['pending']}, running {status['running']}, "
-          f"finished {status['finished']}, errored {status['errored']})")
+          f"finished {status['finished']}, errored {status['errored']}){saved}")
     for model, best in sorted(status["best"].items()):
         ppl = f", ppl {best['ppl']:.3f}" if best.get("ppl") is not None else ""
         print(f"best so far for {model}: acc_mean {best['acc_mean']:.4f}{ppl} with {best['pruning_method']}, "

@@ -14,6 +14,7 @@ import psutil
 import pytest
 import requests
 
+from taylor_tune.errors import ConfigError
 from taylor_tune.reporting import build_report, load_trials
 from taylor_tune.reporting.stats import best_trial
 from taylor_tune.tune.driver import sweep_status
@@ -49,7 +50,8 @@ def smoke(tmp_path_factory):
     temp = Path("/tmp") / f"tt-ray-{os.getpid()}"  # Ray's socket paths must stay short
     ray_env = {**env(), "RAY_AUTH_MODE": "disabled", "RAY_metrics_report_interval_ms": "1000"}
     bin_dir = Path(os.sys.executable).parent
-    run = SimpleNamespace(path=storage / "smoke", samples={}, jobs=[], screenshot=None, screenshot_error=None, dashboard_cli=None)
+    run = SimpleNamespace(path=storage / "smoke", samples={}, jobs=[], screenshot=None, screenshot_error=None, dashboard_cli=None,
+                          statuses=[])
     started = time.time()
     log_path = tmp_path_factory.mktemp("smoke-log") / "job.log"
     try:
@@ -72,6 +74,11 @@ def smoke(tmp_path_factory):
                     run.jobs = requests.get(f"http://127.0.0.1:{dashboard}/api/jobs/", timeout=5).json()
                 except (OSError, ValueError):
                     pass  # the agent or the dashboard is still starting
+                if run.path.is_dir():  # `taylor-tune status` while the sweep runs, as a user would watch it
+                    try:
+                        run.statuses.append(sweep_status(str(run.path)))
+                    except ConfigError:
+                        pass  # no state saved yet
                 running = [j for j in run.jobs if "taylor-tune sweep" in j.get("entrypoint", "") and j.get("status") == "RUNNING"]
                 if running and run.dashboard_cli is None:
                     run.dashboard_cli = subprocess.run(
@@ -98,6 +105,19 @@ def smoke(tmp_path_factory):
     assert job.returncode == 0, run.stdout[-3000:]
     assert "succeeded" in run.stdout
     return run
+
+
+def test_status_while_the_sweep_runs_counts_its_running_trials(smoke):
+    """Ray's Trial loads a saved RUNNING as PENDING; status must not: the head has 2 CPUs and a trial takes 1."""
+    polls = [s for s in smoke.statuses if s["total"]]
+    assert len(polls) >= 10, len(polls)
+    for status in polls:
+        assert status["pending"] + status["running"] + status["finished"] + status["errored"] + status["paused"] == status["total"] <= 36
+        assert 0 <= status["running"] <= 2 and status["saved_s_ago"] < 30
+    assert max(s["running"] for s in polls) >= 1
+    assert [s["finished"] for s in polls] == sorted(s["finished"] for s in polls)  # never goes back
+    final = sweep_status(str(smoke.path))
+    assert (final["finished"], final["running"], final["pending"]) == (36, 0, 0)
 
 
 def test_smoke_sweep_runs_end_to_end_under_ray_job_submit_and_analysis_has_every_column(smoke):

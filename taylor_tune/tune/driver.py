@@ -9,9 +9,11 @@ stop` sends) becomes Tune's graceful SIGINT stop, and the experiment state is sa
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
+import time
 from pathlib import Path
 
 from taylor_tune.errors import ConfigError
@@ -118,19 +120,35 @@ def run_sweep(experiment: Experiment):
 
 def sweep_status(path: str) -> dict:
     """Trial counts by state and the best acc_mean so far per model, from the saved experiment state."""
+    import logging
+
     from ray.tune import ExperimentAnalysis
 
     if "://" not in path:
         path = str(Path(path).resolve())  # pyarrow reads a relative path as a URI without a scheme
-    try:
-        analysis = ExperimentAnalysis(path)
-    except Exception as error:  # ray raises ValueError / FileNotFoundError / TuneError for a missing or bad folder
-        raise ConfigError(f"{path}: not a readable Tune experiment ({type(error).__name__}: {error})") from None
+    # while a sweep runs, its pending trials have no results yet, and Ray warns of each one
+    logging.getLogger("ray.tune.analysis.experiment_analysis").setLevel(logging.ERROR)
+    # a running driver rewrites the state file every second, not atomically: a read can catch it half written
+    for attempt in range(3):
+        try:
+            analysis = ExperimentAnalysis(path)
+            # Ray's Trial turns a saved RUNNING into PENDING when it loads (it loads to resume), so the states
+            # come from the saved experiment state itself, read as plain JSON (private attributes; Ray is pinned)
+            with analysis._fs.open_input_stream(analysis._experiment_json_fs_path) as f:
+                saved = json.loads(f.readall())
+            break
+        except Exception as error:  # ray raises ValueError / FileNotFoundError / TuneError for a missing or bad folder
+            if attempt == 2:
+                raise ConfigError(f"{path}: not a readable Tune experiment ({type(error).__name__}: {error})") from None
+            time.sleep(0.5)
+    states = {state["trial_id"]: state["status"] for state in (json.loads(t) for t, _ in saved["trial_data"])}
+    saved_at = analysis._fs.get_file_info(analysis._experiment_json_fs_path).mtime
     counts = {"PENDING": 0, "RUNNING": 0, "TERMINATED": 0, "ERROR": 0, "PAUSED": 0}
     best: dict[str, dict] = {}
     ranks: dict[str, tuple] = {}
     for trial in analysis.trials:
-        counts[trial.status] = counts.get(trial.status, 0) + 1
+        status = states.get(trial.trial_id, trial.status)
+        counts[status] = counts.get(status, 0) + 1
         result = trial.last_result or {}
         model = trial.config.get("model")
         # only a trial's full evaluation counts (a cheap pass, or a trial ASHA stopped after one, is not comparable);
@@ -145,4 +163,5 @@ def sweep_status(path: str) -> dict:
             best[model] = {"acc_mean": result["acc_mean"], "ppl": ppl, "trial_id": trial.trial_id,
                            **{k: trial.config.get(k) for k in ("pruning_method", "taylor_seq_len", "taylor_num_samples", "seed")}}
     return {"pending": counts["PENDING"], "running": counts["RUNNING"], "finished": counts["TERMINATED"],
-            "errored": counts["ERROR"], "paused": counts["PAUSED"], "total": len(analysis.trials), "best": best}
+            "errored": counts["ERROR"], "paused": counts["PAUSED"], "total": len(analysis.trials), "best": best,
+            "saved_s_ago": None if saved_at is None else max(0.0, time.time() - saved_at.timestamp())}
