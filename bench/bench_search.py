@@ -1,106 +1,167 @@
 """Search efficiency: replay TPE and TPE+ASHA against a complete grid result, offline.
 
-Input: a finished grid sweep whose trials report a cheap zero-shot fidelity and then the full one
-(`experiments/offline_paper_grid.yaml`). Every configuration's accuracy and evaluation seconds are read
-from its trial's results; a replay then drives taylor_tune's own searcher (`PerModelSearcher`, the one a
-TPE sweep runs, seeded) and "evaluates" each configuration it hands out by lookup:
+Input: a finished grid sweep whose trials report one or more cheap zero-shot passes and then the full one
+(`experiments/offline_paper_grid.yaml`: 14, 40, all items per task). Every configuration's accuracy and
+seconds at each pass are read from its trial's results; a grid run with `search.repeats` > 1 gives one grid
+per calibration seed, and each is replayed on its own (a realization of the same landscape). A replay
+drives taylor_tune's own searcher (`PerModelSearcher`, the one a TPE sweep runs, seeded) and, for
+TPE+ASHA, its own scheduler (`FidelityASHA`, one rung per cheap pass, as a sweep with those fidelities
+runs it), and "evaluates" each configuration by lookup, one trial at a time:
 - TPE: every configuration costs its full evaluation;
-- TPE+ASHA: every configuration first costs the cheap fidelity; ASHA (Ray's rule, reduction factor 2, one
-  rung) lets it continue only if its cheap score is at least the median of the cheap scores seen so far;
-  a stopped trial reports its cheap score to the searcher, as Tune does.
-A replay succeeds at the first fully evaluated configuration within `--tolerance` (0.5 points) of the
-grid's best. Its cost is reported as a fraction of the grid's cost (every configuration at full fidelity).
+- TPE+ASHA: a configuration pays for each pass it reaches; a stopped trial reports its last score to the
+  searcher, as Tune does.
+A replay succeeds at the first fully evaluated configuration within `--tolerance` (0.5 points) of its grid's
+best. Its cost is reported as a fraction of the grid's cost (every configuration at full fidelity).
 
-    .venv/bin/python bench/bench_search.py runs/sweeps/offline_paper_grid --cheap-limit 40 --json bench/out/search.json
+    .venv/bin/python bench/bench_search.py runs/sweeps/offline_paper_grid --passes 40,all --json bench/out/search.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
-
-import numpy as np
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from taylor_tune.tune.scheduler import PASS, FidelityASHA  # noqa: E402
 from taylor_tune.tune.search import PerModelSearcher  # noqa: E402
 
 NAMES = ("taylor_seq_len", "taylor_num_samples", "pruning_method")
 
 
-def load_grid(path: Path, cheap_limit: int | None = None) -> dict[tuple, dict]:
-    """(seq_len, num_samples, method) -> cheap/full accuracy and seconds, from each trial's result.json. The cheap
-    fidelity is the pass at `cheap_limit` items per task, by default the trials' first."""
-    table = {}
+def load_grids(path: Path, passes: list[str] | None = None) -> dict[int, dict[tuple, list[dict]]]:
+    """calibration seed -> {(seq_len, num_samples, method) -> [{"stage", "limit", "acc", "s"} per pass, cheapest
+    first]}, from each trial's result.json; `passes` picks some of them by limit ("40", "all"), the last "all"."""
+    grids: dict[int, dict[tuple, list[dict]]] = {}
     for result_file in path.glob("*/result.json"):
         rows = [json.loads(line) for line in result_file.read_text().splitlines() if line.strip()]
-        passes = [r for r in rows if r.get("stage", "").startswith("zero_shot_") and r["stage"] != "zero_shot_all"]
-        cheap = next(r for r in passes if cheap_limit is None or r["stage"] == f"zero_shot_{cheap_limit}")
-        full = next(r for r in rows if r.get("stage") == "zero_shot_all")
-        key = (full["taylor_seq_len"], full["taylor_num_samples"], full["pruning_method"])
-        cheap_s = cheap[cheap["stage"] + "_s"]
-        table[key] = {"cheap": cheap["acc_mean"], "full": full["acc_mean"], "cheap_s": cheap_s, "full_s": full["zero_shot_all_s"]}
-    return table
+        reached = [{"stage": r["stage"], "limit": r["stage"].removeprefix("zero_shot_"), "acc": r["acc_mean"],
+                    "s": r[r["stage"] + "_s"]} for r in rows if r.get("stage", "").startswith("zero_shot_")]
+        if passes is not None:
+            reached = [p for p in reached if p["limit"] in passes]
+        full = rows[-1]
+        if reached[-1]["limit"] != "all":
+            raise SystemExit(f"{result_file}: the trial did not reach its full evaluation; replay a finished grid")
+        grids.setdefault(full["seed"], {})[tuple(full[name] for name in NAMES)] = reached
+    return grids
 
 
-def replay(table: dict, *, seed: int, asha: bool, tolerance: float, n_startup_trials: int, cheap_share: float | None = None) -> dict:
-    domains = {name: sorted({k[i] for k in table}, key=str) for i, name in enumerate(NAMES)}
-    best = max(v["full"] for v in table.values())
-    searcher = PerModelSearcher(["model"], domains, len(table), {}, metric="acc_mean", mode="max", seed=seed,
+def replay(grid: dict, good: set[tuple], *, seed: int, asha: bool, n_startup_trials: int, reduction_factor: float,
+           items_per_task: int | None = None) -> dict:
+    """One search on `grid` until it fully evaluates a configuration in `good`."""
+    domains = {name: sorted({k[i] for k in grid}, key=str) for i, name in enumerate(NAMES)}
+    searcher = PerModelSearcher(["model"], domains, len(grid), {}, metric="acc_mean", mode="max", seed=seed,
                                 n_startup_trials=n_startup_trials)
-    cost, rung = 0.0, []
-    for n in range(1, len(table) + 1):
+    n_passes = len(next(iter(grid.values())))
+    scheduler = FidelityASHA(n_passes, reduction_factor=reduction_factor, metric="acc_mean", mode="max") if asha else None
+    cost = 0.0
+    for n in range(1, len(grid) + 1):
         config = searcher.suggest(str(n))
-        row = table[tuple(config[name] for name in NAMES)]
-        if asha:
-            cost += row["cheap_s"] if cheap_share is None else cheap_share * row["full_s"]
-            cutoff = np.nanpercentile(rung, 50) if rung else None
-            rung.append(row["cheap"])
-            if cutoff is not None and row["cheap"] < cutoff:
-                searcher.on_trial_complete(str(n), {"acc_mean": row["cheap"]})
-                continue
-        cost += row["full_s"]
-        searcher.on_trial_complete(str(n), {"acc_mean": row["full"]})
-        if row["full"] >= best - tolerance:
-            return {"reached": True, "trials": n, "cost_s": cost}
-    return {"reached": False, "trials": len(table), "cost_s": cost}
+        key = tuple(config[name] for name in NAMES)
+        passes = grid[key]
+        trial = SimpleNamespace(trial_id=str(n))
+        if scheduler:
+            scheduler.on_trial_add(None, trial)
+        for k, p in enumerate(passes if asha else passes[-1:]):
+            last = p is passes[-1]
+            # what-if: a cheap pass costs its share of the items of a task of `items_per_task` (a real task's size)
+            cost += p["s"] if last or items_per_task is None else passes[-1]["s"] * int(p["limit"]) / items_per_task
+            result = {"acc_mean": p["acc"], PASS: k}
+            if scheduler and scheduler.on_trial_result(None, trial, result) == "STOP" and not last:
+                scheduler.on_trial_complete(None, trial, result)
+                searcher.on_trial_complete(str(n), result)
+                break
+        else:
+            if scheduler:
+                scheduler.on_trial_complete(None, trial, result)
+            searcher.on_trial_complete(str(n), result)
+            if key in good:
+                return {"reached": True, "trials": n, "cost_s": cost}
+    return {"reached": False, "trials": len(grid), "cost_s": cost}
+
+
+def within(scores: dict[tuple, float], tolerance: float) -> set[tuple]:
+    best = max(scores.values())
+    return {key for key, score in scores.items() if score >= best - tolerance}
+
+
+def replays(grid: dict, good: set[tuple], args: argparse.Namespace) -> dict:
+    cost = sum(passes[-1]["s"] for passes in grid.values())
+    out = {}
+    for name, asha in (("tpe", False), ("tpe_asha", True)):
+        runs = [replay(grid, good, seed=s, asha=asha, n_startup_trials=args.n_startup_trials, reduction_factor=args.reduction_factor,
+                       items_per_task=args.items_per_task) for s in range(args.repeats)]
+        # a run that never fully evaluated a good configuration (ASHA stopped them all) did not reach one at
+        # any cost: its fraction is infinite, so a mean over runs with one is inf
+        f = [run["cost_s"] / cost if run["reached"] else math.inf for run in runs]
+        # a fixed budget of trials per model (experiments/tpe_asha.yaml runs 12): how often it reaches one
+        budgets = {b: sum(run["reached"] and run["trials"] <= b for run in runs) for b in (12, 20)}
+        out[name] = {"fractions": f, "reached": sum(run["reached"] for run in runs), "median_fraction": statistics.median(f),
+                     "mean_fraction": statistics.fmean(f), "max_fraction": max(f), "reached_within_trials": budgets,
+                     "median_trials": statistics.median(run["trials"] for run in runs)}
+        print(f"    {name}: reached in {out[name]['reached']}/{args.repeats}; cost as a fraction of the grid: median "
+              f"{out[name]['median_fraction']:.3f}, mean {out[name]['mean_fraction']:.3f}, max {out[name]['max_fraction']:.3f}; "
+              f"median trials {out[name]['median_trials']:g}; within 12 trials {budgets[12]}, within 20 {budgets[20]}")
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("experiment", type=Path)
-    parser.add_argument("--repeats", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=100, help="search seeds per grid")
     parser.add_argument("--n-startup-trials", type=int, default=10, help="the experiment's search.n_startup_trials")
-    parser.add_argument("--cheap-limit", type=int, help="the fidelity ASHA stops at (items per task); default: the first")
+    parser.add_argument("--reduction-factor", type=float, default=2, help="the experiment's search.reduction_factor")
+    parser.add_argument("--passes", help="the zero-shot passes the replayed sweep runs, e.g. 40,all (default: every one "
+                        "the grid has); ASHA gets a rung at each but the last")
     parser.add_argument("--tolerance", type=float, default=0.005, help="accuracy points as a fraction (0.005 = 0.5 points)")
-    parser.add_argument("--cheap-share", type=float, help="what-if: cost the cheap fidelity at this share of each trial's "
-                        "full evaluation instead of its measured seconds (on a 7-8B model 40 items per task are ~1.4%% of the items)")
+    parser.add_argument("--items-per-task", type=int, help="what-if: cost a cheap pass of L items per task at L / this of "
+                        "the trial's full evaluation instead of its measured seconds (the real tasks average ~2,900)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    table = load_grid(args.experiment, args.cheap_limit)
-    grid_cost = sum(v["full_s"] for v in table.values())
-    best = max(table.items(), key=lambda kv: kv[1]["full"])
-    within = sum(v["full"] >= best[1]["full"] - args.tolerance for v in table.values())
-    cheap_share = sum(v["cheap_s"] for v in table.values()) / grid_cost
-    print(f"grid: {len(table)} configurations, full-fidelity cost {grid_cost:.1f} s (the cheap fidelity costs {cheap_share:.2f} "
-          f"of it); best {best[0]} acc_mean {best[1]['full']:.4f}; {within} configurations within {args.tolerance * 100:.1f} points")
-    result = {"configurations": len(table), "grid_cost_s": grid_cost, "best": list(best[0]), "best_acc": best[1]["full"],
-              "within_tolerance": within, "tolerance": args.tolerance, "cheap_over_full_cost": cheap_share,
-              "n_startup_trials": args.n_startup_trials, "cheap_share_what_if": args.cheap_share}
-    for name, asha in (("tpe", False), ("tpe_asha", True)):
-        runs = [replay(table, seed=s, asha=asha, tolerance=args.tolerance, n_startup_trials=args.n_startup_trials,
-                       cheap_share=args.cheap_share) for s in range(args.repeats)]
-        fractions = [r["cost_s"] / grid_cost for r in runs]
-        # a fixed budget of trials per model (experiments/tpe_asha.yaml runs 12): how often it contains the best
-        within = {budget: sum(r["reached"] and r["trials"] <= budget for r in runs) for budget in (12, 20)}
-        result[name] = {"runs": runs, "reached": sum(r["reached"] for r in runs), "median_fraction": statistics.median(fractions),
-                        "mean_fraction": statistics.fmean(fractions), "max_fraction": max(fractions),
-                        "reached_within_trials": within, "median_trials": statistics.median(r["trials"] for r in runs)}
-        print(f"{name}: reached in {result[name]['reached']}/{args.repeats}; cost as a fraction of the grid: median "
-              f"{result[name]['median_fraction']:.3f}, mean {result[name]['mean_fraction']:.3f}, max {result[name]['max_fraction']:.3f}; "
-              f"median trials {result[name]['median_trials']:g}; within 12 trials {within[12]}/{args.repeats}, within 20 {within[20]}/{args.repeats}")
+    grids = load_grids(args.experiment, args.passes.split(",") if args.passes else None)
+    keys = set.intersection(*(set(grid) for grid in grids.values()))
+    # with several calibration seeds, a configuration's mean over them is the grid's least noisy estimate
+    seed_mean = {key: statistics.fmean(grid[key][-1]["acc"] for grid in grids.values()) for key in keys}
+    judges = {"draw": "its own grid's best (the calibration draw the search sees)"}
+    if len(grids) > 1:
+        judges["seed_mean"] = f"the best mean over the {len(grids)} calibration seeds"
+        good = within(seed_mean, args.tolerance)
+        print(f"over {len(grids)} calibration seeds: best mean {max(seed_mean.values()):.4f}; {len(good)} configurations within "
+              f"{args.tolerance * 100:.1f} points of it; a configuration's acc_mean varies by "
+              f"{100 * statistics.fmean(statistics.stdev(g[k][-1]['acc'] for g in grids.values()) for k in keys):.2f} points (std, mean over configurations)")
+    result = {"tolerance": args.tolerance, "n_startup_trials": args.n_startup_trials, "reduction_factor": args.reduction_factor,
+              "items_per_task_what_if": args.items_per_task, "judges": judges, "grids": {}}
+    pooled = {judge: {"tpe": [], "tpe_asha": []} for judge in judges}
+    for calibration_seed, grid in sorted(grids.items()):
+        final = {key: passes[-1]["acc"] for key, passes in grid.items()}
+        best_key = max(final, key=final.get)
+        stages = [p["stage"] for p in grid[best_key]][:-1]
+        cost = sum(passes[-1]["s"] for passes in grid.values())
+        shares = {s: sum(passes[i]["s"] for passes in grid.values()) / cost for i, s in enumerate(stages)}
+        r = {s: statistics.correlation([passes[i]["acc"] for passes in grid.values()], list(final.values())) for i, s in enumerate(stages)}
+        entry = {"configurations": len(grid), "grid_cost_s": cost, "best": list(best_key), "best_acc": final[best_key],
+                 "cheap_cost_share": shares, "cheap_full_r": r}
+        print(f"grid (calibration seed {calibration_seed}): {len(grid)} configurations, full-fidelity cost {cost:.1f} s; "
+              f"best {best_key} acc_mean {final[best_key]:.4f}" + "".join(f"; {s} costs {shares[s]:.2f} of it, r = {r[s]:.2f}" for s in shares))
+        for judge, words in judges.items():
+            good = within(final, args.tolerance) if judge == "draw" else within(seed_mean, args.tolerance)
+            print(f"  reaching {words}, or one within {args.tolerance * 100:.1f} points ({len(good)} configurations):")
+            entry[judge] = replays(grid, good, args)
+            for name in pooled[judge]:
+                pooled[judge][name] += entry[judge][name].pop("fractions")
+        result["grids"][calibration_seed] = entry
+    if len(grids) > 1:
+        result["pooled"] = {}
+        for judge, fractions in pooled.items():
+            result["pooled"][judge] = {name: {"median_fraction": statistics.median(f), "mean_fraction": statistics.fmean(f),
+                                              "reached": sum(math.isfinite(x) for x in f), "runs": len(f)} for name, f in fractions.items()}
+            print(f"pooled over the grids, reaching {judges[judge]}: " + "; ".join(
+                f"{name} median {statistics.median(f):.3f}, mean {statistics.fmean(f):.3f} (reached {sum(math.isfinite(x) for x in f)}/{len(f)})"
+                for name, f in fractions.items()))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
