@@ -129,8 +129,8 @@ def main() -> None:
     judges = {"draw": "its own grid's best (the calibration draw the search sees)"}
     if len(grids) > 1:
         judges["seed_mean"] = f"the best mean over the {len(grids)} calibration seeds"
-        good = within(seed_mean, args.tolerance)
-        print(f"over {len(grids)} calibration seeds: best mean {max(seed_mean.values()):.4f}; {len(good)} configurations within "
+        seed_mean_good = within(seed_mean, args.tolerance)
+        print(f"over {len(grids)} calibration seeds: best mean {max(seed_mean.values()):.4f}; {len(seed_mean_good)} configurations within "
               f"{args.tolerance * 100:.1f} points of it; a configuration's acc_mean varies by "
               f"{100 * statistics.fmean(statistics.stdev(g[k][-1]['acc'] for g in grids.values()) for k in keys):.2f} points (std, mean over configurations)")
     result = {"tolerance": args.tolerance, "n_startup_trials": args.n_startup_trials, "reduction_factor": args.reduction_factor,
@@ -148,7 +148,7 @@ def main() -> None:
         print(f"grid (calibration seed {calibration_seed}): {len(grid)} configurations, full-fidelity cost {cost:.1f} s; "
               f"best {best_key} acc_mean {final[best_key]:.4f}" + "".join(f"; {s} costs {shares[s]:.2f} of it, r = {r[s]:.2f}" for s in shares))
         for judge, words in judges.items():
-            good = within(final, args.tolerance) if judge == "draw" else within(seed_mean, args.tolerance)
+            good = within(final, args.tolerance) if judge == "draw" else seed_mean_good
             print(f"  reaching {words}, or one within {args.tolerance * 100:.1f} points ({len(good)} configurations):")
             entry[judge] = replays(grid, good, args)
             for name in pooled[judge]:

@@ -147,7 +147,7 @@ def sweep_status(path: str) -> dict:
     best: dict[str, dict] = {}
     ranks: dict[str, tuple] = {}
     for trial in analysis.trials:
-        status = states.get(trial.trial_id, trial.status)
+        status = states.get(trial.trial_id, trial.status)  # a trial added between the two reads: Ray's reading
         counts[status] = counts.get(status, 0) + 1
         result = trial.last_result or {}
         model = trial.config.get("model")
