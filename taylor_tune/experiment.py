@@ -82,6 +82,11 @@ class Search(BaseModel):
                                     "of the trials seen there go on")
 
 
+def zero_shot_stage(limit: int | None) -> str:
+    """The stage a zero-shot pass at `limit` items per task reports (its seconds are `<stage>_s`); None = every item."""
+    return f"zero_shot_{limit or 'all'}"
+
+
 class Evaluation(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     tasks: str | tuple[str, ...] = "all"

@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from taylor_tune.config import PruneConfig
-from taylor_tune.experiment import Evaluation
+from taylor_tune.experiment import Evaluation, zero_shot_stage
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict]
         metrics |= {f"acc_{t}_n": e["n"] for t, e in tasks.items()}  # items scored: the report's Wilson intervals
         metrics |= {f"acc_{t}_{half}": e[f"score_{half}"] for t, e in tasks.items() for half in ("sel", "heldout")}
         metrics |= {"acc_mean": sum(e["score"] for e in tasks.values()) / len(tasks), "fidelity": limit or 0, "zero_shot_pass": index,
-                    "stage": f"zero_shot_{limit or 'all'}", f"zero_shot_{limit or 'all'}_s": seconds}
+                    "stage": zero_shot_stage(limit), f"{zero_shot_stage(limit)}_s": seconds}
         if on_gpu:  # the trial's peak so far; the last report carries the whole trial's (pruning + evaluation)
             metrics["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated()
         report(dict(metrics))

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from taylor_tune.errors import ConfigError
-from taylor_tune.experiment import Experiment, check_models, check_storage
+from taylor_tune.experiment import Experiment, check_models, check_storage, zero_shot_stage
 
 
 def experiment_path(experiment: Experiment) -> str:
@@ -107,7 +107,7 @@ def run_sweep(experiment: Experiment):
                 name=experiment.name, storage_path=str(Path(path).parent) if "://" not in path else experiment.storage_path,
                 failure_config=tune.FailureConfig(max_failures=experiment.max_failures), verbose=1,
                 sync_config=tune.SyncConfig(sync_artifacts=True),  # the trial's artifacts reach storage from any node
-                callbacks=[SweepMetricsCallback(experiment.name, f"zero_shot_{experiment.evaluation.fidelities[-1] or 'all'}",
+                callbacks=[SweepMetricsCallback(experiment.name, zero_shot_stage(experiment.evaluation.fidelities[-1]),
                                                 experiment.metric)],
             ),
         )
@@ -154,7 +154,7 @@ def sweep_status(path: str) -> dict:
         # only a trial's full evaluation counts (a cheap pass, or a trial ASHA stopped after one, is not comparable);
         # ties as the report breaks them: higher acc_mean, then lower ppl, then the smaller trial id
         fidelities = trial.config.get("fixed", {}).get("evaluation", {}).get("fidelities") or [None]
-        if result.get("stage") != f"zero_shot_{fidelities[-1] or 'all'}" or "acc_mean" not in result:
+        if result.get("stage") != zero_shot_stage(fidelities[-1]) or "acc_mean" not in result:
             continue
         ppl = result.get("ppl")
         rank = (-result["acc_mean"], math.inf if ppl is None else ppl, trial.trial_id)
