@@ -1,9 +1,11 @@
 """Turn a PrunePlan into a physically smaller model, and save / load such models.
 
-Pruned layers have different sizes, which a HF config cannot express, so a pruned model is saved as its
-original config + `pruned_layout.json` (per-layer head counts and MLP width) + `model.safetensors`.
-Loading rebuilds the architecture without initialising weights, shrinks each layer to the manifest and
-loads the tensors strictly. No pickle anywhere.
+Pruned layers have different sizes, which a HF config cannot express. A pruned folder is what
+`save_pretrained` writes (safetensors, tied embeddings kept tied) plus, in config.json, `pruned_layout` (per-layer
+head counts and MLP width) and an `auto_map` to `modeling_taylor_tune_pruned.py`, a copy of `pruned_modeling.py`
+that builds the model at those sizes. Plain transformers and lm-eval's CLI load the folder with
+`trust_remote_code=True`; taylor_tune loads it with its own copy of that module, running nothing from the folder.
+`pruned_layout.json` records what the folder was pruned from. No pickle anywhere.
 """
 
 from __future__ import annotations
@@ -12,16 +14,15 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_model as load_safetensors
-from safetensors.torch import save_model as save_safetensors
 from torch import nn
 
 from taylor_tune.errors import ModelLoadError
 from taylor_tune.groups import attention_groups, decoder_layers, head_dim, q_per_kv
 from taylor_tune.plan import PrunePlan
+from taylor_tune.pruned_modeling import PRUNED_CLASSES, set_layer_shape
 
 MANIFEST = "pruned_layout.json"
-WEIGHTS = "model.safetensors"
+MODELING_FILE = "modeling_taylor_tune_pruned.py"
 
 
 def _slice_linear(linear: nn.Linear, keep: torch.Tensor, dim: int) -> nn.Linear:
@@ -58,13 +59,7 @@ def shrink_layer(layer: nn.Module, keep_groups: torch.Tensor, keep_channels: tor
     mlp.gate_proj = _slice_linear(mlp.gate_proj, keep_channels, 0)
     mlp.up_proj = _slice_linear(mlp.up_proj, keep_channels, 0)
     mlp.down_proj = _slice_linear(mlp.down_proj, keep_channels, 1)
-    # Forward infers head counts from the projection sizes; keep the descriptive attributes true as well.
-    mlp.intermediate_size = int(keep_channels.numel())
-    for name in ("num_heads", "num_attention_heads"):
-        if hasattr(attn, name):
-            setattr(attn, name, int(keep_groups.numel()) * rep)
-    if hasattr(attn, "num_key_value_heads"):
-        attn.num_key_value_heads = int(keep_groups.numel())
+    set_layer_shape(layer, int(keep_groups.numel()) * rep, int(keep_groups.numel()), int(keep_channels.numel()))
 
 
 def apply_plan(model: nn.Module, plan: PrunePlan) -> nn.Module:
@@ -88,17 +83,27 @@ def layer_shapes(model: nn.Module) -> list[dict[str, int]]:
 
 
 def save_pruned(model: nn.Module, directory: str | Path, tokenizer=None, *, source_model: str | None = None) -> Path:
-    """Write config.json, pruned_layout.json, model.safetensors (and the tokenizer if given).
+    """Write the pruned folder (see the module docstring), with the tokenizer if given.
 
     `source_model` (the spec the model was loaded from) is recorded so that tools can tell what it was.
     """
+    import shutil
+
+    from taylor_tune import pruned_modeling
+
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    model.config.save_pretrained(directory)
+    model.save_pretrained(directory)
+    layout = layer_shapes(model)
+    config = json.loads((directory / "config.json").read_text())
+    cls = PRUNED_CLASSES[config["model_type"]].__name__
+    config |= {"pruned_layout": layout, "architectures": [cls],
+               "auto_map": {"AutoModelForCausalLM": f"{MODELING_FILE.removesuffix('.py')}.{cls}"}}
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    shutil.copyfile(pruned_modeling.__file__, directory / MODELING_FILE)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    manifest = {"format": 1, "dtype": dtype, "source_model": source_model, "layers": layer_shapes(model)}
-    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    save_safetensors(model, str(directory / WEIGHTS))
+    manifest = {"format": 2, "dtype": dtype, "source_model": source_model, "layers": layout}
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
     return directory
@@ -106,22 +111,20 @@ def save_pruned(model: nn.Module, directory: str | Path, tokenizer=None, *, sour
 
 def load_pruned(directory: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
     """Rebuild a model saved by `save_pruned`; logits equal the saved model's exactly (same dtype)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
+    from transformers import AutoConfig
 
     directory = Path(directory)
     try:
         manifest = json.loads((directory / MANIFEST).read_text())
         config = AutoConfig.from_pretrained(directory)
     except (OSError, ValueError) as error:
-        raise ModelLoadError(f"model: {directory} is not a readable pruned model: {error}") from None
+        raise ModelLoadError(f"model: {directory} is not a readable pruned model: {str(error).splitlines()[0]}") from None
+    if manifest.get("format") != 2 or not hasattr(config, "pruned_layout"):
+        raise ModelLoadError(f"model: {directory} is a pruned folder of an older format ({MANIFEST} format "
+                             f"{manifest.get('format')}); prune the model again")
     saved_dtype = getattr(torch, manifest["dtype"])
-    with no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=saved_dtype)
-    if len(manifest["layers"]) != len(decoder_layers(model)):
-        raise ModelLoadError(f"model: {directory}/{MANIFEST} lists {len(manifest['layers'])} layers, config has {len(decoder_layers(model))}")
-    for layer, shape in zip(decoder_layers(model), manifest["layers"]):
-        # Which indices are kept does not matter: every tensor is overwritten by the load below.
-        shrink_layer(layer, torch.arange(shape["num_key_value_heads"]), torch.arange(shape["intermediate_size"]))
-    load_safetensors(model, str(directory / WEIGHTS), strict=True)
+    try:
+        model = PRUNED_CLASSES[config.model_type].from_pretrained(directory, dtype=saved_dtype)
+    except (OSError, ValueError, RuntimeError) as error:
+        raise ModelLoadError(f"model: cannot load the pruned model in {directory}: {str(error).splitlines()[0]}") from None
     return model.to(device=device, dtype=dtype or saved_dtype).eval()

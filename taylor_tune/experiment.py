@@ -91,8 +91,9 @@ class Evaluation(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     tasks: str | tuple[str, ...] = "all"
     task_data: str = "auto"
-    ppl: str | None = "wikitext2"
+    ppl: str | None = "auto"
     ppl_window: int = Field(128, gt=1)
+    ppl_max_windows: int | None = Field(None, gt=0)
     batch_size: int | Literal["auto"] = "auto"
     fidelities: tuple[int | None, ...] = Field(
         (None,), description="zero-shot item limits, cheapest first, each reported to Tune; null = every item"
@@ -108,7 +109,7 @@ class Evaluation(BaseModel):
         return value
 
     def spec(self, limit: int | None) -> EvalSpec:
-        return EvalSpec(tasks=self.tasks, task_data=self.task_data, ppl=self.ppl, ppl_window=self.ppl_window,
+        return EvalSpec(tasks=self.tasks, task_data=self.task_data, ppl=self.ppl, ppl_window=self.ppl_window, ppl_max_windows=self.ppl_max_windows,
                         batch_size=self.batch_size, limit=limit)
 
 

@@ -6,6 +6,9 @@ unless asked. Two kinds of tiny built-ins need no download:
   package (`taylor_tune/data/world/models/`); loaded by the same `from_pretrained` code as any folder.
 - `tiny-llama-random`, `tiny-qwen2-random`, `tiny-mistral-random`: random-init, built from their config
   classes with a byte-level tokenizer; the engine's tests use them.
+Real pretrained models come from the real offline world (`assets.py`): `smollm2-135m` and `qwen2.5-0.5b` are
+HF folders in the asset cache, converted once from GGUF files; any `path/to/file.gguf` is converted the same
+way on first use and cached by its sha256.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
+from taylor_tune.assets import MODEL_ASSETS
+from taylor_tune.assets import require as require_asset
 from taylor_tune.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -42,16 +47,30 @@ def builtin_path(spec: str) -> Path | None:
     return model_dir(spec)
 
 
-def is_builtin(spec: str) -> bool:
-    """A built-in tiny model, or a pruned folder made from one (evaluated on the offline world by default)."""
+def world_of(spec: str) -> str:
+    """Which world's data suits the model by default: "real" for the real offline models, "world" for the tiny
+    built-ins, "hub" for anything else; a pruned folder takes the world of the model it was pruned from."""
+    if spec in MODEL_ASSETS:
+        return "real"
     if spec in TINY_MODELS or spec in TRAINED_MODELS:
-        return True
+        return "world"
     manifest = Path(spec) / PRUNED_MANIFEST
     if manifest.is_file():
         import json
 
-        return is_builtin(str(json.loads(manifest.read_text()).get("source_model", "")))
-    return False
+        return world_of(str(json.loads(manifest.read_text()).get("source_model", "")))
+    return "hub"
+
+
+# The text of each world: what `calibration: auto` and `ppl: auto` mean for a model of that world.
+WORLD_TEXT = {"real": "wiki", "world": "world", "hub": "wikitext2"}
+
+
+def resolve_text(source: str, model: str | None) -> str:
+    """`auto` -> the text of the model's world (wikitext2 when the model is unknown); anything else unchanged."""
+    if source != "auto":
+        return source
+    return WORLD_TEXT[world_of(model) if model else "hub"]
 
 
 def resolve_device(device: str) -> torch.device:
@@ -93,16 +112,66 @@ def tiny_config(name: str) -> PretrainedConfig:
     )
 
 
+def convert_gguf(gguf: Path, out: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """A GGUF checkpoint as an HF folder (safetensors + tokenizer): transformers dequantizes it to `dtype`.
+
+    The model transformers loads from GGUF carries a quantization_config and refuses save_pretrained, so its
+    weights move into a fresh model of the same class built from the config without it.
+    """
+    gguf = Path(gguf)
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except (OSError, ValueError, KeyError) as error:
+        raise ModelLoadError(f"model: cannot read the GGUF file {gguf}: {str(error).splitlines()[0]}") from None
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    model.tie_weights()
+    model.generation_config = loaded.generation_config
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def gguf_folder(path: Path) -> Path:
+    """The cached HF folder of a GGUF file (converted on first use, keyed by the file's sha256)."""
+    import os
+    import tempfile
+
+    from taylor_tune.assets import MANIFEST, file_sha256, home
+
+    target = home() / "gguf" / file_sha256(path)[:16]
+    if (target / MANIFEST).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".convert-") as tmp:
+        out = convert_gguf(path, Path(tmp) / "out")
+        (out / MANIFEST).write_text(f'{{"source": "{path.resolve()}"}}\n')
+        os.replace(out, target)
+    return target
+
+
 def _source(spec: str) -> tuple[str, str]:
     """(loader, location) for a model spec: tiny, pruned, folder or hub. A missing local path is an error here."""
     if spec in TINY_MODELS:
         return "tiny", spec
+    if spec in MODEL_ASSETS:
+        return "folder", str(require_asset(spec))
+    if spec.endswith(".gguf") and Path(spec).is_file():
+        return "folder", str(gguf_folder(Path(spec)))
     path = builtin_path(spec) or Path(spec)
     if path.is_dir():
         return ("pruned" if (path / PRUNED_MANIFEST).is_file() else "folder"), str(path)
     if _HUB_ID.match(spec) and not spec.startswith((".", "/")):
         return "hub", spec
-    names = ", ".join(TRAINED_MODELS + tuple(TINY_MODELS))
+    names = ", ".join(MODEL_ASSETS + TRAINED_MODELS + tuple(TINY_MODELS))
     raise ModelLoadError(f"model: {spec!r} is not a built-in model ({names}), an existing folder, or a hub id (org/name)")
 
 

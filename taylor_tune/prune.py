@@ -21,7 +21,9 @@ from taylor_tune.errors import ConfigError
 from taylor_tune.groups import describe_layout
 from taylor_tune.importance import Importance, compute_importance, magnitude_scores
 from taylor_tune.methods import METHODS, PlanOptions
-from taylor_tune.models import load_model, load_model_config, load_tokenizer, resolve_device, resolve_dtype
+from taylor_tune.models import (
+    load_model, load_model_config, load_tokenizer, resolve_device, resolve_dtype, resolve_text,
+)
 from taylor_tune.plan import ModelLayout, PrunePlan
 
 log = logging.getLogger(__name__)
@@ -80,7 +82,7 @@ def prune(config: PruneConfig, *, importance_provider: ImportanceProvider | None
     if method.criterion == "taylor" and importance_provider is None:
         start = time.perf_counter()
         calibration_ids = load_calibration(
-            tokenizer, config.calibration, seq_len=config.seq_len, num_samples=config.num_samples, seed=config.seed
+            tokenizer, resolve_text(config.calibration, config.model), seq_len=config.seq_len, num_samples=config.num_samples, seed=config.seed
         )
         timings["calibration_s"] = time.perf_counter() - start
 

@@ -48,6 +48,7 @@ def cached_importance(trial: TrialConfig):
     from taylor_tune.calibration import load_calibration
     from taylor_tune.importance import compute_importance
     from taylor_tune.importance_cache import ImportanceCache
+    from taylor_tune.models import resolve_text
 
     config = trial.prune
     counts = sorted(set(trial.sample_counts) | {config.num_samples})
@@ -61,7 +62,7 @@ def cached_importance(trial: TrialConfig):
 
         def compute():  # only on a miss: a hit needs neither the corpus nor the tokenizer's time
             start = time.perf_counter()
-            drawn["ids"] = load_calibration(tokenizer, config.calibration, seq_len=config.seq_len, num_samples=largest, seed=config.seed)
+            drawn["ids"] = load_calibration(tokenizer, resolve_text(config.calibration, config.model), seq_len=config.seq_len, num_samples=largest, seed=config.seed)
             provide.info["calibration_s"] = time.perf_counter() - start
             return compute_importance(model, layout, drawn["ids"], micro_batch_size=config.micro_batch_size, snapshots=counts)
 
@@ -91,6 +92,7 @@ def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict]
     from taylor_tune.artifacts import summary_dict
     from taylor_tune.evaluation import check_window, load_ppl_text, make_lm, perplexity, resolve_task_data, zero_shot
     from taylor_tune.prune import prune
+    from taylor_tune.models import resolve_text
 
     trial_dir = Path(trial_dir)
     trial_dir.mkdir(parents=True, exist_ok=True)
@@ -131,7 +133,10 @@ def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict]
     if evaluation.ppl is not None:
         check_window(evaluation.ppl_window, result.model.config)
         start = time.perf_counter()
-        metrics |= perplexity(result.model, result.tokenizer, load_ppl_text(evaluation.ppl), window=evaluation.ppl_window)
+        source = resolve_text(evaluation.ppl, config.model)
+        metrics |= perplexity(result.model, result.tokenizer, load_ppl_text(source), window=evaluation.ppl_window,
+                              max_windows=evaluation.ppl_max_windows)
+        metrics["ppl_source"] = source
         metrics |= {"stage": "ppl", "ppl_s": time.perf_counter() - start}
         report(dict(metrics))
 

@@ -16,3 +16,28 @@ def calibration_ids(num_samples: int, seq_len: int, seed: int = 0) -> torch.Tens
     from taylor_tune.models import byte_tokenizer
 
     return load_calibration(byte_tokenizer(), "sample", seq_len=seq_len, num_samples=num_samples, seed=seed)
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def mask_groups(model, plan):
+    """`model` with the plan's groups set to zero, index by index (not through apply.py); in place."""
+    cfg = model.config
+    d, rep = head_dim_of(cfg), cfg.num_attention_heads // cfg.num_key_value_heads
+    with torch.no_grad():
+        for layer, attn_removed, mlp_removed in zip(model.model.layers, plan.attn_removed, plan.mlp_removed):
+            at, mlp = layer.self_attn, layer.mlp
+            for g in attn_removed:
+                q, kv = slice(g * rep * d, (g + 1) * rep * d), slice(g * d, (g + 1) * d)
+                for proj, rows in ((at.q_proj, q), (at.k_proj, kv), (at.v_proj, kv)):
+                    proj.weight[rows] = 0
+                    if proj.bias is not None:
+                        proj.bias[rows] = 0
+                at.o_proj.weight[:, q] = 0
+            for c in mlp_removed:
+                mlp.gate_proj.weight[c] = 0
+                mlp.up_proj.weight[c] = 0
+                mlp.down_proj.weight[:, c] = 0
+    return model

@@ -9,7 +9,7 @@ from taylor_tune.methods import METHODS
 from taylor_tune.models import count_parameters, load_model
 from taylor_tune.plan import PrunePlan
 from taylor_tune.prune import prune
-from tests.helpers import tiny
+from tests.helpers import mask_groups, tiny
 
 
 def pruned(arch: str, method: str, sparsity: float = 0.2, **extra):
@@ -22,24 +22,7 @@ def pruned(arch: str, method: str, sparsity: float = 0.2, **extra):
 
 def masked_original(arch: str, plan) -> torch.nn.Module:
     """The unpruned model with the plan's groups set to zero, index by index (not through apply.py)."""
-    model = tiny(arch)
-    cfg = model.config
-    d, rep = cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
-    with torch.no_grad():
-        for layer, attn_removed, mlp_removed in zip(model.model.layers, plan.attn_removed, plan.mlp_removed):
-            at, mlp = layer.self_attn, layer.mlp
-            for g in attn_removed:
-                q, kv = slice(g * rep * d, (g + 1) * rep * d), slice(g * d, (g + 1) * d)
-                for proj, rows in ((at.q_proj, q), (at.k_proj, kv), (at.v_proj, kv)):
-                    proj.weight[rows] = 0
-                    if proj.bias is not None:
-                        proj.bias[rows] = 0
-                at.o_proj.weight[:, q] = 0
-            for c in mlp_removed:
-                mlp.gate_proj.weight[c] = 0
-                mlp.up_proj.weight[c] = 0
-                mlp.down_proj.weight[:, c] = 0
-    return model
+    return mask_groups(tiny(arch), plan)
 
 
 def logits(model, ids):
@@ -118,3 +101,21 @@ def test_lm_eval_hflm_scores_the_pruned_model():
     logp = torch.log_softmax(logits(result.model, full)[0].double(), -1)
     expected = sum(float(logp[len(ctx) - 1 + i, t]) for i, t in enumerate(cont))
     assert loglik == pytest.approx(expected, rel=1e-4)
+
+
+def test_pruned_folder_loads_in_plain_transformers_and_a_broken_one_is_one_line(ids, tmp_path):
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    result = pruned("tiny-qwen2-random", "blockwise", 0.3)
+    folder = save_pruned(result.model, tmp_path / "m", tokenizer=result.tokenizer, source_model="tiny-qwen2-random")
+    plain = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)  # the folder's own modeling file
+    assert torch.equal(logits(result.model, ids), logits(plain, ids))
+
+    (folder / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes()[:1000])  # truncated
+    run = subprocess.run([sys.executable, "-m", "taylor_tune", "evaluate", "--model", str(folder), "--tasks", "piqa",
+                          "--ppl", "none", "--output", str(tmp_path / "e.json")], capture_output=True, text=True)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1 and "cannot load the pruned model" in run.stderr

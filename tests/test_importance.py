@@ -8,7 +8,7 @@ import torch
 
 from taylor_tune.groups import describe_layout
 from taylor_tune.importance import compute_importance, magnitude_scores
-from tests.helpers import calibration_ids, tiny
+from tests.helpers import calibration_ids, head_dim_of, tiny
 
 
 def brute_force(model, ids):
@@ -27,7 +27,7 @@ def brute_force(model, ids):
 
 def _group_by_loops(model):
     cfg = model.config
-    d, rep = cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
+    d, rep = head_dim_of(cfg), cfg.num_attention_heads // cfg.num_key_value_heads
     attn_scores, mlp_scores, grad_mean, grad_norm = [], [], [], []
     for layer in model.model.layers:
         at, mlp = layer.self_attn, layer.mlp
@@ -46,13 +46,14 @@ def _group_by_loops(model):
             groups.append(float(total) / count)
         attn_scores.append(np.array(groups))
         channels = []
+        gate, up, down = sal(mlp.gate_proj), sal(mlp.up_proj), sal(mlp.down_proj)  # once per layer: a real MLP has thousands of channels
         for c in range(mlp.gate_proj.out_features):
-            total = sal(mlp.gate_proj)[c].sum() + sal(mlp.up_proj)[c].sum() + sal(mlp.down_proj)[:, c].sum()
+            total = gate[c].sum() + up[c].sum() + down[:, c].sum()
             channels.append(float(total) / (3 * mlp.gate_proj.in_features))
         mlp_scores.append(np.array(channels))
         grads = [p.grad.flatten() for m in (at.q_proj, at.k_proj, at.v_proj, at.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
                  for p in (m.weight, m.bias) if p is not None and not (m is at.o_proj and p is m.bias)]
-        flat = torch.cat(grads)
+        flat = torch.cat(grads).double()  # fp64: an fp32 norm over millions of entries (a real layer) is off by ~1e-3
         grad_mean.append(float(flat.abs().mean()))
         grad_norm.append(float(flat.norm()))
     return attn_scores, mlp_scores, np.array(grad_mean), np.array(grad_norm)

