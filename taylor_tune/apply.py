@@ -125,6 +125,7 @@ def load_pruned(directory: str | Path, *, device: torch.device | str = "cpu", dt
     saved_dtype = getattr(torch, manifest["dtype"])
     try:
         model = PRUNED_CLASSES[config.model_type].from_pretrained(directory, dtype=saved_dtype)
-    except (OSError, ValueError, RuntimeError) as error:
-        raise ModelLoadError(f"model: cannot load the pruned model in {directory}: {str(error).splitlines()[0]}") from None
+    except Exception as error:  # transformers and safetensors raise many kinds for a damaged folder; all mean "cannot load"
+        first = str(error).splitlines()[0] if str(error) else ""
+        raise ModelLoadError(f"model: cannot load the pruned model in {directory}: {type(error).__name__}: {first}") from None
     return model.to(device=device, dtype=dtype or saved_dtype).eval()

@@ -224,8 +224,9 @@ def load_model(
             model = AutoModelForCausalLM.from_pretrained(
                 location, dtype=dtype, trust_remote_code=trust_remote_code
             ).to(device)
-        except (OSError, ValueError) as error:
-            raise ModelLoadError(f"model: cannot load the weights of {spec!r}: {str(error).splitlines()[0]}") from None
+        except Exception as error:  # transformers and safetensors raise many kinds for a damaged folder
+            first = str(error).splitlines()[0] if str(error) else ""
+            raise ModelLoadError(f"model: cannot load the weights of {spec!r}: {type(error).__name__}: {first}") from None
     return model.eval()
 
 
