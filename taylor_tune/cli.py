@@ -45,7 +45,7 @@ def _add_prune(subparsers) -> None:
     p.add_argument("--config", help="a YAML file of prune settings (keys as the options below); options given here override it")
     p.add_argument("--model", help=fields["model"].description)
     p.add_argument("--output", required=True, help="folder for the summary, the importance and the pruned model")
-    _add_field_options(p, PruneConfig, ("method", "sparsity", "seq_len", "num_samples", "calibration", "seed",
+    _add_field_options(p, PruneConfig, ("method", "criterion", "sparsity", "seq_len", "num_samples", "calibration", "seed",
                                         "micro_batch_size", "device", "dtype", "layerwise_max_ratio",
                                         "blockwise_layer_start", "blockwise_layer_end", "extreme_ratio_threshold"))
     p.add_argument("--trust-remote-code", action="store_true", default=None, help=fields["trust_remote_code"].description)

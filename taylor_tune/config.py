@@ -53,6 +53,10 @@ class PruneConfig(BaseModel):
         "auto", description="wikitext2, c4, wiki (the real offline world's Wikipedia text), world (the synthetic corpus), "
         "sample, a path to a .txt file, or auto (wiki for the real offline models, world for the tiny ones, else wikitext2)"
     )
+    criterion: Literal["taylor", "taylor_sum"] = Field(
+        "taylor", description="taylor: a group's Σ|w·ḡ| divided by its parameter count (SPEC, the default); "
+        "taylor_sum: the plain sum, as LLM-Pruner's group importance (large groups weigh more)"
+    )
     seed: int = Field(0, ge=0, description="seed of the calibration draw (and of the random baseline)")
     micro_batch_size: int = Field(8, gt=0, description="sequences per forward/backward in the importance pass")
     device: str = Field("auto", description="auto (cuda if available, else cpu), cpu, cuda, cuda:N or mps")

@@ -40,6 +40,21 @@ def _to_scores(attn: list[torch.Tensor], mlp: list[torch.Tensor], layout: ModelL
     )
 
 
+def taylor_criterion(scores: GroupScores, layout: ModelLayout, criterion: str) -> GroupScores:
+    """The scores a method ranks by: `taylor` as computed (Σ|w·ḡ| / group size), `taylor_sum` the plain group sum.
+
+    Every attention group of an unpruned model has one size and every MLP channel another, so the two criteria
+    rank groups of one kind identically; they differ only where attention groups and MLP channels are compared
+    (the global ranking) and in layer-level sums (layerwise).
+    """
+    if criterion == "taylor":
+        return scores
+    if criterion == "taylor_sum":
+        return GroupScores(attn=tuple(a * layout.attn_group_params for a in scores.attn),
+                           mlp=tuple(m * layout.mlp_channel_params for m in scores.mlp))
+    raise ValueError(f"unknown criterion {criterion!r}")
+
+
 def magnitude_scores(model: nn.Module, layout: ModelLayout) -> GroupScores:
     """Mean squared weight per group (the magnitude baseline): no data, no gradients."""
     with torch.no_grad():

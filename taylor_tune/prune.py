@@ -19,7 +19,7 @@ from taylor_tune.config import PruneConfig
 from taylor_tune.diagnostics import pruning_diagnostics
 from taylor_tune.errors import ConfigError
 from taylor_tune.groups import describe_layout
-from taylor_tune.importance import Importance, compute_importance, magnitude_scores
+from taylor_tune.importance import Importance, compute_importance, magnitude_scores, taylor_criterion
 from taylor_tune.methods import METHODS, PlanOptions
 from taylor_tune.models import (
     load_model, load_model_config, load_tokenizer, resolve_device, resolve_dtype, resolve_text,
@@ -99,12 +99,12 @@ def prune(config: PruneConfig, *, importance_provider: ImportanceProvider | None
     start = time.perf_counter()
     if method.criterion == "taylor" and importance_provider is not None:
         importance, calibration_ids = importance_provider(model, layout, tokenizer)
-        scores = importance.scores
+        scores = taylor_criterion(importance.scores, layout, config.criterion)
     elif method.criterion == "taylor":
         importance = compute_importance(model, layout, calibration_ids, micro_batch_size=config.micro_batch_size)[
             config.num_samples
         ]
-        scores = importance.scores
+        scores = taylor_criterion(importance.scores, layout, config.criterion)
     elif method.criterion == "magnitude":
         scores = magnitude_scores(model, layout)
     timings["importance_s"] = time.perf_counter() - start

