@@ -47,7 +47,8 @@ def _add_prune(subparsers) -> None:
     p.add_argument("--output", required=True, help="folder for the summary, the importance and the pruned model")
     _add_field_options(p, PruneConfig, ("method", "criterion", "sparsity", "seq_len", "num_samples", "calibration", "seed",
                                         "micro_batch_size", "device", "dtype", "layerwise_max_ratio",
-                                        "blockwise_layer_start", "blockwise_layer_end", "extreme_ratio_threshold"))
+                                        "blockwise_layer_start", "blockwise_layer_end", "blockwise_attention",
+                                        "extreme_ratio_threshold"))
     p.add_argument("--trust-remote-code", action="store_true", default=None, help=fields["trust_remote_code"].description)
     p.set_defaults(handler=_run_prune)
 

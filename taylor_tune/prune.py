@@ -47,6 +47,8 @@ def plan_options(config: PruneConfig) -> PlanOptions:
         layerwise_max_ratio=config.layerwise_cap,
         blockwise_layer_start=config.blockwise_layer_start,
         blockwise_layer_end=config.blockwise_layer_end,
+        blockwise_attention=config.blockwise_attention,
+        criterion=config.criterion,
         seed=config.seed,
     )
 

@@ -119,3 +119,8 @@ def test_pruned_folder_loads_in_plain_transformers_and_a_broken_one_is_one_line(
                           "--ppl", "none", "--output", str(tmp_path / "e.json")], capture_output=True, text=True)
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
     assert len(run.stderr.strip().splitlines()) == 1 and "cannot load the pruned model" in run.stderr
+
+
+def test_blockwise_attention_rule_reaches_the_plan():
+    assert any(pruned("tiny-llama-random", "blockwise", 0.15).plan.attn_removed)
+    assert not any(pruned("tiny-llama-random", "blockwise", 0.15, blockwise_attention="mlp_only").plan.attn_removed)

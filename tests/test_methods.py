@@ -145,3 +145,60 @@ def test_validate_rejects_a_plan_that_empties_a_block():
     plan = PrunePlan("x", (tuple(range(G)), ()), ((), ()))
     with pytest.raises(PlanError, match="empty the attention block"):
         plan.validate(lay)
+
+
+def small_layout(g: int, layers: int = 6, c: int = 16, a: int = 40, m: int = 10) -> ModelLayout:
+    """Coarse GQA as in the real models (SmolLM2: 3 KV groups, Qwen2.5-0.5B: 2): one attention group weighs as
+    much as a/m MLP channels."""
+    per_layer = g * a + c * m
+    return ModelLayout((g,) * layers, (c,) * layers, a, m, (per_layer,) * layers, per_layer * layers)
+
+
+def reference_attention_count(scores, lay, rule, sparsity):
+    """The blockwise rule by enumeration, written without the planner: every k, its channels, feasibility, choice."""
+    g, c, a, m = lay.attn_groups[0], lay.mlp_channels[0], lay.attn_group_params, lay.mlp_channel_params
+    blocks = list(range(1, lay.num_layers - 1))
+    target = sparsity * lay.total_params
+    candidates = []
+    for k in range(g):
+        channels = 0
+        while len(blocks) * k * a + channels * m < target:
+            channels += 1
+        if channels > len(blocks) * (c - 1) or len(blocks) * k * a + channels * m - target >= max(a, m):
+            continue
+        per_block = [channels // len(blocks) + (i < channels % len(blocks)) for i in range(len(blocks))]
+        loss = sum(a * sum(sorted(scores.attn[l])[:k]) + m * sum(sorted(scores.mlp[l])[:p]) for l, p in zip(blocks, per_block))
+        candidates.append((k, abs(k / g - channels / (len(blocks) * c)), loss))
+    if rule == "mlp_only":
+        return 0
+    key = 1 if rule == "closest_ratio" else 2
+    return min(candidates, key=lambda cand: (cand[key], cand[0]))[0]
+
+
+@pytest.mark.parametrize("g", [2, 3, 4])
+@pytest.mark.parametrize("rule", ["closest_ratio", "mlp_only", "min_loss"])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_blockwise_attention_rule_equals_enumeration(g, rule, seed):
+    lay = small_layout(g)
+    rng = np.random.default_rng(seed)
+    # attention groups scored on a per-parameter scale of their own, so that min_loss goes either way
+    scores = GroupScores(tuple(rng.random(g) * rng.uniform(0.2, 2.0) for _ in range(6)), tuple(rng.random(16) for _ in range(6)))
+    plan = plan_blockwise(scores, lay, options(0.2, blockwise_attention=rule))
+    expected = reference_attention_count(scores, lay, rule, 0.2)
+    assert [len(plan.attn_removed[l]) for l in range(1, 5)] == [expected] * 4
+    removed = sum(plan.layer_params_removed(lay))
+    assert 0.2 * lay.total_params <= removed < 0.2 * lay.total_params + max(lay.attn_group_params, lay.mlp_channel_params)
+
+
+@pytest.mark.parametrize("attention_score, expected_k", [(0.5, 1), (1.0, 0), (2.0, 0)])
+def test_blockwise_min_loss_by_hand(attention_score, expected_k):
+    # 2 KV groups of 40 parameters, 16 channels of 10, 4 blocks; 20% of 1,440 = 288 parameters.
+    # k = 0: 29 channels (290 parameters), loss 29 x 10 x 1.0 = 290.
+    # k = 1: 4 groups (160) + 13 channels (130), loss 4 x 40 x s + 130: 210 at s = 0.5, 290 (a tie: fewer groups) at 1.0.
+    lay = small_layout(2)
+    scores = GroupScores(tuple(np.full(2, attention_score) for _ in range(6)), tuple(np.ones(16) for _ in range(6)))
+    plan = plan_blockwise(scores, lay, options(0.2, blockwise_attention="min_loss"))
+    assert [len(plan.attn_removed[l]) for l in range(1, 5)] == [expected_k] * 4
+    assert sum(map(len, plan.mlp_removed)) == (13 if expected_k else 29)
+    closest = plan_blockwise(scores, lay, options(0.2))  # |1/2 - 13/64| < |0 - 29/64|: half of every attention block
+    assert [len(closest.attn_removed[l]) for l in range(1, 5)] == [1] * 4

@@ -15,6 +15,8 @@ class PlanOptions:
     layerwise_max_ratio: float = 0.4
     blockwise_layer_start: int | None = None
     blockwise_layer_end: int | None = None
+    blockwise_attention: str = "closest_ratio"
+    criterion: str = "taylor"
     seed: int = 0
 
 
