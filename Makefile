@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup fetch demo smoke-demo prune-demo test bench world clean
+.PHONY: setup fetch demo smoke-demo prune-demo test bench bench-quality world clean
 
 setup: $(STAMP)
 
@@ -50,6 +50,10 @@ bench: setup
 	$(PY) bench/bench_importance.py --json bench/out/importance.json
 	$(PY) bench/bench_evaluation.py --json bench/out/evaluation.json
 	$(PY) bench/bench_report.py --trials 10000 --json bench/out/report.json
+
+# Pruning quality on the real models (issue 13's study): hours on 2 cores, resumable (rerun to continue).
+bench-quality: fetch
+	$(PY) bench/bench_quality.py --json bench/quality.json
 
 # Regenerate the offline world (corpus, tasks, tokenizer, tiny trained models); ~7 min of CPU.
 world: setup
