@@ -142,6 +142,7 @@ def convert_gguf(gguf: Path, out: Path, dtype: torch.dtype = torch.float32) -> P
 
 def gguf_folder(path: Path) -> Path:
     """The cached HF folder of a GGUF file (converted on first use, keyed by the file's sha256)."""
+    import json
     import os
     import tempfile
 
@@ -153,7 +154,7 @@ def gguf_folder(path: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".convert-") as tmp:
         out = convert_gguf(path, Path(tmp) / "out")
-        (out / MANIFEST).write_text(f'{{"source": "{path.resolve()}"}}\n')
+        (out / MANIFEST).write_text(json.dumps({"source": str(path.resolve())}) + "\n")
         os.replace(out, target)
     return target
 
