@@ -6,7 +6,8 @@ of every predicted token, i.e. positions 1..W-1 of each window). The window leng
 
 Zero-shot: lm-eval's own task definitions (prompts, preprocessing such as HellaSwag's process_docs and
 WinoGrande's partial scoring) on the real datasets (`task_data: hub`), or with only their data replaced
-by local files of the same schema (the offline world, or a folder). `acc_mean` averages one metric per
+by local files of the same schema (the offline world, or a folder). The scorer is lm-eval's HFLM or
+`scorer.PrefixLM` (the same log-likelihoods, each shared context forwarded once). `acc_mean` averages one metric per
 task, by default as LLM-Pruner reports them: acc for BoolQ, PIQA, WinoGrande, ARC-e; acc_norm for
 HellaSwag, ARC-c, OpenBookQA. No model is saved or reloaded: lm-eval's HFLM wraps the model in memory.
 """
@@ -28,7 +29,7 @@ from taylor_tune.errors import EvaluationError
 log = logging.getLogger(__name__)
 
 WIKITEXT2_TEST = DatasetSource(path="wikitext", name="wikitext-2-raw-v1", split="test")
-# Where lm-eval keeps each task's YAML (checked against lm-eval's own index by a test, since it is private).
+# Where lm-eval keeps each task's YAML (checked against lm-eval's own index by a test: compat.lm_eval).
 TASK_YAML = {
     "boolq": "super_glue/boolq/default.yaml", "piqa": "piqa/piqa.yaml", "hellaswag": "hellaswag/hellaswag.yaml",
     "winogrande": "winogrande/default.yaml", "arc_easy": "arc/arc_easy.yaml", "arc_challenge": "arc/arc_challenge.yaml",
@@ -96,9 +97,9 @@ def _lm_eval_tasks_dir() -> Path:
 
 def offline_task_config(task: str, data_file: Path) -> dict:
     """lm-eval's registered config of `task` with only its data source replaced by a local jsonl file."""
-    from lm_eval.tasks._yaml_loader import load_yaml
+    from taylor_tune.compat.lm_eval import load_task_yaml
 
-    config = dict(load_yaml(_lm_eval_tasks_dir() / TASK_YAML[task], resolve_func=True))
+    config = load_task_yaml(_lm_eval_tasks_dir() / TASK_YAML[task])
     split = "test" if config.get("test_split") else "validation"
     config.pop("tag", None)
     config.update(
@@ -232,13 +233,10 @@ def zero_shot(lm, spec: EvalSpec, task_data: str) -> tuple[dict[str, dict], floa
     return out, seconds
 
 
-def make_lm(model, tokenizer, batch_size: int | str):
-    from lm_eval.models.huggingface import HFLM
+def make_lm(model, tokenizer, batch_size: int | str, scorer: str = "prefix"):
+    from taylor_tune.scorer import make_lm as make
 
-    device = next(model.parameters()).device
-    if batch_size == "auto" and device.type != "cuda":
-        batch_size = 16  # lm-eval's auto search probes GPU memory; on CPU a fixed size is faster and predictable
-    return HFLM(pretrained=model, tokenizer=tokenizer, device=str(device), batch_size=batch_size)
+    return make(model, tokenizer, batch_size, scorer)
 
 
 def evaluate(model, tokenizer, spec: EvalSpec, *, model_name: str | None = None) -> dict:
@@ -260,8 +258,10 @@ def evaluate(model, tokenizer, spec: EvalSpec, *, model_name: str | None = None)
             result["ppl_seconds"] = time.perf_counter() - start
         if spec.tasks:
             task_data = resolve_task_data(spec, model_name)
-            tasks, seconds = zero_shot(make_lm(model, tokenizer, spec.batch_size), spec, task_data)
+            lm = make_lm(model, tokenizer, spec.batch_size, spec.scorer)
+            tasks, seconds = zero_shot(lm, spec, task_data)
             result["task_data"] = task_data
+            result["scorer"], result["zero_shot_tokens"] = spec.scorer, lm.tokens_forwarded
             result["tasks"] = tasks
             result["zero_shot_seconds"] = seconds
             result["zero_shot_items_per_s"] = sum(e["n"] for e in tasks.values()) / seconds if seconds > 0 else None

@@ -140,6 +140,12 @@ def test_evaluate_writes_results_json(capsys, tmp_path):
                           "--ppl", "world", "--ppl-window", "64", "--device", "cpu", "--output", str(out))
     assert code == 0 and "acc_mean" in stdout
     result = json.loads(out.read_text())
+    assert result["scorer"] == "prefix" and result["zero_shot_tokens"] > 0
+    code, _, _ = run(capsys, "evaluate", "--model", "tiny-llama", "--tasks", "arc_easy,piqa", "--limit", "20", "--ppl", "none",
+                     "--scorer", "hflm", "--device", "cpu", "--output", str(tmp_path / "hflm.json"))
+    hflm = json.loads((tmp_path / "hflm.json").read_text())
+    assert code == 0 and hflm["scorer"] == "hflm" and hflm["zero_shot_tokens"] > result["zero_shot_tokens"]
+    assert hflm["tasks"] == result["tasks"]  # the same scores from lm-eval's own scorer
     assert set(result["tasks"]) == {"arc_easy", "piqa"} and result["ppl_window"] == 64
     assert all(result["tasks"][t]["n"] == 20 for t in result["tasks"])
     assert result["acc_mean"] == pytest.approx((result["acc_arc_easy"] + result["acc_piqa"]) / 2)
@@ -150,6 +156,7 @@ def test_evaluate_writes_results_json(capsys, tmp_path):
     (["--limit", "0"], "limit: Input should be greater than 0"),
     (["--ppl-window", "1024"], "ppl_window: 1024 is longer than the model's maximum context of 512 tokens"),
     (["--task-data", "/no/such/dir"], "task_data: '/no/such/dir' is neither"),
+    (["--scorer", "fast"], "scorer: Input should be 'prefix' or 'hflm'"),
 ])
 def test_evaluate_bad_input_is_one_line(extra, message, capsys, tmp_path):
     code, _, err = run(capsys, "evaluate", "--model", "tiny-llama", "--ppl", "world", "--device", "cpu", *extra,

@@ -8,7 +8,7 @@ from taylor_tune.apply import apply_plan
 from taylor_tune.groups import describe_layout
 from taylor_tune.importance import compute_importance
 from taylor_tune.methods import METHODS, PlanOptions
-from taylor_tune.models import load_model
+from taylor_tune.models import load_model, load_tokenizer
 from tests.helpers import calibration_ids
 
 pytestmark = pytest.mark.gpu
@@ -55,3 +55,22 @@ def test_a_cuda_trial_reports_its_peak_gpu_memory(tmp_path):
     assert reports[-1]["peak_gpu_memory_bytes"] >= 0.5 * weights  # at least the (pruned) fp32 weights were on the GPU
     assert metrics["peak_gpu_memory_bytes"] == reports[-1]["peak_gpu_memory_bytes"]
     assert {"load", "calibration", "importance", "prune", "zero_shot_10"} <= set(stage_durations(reports[-1]))
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, None)])
+def test_prefix_scorer_on_cuda_agrees_with_hflm(dtype, tolerance):
+    """fp32 on CUDA: HFLM's numbers within 1e-4. bf16: both scorers round differently (other matmul shapes), so only
+    the accuracies are compared, and the log-likelihoods to 2%."""
+    from tests.test_scorer import assert_same_answers, responses
+
+    model = load_model("tiny-llama", device="cuda", dtype=dtype).eval()
+    tokenizer = load_tokenizer("tiny-llama")
+    theirs, their_scores = responses(model, tokenizer, "hflm", batch_size="auto", limit=20)
+    ours, our_scores = responses(model, tokenizer, "prefix", batch_size="auto", limit=20)
+    if tolerance is not None:
+        assert_same_answers(ours, theirs)
+        assert our_scores == their_scores
+    else:
+        for task in theirs:
+            for (ll, _), (ref, _) in zip(ours[task], theirs[task], strict=True):
+                assert abs(ll - ref) <= 0.02 * max(1.0, abs(ref)), task

@@ -192,6 +192,24 @@ def test_in_memory_scores_equal_lm_eval_hf_on_the_real_tasks(assets):
         assert ours[task]["acc_norm"] == theirs[config["task"]].get("acc_norm,none"), task  # None for BoolQ, WinoGrande
 
 
+@pytest.mark.parametrize("pruned", [False, True], ids=["smollm2", "pruned-smollm2"])
+def test_prefix_scorer_equals_hflm_request_by_request_on_the_real_tasks(assets, pruned):
+    """The seven real tasks, 20 items each: every request's log-likelihood within 1e-4 of lm-eval's HFLM, the same
+    is_greedy, the same acc and acc_norm; on SmolLM2-135M and on a blockwise-pruned one (layers of unequal shape)."""
+    from tests.test_scorer import assert_same_answers, responses
+
+    if pruned:
+        result = _pruned("smollm2-135m", "blockwise")
+        model, tokenizer = result.model, result.tokenizer
+    else:
+        model, tokenizer = load_model("smollm2-135m", dtype=torch.float32), load_tokenizer("smollm2-135m")
+    model.eval()
+    theirs, their_scores = responses(model, tokenizer, "hflm", batch_size=16, limit=20, task_data="real")
+    ours, our_scores = responses(model, tokenizer, "prefix", batch_size=16, limit=20, task_data="real")
+    assert_same_answers(ours, theirs)
+    assert our_scores == their_scores
+
+
 @pytest.mark.timeout(1800)  # ~3 min alone on 2 cores; far longer on a machine busy with something else
 def test_real_demo_sweep_runs_through_ray_and_reports(assets, tmp_path):
     """experiments/real_demo.yaml as shipped, its evaluation shrunk (2 items per task, 4 perplexity windows) and its

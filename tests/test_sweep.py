@@ -129,6 +129,7 @@ def test_smoke_sweep_runs_end_to_end_under_ray_job_submit_and_analysis_has_every
         missing = [c for c in SPEC_COLUMNS if row.get(c) is None]
         assert not missing, missing
         assert 0.19 < row["pruning_ratio"] < 0.21 and row["stage"] == "zero_shot_40"
+        assert row["scorer"] == "prefix" and row["zero_shot_40_tokens"] > 0
         assert Path(row["output_dir"]).parent == path and (Path(row["output_dir"]) / "pruning_summary.json").is_file()
         written = json.loads((Path(row["output_dir"]) / "config.json").read_text())["prune"]  # reused workers: own folder
         assert (written["method"], written["seq_len"], written["num_samples"]) == (

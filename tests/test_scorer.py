@@ -1,0 +1,141 @@
+"""The prefix-sharing scorer: lm-eval's HFLM's numbers, request by request, at fewer tokens.
+
+References: lm-eval's own HFLM on the same model and requests, and a plain forward pass of HFLM's documented
+model input (`(context + continuation)[-(max_length + 1):][:-1]`) computed here.
+"""
+
+import pytest
+import torch
+from lm_eval import simple_evaluate
+
+from taylor_tune.config import build_eval_spec, build_prune_config
+from taylor_tune.errors import ConfigError
+from taylor_tune.evaluation import TASK_YAML, task_source
+from taylor_tune.models import load_model, load_tokenizer
+from taylor_tune.prune import prune
+from taylor_tune.scorer import Pack, make_lm, plan_batches, plan_packs
+
+
+def test_packs_group_requests_by_the_prefix_hflm_would_forward():
+    requests = [([1, 2, 3], [4, 5]), ([1, 2, 3], [6]), ([1, 2, 3], [7, 8, 9]), ([1, 2], [3, 4])]
+    packs = plan_packs(requests, max_length=100)
+    assert [(p.prefix, p.members) for p in packs] == [
+        ((1, 2, 3), [(0, [4, 5]), (1, [6]), (2, [7, 8, 9])]),  # 3 + 1 + 0 + 2 = 6 positions, longest first
+        ((1, 2), [(3, [3, 4])]),
+    ]
+    assert [p.length for p in packs] == [6, 3]
+    # max_length 4: HFLM forwards the last 5 tokens minus the last one, so continuations of one long context
+    # that differ in length keep different prefixes
+    long = [([1, 2, 3, 4, 5, 6], [7, 8]), ([1, 2, 3, 4, 5, 6], [9])]
+    assert [(p.prefix, p.members) for p in plan_packs(long, max_length=4)] == [
+        ((3, 4, 5, 6), [(1, [9])]), ((4, 5, 6), [(0, [7, 8])])]
+
+
+def test_batches_fill_rows_first_fit_within_the_longest_pack():
+    packs = [Pack(tuple(range(n)), [(i, [0])]) for i, n in enumerate([10, 9, 7, 3, 3, 2])]
+    batches = plan_batches(packs, rows=2)
+    assert [[[p.length for p in row] for row in batch] for batch in batches] == [[[10], [9]], [[7], [3, 3]], [[2]]]
+    by_budget = plan_batches(packs, rows=None, budget=20)  # rows × width ≤ 20 tokens
+    assert [[[p.length for p in row] for row in batch] for batch in by_budget] == [[[10], [9]], [[7], [3, 3]], [[2]]]
+
+
+def _pruned_tiny_qwen2():
+    return prune(build_prune_config({"model": "tiny-qwen2", "method": "blockwise", "sparsity": 0.3, "calibration": "world",
+                                     "seq_len": 32, "num_samples": 16, "device": "cpu"}))
+
+
+def responses(model, tokenizer, scorer: str, batch_size: int, limit: int, task_data: str = "world") -> tuple[dict, dict]:
+    """Every request's (log-likelihood, is_greedy) and each task's acc/acc_norm on the seven tasks."""
+    lm = make_lm(model, tokenizer, batch_size, scorer)
+    sources = [task_source(task, task_data) for task in TASK_YAML]
+    result = simple_evaluate(model=lm, tasks=[s for s, _ in sources], task_manager=sources[0][1], limit=limit,
+                             bootstrap_iters=0, log_samples=True, verbosity="ERROR")
+    per_request = {task: [r[0] for sample in samples for r in sample["resps"]] for task, samples in result["samples"].items()}
+    scores = {task: (raw.get("acc,none"), raw.get("acc_norm,none")) for task, raw in result["results"].items()}
+    return per_request, scores
+
+
+def assert_same_answers(ours: dict, theirs: dict) -> None:
+    for task in theirs:
+        assert len(ours[task]) == len(theirs[task]) > 0, task
+        for (ll, greedy), (ref_ll, ref_greedy) in zip(ours[task], theirs[task]):
+            assert abs(ll - ref_ll) <= 1e-4, (task, ll, ref_ll)
+            assert greedy == ref_greedy, task
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-mistral", "pruned tiny-qwen2"])
+def test_prefix_scorer_equals_hflm_request_by_request(name):
+    if name.startswith("pruned"):
+        result = _pruned_tiny_qwen2()  # blockwise: layers of different widths and head counts
+        model, tokenizer = result.model, result.tokenizer
+        assert len({layer.mlp.gate_proj.out_features for layer in model.model.layers}) > 1
+    else:
+        model, tokenizer = load_model(name), load_tokenizer(name)
+    model.eval()
+    theirs, their_scores = responses(model, tokenizer, "hflm", batch_size=16, limit=12)
+    ours, our_scores = responses(model, tokenizer, "prefix", batch_size=3, limit=12)  # small batches: rows and padding
+    assert_same_answers(ours, theirs)
+    assert our_scores == their_scores
+
+
+def _short_window_model(max_length: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=max_length, attn_implementation="sdpa")
+    return LlamaForCausalLM(config).eval()
+
+
+def reference(model, context: list[int], continuation: list[int], max_length: int) -> tuple[float, bool]:
+    """HFLM's definition by a plain forward pass of its documented input."""
+    model_input = (context + continuation)[-(max_length + 1):][:-1]
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([model_input])).logits[0].float(), dim=-1)
+    rows = logprobs[len(model_input) - len(continuation):]
+    target = torch.tensor(continuation)
+    return float(rows.gather(1, target[:, None]).sum()), bool((rows.argmax(-1) == target).all())
+
+
+def test_a_context_longer_than_the_window_is_truncated_as_hflm_does():
+    max_length = 16
+    model, tokenizer = _short_window_model(max_length), load_tokenizer("tiny-llama")
+    long_context = [(7 * i) % 60 + 1 for i in range(30)]
+    requests = [(("q", c), long_context, c) for c in ([3], [4, 5], [6, 7, 8, 9, 10], list(range(20, 36)))]
+    requests += [(("short", "a"), [5, 6, 7], [8, 9]), (("short", "b"), [5, 6, 7], [10])]
+    assert any(len(ctx) + len(cont) > max_length + 1 for _, ctx, cont in requests)
+    expected = [reference(model, ctx, cont, max_length) for _, ctx, cont in requests]
+    for scorer in ("prefix", "hflm"):
+        lm = make_lm(model, tokenizer, 4, scorer)
+        assert lm.max_length == max_length
+        got = lm._loglikelihood_tokens(requests, disable_tqdm=True)
+        for (ll, greedy), (ref_ll, ref_greedy) in zip(got, expected, strict=True):
+            assert abs(ll - ref_ll) <= 1e-4 and greedy == ref_greedy, scorer
+
+
+def test_tokens_forwarded_equal_a_hand_count():
+    model, tokenizer = load_model("tiny-llama"), load_tokenizer("tiny-llama")
+    requests = [
+        *[(None, [1, 2, 3, 4, 5], cont) for cont in ([6, 7, 8], [9, 10], [11, 12, 13, 14])],  # one context, 3 endings
+        *[(None, [21, 22, 23, 24], cont) for cont in ([25], [26])],                          # yes/no: one token each
+        (None, [31, 32, 33, 34, 35, 36], [37, 38]),
+    ]
+    # prefix: each context once, then every continuation but its last token
+    by_hand_prefix = (5 + 2 + 1 + 3) + (4 + 0 + 0) + (6 + 1)
+    # HFLM: context + continuation[:-1] per request; one-token continuations of one context share a forward
+    by_hand_hflm = (5 + 2) + (5 + 1) + (5 + 3) + 4 + (6 + 1)
+    prefix = make_lm(model, tokenizer, 1, "prefix")
+    hflm = make_lm(model, tokenizer, 1, "hflm")
+    prefix._loglikelihood_tokens(requests, disable_tqdm=True)
+    hflm._loglikelihood_tokens(requests, disable_tqdm=True)
+    assert (prefix.tokens_forwarded, prefix.tokens_unpadded, hflm.tokens_forwarded) == (by_hand_prefix, by_hand_prefix, by_hand_hflm)
+    batched = make_lm(model, tokenizer, 16, "prefix")  # one forward: rows padded to the longest pack (11 positions)
+    batched._loglikelihood_tokens(requests, disable_tqdm=True)
+    assert batched.tokens_unpadded == by_hand_prefix
+    assert batched.tokens_forwarded == 11 * 2  # rows [11] and [7, 4]
+
+
+def test_scorer_is_validated():
+    with pytest.raises(ConfigError, match="scorer: Input should be 'prefix' or 'hflm'"):
+        build_eval_spec({"scorer": "fast"})
+    assert build_eval_spec({}).scorer == "prefix"
