@@ -1,7 +1,7 @@
 """Pruning quality on the real models: every method (and criterion / blockwise-rule variant) at each sparsity.
 
 For each model: one importance pass on wiki calibration (the paper's 128 x 64 by default, seed 0) serves every
-Taylor-based run; then per (sparsity, method, variant): prune, wiki held-out perplexity, the seven real tasks
+Taylor-based run and measures every plan (`salience_removed`: the share of Σ|w·ḡ| the plan removes); then per (sparsity, method, variant): prune, wiki held-out perplexity, the seven real tasks
 at --limit items each (acc, acc_norm, stderr), and the plan's diagnostics (attention groups and MLP channels
 kept per layer, extreme layers). The unpruned model is the `unpruned` row. Results go to --json after every
 run; a killed run continues with the next unfinished one (hours on 2 CPU cores: spread it over sessions).
@@ -11,7 +11,8 @@ run; a killed run continues with the next unfinished one (hours on 2 CPU cores: 
         --ppl-max-windows 2 --num-samples 4 --json /tmp/q.json                   # a check (a minute)
 
 A variant is `field=value` of the prune config, e.g. `criterion=taylor_sum` or `blockwise_attention=mlp_only`;
-it applies to the methods it concerns (criterion: taylor, layerwise, blockwise; blockwise_attention: blockwise).
+it applies to the methods it concerns (criterion: taylor, layerwise, blockwise, magnitude; blockwise_attention:
+blockwise), or to those named after `@` (`criterion=l2@blockwise`: LLM-Pruner's L2 baseline).
 """
 
 from __future__ import annotations
@@ -27,11 +28,17 @@ import torch
 from taylor_tune.calibration import load_calibration
 from taylor_tune.config import ZERO_SHOT_TASKS, EvalSpec, build_prune_config
 from taylor_tune.evaluation import load_ppl_text, make_lm, perplexity, zero_shot
+from taylor_tune.groups import describe_layout
 from taylor_tune.importance import compute_importance
 from taylor_tune.models import load_model, load_tokenizer
-from taylor_tune.prune import prune
+from taylor_tune.prune import ProvidedImportance, prune
 
-VARIANT_METHODS = {"criterion": ("taylor", "layerwise", "blockwise"), "blockwise_attention": ("blockwise",)}
+VARIANT_METHODS = {"criterion": ("taylor", "layerwise", "blockwise", "magnitude"), "blockwise_attention": ("blockwise",)}
+
+
+def variant_methods(variant: str) -> tuple[str, ...]:
+    setting, _, methods = variant.partition("@")
+    return tuple(methods.split(",")) if methods else VARIANT_METHODS[setting.split("=")[0]]
 
 
 def save(path: Path, data: dict) -> None:
@@ -53,17 +60,26 @@ def evaluate_model(model, tokenizer, args) -> dict:
     return out
 
 
+def salience_removed(scores, layout, plan) -> float:
+    """The share of the model's first-order Taylor salience (Σ|w·ḡ| over every group) that the plan removes: one
+    yardstick, from the same calibration, for plans made by any criterion."""
+    sizes = (layout.attn_group_params, layout.mlp_channel_params)
+    total = sum(float(a.sum()) * sizes[0] + float(m.sum()) * sizes[1] for a, m in zip(scores.attn, scores.mlp))
+    removed = sum(float(a[list(ra)].sum()) * sizes[0] + float(m[list(rm)].sum()) * sizes[1]
+                  for a, m, ra, rm in zip(scores.attn, scores.mlp, plan.attn_removed, plan.mlp_removed))
+    return removed / total
+
+
 def runs(args) -> list[tuple[str, float | None, str, str]]:
-    """(model, sparsity, method, variant) in order; variant "" is the default config."""
+    """(model, sparsity, method, variant) in order: each model's unpruned row, then per sparsity every method as
+    configured by default (variant ""), then the variants."""
     out = []
     for model in args.models:
         out.append((model, None, "unpruned", ""))
         for sparsity in args.sparsity:
-            for method in args.methods:
-                out.append((model, sparsity, method, ""))
-                for variant in args.variants:
-                    if method in VARIANT_METHODS[variant.split("=")[0]]:
-                        out.append((model, sparsity, method, variant))
+            out += [(model, sparsity, method, "") for method in args.methods]
+            out += [(model, sparsity, method, variant) for variant in args.variants for method in args.methods
+                    if method in variant_methods(variant)]
     return out
 
 
@@ -72,8 +88,9 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-0.5b"])
     parser.add_argument("--sparsity", nargs="+", type=float, default=[0.1, 0.2])
     parser.add_argument("--methods", nargs="+", default=["taylor", "layerwise", "blockwise", "magnitude", "random"])
-    parser.add_argument("--variants", nargs="*", default=["criterion=taylor_sum", "blockwise_attention=mlp_only",
-                                                          "blockwise_attention=min_loss"])
+    parser.add_argument("--variants", nargs="*", default=[
+        "criterion=taylor_sum@taylor,layerwise,blockwise", "blockwise_attention=mlp_only", "blockwise_attention=min_loss",
+        "criterion=l2@blockwise", "criterion=l1@blockwise,magnitude"])
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--num-samples", type=int, default=128)
     parser.add_argument("--limit", type=int, default=200)
@@ -82,7 +99,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
     for variant in args.variants:
-        if variant.split("=")[0] not in VARIANT_METHODS or "=" not in variant:
+        if variant.split("=")[0] not in VARIANT_METHODS or "=" not in variant.partition("@")[0]:
             parser.error(f"--variants: {variant!r} is not field=value with field one of {', '.join(VARIANT_METHODS)}")
 
     data = json.loads(args.json.read_text()) if args.json.is_file() else {}
@@ -90,7 +107,7 @@ def main() -> None:
     data.setdefault("runs", {})
     importance: dict[str, object] = {}
     for model_name, sparsity, method, variant in runs(args):
-        key = f"{model_name}|{sparsity}|{method}|{variant}"
+        key = f"{model_name}|{sparsity}|{method}|{variant.partition('@')[0]}"
         if key in data["runs"]:
             continue
         start = time.perf_counter()
@@ -101,20 +118,20 @@ def main() -> None:
             values = dict(model=model_name, method=method, sparsity=sparsity, seq_len=args.seq_len,
                           num_samples=args.num_samples, calibration="wiki", seed=0, device="cpu", dtype="float32")
             if variant:
-                field, value = variant.split("=")
+                field, value = variant.partition("@")[0].split("=")
                 values[field] = value
             config = build_prune_config(values)
 
-            def provide(model, layout, tokenizer):  # one gradient pass per model, shared by every run
-                if model_name not in importance:
-                    ids = load_calibration(tokenizer, "wiki", seq_len=args.seq_len, num_samples=args.num_samples, seed=0)
-                    importance[model_name] = (compute_importance(model, layout, ids, micro_batch_size=8)[args.num_samples], ids)
-                return importance[model_name]
-
-            result = prune(config, importance_provider=provide)
+            if model_name not in importance:  # one gradient pass per model: every run's scores or yardstick
+                base, base_tokenizer = load_model(model_name, dtype=torch.float32), load_tokenizer(model_name)
+                ids = load_calibration(base_tokenizer, "wiki", seq_len=args.seq_len, num_samples=args.num_samples, seed=0)
+                importance[model_name] = (compute_importance(base, describe_layout(base), ids, micro_batch_size=8)[args.num_samples], ids)
+                del base
+            result = prune(config, importance_provider=lambda model, layout, tokenizer: ProvidedImportance(*importance[model_name]))
             model, tokenizer, d = result.model, result.tokenizer, result.diagnostics
             entry = {k: d[k] for k in ("params_count", "pruning_ratio", "extreme_pruning_layers", "attention_groups_kept",
                                        "mlp_channels_kept", "layer_pruning_ratio")}
+            entry["salience_removed"] = salience_removed(importance[model_name][0].scores, result.layout, result.plan)
         entry |= evaluate_model(model, tokenizer, args)
         entry["seconds"] = time.perf_counter() - start
         data["runs"][key] = entry

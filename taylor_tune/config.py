@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from taylor_tune.errors import ConfigError
+from taylor_tune.methods import METHODS  # pure planners: numpy, no torch
 
 CALIBRATION_DATASETS = ("wikitext2", "c4")
 ZERO_SHOT_TASKS = ("boolq", "piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
@@ -53,9 +54,11 @@ class PruneConfig(BaseModel):
         "auto", description="wikitext2, c4, wiki (the real offline world's Wikipedia text), world (the synthetic corpus), "
         "sample, a path to a .txt file, or auto (wiki for the real offline models, world for the tiny ones, else wikitext2)"
     )
-    criterion: Literal["taylor", "taylor_sum"] = Field(
-        "taylor", description="taylor: a group's Σ|w·ḡ| divided by its parameter count (SPEC, the default); "
-        "taylor_sum: the plain sum, as LLM-Pruner's group importance (large groups weigh more)"
+    criterion: Literal["taylor", "taylor_sum", "l1", "l2"] = Field(
+        "taylor", description="how taylor, layerwise and blockwise score a group: taylor: Σ|w·ḡ| divided by the group's "
+        "parameter count (SPEC, the default); taylor_sum: the plain sum, as LLM-Pruner's group importance (large groups "
+        "weigh more); l1 / l2: the weight magnitude Σ|w| / Σw² divided by the group's parameter count, no calibration "
+        "(LLM-Pruner's vector-wise L1 / L2 baselines are blockwise with these). magnitude ranks by l2, or l1 if set"
     )
     seed: int = Field(0, ge=0, description="seed of the calibration draw (and of the random baseline)")
     micro_batch_size: int = Field(8, gt=0, description="sequences per forward/backward in the importance pass")
@@ -82,8 +85,6 @@ class PruneConfig(BaseModel):
     @field_validator("method")
     @classmethod
     def _known_method(cls, value: str) -> str:
-        from taylor_tune.methods import METHODS  # numpy-only; avoids a cycle at import time
-
         if value not in METHODS:
             raise ValueError(f"unknown method {value!r}; allowed: {', '.join(sorted(METHODS))}")
         return value
@@ -135,6 +136,9 @@ class EvalSpec(BaseModel):
     )
     limit: int | None = Field(None, gt=0, description="at most this many items per task (the fidelity knob); None = all")
     batch_size: int | Literal["auto"] = Field("auto", description="lm-eval batch size; auto = lm-eval's search on CUDA, 16 on CPU")
+    scorer: Literal["prefix", "hflm"] = Field(
+        "prefix", description="prefix: each multiple-choice context forwarded once for all its continuations (the same "
+        "log-likelihoods as lm-eval's HFLM, about half the tokens); hflm: lm-eval's HFLM, one sequence per continuation")
     ppl: str | None = Field("auto", description="wikitext2 (test split), wiki (the real offline world's held-out "
                             "Wikipedia text), world (the synthetic held-out text), a .txt file, None, or auto (as calibration)")
     ppl_window: int = Field(128, gt=1, description="tokens per non-overlapping perplexity window (LLM-Pruner: 128; 2048 also common)")

@@ -95,6 +95,7 @@ class Evaluation(BaseModel):
     ppl_window: int = Field(128, gt=1)
     ppl_max_windows: int | None = Field(None, gt=0)
     batch_size: int | Literal["auto"] = "auto"
+    scorer: Literal["prefix", "hflm"] = "prefix"
     fidelities: tuple[int | None, ...] = Field(
         (None,), description="zero-shot item limits, cheapest first, each reported to Tune; null = every item"
     )
@@ -110,7 +111,7 @@ class Evaluation(BaseModel):
 
     def spec(self, limit: int | None) -> EvalSpec:
         return EvalSpec(tasks=self.tasks, task_data=self.task_data, ppl=self.ppl, ppl_window=self.ppl_window, ppl_max_windows=self.ppl_max_windows,
-                        batch_size=self.batch_size, limit=limit)
+                        batch_size=self.batch_size, scorer=self.scorer, limit=limit)
 
 
 class Resources(BaseModel):
@@ -133,13 +134,6 @@ class Experiment(BaseModel):
     mode: Literal["max", "min"] = "max"
     storage_path: str = "runs/sweeps"
     test_fault: dict[str, Any] | None = Field(None, description="test-only: raise inside matching trials")
-
-    @field_validator("models")
-    @classmethod
-    def _models(cls, models: tuple[str, ...]) -> tuple[str, ...]:
-        for model in models:
-            PruneConfig(model=model)  # the type check; existence is checked in check_models (reads files)
-        return models
 
     @field_validator("prune")
     @classmethod

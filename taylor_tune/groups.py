@@ -58,6 +58,11 @@ def prunable_parameters(model: nn.Module) -> list[list[tuple[str, nn.Parameter]]
     return result
 
 
+def count_parameters(model: nn.Module) -> int:
+    """Distinct parameters (tied weights counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
 def describe_layout(model: nn.Module) -> ModelLayout:
     """Group counts and sizes of a model whose layers all have the same shape (an unpruned model)."""
     layers = decoder_layers(model)
@@ -70,8 +75,6 @@ def describe_layout(model: nn.Module) -> ModelLayout:
     attn_group_params = (2 * rep * d + 2 * d) * hidden + q_bias + kv_bias
     mlp_bias = sum(getattr(first.mlp, n).bias is not None for n in MLP_ROWS)
     mlp_channel_params = 3 * hidden + mlp_bias
-    from taylor_tune.models import count_parameters
-
     return ModelLayout(
         attn_groups=tuple(attention_groups(l.self_attn) for l in layers),
         mlp_channels=tuple(l.mlp.gate_proj.out_features for l in layers),

@@ -55,10 +55,18 @@ def taylor_criterion(scores: GroupScores, layout: ModelLayout, criterion: str) -
     raise ValueError(f"unknown criterion {criterion!r}")
 
 
-def magnitude_scores(model: nn.Module, layout: ModelLayout) -> GroupScores:
-    """Mean squared weight per group (the magnitude baseline): no data, no gradients."""
+GRADIENT_CRITERIA = ("taylor", "taylor_sum")
+
+
+def magnitude_scores(model: nn.Module, layout: ModelLayout, p: int = 2) -> GroupScores:
+    """Σ|w|^p over each group's parameters divided by its parameter count: the mean squared weight (p = 2, criterion
+    l2, the magnitude baseline) or the mean absolute weight (p = 1, l1). No data, no gradients.
+
+    Within one block every attention group has one size and every MLP channel another, so the division changes no
+    ranking inside a block: LLM-Pruner's vector-wise L1/L2 importance (the group's Σ|w|^p, averaged over the
+    group's layers) orders each block's groups the same way."""
     with torch.no_grad():
-        attn, mlp = reduce_to_groups(model, lambda name, p: p.float().square())
+        attn, mlp = reduce_to_groups(model, lambda name, w: w.float().abs().pow(p))
     return _to_scores(attn, mlp, layout)
 
 

@@ -229,8 +229,3 @@ def load_model(
             first = str(error).splitlines()[0] if str(error) else ""
             raise ModelLoadError(f"model: cannot load the weights of {spec!r}: {type(error).__name__}: {first}") from None
     return model.eval()
-
-
-def count_parameters(model: torch.nn.Module) -> int:
-    """Distinct parameters (tied weights counted once)."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

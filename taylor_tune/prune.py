@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,7 +19,7 @@ from taylor_tune.config import PruneConfig
 from taylor_tune.diagnostics import pruning_diagnostics
 from taylor_tune.errors import ConfigError
 from taylor_tune.groups import describe_layout
-from taylor_tune.importance import Importance, compute_importance, magnitude_scores, taylor_criterion
+from taylor_tune.importance import GRADIENT_CRITERIA, Importance, compute_importance, magnitude_scores, taylor_criterion
 from taylor_tune.methods import METHODS, PlanOptions
 from taylor_tune.models import (
     load_model, load_model_config, load_tokenizer, resolve_device, resolve_dtype, resolve_text,
@@ -39,6 +39,19 @@ class PruneResult:
     calibration_ids: torch.Tensor | None
     diagnostics: dict
     timings: dict[str, float]
+    importance_cache: str | None = None  # what a shared importance cache did (hit, miss, ...); None without one
+
+
+@dataclass(frozen=True)
+class ProvidedImportance:
+    """What an importance provider hands back: the importance at config.num_samples, the calibration tokens it
+    drew (None when a cache hit drew none), what its cache did, and its stage timings (importance_s, and
+    calibration_s when it drew calibration)."""
+
+    importance: Importance
+    calibration_ids: torch.Tensor | None = None
+    cache_event: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 def plan_options(config: PruneConfig) -> PlanOptions:
@@ -66,8 +79,8 @@ def check_against_model(config: PruneConfig) -> None:
             raise ConfigError(f"{field}: {value} is beyond the model's {layers} layers")
 
 
-# Given the loaded model, its layout and tokenizer: the importance at config.num_samples and the tokens used.
-ImportanceProvider = Callable[[torch.nn.Module, ModelLayout, object], tuple[Importance, torch.Tensor]]
+# Given the loaded model, its layout and tokenizer: the importance at config.num_samples, and how it was had.
+ImportanceProvider = Callable[[torch.nn.Module, ModelLayout, object], ProvidedImportance]
 
 
 def prune(config: PruneConfig, *, importance_provider: ImportanceProvider | None = None) -> PruneResult:
@@ -81,7 +94,8 @@ def prune(config: PruneConfig, *, importance_provider: ImportanceProvider | None
     tokenizer = load_tokenizer(config.model, trust_remote_code=config.trust_remote_code)
     device = resolve_device(config.device)
     calibration_ids = None
-    if method.criterion == "taylor" and importance_provider is None:
+    uses_gradients = method.criterion == "taylor" and config.criterion in GRADIENT_CRITERIA
+    if uses_gradients and importance_provider is None:
         start = time.perf_counter()
         calibration_ids = load_calibration(
             tokenizer, resolve_text(config.calibration, config.model), seq_len=config.seq_len, num_samples=config.num_samples, seed=config.seed
@@ -99,17 +113,21 @@ def prune(config: PruneConfig, *, importance_provider: ImportanceProvider | None
 
     importance, scores = None, None
     start = time.perf_counter()
-    if method.criterion == "taylor" and importance_provider is not None:
-        importance, calibration_ids = importance_provider(model, layout, tokenizer)
+    cache_event = None
+    if uses_gradients and importance_provider is not None:
+        provided = importance_provider(model, layout, tokenizer)
+        importance, calibration_ids, cache_event = provided.importance, provided.calibration_ids, provided.cache_event
         scores = taylor_criterion(importance.scores, layout, config.criterion)
-    elif method.criterion == "taylor":
+    elif uses_gradients:
         importance = compute_importance(model, layout, calibration_ids, micro_batch_size=config.micro_batch_size)[
             config.num_samples
         ]
         scores = taylor_criterion(importance.scores, layout, config.criterion)
-    elif method.criterion == "magnitude":
-        scores = magnitude_scores(model, layout)
+    elif method.criterion in ("taylor", "magnitude"):  # a weight-magnitude criterion (l1/l2), or the magnitude method
+        scores = magnitude_scores(model, layout, p=1 if config.criterion == "l1" else 2)
     timings["importance_s"] = time.perf_counter() - start
+    if uses_gradients and importance_provider is not None:
+        timings |= provided.timings  # the provider's own split of its time into calibration and importance
 
     start = time.perf_counter()
     plan = method.plan(scores, layout, plan_options(config))
@@ -122,4 +140,4 @@ def prune(config: PruneConfig, *, importance_provider: ImportanceProvider | None
         grad_mean=None if importance is None else importance.grad_mean,
         grad_norm=None if importance is None else importance.grad_norm,
     )
-    return PruneResult(model, tokenizer, layout, plan, importance, calibration_ids, diagnostics, timings)
+    return PruneResult(model, tokenizer, layout, plan, importance, calibration_ids, diagnostics, timings, cache_event)

@@ -49,6 +49,7 @@ def cached_importance(trial: TrialConfig):
     from taylor_tune.importance import compute_importance
     from taylor_tune.importance_cache import ImportanceCache
     from taylor_tune.models import resolve_text
+    from taylor_tune.prune import ProvidedImportance
 
     config = trial.prune
     counts = sorted(set(trial.sample_counts) | {config.num_samples})
@@ -57,21 +58,23 @@ def cached_importance(trial: TrialConfig):
     fields = {"model": config.model, "calibration": config.calibration, "seq_len": config.seq_len, "seed": config.seed,
               "dtype": config.dtype, "micro_batch_size": config.micro_batch_size}
 
-    def provide(model, layout, tokenizer):
+    def provide(model, layout, tokenizer) -> ProvidedImportance:
         drawn = {}
 
         def compute():  # only on a miss: a hit needs neither the corpus nor the tokenizer's time
             start = time.perf_counter()
             drawn["ids"] = load_calibration(tokenizer, resolve_text(config.calibration, config.model), seq_len=config.seq_len, num_samples=largest, seed=config.seed)
-            provide.info["calibration_s"] = time.perf_counter() - start
+            drawn["seconds"] = time.perf_counter() - start
             return compute_importance(model, layout, drawn["ids"], micro_batch_size=config.micro_batch_size, snapshots=counts)
 
+        start = time.perf_counter()
         results = cache.get_or_compute(fields, counts, compute)
-        provide.info["importance_cache"] = cache.last_event
-        ids = drawn.get("ids")
-        return results[config.num_samples], None if ids is None else ids[: config.num_samples]
+        seconds, ids = time.perf_counter() - start, drawn.get("ids")
+        # on a miss the draw happened inside: a stage of its own, as in a trial without the cache
+        timings = {"importance_s": seconds - drawn["seconds"], "calibration_s": drawn["seconds"]} if ids is not None else {"importance_s": seconds}
+        return ProvidedImportance(results[config.num_samples], None if ids is None else ids[: config.num_samples],
+                                  cache.last_event, timings)
 
-    provide.info = {}  # what the call did, for the trial's metrics: importance_cache event, calibration_s on a miss
     return provide
 
 
@@ -107,13 +110,8 @@ def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict]
     on_gpu = torch.cuda.is_available() and config.device != "cpu"
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
-    provider = cached_importance(trial)
-    result = prune(config, importance_provider=provider)
-    diagnostics = result.diagnostics
-    timings, cached = dict(result.timings), getattr(provider, "info", {})  # cached: empty unless a taylor trial used the cache
-    if "calibration_s" in cached:  # drawn inside the cached pass, on a miss only: a stage of its own, as without a cache
-        timings["calibration_s"] = cached["calibration_s"]
-        timings["importance_s"] -= cached["calibration_s"]
+    result = prune(config, importance_provider=cached_importance(trial))
+    diagnostics, timings = result.diagnostics, result.timings
     (trial_dir / "pruning_summary.json").write_text(json.dumps(summary_dict(config, result), indent=2))
     (trial_dir / "layer_analysis.json").write_text(json.dumps(layer_analysis(diagnostics), indent=2))
     metrics: dict[str, Any] = {
@@ -122,8 +120,8 @@ def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict]
                                        "grad_mean_ratio", "grad_norm_ratio", "grad_mean_range", "grad_norm_range")},
         **timings,
     }
-    if "importance_cache" in cached:
-        metrics["importance_cache"] = cached["importance_cache"]
+    if result.importance_cache is not None:
+        metrics["importance_cache"] = result.importance_cache
     for key in ("grad_mean_ratio", "grad_norm_ratio", "grad_mean_range", "grad_norm_range"):
         if isinstance(metrics[key], str):  # "inf": Tune stores floats
             metrics[key] = float(metrics[key])
@@ -140,10 +138,11 @@ def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict]
         metrics |= {"stage": "ppl", "ppl_s": time.perf_counter() - start}
         report(dict(metrics))
 
-    lm = make_lm(result.model, result.tokenizer, evaluation.batch_size)
+    lm = make_lm(result.model, result.tokenizer, evaluation.batch_size, evaluation.scorer)
     task_data = resolve_task_data(evaluation.spec(None), config.model)
     full = {}
     for index, limit in enumerate(evaluation.fidelities):
+        tokens_before = lm.tokens_forwarded
         tasks, seconds = zero_shot(lm, evaluation.spec(limit), task_data)
         full = {"tasks": tasks, "limit": limit}
         metrics |= {f"acc_{t}": e["score"] for t, e in tasks.items()}
@@ -151,7 +150,8 @@ def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict]
         metrics |= {f"acc_{t}_n": e["n"] for t, e in tasks.items()}  # items scored: the report's Wilson intervals
         metrics |= {f"acc_{t}_{half}": e[f"score_{half}"] for t, e in tasks.items() for half in ("sel", "heldout")}
         metrics |= {"acc_mean": sum(e["score"] for e in tasks.values()) / len(tasks), "fidelity": limit or 0, "zero_shot_pass": index,
-                    "stage": zero_shot_stage(limit), f"{zero_shot_stage(limit)}_s": seconds}
+                    "stage": zero_shot_stage(limit), f"{zero_shot_stage(limit)}_s": seconds, "scorer": evaluation.scorer,
+                    f"{zero_shot_stage(limit)}_tokens": lm.tokens_forwarded - tokens_before}
         if on_gpu:  # the trial's peak so far; the last report carries the whole trial's (pruning + evaluation)
             metrics["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated()
         report(dict(metrics))

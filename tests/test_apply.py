@@ -6,7 +6,8 @@ import torch
 from taylor_tune.apply import apply_plan, load_pruned, save_pruned
 from taylor_tune.config import build_prune_config
 from taylor_tune.methods import METHODS
-from taylor_tune.models import count_parameters, load_model
+from taylor_tune.groups import count_parameters
+from taylor_tune.models import load_model
 from taylor_tune.plan import PrunePlan
 from taylor_tune.prune import prune
 from tests.helpers import mask_groups, tiny

@@ -11,7 +11,8 @@ from taylor_tune.errors import ConfigError, EvaluationError
 from taylor_tune.evaluation import TASK_YAML, evaluate, load_ppl_text, offline_task_config, perplexity
 from taylor_tune.models import load_model, load_tokenizer
 from taylor_tune.prune import prune
-from taylor_tune.world import TASKS, heldout_path, task_file
+from taylor_tune.config import ZERO_SHOT_TASKS as TASKS
+from taylor_tune.world import heldout_path, task_file
 
 CHANCE = {"boolq": 0.5, "piqa": 0.5, "winogrande": 0.5, "hellaswag": 0.25, "arc_easy": 0.25, "arc_challenge": 0.25, "openbookqa": 0.25}
 
@@ -108,11 +109,12 @@ def test_task_yaml_paths_are_where_lm_eval_keeps_them():
     # Private lm-eval layout (pinned 0.4.13): this fails loudly if an upgrade moves a task.
     from lm_eval.tasks import TaskManager
 
+    from taylor_tune.compat.lm_eval import task_yaml_path
     from taylor_tune.evaluation import _lm_eval_tasks_dir
 
     manager = TaskManager()
     for task, relative in TASK_YAML.items():
-        assert manager._entry(task).yaml_path.resolve() == (_lm_eval_tasks_dir() / relative).resolve(), task
+        assert task_yaml_path(manager, task).resolve() == (_lm_eval_tasks_dir() / relative).resolve(), task
 
 
 def test_the_world_data_regenerates_byte_for_byte(tmp_path):

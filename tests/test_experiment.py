@@ -89,11 +89,11 @@ def test_an_unreadable_search_space_file_is_named(tmp_path):
 def test_the_define_by_run_space_samples_the_experiments_domains():
     import optuna
 
-    from taylor_tune.tune.search import define_by_run
+    from taylor_tune.tune.search import ChoiceSpace, domains_of
 
     experiment = load_experiment(REPO / "experiments" / "tpe_asha.yaml")
     study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=0))
-    space = define_by_run(experiment)
+    space = ChoiceSpace(domains_of(experiment))
     for _ in range(20):
         trial = study.ask()
         seq_len, num_samples, method = space(trial)

@@ -102,15 +102,35 @@ def test_pass_leaves_no_gradients_and_restores_flags():
     assert not model.training
 
 
-def test_magnitude_scores_are_mean_squared_weights():
-    model = tiny("tiny-llama-random")
-    scores = magnitude_scores(model, describe_layout(model))
-    mlp = model.model.layers[1].mlp
-    c = 7
-    with torch.no_grad():
-        expected = (mlp.gate_proj.weight[c].square().sum() + mlp.up_proj.weight[c].square().sum()
-                    + mlp.down_proj.weight[:, c].square().sum()) / (3 * mlp.gate_proj.in_features)
-    assert scores.mlp[1][c] == pytest.approx(float(expected), rel=1e-6)
+@pytest.mark.parametrize("p", [1, 2])
+def test_magnitude_scores_are_mean_absolute_or_squared_weights(p):
+    model = tiny("tiny-qwen2-random")  # q/k/v biases belong to their attention group too
+    scores = magnitude_scores(model, describe_layout(model), p=p)
+    layer = model.model.layers[1]
+    mlp, attn, c = layer.mlp, layer.self_attn, 7
+    norm = lambda t: float(t.detach().abs().pow(p).sum())
+    expected = (norm(mlp.gate_proj.weight[c]) + norm(mlp.up_proj.weight[c]) + norm(mlp.down_proj.weight[:, c])) / (3 * mlp.gate_proj.in_features)
+    assert scores.mlp[1][c] == pytest.approx(expected, rel=1e-5)
+    # attention group g: its KV head's k/v rows, the q rows of the query heads it serves, and those o_proj columns
+    d, rep, g = attn.head_dim, attn.config.num_attention_heads // attn.config.num_key_value_heads, 1
+    q, kv = slice(g * rep * d, (g + 1) * rep * d), slice(g * d, (g + 1) * d)
+    parts = [attn.q_proj.weight[q], attn.q_proj.bias[q], attn.k_proj.weight[kv], attn.k_proj.bias[kv],
+             attn.v_proj.weight[kv], attn.v_proj.bias[kv], attn.o_proj.weight[:, q]]
+    assert scores.attn[1][g] == pytest.approx(sum(map(norm, parts)) / sum(t.numel() for t in parts), rel=1e-5)
+
+
+@pytest.mark.parametrize("method, criterion", [("blockwise", "l2"), ("blockwise", "l1"), ("magnitude", "l1"), ("layerwise", "l2")])
+def test_magnitude_criteria_plan_from_weights_without_calibration(method, criterion):
+    from taylor_tune.config import build_prune_config
+    from taylor_tune.methods import METHODS
+    from taylor_tune.prune import plan_options, prune
+
+    config = build_prune_config(dict(model="tiny-llama", method=method, criterion=criterion, sparsity=0.3, device="cpu",
+                                     dtype="float32"))
+    result = prune(config)
+    assert result.importance is None and result.calibration_ids is None and "calibration_s" not in result.timings
+    weights = magnitude_scores(tiny("tiny-llama"), result.layout, p=int(criterion[1]))
+    assert result.plan == METHODS[method].plan(weights, result.layout, plan_options(config))
 
 
 def test_snapshot_outside_the_draw_is_rejected():

@@ -26,7 +26,7 @@ Planner = Callable[[GroupScores | None, ModelLayout, PlanOptions], PrunePlan]
 @dataclass(frozen=True)
 class Method:
     name: str
-    criterion: str  # "taylor" (gradient pass), "magnitude" (weights only) or "none" (planner needs no scores)
+    criterion: str  # "taylor" (the configured criterion: a gradient pass, or weights for l1/l2), "magnitude" (weights only) or "none"
     plan: Planner
     summary: str
 

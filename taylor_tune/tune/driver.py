@@ -84,8 +84,9 @@ def run_sweep(experiment: Experiment):
 
             scheduler = FidelityASHA(len(experiment.evaluation.fidelities), reduction_factor=experiment.search.reduction_factor)
         cache_dir = f"{path}/importance_cache"
-        search_alg, num_samples, space = None, 1, param_space(experiment, cache_dir=cache_dir)
-        if experiment.search.algorithm == "tpe":
+        if experiment.search.algorithm == "grid":
+            search_alg, num_samples, space = None, 1, param_space(experiment, cache_dir=cache_dir)
+        else:
             from taylor_tune.tune.search import PerModelSearcher, domains_of
             from taylor_tune.tune.space import fixed_settings
 
@@ -124,6 +125,9 @@ def sweep_status(path: str) -> dict:
 
     from ray.tune import ExperimentAnalysis
 
+    from taylor_tune.compat import CompatError
+    from taylor_tune.compat.ray import saved_experiment_state
+
     if "://" not in path:
         path = str(Path(path).resolve())  # pyarrow reads a relative path as a URI without a scheme
     # while a sweep runs, its pending trials have no results yet, and Ray warns of each one
@@ -132,17 +136,15 @@ def sweep_status(path: str) -> dict:
     for attempt in range(3):
         try:
             analysis = ExperimentAnalysis(path)
-            # Ray's Trial turns a saved RUNNING into PENDING when it loads (it loads to resume), so the states
-            # come from the saved experiment state itself, read as plain JSON (private attributes; Ray is pinned)
-            with analysis._fs.open_input_stream(analysis._experiment_json_fs_path) as f:
-                saved = json.loads(f.readall())
+            saved, saved_at = saved_experiment_state(analysis)  # the states as saved, not as Ray reloads them
             break
+        except CompatError:
+            raise
         except Exception as error:  # ray raises ValueError / FileNotFoundError / TuneError for a missing or bad folder
             if attempt == 2:
                 raise ConfigError(f"{path}: not a readable Tune experiment ({type(error).__name__}: {error})") from None
             time.sleep(0.5)
     states = {state["trial_id"]: state["status"] for state in (json.loads(t) for t, _ in saved["trial_data"])}
-    saved_at = analysis._fs.get_file_info(analysis._experiment_json_fs_path).mtime
     counts = {"PENDING": 0, "RUNNING": 0, "TERMINATED": 0, "ERROR": 0, "PAUSED": 0}
     best: dict[str, dict] = {}
     ranks: dict[str, tuple] = {}
@@ -164,4 +166,4 @@ def sweep_status(path: str) -> dict:
                            **{k: trial.config.get(k) for k in ("pruning_method", "taylor_seq_len", "taylor_num_samples", "seed")}}
     return {"pending": counts["PENDING"], "running": counts["RUNNING"], "finished": counts["TERMINATED"],
             "errored": counts["ERROR"], "paused": counts["PAUSED"], "total": len(analysis.trials), "best": best,
-            "saved_s_ago": None if saved_at is None else max(0.0, time.time() - saved_at.timestamp())}
+            "saved_s_ago": None if saved_at is None else max(0.0, time.time() - saved_at)}

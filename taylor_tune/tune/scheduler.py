@@ -22,11 +22,12 @@ class FidelityASHA(AsyncHyperBandScheduler):
     def __init__(self, passes: int, *, reduction_factor: float = 2, metric: str | None = None, mode: str | None = None):
         super().__init__(time_attr=TIME, metric=metric, mode=mode, max_t=reduction_factor ** (passes - 1), grace_period=1,
                          reduction_factor=reduction_factor)
+        self.rung_base = reduction_factor
 
     def _timed(self, result: dict | None) -> dict | None:
         if result is None or PASS not in result:
             return result
-        return {**result, TIME: self._reduction_factor ** result[PASS]}
+        return {**result, TIME: self.rung_base ** result[PASS]}
 
     def on_trial_result(self, tune_controller, trial, result: dict) -> str:
         return super().on_trial_result(tune_controller, trial, self._timed(result))

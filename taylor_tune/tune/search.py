@@ -33,10 +33,6 @@ class ChoiceSpace:
         return tuple(trial.suggest_categorical(name, values) for name, values in self.domains.items())
 
 
-def define_by_run(experiment) -> ChoiceSpace:
-    return ChoiceSpace(domains_of(experiment))
-
-
 def domains_of(experiment) -> dict[str, list]:
     return {name: list(domain.values) for name, domain in experiment.search_space.domains().items()}
 

@@ -1,7 +1,7 @@
 """Turn an experiment's declarative search space into a Tune `param_space`.
 
 Grid search: every dimension (and the models, and the calibration seeds when repeats > 1) becomes
-`tune.grid_search`. TPE: the dimensions become `tune.choice` for OptunaSearch, one study per model.
+`tune.grid_search`. TPE has no param_space: its searcher (`search.PerModelSearcher`) proposes each trial.
 The fixed settings ride along under `fixed`, so that every trial's config (and `Tuner.restore`) carries them.
 """
 
@@ -19,15 +19,12 @@ def fixed_settings(experiment: Experiment, cache_dir: str | None) -> dict:
     }
 
 
-def param_space(experiment: Experiment, cache_dir: str | None, *, model: str | None = None) -> dict:
+def param_space(experiment: Experiment, cache_dir: str | None) -> dict:
+    """The grid's param_space (TPE proposes its trials through `search.PerModelSearcher` instead)."""
     domains = experiment.search_space.domains()
     seeds = list(range(experiment.search.repeats))
-    if experiment.search.algorithm == "grid":
-        space = {name: tune.grid_search(list(domains[name].values)) for name in DIMENSIONS}
-        space["model"] = tune.grid_search(list(experiment.models))
-    else:
-        space = {name: tune.choice(list(domains[name].values)) for name in DIMENSIONS}
-        space["model"] = model
+    space = {name: tune.grid_search(list(domains[name].values)) for name in DIMENSIONS}
+    space["model"] = tune.grid_search(list(experiment.models))
     space["seed"] = tune.grid_search(seeds) if len(seeds) > 1 else seeds[0]
     space["fixed"] = fixed_settings(experiment, cache_dir)
     return space

@@ -11,7 +11,6 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-TASKS = ("boolq", "piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
 
 
 def world_dir() -> Path:

@@ -1,0 +1,31 @@
+"""One trial without Ray: what it reports, with and without the shared importance cache."""
+
+import json
+
+from taylor_tune.config import PruneConfig
+from taylor_tune.experiment import Evaluation
+from taylor_tune.trial import TrialConfig, run_trial
+
+
+def trial(num_samples: int, cache_dir=None) -> TrialConfig:
+    return TrialConfig(
+        prune=PruneConfig(model="tiny-llama", method="taylor", seq_len=32, num_samples=num_samples, calibration="world",
+                          device="cpu", dtype="float32"),
+        evaluation=Evaluation(tasks="piqa", task_data="world", ppl=None, batch_size=16, fidelities=[4]),
+        sample_counts=(8, 16), cache_dir=cache_dir,
+    )
+
+
+def test_a_cached_pass_serves_the_next_trial_and_each_reports_its_own_stages(tmp_path):
+    cache = str(tmp_path / "cache")
+    first = run_trial(trial(16, cache), tmp_path / "a")  # a miss: draws 16 sequences, computes, stores 8 and 16
+    second = run_trial(trial(8, cache), tmp_path / "b")   # a hit: no draw
+    alone = run_trial(trial(8), tmp_path / "c")           # no cache: its own draw of 8
+    assert (first["importance_cache"], second["importance_cache"]) == ("computed", "hit")
+    assert "importance_cache" not in alone
+    assert first["calibration_s"] > 0 and alone["calibration_s"] > 0 and "calibration_s" not in second
+    assert all(m["importance_s"] > 0 for m in (first, second, alone))
+    assert first["scorer"] == "prefix" and first["zero_shot_4_tokens"] > 0
+    # the cached 8-sample scores are the nested draw's: the same plan as computing 8 alone
+    plan = lambda folder: json.loads((tmp_path / folder / "pruning_summary.json").read_text())["removed_groups"]
+    assert plan("b") == plan("c")
