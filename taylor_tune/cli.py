@@ -165,7 +165,7 @@ def _run_sweep(args: argparse.Namespace) -> int:
     experiment = load_experiment(args.experiment, storage_path=args.storage, name=args.name)
     from taylor_tune.tune.driver import experiment_path, run_sweep, sweep_status
 
-    results = run_sweep(experiment)
+    results = run_sweep(experiment, verbose=args.verbose)
     status = sweep_status(experiment_path(experiment))
     print(f"{experiment.name}: {status['finished']} finished, {status['errored']} errored, "
           f"{status['pending'] + status['running'] + status['paused']} not done, of {status['total']}; "

@@ -138,6 +138,17 @@ def test_smoke_sweep_runs_end_to_end_under_ray_job_submit_and_analysis_has_every
     assert len(grid) == 36
 
 
+def test_the_console_is_one_line_per_trial_and_a_few_status_lines(smoke):
+    """Tune's own tables (a config table per trial start, a result table per report) stay off without -v."""
+    lines = smoke.stdout.splitlines()
+    trial_lines = [line for line in lines if re.match(r"\[\d+/36\] ", line)]
+    assert len(trial_lines) == 36, "\n".join(lines[:80])
+    assert all(re.search(r"seq_len=\d+ samples=\d+: ppl [\d.]+, acc_mean \d\.\d{4}, \d+ s$", line) for line in trial_lines), trial_lines
+    assert len({line.split(":")[0].split("] ")[1] for line in trial_lines}) == 36  # each configuration once
+    assert len(lines) <= 120, "\n".join(lines)
+    assert not any("Trial status" in line or "╭" in line for line in lines)
+
+
 def test_tensorboard_has_the_per_stage_metrics(smoke):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -220,6 +231,7 @@ def test_a_failing_trial_is_retried_then_errored_and_the_rest_finish(tmp_path):
     kill_ray_started_after(started)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "5 finished, 1 errored" in proc.stdout
+    assert re.search(r"^\[\d/6\] tiny-llama blockwise seq_len=32 samples=\d+: errored: .*InjectedFault: injected fault", proc.stdout, re.M), proc.stdout
     path = tmp_path / "sweeps" / "faulty"
     (bad,) = [p for p in trial_dirs(path).values() if "pruning_method=blockwise" in p.name and "taylor_seq_len=32" in p.name]
     errors = (bad / "error.txt").read_text()  # Tune's own record: one entry per failed attempt

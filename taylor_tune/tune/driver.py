@@ -37,16 +37,19 @@ def validate(experiment: Experiment) -> None:
             raise ConfigError(f"resources.gpu: {gpu} GPU per trial requested, but this machine has no GPU; use auto or 0")
 
 
-def _start_ray() -> None:
+def _start_ray(verbose: bool = False) -> None:
+    import logging
+
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if ray.is_initialized():
         return
+    level = logging.INFO if verbose else logging.WARNING
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address="auto", log_to_driver=False)
+        ray.init(address="auto", log_to_driver=False, logging_level=level)
     else:
-        ray.init(address="local", include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, logging_level=level)
 
 
 def _resources(experiment: Experiment) -> dict:
@@ -61,19 +64,24 @@ def _resources(experiment: Experiment) -> dict:
     return {"cpu": experiment.resources.cpu, "gpu": gpu}
 
 
-def run_sweep(experiment: Experiment):
-    """Run (or resume) the sweep to completion; returns Tune's ResultGrid."""
+def run_sweep(experiment: Experiment, *, verbose: bool = False):
+    """Run (or resume) the sweep to completion; returns Tune's ResultGrid. The console gets one line per trial
+    that ends and a status line at most every 30 s; `verbose` adds Tune's own tables."""
     validate(experiment)
     os.environ["TUNE_GLOBAL_CHECKPOINT_S"] = "1"  # read when the Tuner starts; a SIGKILL then loses <= 1 s of state
     os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")  # early stages report no acc_mean yet
-    _start_ray()
+    if not verbose:  # Tune's new console prints its configuration box even at verbose 0; the classic one does not
+        os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    _start_ray(verbose)
     from ray import tune
 
+    from taylor_tune.tune.console import ConsoleCallback
     from taylor_tune.tune.metrics import SweepMetricsCallback
     from taylor_tune.tune.space import param_space
     from taylor_tune.tune.trainable import sweep_trainable
 
     path = experiment_path(experiment)
+    final_stage = zero_shot_stage(experiment.evaluation.fidelities[-1])
     trainable = tune.with_resources(sweep_trainable, _resources(experiment))
     if tune.Tuner.can_restore(path):
         tuner = tune.Tuner.restore(path, trainable=trainable, resume_errored=True)
@@ -106,10 +114,10 @@ def run_sweep(experiment: Experiment):
                                         max_concurrent_trials=experiment.search.max_concurrent, reuse_actors=True),
             run_config=tune.RunConfig(
                 name=experiment.name, storage_path=str(Path(path).parent) if "://" not in path else experiment.storage_path,
-                failure_config=tune.FailureConfig(max_failures=experiment.max_failures), verbose=1,
+                failure_config=tune.FailureConfig(max_failures=experiment.max_failures), verbose=1 if verbose else 0,
                 sync_config=tune.SyncConfig(sync_artifacts=True),  # the trial's artifacts reach storage from any node
-                callbacks=[SweepMetricsCallback(experiment.name, zero_shot_stage(experiment.evaluation.fidelities[-1]),
-                                                experiment.metric)],
+                callbacks=[SweepMetricsCallback(experiment.name, final_stage, experiment.metric, experiment.mode),
+                           ConsoleCallback(final_stage)],
             ),
         )
     previous = signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))

@@ -69,13 +69,13 @@ class TrialMetrics:
 
 
 class SweepMetricsCallback(Callback):
-    """Trial counts by state after every step of the Tune loop, and the best final acc_mean per model.
+    """Trial counts by state after every step of the Tune loop, and the best final metric per model (by `mode`).
 
     At the end it waits `flush_s` seconds so that the final values reach the node's metrics agent before the
     driver exits (Ray exports every `metrics_report_interval_ms`, 10 s by default)."""
 
-    def __init__(self, experiment: str, final_stage: str, metric: str = "acc_mean", flush_s: float | None = None):
-        self.experiment, self.final_stage, self.metric = experiment, final_stage, metric
+    def __init__(self, experiment: str, final_stage: str, metric: str = "acc_mean", mode: str = "max", flush_s: float | None = None):
+        self.experiment, self.final_stage, self.metric, self.sign = experiment, final_stage, metric, 1 if mode == "max" else -1
         default = "12" if os.environ.get("RAY_ADDRESS") else "0"  # on a cluster someone is watching; locally no agent
         self.flush_s = float(os.environ.get("TAYLOR_TUNE_METRICS_FLUSH_S", default)) if flush_s is None else flush_s
         self.best: dict[str, float] = {}
@@ -93,7 +93,7 @@ class SweepMetricsCallback(Callback):
     def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
         model, value = result.get("model"), result.get(self.metric)
         if result.get("stage") == self.final_stage and model and isinstance(value, (int, float)):
-            if value > self.best.get(model, float("-inf")):
+            if model not in self.best or self.sign * value > self.sign * self.best[model]:
                 self.best[model] = float(value)
                 _metrics()["best"].set(float(value), tags={"experiment": self.experiment, "model": model})
 
