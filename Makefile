@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup fetch demo smoke-demo prune-demo test bench bench-quality world clean
+.PHONY: setup fetch demo smoke-demo prune-demo test test-fast bench bench-quality world clean
 
 setup: $(STAMP)
 
@@ -45,6 +45,10 @@ prune-demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The quick tier (< 1 min): no Ray cluster, no lm-eval run over a task, nothing fetched.
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow and not real and not gpu"
 
 bench: setup
 	$(PY) bench/bench_importance.py --json bench/out/importance.json

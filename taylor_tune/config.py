@@ -56,7 +56,7 @@ class PruneConfig(BaseModel):
     )
     criterion: Literal["taylor", "taylor_sum", "l1", "l2"] = Field(
         "taylor", description="how taylor, layerwise and blockwise score a group: taylor: Σ|w·ḡ| divided by the group's "
-        "parameter count (SPEC, the default); taylor_sum: the plain sum, as LLM-Pruner's group importance (large groups "
+        "parameter count (the default; docs/specification.md §1); taylor_sum: the plain sum, as LLM-Pruner's group importance (large groups "
         "weigh more); l1 / l2: the weight magnitude Σ|w| / Σw² divided by the group's parameter count, no calibration "
         "(LLM-Pruner's vector-wise L1 / L2 baselines are blockwise with these). magnitude ranks by l2, or l1 if set"
     )

@@ -8,7 +8,7 @@ ever alive beside the buffers. Embeddings, lm_head and norms get no gradient at 
 One pass over N sequences yields the scores for every n in `snapshots` (nested draws: the first n
 sequences of N are the n-sample draw), e.g. 128/256/512 from a 512-sequence pass.
 
-Group score (SPEC §1) = Σ_{params in group} |w · ḡ| / (params in group).
+Group score (docs/specification.md §1) = Σ_{params in group} |w · ḡ| / (params in group).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 No torch here: methods turn (GroupScores, ModelLayout) into a PrunePlan with numpy alone, so planning is
 testable on hand-built scores and cheap to run in a search driver.
 
-Groups (SPEC §1): layer l has `attn_groups[l]` attention groups (one key/value head with the query heads
+Groups (docs/specification.md §1): layer l has `attn_groups[l]` attention groups (one key/value head with the query heads
 that share it) and `mlp_channels[l]` MLP channels (one row of gate/up, one column of down).
 """
 

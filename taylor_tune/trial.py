@@ -36,7 +36,7 @@ class InjectedFault(RuntimeError):
 
 
 def search_columns(config: PruneConfig) -> dict:
-    """The configuration columns of the consolidated table (SPEC §3)."""
+    """The configuration columns of the consolidated table (docs/specification.md §3)."""
     return {"model": config.model, "pruning_method": config.method, "taylor_seq_len": config.seq_len,
             "taylor_num_samples": config.num_samples, "seed": config.seed, "sparsity": config.sparsity}
 

@@ -22,7 +22,7 @@ EFFECTS = {
 
 
 def synthetic_trials(seeds=(0,), noise: float = 0.002, n_items: int = 400, rng_seed: int = 0) -> pd.DataFrame:
-    """One row per trial in the shape of Tune's results (SPEC §3 columns), with known best configurations."""
+    """One row per trial in the shape of Tune's results (the columns of docs/specification.md §3), with known best configurations."""
     rng = np.random.default_rng(rng_seed)
     rows = []
     for model, effects in EFFECTS.items():

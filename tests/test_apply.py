@@ -104,6 +104,7 @@ def test_lm_eval_hflm_scores_the_pruned_model():
     assert loglik == pytest.approx(expected, rel=1e-4)
 
 
+@pytest.mark.slow
 def test_pruned_folder_loads_in_plain_transformers_and_a_broken_one_is_one_line(ids, tmp_path):
     import subprocess
     import sys

@@ -26,6 +26,7 @@ def one_line_error(run, *needles):
     return lines[0]
 
 
+@pytest.mark.slow
 @pytest.mark.real
 @pytest.mark.slow
 def test_fetch_from_an_empty_cache_then_again_downloads_nothing(tmp_path, monkeypatch):
@@ -63,6 +64,7 @@ def test_tampered_download_is_refused_and_leaves_nothing(tmp_path, monkeypatch):
     assert list(home.iterdir()) == []  # the temporary folder went with the error
 
 
+@pytest.mark.slow
 @pytest.mark.real
 def test_tampered_cached_file_is_refused_in_one_line(tmp_path):
     home = tmp_path / "home"
@@ -77,6 +79,7 @@ def test_tampered_cached_file_is_refused_in_one_line(tmp_path):
                    "taylor-tune fetch wiki")
 
 
+@pytest.mark.slow
 def test_missing_assets_name_the_fetch_command(tmp_path, monkeypatch):
     home = tmp_path / "empty"
     one_line_error(taylor_tune("evaluate", "--model", "smollm2-135m", "--output", str(tmp_path / "e.json"), home=home),

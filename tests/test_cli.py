@@ -134,6 +134,7 @@ def test_every_shipped_experiment_config_validates():
         load_prune_config(path)
 
 
+@pytest.mark.slow
 def test_evaluate_writes_results_json(capsys, tmp_path):
     out = tmp_path / "eval.json"
     code, stdout, _ = run(capsys, "evaluate", "--model", "tiny-llama", "--tasks", "arc_easy,piqa", "--limit", "20",

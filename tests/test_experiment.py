@@ -66,6 +66,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("changes, message", CASES)
 def test_bad_experiment_files_exit_2_before_ray_starts(changes, message, tmp_path):
     import torch

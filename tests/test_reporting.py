@@ -124,6 +124,7 @@ def test_wilson_interval_equals_the_roots_of_its_quadratic_and_stays_honest_at_t
         assert high == 1.0 and low < 0.95  # 40 of 40 is not certainty (the binomial stderr there is 0)
 
 
+@pytest.mark.slow
 def test_a_real_lead_and_a_tie_are_told_apart():
     df = synthetic_trials(n_items=100_000)  # tiny stderrs: the built-in 0.03 bonus is far beyond them
     lead = build_report(df).models["model-a"].lead
@@ -132,6 +133,7 @@ def test_a_real_lead_and_a_tie_are_told_apart():
     assert not noisy.exceeds_uncertainty and len(noisy.tied_with_best) > (len(METHODS) * len(SEQ_LENS) * len(SAMPLES) - 1) / 2
 
 
+@pytest.mark.slow
 def test_seed_spread_with_repeats_equals_statistics_stdev():
     df = synthetic_trials(seeds=(0, 1, 2), noise=0.01)
     m = build_report(df).models["model-b"]
@@ -141,6 +143,7 @@ def test_seed_spread_with_repeats_equals_statistics_stdev():
     assert "one calibration seed" in build_report(synthetic_trials()).models["model-b"].seeds["reason"]
 
 
+@pytest.mark.slow
 def test_heldout_selection_chooses_on_one_half_and_reports_the_other(report, table):
     for model, m in report.models.items():
         rows = table[table["model"] == model]
@@ -199,6 +202,7 @@ def tabular_rows_are_well_formed(tex: str) -> None:
             assert len(re.findall(r"(?<!\\)&", line)) + 1 + spans == len(spec), (spec, line)
 
 
+@pytest.mark.slow
 def test_latex_tables_are_well_formed_and_compile_where_tex_is_installed(report, tmp_path):
     write_report(report, tmp_path)
     tex = (tmp_path / "paper" / "tables.tex").read_text()
@@ -222,6 +226,7 @@ def test_text_and_markdown_name_every_section_in_english(report):
     assert "nan" not in text.lower().replace("nan-", "")
 
 
+@pytest.mark.slow
 def test_per_task_intervals_use_the_item_count_when_trials_record_it(table):
     rows = table.assign(**{f"acc_{t}_n": 40 for t in TASKS})
     rows.loc[:, "acc_piqa"] = 1.0
@@ -290,6 +295,7 @@ def test_broken_trials_are_counted_with_their_reasons_and_the_report_still_build
     assert len(files) > 10
 
 
+@pytest.mark.slow
 def test_a_task_missing_from_every_trial_inf_gradients_one_trial_and_an_empty_folder(tmp_path, table):
     rows = table.drop(columns=["acc_piqa", "acc_piqa_stderr"]).copy()
     rows.loc[rows.index[:5], "grad_norm_ratio"] = math.inf
@@ -310,6 +316,7 @@ def test_a_task_missing_from_every_trial_inf_gradients_one_trial_and_an_empty_fo
     assert "No valid trials among 0" in (tmp_path / "c" / "final_analysis_report.txt").read_text()
 
 
+@pytest.mark.slow
 def test_report_cli_writes_every_file_and_rejects_bad_input(tmp_path, table):
     path = write_tune_folder(table, tmp_path / "exp")
     out = tmp_path / "report"
@@ -338,6 +345,7 @@ def test_report_cli_writes_every_file_and_rejects_bad_input(tmp_path, table):
         assert bad.returncode == 2 and words in bad.stderr and "Traceback" not in bad.stderr
 
 
+@pytest.mark.slow
 def test_reporting_imports_neither_torch_nor_ray():
     code = ("import sys, taylor_tune.reporting, taylor_tune.reporting.report, taylor_tune.reporting.plots, taylor_tune.reporting.latex; "
             "print(sorted(m for m in ('torch', 'ray') if m in sys.modules))")

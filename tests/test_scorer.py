@@ -63,6 +63,7 @@ def assert_same_answers(ours: dict, theirs: dict) -> None:
             assert greedy == ref_greedy, task
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-mistral", "pruned tiny-qwen2"])
 def test_prefix_scorer_equals_hflm_request_by_request(name):
     if name.startswith("pruned"):

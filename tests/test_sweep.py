@@ -37,6 +37,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+pytestmark = pytest.mark.slow  # every test here runs Ray sweeps
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     """The shipped smoke experiment, submitted as a Ray job to a real head node on loopback (its own temp dir,

@@ -1,3 +1,4 @@
+import pytest
 """One trial without Ray: what it reports, with and without the shared importance cache."""
 
 import json
@@ -16,6 +17,7 @@ def trial(num_samples: int, cache_dir=None) -> TrialConfig:
     )
 
 
+@pytest.mark.slow
 def test_a_cached_pass_serves_the_next_trial_and_each_reports_its_own_stages(tmp_path):
     cache = str(tmp_path / "cache")
     first = run_trial(trial(16, cache), tmp_path / "a")  # a miss: draws 16 sequences, computes, stores 8 and 16

@@ -1,4 +1,4 @@
-"""Tune results -> one tidy DataFrame, one row per trial (SPEC §3), with every trial's validity and reason.
+"""Tune results -> one tidy DataFrame, one row per trial (docs/specification.md §3), with every trial's validity and reason.
 
 An experiment folder (local, `file://` or any URI pyarrow understands, such as `s3://`) is read file by file,
 so that a truncated result.json, an errored trial or one that never reported is counted, not fatal.
