@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from taylor_tune.errors import CalibrationError
+from taylor_tune.progress import bar
 
 
 @dataclass(frozen=True)
@@ -95,12 +96,15 @@ def draw_calibration(
     order = np.random.default_rng(seed).permutation(len(documents))
     separator = tokenizer("\n\n", add_special_tokens=False)["input_ids"]
     stream: list[int] = []
-    for index in order:
-        if stream:
-            stream += separator
-        stream += tokenizer(documents[index], add_special_tokens=False)["input_ids"]
-        if len(stream) >= needed:
-            break
+    with bar(needed, f"calibration ({name})", unit="tok", unit_scale=True) as progress:
+        for index in order:
+            if stream:
+                stream += separator
+            before = len(stream)
+            stream += tokenizer(documents[index], add_special_tokens=False)["input_ids"]
+            progress.update(min(len(stream), needed) - min(before, needed))
+            if len(stream) >= needed:
+                break
     if len(stream) < needed:
         raise CalibrationError(
             f"calibration: {name} has {len(stream)} tokens, {len(stream) // seq_len} sequences of {seq_len}; "

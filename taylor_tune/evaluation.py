@@ -25,6 +25,7 @@ import torch
 from taylor_tune.calibration import DatasetSource, load_dataset_rows
 from taylor_tune.config import EvalSpec
 from taylor_tune.errors import EvaluationError
+from taylor_tune.progress import bar
 
 log = logging.getLogger(__name__)
 
@@ -75,13 +76,15 @@ def perplexity(model, tokenizer, text: str, *, window: int = 128, batch_size: in
     windows = ids[: count * window].view(count, window)
     device = next(model.parameters()).device
     total = torch.zeros((), dtype=torch.float64)
-    for start in range(0, count, batch_size):
-        batch = windows[start : start + batch_size].to(device)
-        logits = model(input_ids=batch, use_cache=False).logits.float()
-        nll = torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
-        )
-        total += nll.double().cpu()
+    with bar(count * window, "perplexity", unit="tok", unit_scale=True) as progress:
+        for start in range(0, count, batch_size):
+            batch = windows[start : start + batch_size].to(device)
+            logits = model(input_ids=batch, use_cache=False).logits.float()
+            nll = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
+            )
+            total += nll.double().cpu()
+            progress.update(batch.numel())
     scored = count * (window - 1)
     return {"ppl": math.exp(float(total) / scored), "ppl_window": window, "ppl_windows": count, "ppl_tokens": scored}
 

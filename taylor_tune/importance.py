@@ -21,6 +21,7 @@ from torch import nn
 
 from taylor_tune.groups import prunable_parameters, reduce_to_groups
 from taylor_tune.plan import GroupScores, ModelLayout
+from taylor_tune.progress import bar
 
 
 @dataclass(frozen=True)
@@ -117,13 +118,15 @@ def compute_importance(
             hooks.append(p.register_post_accumulate_grad_hook(accumulate))
         model.eval()  # dropout off: the gradient of the model as it will be used
         results, done = {}, 0
-        for boundary in counts:
-            while done < boundary:
-                batch = input_ids[done : min(done + micro_batch_size, boundary)].to(device)
-                loss = model(input_ids=batch, labels=batch, use_cache=False).loss
-                (loss * batch.shape[0]).backward()  # Σ over samples of each sample's mean token loss
-                done += batch.shape[0]
-            results[boundary] = _snapshot(model, layout, buffers, boundary)
+        with bar(total * input_ids.shape[1], "importance", unit="tok", unit_scale=True) as progress:
+            for boundary in counts:
+                while done < boundary:
+                    batch = input_ids[done : min(done + micro_batch_size, boundary)].to(device)
+                    loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+                    (loss * batch.shape[0]).backward()  # Σ over samples of each sample's mean token loss
+                    done += batch.shape[0]
+                    progress.update(batch.numel())
+                results[boundary] = _snapshot(model, layout, buffers, boundary)
         return results
     finally:
         for hook in hooks:

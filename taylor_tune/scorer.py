@@ -16,14 +16,15 @@ accelerator pays for), as `tokens_forwarded`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from lm_eval.models.huggingface import HFLM
-from tqdm import tqdm
 
 from taylor_tune.compat.lm_eval import check
+from taylor_tune.progress import bar
 
 SCORERS = ("prefix", "hflm")
 
@@ -68,7 +69,15 @@ def hflm_positions(requests: list[tuple[list[int], list[int]]], max_length: int)
     return total
 
 
-class CountingHFLM(HFLM):
+class _LibraryBarsFollowTqdmDisable(HFLM):
+    """lm-eval draws its "Tokenizing inputs" bar with disable=False whatever TQDM_DISABLE says (the CLI sets it to
+    keep library bars off); here that bar, and HFLM's own, follow the variable."""
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or os.environ.get("TQDM_DISABLE") == "1")
+
+
+class CountingHFLM(_LibraryBarsFollowTqdmDisable):
     """lm-eval's HFLM, counting the token positions it forwards (padding included)."""
 
     tokens_forwarded = 0  # padding included
@@ -97,7 +106,7 @@ def plan_batches(packs: list[Pack], rows: int | None, budget: int | None = None)
     return batches + [batch] if batch else batches
 
 
-class PrefixLM(HFLM):
+class PrefixLM(_LibraryBarsFollowTqdmDisable):
     """HFLM whose `_loglikelihood_tokens` forwards each shared prefix once (see the module's docstring). `batch_size`
     counts rows per forward pass, each row holding one or more items; with "auto" it is a token budget of HFLM's
     detected batch × max_length."""
@@ -148,7 +157,7 @@ class PrefixLM(HFLM):
             assert len(context) > 0 and 0 < len(continuation) <= self.max_length  # HFLM's own preconditions
         packs = plan_packs([(context, continuation) for _, context, continuation in requests], self.max_length)
         results: list[tuple[float, bool] | None] = [None] * len(requests)
-        pbar = tqdm(total=len(requests), disable=(disable_tqdm or self.rank != 0), desc="Running loglikelihood requests")
+        pbar = bar(len(requests), "zero-shot", unit="req")  # ours, so shown on a terminal even when library bars are off
         if self.batch_size == "auto":
             batches = plan_batches(packs, None, budget=self._detect_batch_size() * self.max_length)
         else:
