@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -10,6 +9,7 @@ from safetensors.torch import save_file
 
 from taylor_tune.apply import save_pruned
 from taylor_tune.config import PruneConfig
+from taylor_tune.jsonio import write_json
 from taylor_tune.prune import PruneResult
 
 
@@ -45,7 +45,7 @@ def importance_tensors(result: PruneResult) -> dict[str, torch.Tensor]:
 def write_prune_artifacts(output: str | Path, config: PruneConfig, result: PruneResult) -> Path:
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
-    (output / "pruning_summary.json").write_text(json.dumps(summary_dict(config, result), indent=2) + "\n")
+    write_json(output / "pruning_summary.json", summary_dict(config, result))
     metadata = {"method": config.method, "num_samples": str(config.num_samples), "seq_len": str(config.seq_len),
                 "seed": str(config.seed), "calibration": config.calibration, "model": config.model}
     save_file(importance_tensors(result), str(output / "importance.safetensors"), metadata=metadata)

@@ -102,10 +102,10 @@ def _add_evaluate(subparsers) -> None:
 
 
 def _run_evaluate(args: argparse.Namespace) -> int:
-    import json
     from pathlib import Path
 
     from taylor_tune.config import EvalSpec, build_eval_spec, build_prune_config
+    from taylor_tune.jsonio import write_json
 
     values = {k: v for k, v in vars(args).items() if k in EvalSpec.model_fields and v is not None}
     spec = build_eval_spec(values)
@@ -121,9 +121,7 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
     model = load_model(args.model, device=device, dtype=resolve_dtype(args.dtype, device), trust_remote_code=args.trust_remote_code)
     result = evaluate(model, tokenizer, spec, model_name=args.model)
-    output = Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({"model": args.model, "spec": spec.model_dump(), **result}, indent=2) + "\n")
+    output = write_json(Path(args.output), {"model": args.model, "spec": spec.model_dump(), **result})
     parts = [f"ppl {result['ppl']:.3f} (window {result['ppl_window']})"] if "ppl" in result else []
     if "acc_mean" in result:
         parts.append(f"acc_mean {result['acc_mean']:.4f} over {len(result['tasks'])} tasks")

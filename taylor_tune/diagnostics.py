@@ -1,8 +1,8 @@
 """Diagnostics of one pruning: counts, ratios per layer, extreme layers, spread of gradient statistics.
 
-Pure (numbers in, a JSON-ready dict out). A ratio with a zero denominator is infinite and a statistic
-without data is undefined: both are written explicitly ("inf" / null) with the reason under `notes`,
-never as a silent NaN.
+Pure (numbers in, a dict out). A ratio with a zero denominator is infinite (math.inf) and a statistic without
+data is undefined (None); both carry the reason under `notes`, never a silent NaN. Files get them as "inf" / null
+through `jsonio.write_json`.
 """
 
 from __future__ import annotations
@@ -14,16 +14,7 @@ import numpy as np
 from taylor_tune.plan import ModelLayout, PrunePlan
 
 
-def json_number(value: float) -> float | str | None:
-    """Finite floats as they are; ±inf as "inf"/"-inf" (JSON has no infinity); NaN as null."""
-    if value is None or math.isnan(value):
-        return None
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    return float(value)
-
-
-def spread(values: np.ndarray | None, name: str, notes: dict[str, str]) -> dict[str, float | str | None]:
+def spread(values: np.ndarray | None, name: str, notes: dict[str, str]) -> dict[str, float | None]:
     """max/min ratio and max-min range of a per-layer statistic, with notes when not finite."""
     ratio_key, range_key = f"{name}_ratio", f"{name}_range"
     if values is None or len(values) == 0:
@@ -31,13 +22,13 @@ def spread(values: np.ndarray | None, name: str, notes: dict[str, str]) -> dict[
         return {ratio_key: None, range_key: None}
     low, high = float(np.min(values)), float(np.max(values))
     if low == 0.0:
-        ratio = math.inf if high > 0 else math.nan
+        ratio = math.inf if high > 0 else None
         notes[ratio_key] = (
             "inf: a layer's statistic is 0" if high > 0 else "undefined: every layer's statistic is 0"
         )
     else:
         ratio = high / low
-    return {ratio_key: json_number(ratio), range_key: json_number(high - low)}
+    return {ratio_key: ratio, range_key: high - low}
 
 
 def pruning_diagnostics(

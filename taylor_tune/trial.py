@@ -7,7 +7,6 @@ comes from the sweep's shared cache when one is given.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from taylor_tune.config import PruneConfig
 from taylor_tune.experiment import Evaluation, zero_shot_stage
+from taylor_tune.jsonio import write_json
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict]
     columns = search_columns(config)
     if trial.fault and all(columns.get(k) == v for k, v in trial.fault.items()):
         raise InjectedFault(f"injected fault for {trial.fault}")
-    (trial_dir / "config.json").write_text(json.dumps(trial.model_dump(), indent=2))
+    write_json(trial_dir / "config.json", trial.model_dump())
 
     import torch
 
@@ -112,8 +112,8 @@ def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict]
         torch.cuda.reset_peak_memory_stats()
     result = prune(config, importance_provider=cached_importance(trial))
     diagnostics, timings = result.diagnostics, result.timings
-    (trial_dir / "pruning_summary.json").write_text(json.dumps(summary_dict(config, result), indent=2))
-    (trial_dir / "layer_analysis.json").write_text(json.dumps(layer_analysis(diagnostics), indent=2))
+    write_json(trial_dir / "pruning_summary.json", summary_dict(config, result))
+    write_json(trial_dir / "layer_analysis.json", layer_analysis(diagnostics))
     metrics: dict[str, Any] = {
         **columns, "output_dir": output_dir or str(trial_dir), "stage": "pruned",
         **{k: diagnostics[k] for k in ("params_count", "params_count_before", "pruning_ratio", "extreme_pruning_layers",
@@ -122,9 +122,6 @@ def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict]
     }
     if result.importance_cache is not None:
         metrics["importance_cache"] = result.importance_cache
-    for key in ("grad_mean_ratio", "grad_norm_ratio", "grad_mean_range", "grad_norm_range"):
-        if isinstance(metrics[key], str):  # "inf": Tune stores floats
-            metrics[key] = float(metrics[key])
     report(dict(metrics))
 
     evaluation = trial.evaluation
@@ -155,6 +152,6 @@ def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict]
         if on_gpu:  # the trial's peak so far; the last report carries the whole trial's (pruning + evaluation)
             metrics["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated()
         report(dict(metrics))
-    (trial_dir / "evaluation.json").write_text(json.dumps({**{k: v for k, v in metrics.items()}, **full}, indent=2))
+    write_json(trial_dir / "evaluation.json", {**metrics, **full})
     metrics["stage"] = "done"
     return metrics

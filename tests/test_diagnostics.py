@@ -1,11 +1,13 @@
 """Diagnostics: per-layer ratios by hand, and infinities or undefined values written out, never NaN."""
 
 import json
+import math
 
 import numpy as np
 import pytest
 
 from taylor_tune.diagnostics import pruning_diagnostics
+from taylor_tune.jsonio import json_safe, write_json
 from taylor_tune.plan import ModelLayout, PrunePlan
 
 LAYOUT = ModelLayout((4, 4, 4), (10, 10, 10), 20, 3, (110, 110, 110), 500)
@@ -27,11 +29,18 @@ def test_ratios_counts_and_extreme_layers():
     assert d["notes"] == {}
 
 
-def test_zero_statistics_are_infinite_or_undefined_and_say_why():
+def test_zero_statistics_are_infinite_or_undefined_and_say_why(tmp_path):
     d = diag(np.array([0.0, 2.0, 4.0]), np.zeros(3))
-    assert d["grad_mean_ratio"] == "inf" and "is 0" in d["notes"]["grad_mean_ratio"]
+    assert d["grad_mean_ratio"] == math.inf and "is 0" in d["notes"]["grad_mean_ratio"]  # a float in memory
     assert d["grad_norm_ratio"] is None and "undefined" in d["notes"]["grad_norm_ratio"]
-    json.dumps(d, allow_nan=False)
+    written = json.loads(write_json(tmp_path / "d.json", d).read_text())  # strict JSON: no Infinity, no NaN
+    assert written["grad_mean_ratio"] == "inf" and written["grad_norm_ratio"] is None
+
+
+def test_json_safe_makes_every_non_finite_float_explicit():
+    data = {"a": [math.inf, -math.inf, math.nan, 1.5], "b": np.float32(2.0), "c": np.array([np.inf, 3.0]), 4: (np.int64(7),)}
+    assert json_safe(data) == {"a": ["inf", "-inf", None, 1.5], "b": 2.0, "c": ["inf", 3.0], "4": [7]}
+    json.dumps(json_safe(data), allow_nan=False)
 
 
 def test_methods_without_gradients_have_undefined_gradient_spreads():

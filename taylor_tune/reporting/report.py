@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from taylor_tune.jsonio import write_json
 from taylor_tune.reporting import stats
 from taylor_tune.reporting.frame import ARTIFACTS, CONFIG_COLUMNS, GRAD_COLUMNS, TrialTable, load_trials, task_columns
 
@@ -267,23 +268,19 @@ def folder_name(model: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "--", model)
 
 
-def _json_safe(value):
+def _records(value):
+    """DataFrames (at any depth) as lists of records; the rest as it is, for jsonio."""
     if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
+        return {k: _records(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
+        return [_records(v) for v in value]
     if isinstance(value, pd.DataFrame):
-        return _json_safe(value.reset_index().to_dict(orient="records") if value.index.name else value.to_dict(orient="records"))
-    value = stats.plain(value)
-    if isinstance(value, float) and math.isinf(value):
-        return "inf" if value > 0 else "-inf"
+        return value.reset_index().to_dict(orient="records") if value.index.name else value.to_dict(orient="records")
     return value
 
 
 def _write_json(path: Path, data) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_json_safe(data), indent=2, allow_nan=False))
-    return path
+    return write_json(path, _records(data))
 
 
 def best_config_dict(m: ModelReport) -> dict:
