@@ -87,15 +87,9 @@ def zero_shot_stage(limit: int | None) -> str:
     return f"zero_shot_{limit or 'all'}"
 
 
-class Evaluation(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    tasks: str | tuple[str, ...] = "all"
-    task_data: str = "auto"
-    ppl: str | None = "auto"
-    ppl_window: int = Field(128, gt=1)
-    ppl_max_windows: int | None = Field(None, gt=0)
-    batch_size: int | Literal["auto"] = "auto"
-    scorer: Literal["prefix", "hflm"] = "prefix"
+class Evaluation(EvalSpec):
+    """A sweep's evaluation: an EvalSpec whose item limit is a list of zero-shot passes (`fidelities`)."""
+
     fidelities: tuple[int | None, ...] = Field(
         (None,), description="zero-shot item limits, cheapest first, each reported to Tune; null = every item"
     )
@@ -109,9 +103,16 @@ class Evaluation(BaseModel):
             raise ValueError("limits must be positive (or null for every item)")
         return value
 
+    @field_validator("limit")
+    @classmethod
+    def _no_limit(cls, value: int | None) -> None:
+        if value is not None:
+            raise ValueError("a sweep limits items per pass with fidelities, e.g. fidelities: [40, null]")
+        return value
+
     def spec(self, limit: int | None) -> EvalSpec:
-        return EvalSpec(tasks=self.tasks, task_data=self.task_data, ppl=self.ppl, ppl_window=self.ppl_window, ppl_max_windows=self.ppl_max_windows,
-                        batch_size=self.batch_size, scorer=self.scorer, limit=limit)
+        """The EvalSpec of one zero-shot pass."""
+        return EvalSpec(**self.model_dump(exclude={"fidelities", "limit"}), limit=limit)
 
 
 class Resources(BaseModel):
@@ -156,12 +157,6 @@ class Experiment(BaseModel):
         if self.search.algorithm == "tpe" and self.search.num_trials > self.space_size():
             raise ValueError(f"search.num_trials: {self.search.num_trials} is more than the {self.space_size()} configurations "
                              "of the search space, and TPE runs each at most once (algorithm: grid runs them all)")
-        return self
-
-    @model_validator(mode="after")
-    def _evaluation(self) -> Experiment:
-        for limit in self.evaluation.fidelities:
-            self.evaluation.spec(limit)
         return self
 
     def prune_config(self, model: str, method: str, seq_len: int, num_samples: int, seed: int) -> PruneConfig:

@@ -31,3 +31,20 @@ def test_a_cached_pass_serves_the_next_trial_and_each_reports_its_own_stages(tmp
     # the cached 8-sample scores are the nested draw's: the same plan as computing 8 alone
     plan = lambda folder: json.loads((tmp_path / folder / "pruning_summary.json").read_text())["removed_groups"]
     assert plan("b") == plan("c")
+
+
+def test_a_sweeps_evaluation_is_an_evalspec_with_passes_and_keeps_its_metric_overrides(tmp_path):
+    import pytest
+    from pydantic import ValidationError
+
+    from taylor_tune.config import EvalSpec
+
+    evaluation = Evaluation(tasks="piqa,arc_easy", task_data="world", ppl=None, metrics={"piqa": "acc_norm"}, fidelities=[5])
+    assert isinstance(evaluation, EvalSpec) and evaluation.spec(5).limit == 5 and evaluation.spec(5).metrics == {"piqa": "acc_norm"}
+    with pytest.raises(ValidationError, match="fidelities"):
+        Evaluation(limit=5)
+    config = trial(8).model_copy(update={"evaluation": evaluation})
+    metrics = run_trial(config, tmp_path / "t")
+    tasks = json.loads((tmp_path / "t" / "evaluation.json").read_text())["tasks"]
+    assert tasks["piqa"]["metric"] == "acc_norm" and metrics["acc_piqa"] == tasks["piqa"]["acc_norm"]
+    assert tasks["arc_easy"]["metric"] == "acc" and metrics["acc_arc_easy"] == tasks["arc_easy"]["acc"]
