@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,10 @@ def json_safe(value):
 
 
 def write_json(path: str | Path, data) -> Path:
+    """Written whole or not at all (a temporary file renamed into place): a reader never sees half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(json_safe(data), indent=2, allow_nan=False) + "\n")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(json_safe(data), indent=2, allow_nan=False) + "\n")
+    os.replace(tmp, path)
     return path

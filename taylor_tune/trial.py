@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from taylor_tune.config import PruneConfig
 from taylor_tune.experiment import Evaluation, zero_shot_stage
-from taylor_tune.jsonio import write_json
+from taylor_tune.jsonio import json_safe, write_json
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,32 @@ def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict]
                     f"{zero_shot_stage(limit)}_tokens": lm.tokens_forwarded - tokens_before}
         if on_gpu:  # the trial's peak so far; the last report carries the whole trial's (pruning + evaluation)
             metrics["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated()
+        if index == len(evaluation.fidelities) - 1:  # before the final report, so a checkpoint of it can carry the file
+            write_json(trial_dir / "evaluation.json", {**metrics, **full})
         report(dict(metrics))
-    write_json(trial_dir / "evaluation.json", {**metrics, **full})
     metrics["stage"] = "done"
     return metrics
+
+
+FINISHED_ARTIFACTS = ("config.json", "pruning_summary.json", "layer_analysis.json", "evaluation.json")
+
+
+def completed_metrics(folder: Path, trial: TrialConfig) -> dict | None:
+    """The final metrics of a trial that already finished in `folder`, or None.
+
+    Finished means: `evaluation.json` (written atomically, after every stage, before the final report) holds the
+    final zero-shot pass, and `config.json` is this trial's configuration exactly. Then running it again would
+    only repeat the same computation (prune and evaluate are deterministic for a config)."""
+    import json
+
+    try:
+        written = json.loads((folder / "config.json").read_text())
+        evaluation = json.loads((folder / "evaluation.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if written != json.loads(json.dumps(json_safe(trial.model_dump()))):
+        return None
+    if evaluation.get("stage") != zero_shot_stage(trial.evaluation.fidelities[-1]):
+        return None
+    metrics = {k: v for k, v in evaluation.items() if k not in ("tasks", "limit")}
+    return {k: float(v) if v in ("inf", "-inf") else v for k, v in metrics.items()}  # as the trial reported them

@@ -226,6 +226,43 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_trials(sig, tmp
     assert len(table.valid) == 12 and table.invalid.empty
 
 
+def test_a_trial_killed_after_its_final_report_is_not_recomputed_on_resume(tmp_path):
+    """SIGKILL in the window between a trial's final report (its artifacts complete) and Tune recording it finished
+    (a test hook holds the trial there): the rerun reports the finished artifacts instead of computing again."""
+    space = {"taylor_seq_len": {"grid": [16]}, "taylor_num_samples": {"grid": [8]}, "pruning_method": {"grid": ["taylor", "blockwise"]}}
+    experiment = write_experiment(tmp_path, "idem", search_space=space, search={"algorithm": "grid", "max_concurrent": 1})
+    path, markers = tmp_path / "sweeps" / "idem", tmp_path / "paused"
+    markers.mkdir()
+    started = time.time()
+    log = open(tmp_path / "first-run.log", "w")
+    proc = subprocess.Popen(sweep_command(experiment), stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                            env={**env(), "TAYLOR_TUNE_TEST_PAUSE_AFTER_FINAL_REPORT": str(markers)})
+    try:
+        assert wait_for(lambda: any(markers.iterdir()), timeout=300), "no trial reached the pause"
+        time.sleep(3)  # the experiment state (the final result and its checkpoint) is saved every second
+        proc.kill()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+        kill_ray_started_after(started)
+    (paused,) = [p.name for p in markers.iterdir()]
+    assert paused not in terminated(path)  # Tune had not recorded it finished: a restore runs it again
+
+    again = run_sweep(experiment)
+    kill_ray_started_after(started)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    rows = {row["trial_id"]: row for row in analysis_rows(path)}
+    assert len(rows) == 2 and rows[paused]["reused_artifacts"] is True and rows[paused]["stage"] == "zero_shot_10"
+    other = next(t for t in rows if t != paused)
+    assert not rows[other].get("reused_artifacts")
+    # one importance pass (the paused trial's first run) and one hit (the other trial): the rerun touched no gradient
+    events = [json.loads(line)["event"] for line in (path / "importance_cache" / "events.jsonl").read_text().splitlines()]
+    assert events == ["computed", "hit"]
+    assert (trial_dirs(path)[paused] / "evaluation.json").is_file()
+
+
 def test_a_failing_trial_is_retried_then_errored_and_the_rest_finish(tmp_path):
     fault = {"pruning_method": "blockwise", "taylor_seq_len": 32}
     experiment = write_experiment(tmp_path, "faulty", test_fault=fault, max_failures=2)
