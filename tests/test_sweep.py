@@ -186,6 +186,24 @@ def test_status_reports_counts_and_best_per_model(smoke):
     assert len(named) == 3
 
 
+def interrupt_sweep(experiment, log_path, until, sig, **extra_env) -> None:
+    """Run the sweep until `until()` holds, let the experiment state be saved (every second), send `sig`, and stop
+    every Ray process the run started."""
+    started = time.time()
+    log = open(log_path, "w")  # a file, not a pipe: nobody reads a pipe while we wait
+    proc = subprocess.Popen(sweep_command(experiment), stdout=log, stderr=subprocess.STDOUT, env={**env(), **extra_env}, cwd=REPO)
+    try:
+        assert wait_for(until, timeout=300), f"the sweep never got there: {log_path.read_text()[-2000:]}"
+        time.sleep(3)
+        proc.send_signal(sig)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+        kill_ray_started_after(started)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_an_interrupted_sweep_resumes_without_rerunning_finished_trials(sig, tmp_path):
     # 12 trials one at a time: with reused workers a trial takes about a second, so the interruption (2 finished
@@ -195,18 +213,7 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_trials(sig, tmp
     experiment = write_experiment(tmp_path, "resume", search_space=space, search={"algorithm": "grid", "max_concurrent": 1})
     path = tmp_path / "sweeps" / "resume"
     started = time.time()
-    log = open(tmp_path / "first-run.log", "w")  # a file, not a pipe: nobody reads a pipe while we wait
-    proc = subprocess.Popen(sweep_command(experiment), stdout=log, stderr=subprocess.STDOUT, env=env(), cwd=REPO)
-    try:
-        assert wait_for(lambda: len(finished(path)) >= 2, timeout=180), "two trials never finished"
-        time.sleep(2.5)  # the experiment state is saved every second
-        proc.send_signal(sig)
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
-        kill_ray_started_after(started)
+    interrupt_sweep(experiment, tmp_path / "first-run.log", lambda: len(finished(path)) >= 2, sig)  # two trials finished
     # finished = what Tune's saved state records as TERMINATED: a trial whose files were uploaded in the instant
     # before a SIGKILL, but whose completion the driver had not yet saved, is in flight and may run again
     before = {t: (trial_dirs(path)[t] / "result.json").read_bytes() for t in terminated(path)}
@@ -234,19 +241,8 @@ def test_a_trial_killed_after_its_final_report_is_not_recomputed_on_resume(tmp_p
     path, markers = tmp_path / "sweeps" / "idem", tmp_path / "paused"
     markers.mkdir()
     started = time.time()
-    log = open(tmp_path / "first-run.log", "w")
-    proc = subprocess.Popen(sweep_command(experiment), stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                            env={**env(), "TAYLOR_TUNE_TEST_PAUSE_AFTER_FINAL_REPORT": str(markers)})
-    try:
-        assert wait_for(lambda: any(markers.iterdir()), timeout=300), "no trial reached the pause"
-        time.sleep(3)  # the experiment state (the final result and its checkpoint) is saved every second
-        proc.kill()
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
-        kill_ray_started_after(started)
+    interrupt_sweep(experiment, tmp_path / "first-run.log", lambda: any(markers.iterdir()), signal.SIGKILL,
+                    TAYLOR_TUNE_TEST_PAUSE_AFTER_FINAL_REPORT=str(markers))  # a trial held after its final report
     (paused,) = [p.name for p in markers.iterdir()]
     assert paused not in terminated(path)  # Tune had not recorded it finished: a restore runs it again
 
