@@ -9,6 +9,7 @@ run; a killed run continues with the next unfinished one (hours on 2 CPU cores: 
     python bench/bench_quality.py --json bench/quality.json                       # the full study (hours)
     python bench/bench_quality.py --models smollm2-135m --sparsity 0.2 --methods taylor --limit 2 \\
         --ppl-max-windows 2 --num-samples 4 --json /tmp/q.json                   # a check (a minute)
+    python bench/bench_quality.py --json bench/quality.json --table              # the results so far, as Markdown
 
 A variant is `field=value` of the prune config, e.g. `criterion=taylor_sum` or `blockwise_attention=mlp_only`;
 it applies to the methods it concerns (criterion: taylor, layerwise, blockwise, magnitude; blockwise_attention:
@@ -83,6 +84,25 @@ def runs(args) -> list[tuple[str, float | None, str, str]]:
     return out
 
 
+def table(data: dict) -> str:
+    """The study so far as a Markdown table (acc_mean ± the stderr of a mean of 7 independent task scores)."""
+    from taylor_tune.models import load_model_config
+
+    rows = ["| model | sparsity | method | variant | ratio reached | wiki ppl | acc_mean ± se | layer ratio min–max | "
+            "attention groups removed | salience removed |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for key, run in data["runs"].items():
+        model, sparsity, method, variant = key.split("|")
+        se = sum(e["score_stderr"] ** 2 for e in run["tasks"].values()) ** 0.5 / len(run["tasks"])
+        ratios, kept = run.get("layer_pruning_ratio"), run.get("attention_groups_kept")
+        groups = load_model_config(model).num_key_value_heads  # per layer, before pruning
+        rows.append(f"| {model} | {sparsity if sparsity != 'None' else '–'} | {method} | {variant or '–'} | "
+                    f"{run.get('pruning_ratio', 0):.4f} | {run['ppl']:.2f} | {run['acc_mean']:.4f} ± {se:.4f} | "
+                    + (f"{min(ratios):.2f}–{max(ratios):.2f}" if ratios else "–") + " | "
+                    + (f"{groups * len(kept) - sum(kept)} of {groups * len(kept)}" if kept else "–") + " | "
+                    + (f"{run['salience_removed']:.3f}" if "salience_removed" in run else "–") + " |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-0.5b"])
@@ -97,7 +117,11 @@ def main() -> None:
     parser.add_argument("--ppl-max-windows", type=int, default=400, help="400 windows of 128 = 50,800 scored tokens")
     parser.add_argument("--tasks", nargs="+", default=list(ZERO_SHOT_TASKS))
     parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--table", action="store_true", help="print the results in --json as a Markdown table, run nothing")
     args = parser.parse_args()
+    if args.table:
+        print(table(json.loads(args.json.read_text())))
+        return
     for variant in args.variants:
         if variant.split("=")[0] not in VARIANT_METHODS or "=" not in variant.partition("@")[0]:
             parser.error(f"--variants: {variant!r} is not field=value with field one of {', '.join(VARIANT_METHODS)}")
