@@ -26,9 +26,6 @@ from lm_eval.models.huggingface import HFLM
 from taylor_tune.compat.lm_eval import check
 from taylor_tune.progress import bar
 
-SCORERS = ("prefix", "hflm")
-
-
 @dataclass
 class Pack:
     """Requests whose HFLM inputs share everything up to the continuation: `prefix` is forwarded once and its last
@@ -54,19 +51,6 @@ def plan_packs(requests: list[tuple[list[int], list[int]]], max_length: int) -> 
         prefix = tuple(model_input[: len(model_input) - len(continuation) + 1])
         packs.setdefault(prefix, Pack(prefix)).members.append((index, continuation))
     return sorted(packs.values(), key=lambda pack: (-pack.length, pack.prefix))
-
-
-def hflm_positions(requests: list[tuple[list[int], list[int]]], max_length: int) -> int:
-    """Token positions HFLM forwards at batch size 1: one sequence per request, except that requests with a one-token
-    continuation and the same context share one (lm-eval's `logits_cache`). For tests and benchmarks."""
-    seen, total = set(), 0
-    for context, continuation in requests:
-        model_input = tuple((context + continuation)[-(max_length + 1):][:-1])
-        key = model_input if len(continuation) > 1 else ("one-token", tuple(context + continuation[:-1]))
-        if key not in seen:
-            seen.add(key)
-            total += len(model_input)
-    return total
 
 
 class _LibraryBarsFollowTqdmDisable(HFLM):
