@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from taylor_tune.groups import describe_layout
 from taylor_tune.importance import compute_importance
 from taylor_tune.models import load_model, load_tokenizer
 from taylor_tune.prune import ProvidedImportance, prune
+from taylor_tune.jsonio import write_json
 
 VARIANT_METHODS = {"criterion": ("taylor", "layerwise", "blockwise", "magnitude"), "blockwise_attention": ("blockwise",)}
 
@@ -40,12 +40,6 @@ VARIANT_METHODS = {"criterion": ("taylor", "layerwise", "blockwise", "magnitude"
 def variant_methods(variant: str) -> tuple[str, ...]:
     setting, _, methods = variant.partition("@")
     return tuple(methods.split(",")) if methods else VARIANT_METHODS[setting.split("=")[0]]
-
-
-def save(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def evaluate_model(model, tokenizer, args) -> dict:
@@ -159,7 +153,7 @@ def main() -> None:
         entry |= evaluate_model(model, tokenizer, args)
         entry["seconds"] = time.perf_counter() - start
         data["runs"][key] = entry
-        save(args.json, data)
+        write_json(args.json, data)
         print(f"{key}: ppl {entry['ppl']:.2f}, acc_mean {entry['acc_mean']:.4f} ({entry['seconds']:.0f} s)", flush=True)
         del model
 

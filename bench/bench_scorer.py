@@ -26,12 +26,7 @@ from taylor_tune.config import ZERO_SHOT_TASKS
 from taylor_tune.evaluation import task_source
 from taylor_tune.models import load_model, load_tokenizer
 from taylor_tune.scorer import make_lm
-
-
-def save(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+from taylor_tune.jsonio import write_json
 
 
 def one_pass(model, tokenizer, scorer: str, limit: int, batch_size: int) -> tuple[dict, dict]:
@@ -91,12 +86,12 @@ def main() -> None:
             summary["scores_equal"] = summary["scores"] == passes[0]["scores"]
         summary["date"] = time.strftime("%Y-%m-%d %H:%M")
         passes[index:index + 1] = [summary]
-        save(args.json, data)
+        write_json(args.json, data)
         print(json.dumps({k: v for k, v in summary.items() if k != "scores"}), flush=True)
     by = {s: [p for p in passes if p["scorer"] == s] for s in ("hflm", "prefix")}
     mean = {s: {k: sum(p[k] for p in ps) / len(ps) for k in ("seconds", "tokens_forwarded")} for s, ps in by.items()}
     data["ratio"] = {k: mean["prefix"][k] / mean["hflm"][k] for k in ("seconds", "tokens_forwarded")}
-    save(args.json, data)
+    write_json(args.json, data)
     print(json.dumps(data["ratio"]))
 
 

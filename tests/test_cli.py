@@ -1,6 +1,7 @@
 """The `taylor-tune prune` command: artifacts of a good run, and one clear line for every bad input."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -163,3 +164,9 @@ def test_evaluate_bad_input_is_one_line(extra, message, capsys, tmp_path):
     code, _, err = run(capsys, "evaluate", "--model", "tiny-llama", "--ppl", "world", "--device", "cpu", *extra,
                        "--output", str(tmp_path / "e.json"))
     assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_the_readme_points_at_nothing_a_user_of_the_repository_cannot_open():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert not re.search(r"\.\./shared|issue", readme, re.IGNORECASE)
+    assert (Path(__file__).resolve().parent.parent / "docs" / "specification.md").is_file()
