@@ -111,22 +111,21 @@ def prune(config: PruneConfig, *, importance_provider: ImportanceProvider | None
     timings["load_s"] = time.perf_counter() - start
     log.info("loaded %s: %d parameters, %d layers on %s", config.model, layout.total_params, layout.num_layers, device)
 
-    importance, scores = None, None
+    importance, scores, provided = None, None, None
     start = time.perf_counter()
-    cache_event = None
-    if uses_gradients and importance_provider is not None:
-        provided = importance_provider(model, layout, tokenizer)
-        importance, calibration_ids, cache_event = provided.importance, provided.calibration_ids, provided.cache_event
-        scores = taylor_criterion(importance.scores, layout, config.criterion)
-    elif uses_gradients:
-        importance = compute_importance(model, layout, calibration_ids, micro_batch_size=config.micro_batch_size)[
-            config.num_samples
-        ]
+    if uses_gradients:
+        if importance_provider is not None:
+            provided = importance_provider(model, layout, tokenizer)
+            importance, calibration_ids = provided.importance, provided.calibration_ids
+        else:
+            importance = compute_importance(model, layout, calibration_ids, micro_batch_size=config.micro_batch_size)[
+                config.num_samples
+            ]
         scores = taylor_criterion(importance.scores, layout, config.criterion)
     elif method.criterion in ("taylor", "magnitude"):  # a weight-magnitude criterion (l1/l2), or the magnitude method
         scores = magnitude_scores(model, layout, p=1 if config.criterion == "l1" else 2)
     timings["importance_s"] = time.perf_counter() - start
-    if uses_gradients and importance_provider is not None:
+    if provided is not None:
         timings |= provided.timings  # the provider's own split of its time into calibration and importance
 
     start = time.perf_counter()
@@ -140,4 +139,5 @@ def prune(config: PruneConfig, *, importance_provider: ImportanceProvider | None
         grad_mean=None if importance is None else importance.grad_mean,
         grad_norm=None if importance is None else importance.grad_norm,
     )
-    return PruneResult(model, tokenizer, layout, plan, importance, calibration_ids, diagnostics, timings, cache_event)
+    return PruneResult(model, tokenizer, layout, plan, importance, calibration_ids, diagnostics, timings,
+                       None if provided is None else provided.cache_event)
