@@ -183,8 +183,12 @@ def _run_status(args: argparse.Namespace) -> int:
     print(f"trials: {status['total']} (pending {status['pending']}, running {status['running']}, "
           f"finished {status['finished']}, errored {status['errored']}){saved}")
     for model, best in sorted(status["best"].items()):
-        ppl = f", ppl {best['ppl']:.3f}" if best.get("ppl") is not None else ""
-        print(f"best so far for {model}: acc_mean {best['acc_mean']:.4f}{ppl} with {best['pruning_method']}, "
+        ppl = f"ppl {best['ppl']:.3f}" if best.get("ppl") is not None else ""
+        acc = f"acc_mean {best['acc_mean']:.4f}"
+        first = ", ".join(filter(None, (ppl, acc) if best["metric"] == "ppl" else (acc, ppl)))  # the ranked metric first
+        if best["metric"] not in ("ppl", "acc_mean"):
+            first = f"{best['metric']} {best[best['metric']]:.4f}, {first}"
+        print(f"best so far for {model} by {best['metric']}: {first} with {best['pruning_method']}, "
               f"seq_len {best['taylor_seq_len']}, num_samples {best['taylor_num_samples']}, seed {best['seed']} "
               f"(trial {best['trial_id']})")
     return 0
@@ -224,7 +228,9 @@ def _run_report(args: argparse.Namespace) -> int:
     print(f"{len(table.trials)} trials ({len(table.valid)} valid, {len(table.invalid)} invalid); "
           f"{len(written)} files written to {args.output}")
     if (best := report.overall_best) is not None:
-        print(f"overall best: {best['model']} with {best['best_method']}, acc_mean {best['best_acc']:.4f}")
+        ppl = f", ppl {best['best_ppl']:.3f}" if best.get("best_ppl") is not None else ""
+        print(f"overall best by {report.objective.metric}: {best['model']} with {best['best_method']}, "
+              f"acc_mean {best['best_acc']:.4f}{ppl}")
     return 0
 
 

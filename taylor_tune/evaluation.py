@@ -66,7 +66,8 @@ def check_window(window: int, model_config) -> None:
 @torch.no_grad()
 def perplexity(model, tokenizer, text: str, *, window: int = 128, batch_size: int = 8, max_windows: int | None = None) -> dict:
     """exp(mean token NLL) over non-overlapping windows (the first `max_windows` if given); returns ppl, window,
-    windows and tokens scored."""
+    windows and tokens scored, and `ppl_curve`: [windows, ppl over those first windows] after each batch (a cheaper
+    perplexity's value, for free: what a search could have stopped on)."""
     check_window(window, model.config)
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     count = ids.numel() // window
@@ -76,6 +77,7 @@ def perplexity(model, tokenizer, text: str, *, window: int = 128, batch_size: in
     windows = ids[: count * window].view(count, window)
     device = next(model.parameters()).device
     total = torch.zeros((), dtype=torch.float64)
+    curve = []
     with bar(count * window, "perplexity", unit="tok", unit_scale=True) as progress:
         for start in range(0, count, batch_size):
             batch = windows[start : start + batch_size].to(device)
@@ -85,8 +87,11 @@ def perplexity(model, tokenizer, text: str, *, window: int = 128, batch_size: in
             )
             total += nll.double().cpu()
             progress.update(batch.numel())
+            done = min(start + batch_size, count)
+            curve.append([done, math.exp(float(total) / (done * (window - 1)))])
     scored = count * (window - 1)
-    return {"ppl": math.exp(float(total) / scored), "ppl_window": window, "ppl_windows": count, "ppl_tokens": scored}
+    return {"ppl": math.exp(float(total) / scored), "ppl_window": window, "ppl_windows": count, "ppl_tokens": scored,
+            "ppl_curve": curve}
 
 
 # ---------------------------------------------------------------- zero-shot through lm-eval

@@ -131,8 +131,8 @@ class Experiment(BaseModel):
     evaluation: Evaluation = Evaluation()
     resources: Resources = Resources()
     max_failures: int = Field(1, ge=0)
-    metric: str = "acc_mean"
-    mode: Literal["max", "min"] = "max"
+    metric: str = Field("acc_mean", description="what the search optimizes and the report ranks by: acc_mean, ppl or acc_<task>")
+    mode: Literal["max", "min"] = Field("max", description="max for accuracies, min for ppl")
     storage_path: str = "runs/sweeps"
     test_fault: dict[str, Any] | None = Field(None, description="test-only: raise inside matching trials")
 
@@ -144,6 +144,18 @@ class Experiment(BaseModel):
             raise ValueError(f"{sorted(reserved)[0]!r} is set by the search, not in prune")
         PruneConfig(model="tiny-llama", **values)
         return values
+
+    @model_validator(mode="after")
+    def _objective(self) -> Experiment:
+        allowed = ["acc_mean", "ppl", *(f"acc_{t}" for t in self.evaluation.tasks)]
+        if self.metric not in allowed:
+            raise ValueError(f"metric: {self.metric!r} is not reported by these trials; one of {', '.join(allowed)}")
+        if self.metric == "ppl" and self.evaluation.ppl is None:
+            raise ValueError("metric: ppl needs evaluation.ppl (a perplexity text such as wiki or wikitext2)")
+        if self.mode != ("min" if self.metric == "ppl" else "max"):
+            raise ValueError(f"mode: {self.mode!r} would search for the worst {self.metric}; "
+                             f"use mode: {'min' if self.metric == 'ppl' else 'max'}")
+        return self
 
     @model_validator(mode="after")
     def _tpe(self) -> Experiment:

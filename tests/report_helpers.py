@@ -50,15 +50,16 @@ def synthetic_trials(seeds=(0,), noise: float = 0.002, n_items: int = 400, rng_s
     return pd.DataFrame(rows)
 
 
-def write_tune_folder(rows: pd.DataFrame, root: Path, final_fidelity=None) -> Path:
-    """An experiment folder as Tune writes it: one trial folder with params.json and result.json per row."""
+def write_tune_folder(rows: pd.DataFrame, root: Path, final_fidelity=None, objective: dict | None = None) -> Path:
+    """An experiment folder as Tune writes it: one trial folder with params.json and result.json per row;
+    `objective` ({"metric", "mode"}) is recorded in the fixed settings as a sweep records it."""
     root.mkdir(parents=True, exist_ok=True)
     fidelities = [final_fidelity]
     for i, row in enumerate(rows.to_dict(orient="records")):
         folder = root / f"sweep_trainable_abcde_{i:05d}_{i}_model={row['model']}_2026-11-21_00-00-00"
         folder.mkdir()
         config = {k: row[k] for k in ("model", "pruning_method", "taylor_seq_len", "taylor_num_samples", "seed")}
-        config["fixed"] = {"evaluation": {"fidelities": fidelities}}
+        config["fixed"] = {"evaluation": {"fidelities": fidelities}} | ({"objective": objective} if objective else {})
         (folder / "params.json").write_text(json.dumps(config))
         pruned = {k: v for k, v in row.items() if not k.startswith("acc_")} | {"stage": "pruned", "training_iteration": 1, "trial_id": f"abcde_{i:05d}"}
         final = row | {"training_iteration": 2, "trial_id": f"abcde_{i:05d}", "config": config}

@@ -21,6 +21,8 @@ def test_the_shipped_experiments_validate_and_the_paper_grid_has_135_trials():
     assert load_experiment(REPO / "experiments" / "smoke.yaml").grid_size() == 36
     tpe = load_experiment(REPO / "experiments" / "tpe_asha.yaml")
     assert tpe.search.scheduler == "asha" and tpe.search.algorithm == "tpe" and tpe.grid_size() == 36
+    real = load_experiment(REPO / "experiments" / "real_paper_grid.yaml")
+    assert real.grid_size() == 45 and (real.metric, real.mode) == ("ppl", "min") and real.prune["sparsity"] == 0.2
 
 
 def test_the_tune_param_space_expands_to_the_grid():
@@ -63,6 +65,9 @@ CASES = [
     (dict(search={"algorithm": "tpe", "num_trials": 7}), "search.num_trials: 7 is more than the 6 configurations"),
     (dict(search={"algorithm": "tpe", "num_trials": 3, "scheduler": "asha"}), "search.scheduler: asha stops trials at a cheap"),
     (dict(search={"scheduler": "asha", "reduction_factor": 1}), "search.reduction_factor: Input should be greater than 1"),
+    (dict(metric="acc_foo"), "metric: 'acc_foo' is not reported by these trials; one of acc_mean, ppl, acc_piqa"),
+    (dict(metric="ppl", mode="min"), "metric: ppl needs evaluation.ppl"),
+    (dict(metric="acc_mean", mode="min"), "mode: 'min' would search for the worst acc_mean; use mode: max"),
 ]
 
 

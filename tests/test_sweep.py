@@ -18,7 +18,7 @@ from taylor_tune.errors import ConfigError
 from taylor_tune.reporting import build_report, load_trials
 from taylor_tune.reporting.stats import best_trial
 from taylor_tune.tune.driver import sweep_status
-from tests.sweep_helpers import (REPO, analysis_rows, env, finished, kill_ray_started_after, run_sweep, scrape, screenshot,
+from tests.sweep_helpers import (REPO, SMALL, analysis_rows, env, finished, kill_ray_started_after, run_sweep, scrape, screenshot,
                                  sweep_command, terminated, total, trial_dirs, wait_for, write_experiment)
 
 ARTIFACTS = REPO / "test-artifacts"  # kept after the run (CI can upload it): the dashboard screenshot
@@ -180,7 +180,7 @@ def test_status_reports_counts_and_best_per_model(smoke):
     proc = subprocess.run([os.sys.executable, "-m", "taylor_tune", "status", str(path)], capture_output=True, text=True, env=env())
     assert proc.returncode == 0
     assert "finished 36, errored 0" in proc.stdout
-    named = dict(re.findall(r"^best so far for (\S+): .*\(trial (\S+)\)$", proc.stdout, flags=re.M))
+    named = dict(re.findall(r"^best so far for (\S+) by acc_mean: .*\(trial (\S+)\)$", proc.stdout, flags=re.M))
     table = load_trials(path)  # the report's reading and tie rule name the same best trial per model
     assert named == {model: best_trial(rows)["trial_id"] for model, rows in table.valid.groupby("model")}
     assert len(named) == 3
@@ -305,6 +305,29 @@ def test_tpe_with_asha_runs_one_study_per_model(tmp_path):
     table = load_trials(tmp_path / "sweeps" / "tpe")  # trials ASHA stopped at the cheap fidelity are not comparable
     stopped = [r for r in rows if r["stage"] == "zero_shot_5"]
     assert len(table.invalid) == len(stopped) and all("stopped early by the scheduler" in r for r in table.invalid["reason"])
+
+
+def test_a_sweep_for_the_lowest_perplexity_is_ranked_by_it_in_tune_status_and_report(tmp_path):
+    experiment = write_experiment(tmp_path, "ppl", metric="ppl", mode="min",
+                                  evaluation={**SMALL["evaluation"], "ppl": "world", "ppl_max_windows": 4})
+    started = time.time()
+    proc = run_sweep(experiment)
+    kill_ray_started_after(started)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    path = tmp_path / "sweeps" / "ppl"
+    rows = analysis_rows(path)
+    assert len(rows) == 6 and len({r["ppl"] for r in rows}) > 1
+    lowest = min(rows, key=lambda r: (r["ppl"], -r["acc_mean"]))
+    from ray.tune import ExperimentAnalysis
+
+    tune_best = ExperimentAnalysis(str(path)).get_best_trial(metric="ppl", mode="min", scope="last")
+    assert tune_best.trial_id == lowest["trial_id"]
+    status = sweep_status(str(path))["best"]["tiny-llama"]
+    assert (status["metric"], status["trial_id"]) == ("ppl", lowest["trial_id"]) and status["ppl"] == pytest.approx(lowest["ppl"])
+    report = build_report(str(path))
+    assert report.objective.metric == "ppl" and report.models["tiny-llama"].best["trial_id"] == lowest["trial_id"]
+    out = subprocess.run([os.sys.executable, "-m", "taylor_tune", "status", str(path)], capture_output=True, text=True, env=env())
+    assert f"best so far for tiny-llama by ppl: ppl {status['ppl']:.3f}" in out.stdout
 
 
 def test_report_on_the_smoke_sweep_writes_every_file_with_the_numbers_ray_reads(smoke, tmp_path):

@@ -18,6 +18,7 @@ import pandas as pd
 
 from taylor_tune.config import ZERO_SHOT_TASKS
 from taylor_tune.errors import ReportError
+from taylor_tune.reporting.stats import ACCURACY, Objective
 
 CONFIG_COLUMNS = ("model", "pruning_method", "taylor_seq_len", "taylor_num_samples", "seed")
 GRAD_COLUMNS = ("grad_mean_ratio", "grad_norm_ratio", "grad_mean_range", "grad_norm_range")
@@ -59,6 +60,17 @@ class TrialTable:
     @property
     def tasks(self) -> tuple[str, ...]:
         return task_columns(self.valid.columns[self.valid.notna().any()]) if len(self.valid) else ()
+
+    @property
+    def objective(self) -> Objective:
+        """What the sweep optimized, as its trials' configs recorded it (acc_mean / max for older sweeps)."""
+        if "objective_metric" not in self.trials:
+            return ACCURACY
+        pairs = self.trials[["objective_metric", "objective_mode"]].dropna().drop_duplicates()
+        if len(pairs) > 1:
+            found = ", ".join(f"{m} ({d})" for m, d in pairs.itertuples(index=False))
+            raise ReportError(f"{self.source}: the trials optimized different metrics ({found}); report one sweep at a time")
+        return Objective(*pairs.iloc[0]) if len(pairs) else ACCURACY
 
     def for_model(self, model: str) -> TrialTable:
         if model not in self.models:
@@ -136,6 +148,9 @@ def read_trial(filesystem, trial_dir: str) -> dict:
         if row.get(key) is None and key in config:
             row[key] = config[key]
     row["final_fidelity"] = _final_fidelity(config)
+    objective = ((config or {}).get("fixed") or {}).get("objective") or {}
+    if objective:
+        row["objective_metric"], row["objective_mode"] = objective.get("metric"), objective.get("mode")
     error = read_text(filesystem, posixpath.join(trial_dir, "error.txt"))
     if error:
         row["error"] = _last_failure(error)
@@ -182,6 +197,10 @@ def _reason(row: pd.Series, tasks: tuple[str, ...]) -> str | None:
             return f"errored: {error}"
         stage = row.get("stage")
         return f"incomplete: no finite acc_mean (last stage {stage!r})" if isinstance(stage, str) else "no finite acc_mean"
+    metric = row.get("objective_metric")
+    # an infinite perplexity is a result (the worst one), a missing one is not
+    if isinstance(metric, str) and metric != "acc_mean" and not (_finite(row.get(metric)) or str(row.get(metric)) in ("inf", "Infinity")):
+        return f"errored: {error}" if error else f"no {metric}, the sweep's metric"
     expected, reached = row.get("final_fidelity"), row.get("fidelity")
     if _finite(expected) and _finite(reached) and int(reached) != int(expected):
         why = f"errored: {error}" if error else "stopped early by the scheduler"

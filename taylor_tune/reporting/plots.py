@@ -15,13 +15,16 @@ import pandas as pd
 
 @dataclass
 class HeatmapData:
-    """Mean acc_mean per (taylor_seq_len, taylor_num_samples) cell for one model, over methods and seeds."""
+    """The metric per (taylor_seq_len, taylor_num_samples) cell for one model, over methods and seeds: the mean of
+    an accuracy, the geometric mean of a perplexity (an arithmetic mean of ppl is the worst method's number)."""
 
     model: str
     seq_lens: list[int]
     num_samples: list[int]
     values: list[list[float | None]]  # [seq_len index][num_samples index]; None where no trial ran
     counts: list[list[int]]
+    metric: str = "acc_mean"
+    aggregate: str = "mean"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -29,13 +32,14 @@ class HeatmapData:
 
 @dataclass
 class MethodBars:
-    """Mean acc_mean of each method on each model, with the std over its trials as the error bar."""
+    """Mean of the metric for each method on each model, with the std over its trials as the error bar."""
 
     models: list[str]
     methods: list[str]
     means: list[list[float | None]]  # [method index][model index]
     stds: list[list[float | None]]
     counts: list[list[int]]
+    metric: str = "acc_mean"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -60,27 +64,32 @@ def _none_if_nan(value) -> float | None:
     return None if value is None or pd.isna(value) else float(value)
 
 
-def heatmap_data(df: pd.DataFrame, model: str) -> HeatmapData:
+def heatmap_data(df: pd.DataFrame, model: str, metric: str = "acc_mean") -> HeatmapData:
     rows = df[df["model"] == model]
-    table = rows.pivot_table(index="taylor_seq_len", columns="taylor_num_samples", values="acc_mean", aggfunc=["mean", "count"])
+    geometric = metric == "ppl"
+    if geometric:
+        rows = rows.assign(ppl=np.log(rows["ppl"].astype(float)))
+    table = rows.pivot_table(index="taylor_seq_len", columns="taylor_num_samples", values=metric, aggfunc=["mean", "count"])
     seq_lens = sorted(int(v) for v in rows["taylor_seq_len"].unique())
     samples = sorted(int(v) for v in rows["taylor_num_samples"].unique())
     means = table["mean"].reindex(index=seq_lens, columns=samples) if len(rows) else pd.DataFrame(index=seq_lens, columns=samples)
     counts = table["count"].reindex(index=seq_lens, columns=samples).fillna(0) if len(rows) else means.fillna(0)
+    if geometric:
+        means = np.exp(means.astype(float))
     return HeatmapData(model, seq_lens, samples, [[_none_if_nan(v) for v in r] for r in means.to_numpy()],
-                       [[int(v) for v in r] for r in counts.to_numpy()])
+                       [[int(v) for v in r] for r in counts.to_numpy()], metric, "geometric mean" if geometric else "mean")
 
 
-def method_bars(df: pd.DataFrame) -> MethodBars:
+def method_bars(df: pd.DataFrame, metric: str = "acc_mean") -> MethodBars:
     models = sorted(df["model"].unique())
     methods = sorted(df["pruning_method"].unique())
-    stats = df.groupby(["pruning_method", "model"])["acc_mean"].agg(["mean", "std", "count"])
+    stats = df.groupby(["pruning_method", "model"])[metric].agg(["mean", "std", "count"])
 
     def grid(column, convert):
         return [[convert(stats[column].get((m, model), np.nan)) for model in models] for m in methods]
 
     return MethodBars(models, methods, grid("mean", _none_if_nan), grid("std", _none_if_nan),
-                      grid("count", lambda v: 0 if pd.isna(v) else int(v)))
+                      grid("count", lambda v: 0 if pd.isna(v) else int(v)), metric)
 
 
 def layer_profile(layers: list[dict], title: str) -> LayerProfile:
@@ -106,15 +115,16 @@ def _as_array(values) -> np.ndarray:
 def render_heatmap(data: HeatmapData, path: Path) -> None:
     figure, (ax,) = _figure(1.4 + 1.1 * max(len(data.num_samples), 1), 1.2 + 0.55 * max(len(data.seq_lens), 1))
     values = _as_array(data.values) if data.values else np.full((1, 1), np.nan)
-    image = ax.imshow(values, cmap="YlGnBu", aspect="auto")
+    lower_is_better = data.metric == "ppl"
+    image = ax.imshow(values, cmap="YlGnBu_r" if lower_is_better else "YlGnBu", aspect="auto")  # dark = best
     ax.set_xticks(range(len(data.num_samples)), [str(v) for v in data.num_samples])
     ax.set_yticks(range(len(data.seq_lens)), [str(v) for v in data.seq_lens])
     for (i, j), value in np.ndenumerate(values):
         if np.isfinite(value):
-            ax.text(j, i, f"{value:.3f}", ha="center", va="center", fontsize=8)
+            ax.text(j, i, f"{value:.1f}" if lower_is_better else f"{value:.3f}", ha="center", va="center", fontsize=8)
     ax.set_xlabel("taylor_num_samples")
     ax.set_ylabel("taylor_seq_len")
-    ax.set_title(f"{data.model}: mean acc_mean over methods")
+    ax.set_title(f"{data.model}: {data.aggregate} {data.metric} over methods")
     figure.colorbar(image, ax=ax)
     figure.savefig(path, dpi=120)
 
@@ -128,7 +138,9 @@ def render_method_bars(data: MethodBars, path: Path) -> None:
         stds = np.nan_to_num(_as_array([data.stds[k]])[0])
         ax.bar(x + (k - (len(data.methods) - 1) / 2) * width, means, width, yerr=stds, capsize=3, label=method)
     ax.set_xticks(x, data.models)
-    ax.set_ylabel("acc_mean (mean ± std over trials)")
+    ax.set_ylabel(f"{data.metric} (mean ± std over trials)")
+    if data.metric == "ppl":
+        ax.set_yscale("log")  # methods' perplexities differ by orders of magnitude
     ax.legend(fontsize=8)
     figure.savefig(path, dpi=120)
 

@@ -41,6 +41,7 @@ class ModelReport:
     seeds: dict
     heldout: dict
     importance: dict
+    objective: stats.Objective = stats.ACCURACY
 
 
 @dataclass
@@ -53,29 +54,36 @@ class Report:
     key: dict
     z: float = stats.Z95
     notes: list[str] = field(default_factory=list)
+    objective: stats.Objective = stats.ACCURACY
 
     @property
     def overall_best(self) -> dict | None:
         return None if self.cross.empty else self.cross.iloc[0].to_dict()
 
 
-def model_report(table: TrialTable, model: str, z: float = stats.Z95, seed: int = 0) -> ModelReport:
+def model_report(table: TrialTable, model: str, z: float = stats.Z95, seed: int = 0,
+                 objective: stats.Objective | None = None) -> ModelReport:
+    objective = objective or table.objective
     trials = table.trials[table.trials["model"] == model]
     valid = trials[trials["valid"]].copy()
     tasks = task_columns(valid.columns[valid.notna().any()]) if len(valid) else ()
     valid["acc_mean_stderr"] = stats.acc_mean_stderr(valid, tasks)
-    best = stats.best_trial(valid)
+    best = stats.best_trial(valid, objective)
+    metric = objective.metric
+    heldout = stats.heldout_selection(valid, tasks) if metric == "acc_mean" else {
+        "reason": f"the sweep ranks by {metric}; the held-out halves are of the zero-shot accuracies"}
     return ModelReport(
         model=model, trials=len(trials), valid=valid, invalid=trials.loc[~trials["valid"]], tasks=tasks,
-        methods=stats.method_comparison(valid),
-        seq_len=stats.hyperparameter_impact(valid, "taylor_seq_len"),
-        num_samples=stats.hyperparameter_impact(valid, "taylor_num_samples"),
-        gradient=[stats.correlation(valid, g) for g in GRAD_COLUMNS],
-        extreme=stats.extreme_layers(valid),
-        ppl=stats.correlation(valid, "ppl"),
+        methods=stats.method_comparison(valid, objective),
+        seq_len=stats.hyperparameter_impact(valid, "taylor_seq_len", objective),
+        num_samples=stats.hyperparameter_impact(valid, "taylor_num_samples", objective),
+        gradient=[stats.correlation(valid, g, metric) for g in GRAD_COLUMNS],
+        extreme=stats.extreme_layers(valid, objective),
+        # perplexity against accuracy either way round: the one the sweep did not rank by is the other's check
+        ppl=stats.correlation(valid, "ppl", "acc_mean"),
         best=best, best_stderr=None if best is None else stats.plain(best["acc_mean_stderr"]),
-        lead=stats.lead_of_best(valid, tasks, z), seeds=stats.seed_spread(valid), heldout=stats.heldout_selection(valid, tasks),
-        importance=stats.hyperparameter_importance(valid, seed=seed),
+        lead=stats.lead_of_best(valid, tasks, z, objective), seeds=stats.seed_spread(valid, objective), heldout=heldout,
+        importance=stats.hyperparameter_importance(valid, seed=seed, objective=objective), objective=objective,
     )
 
 
@@ -84,7 +92,8 @@ def build_report(source, model: str | None = None, z: float = stats.Z95, seed: i
     table = load_trials(source)
     if model is not None:
         table = table.for_model(model)
-    models = {m: model_report(table, m, z, seed) for m in table.models}
+    objective = table.objective
+    models = {m: model_report(table, m, z, seed, objective) for m in table.models}
     valid = table.valid
     invalid_counts = table.invalid.groupby("model").size().to_dict() if len(table.invalid) else {}
     notes = []
@@ -96,9 +105,9 @@ def build_report(source, model: str | None = None, z: float = stats.Z95, seed: i
         notes.append(f"{unattributed} trial(s) recorded no model and appear only in the invalid-trial count")
     return Report(
         source=table.source, table=table, models=models,
-        cross=stats.cross_model(valid, invalid_counts), value_of_search=stats.value_of_search(valid),
+        cross=stats.cross_model(valid, invalid_counts, objective), value_of_search=stats.value_of_search(valid, objective),
         key=stats.key_figures(valid, table.tasks, len(table.trials)),
-        z=z, notes=notes,
+        z=z, notes=notes, objective=objective,
     )
 
 
@@ -129,44 +138,47 @@ def sections(report: Report) -> list[tuple[str, list]]:
     """The report as (title, blocks) pairs, a block being a line of text or a DataFrame; both renderers use it."""
     out: list[tuple[str, list]] = []
     z = report.z
+    metric = report.objective.metric
+    mean = f"mean {metric}"
     for name, m in report.models.items():
-        head = [f"Trials: {m.trials}, valid: {len(m.valid)}, invalid: {len(m.invalid)}"]
+        head = [f"Trials: {m.trials}, valid: {len(m.valid)}, invalid: {len(m.invalid)}; "
+                f"ranked by {metric} ({'lower' if report.objective.ascending else 'higher'} is better), the sweep's metric"]
         if len(m.invalid):
             head += ["Invalid trials (left out of every statistic):", m.invalid[[c for c in ("trial_id", *CONFIG_COLUMNS[1:4], "reason") if c in m.invalid]]]
         out.append((f"{name.upper()}", head))
         if m.valid.empty:
             out.append(("No valid trials", ["Nothing could be computed for this model."]))
             continue
-        methods = m.methods["table"].rename(columns={"mean": "mean acc", "count": "trials"})
+        methods = m.methods["table"].rename(columns={"mean": mean, "count": "trials"})
         out.append(("1. Pruning methods", [
             _frame(methods, "method"),
-            f"Best method: {str(m.methods['best_method']).upper()} (its best trial: acc {_fmt(m.methods['best_acc'])}); "
-            f"best by mean acc: {str(m.methods['best_method_by_mean']).upper()}",
+            f"Best method: {str(m.methods['best_method']).upper()} (its best trial: {metric} {_fmt(m.methods['best_value'])}); "
+            f"best by {mean}: {str(m.methods['best_method_by_mean']).upper()}",
         ]))
         blocks: list = []
         for label, impact in (("taylor_seq_len", m.seq_len), ("taylor_num_samples", m.num_samples)):
-            blocks += [f"By {label}:", _frame(impact["table"].rename(columns={"mean": "mean acc", "count": "trials"}), label),
-                       f"Best {label}: {impact['best_value']} (mean acc {_fmt(impact['best_mean'])})"]
+            blocks += [f"By {label}:", _frame(impact["table"].rename(columns={"mean": mean, "count": "trials"}), label),
+                       f"Best {label}: {impact['best_value']} ({mean} {_fmt(impact['best_mean'])})"]
         importance = m.importance
         if importance.get("importances"):
-            blocks.append("Hyperparameter importance (Optuna fANOVA, share of acc_mean's variance): "
+            blocks.append(f"Hyperparameter importance (Optuna fANOVA, share of {importance.get('of', metric)}'s variance): "
                           + ", ".join(f"{k} {v:.2f}" for k, v in importance["importances"].items()))
         else:
             blocks.append(f"Hyperparameter importance: undefined ({importance.get('reason')})")
         out.append(("2. Hyperparameters", blocks))
         grad = pd.DataFrame([{"statistic": c.x, "r": c.r, "p": c.p, "n": c.n, "strength or reason": c.strength or f"undefined: {c.reason}"}
                              for c in m.gradient])
-        out.append(("3. Gradient statistics vs acc_mean", [grad, "Strength by |r|: < 0.3 negligible, 0.3-0.5 weak, 0.5-0.7 moderate, >= 0.7 strong (Pearson; rows with inf or missing values left out and counted)."]))
+        out.append((f"3. Gradient statistics vs {metric}", [grad, "Strength by |r|: < 0.3 negligible, 0.3-0.5 weak, 0.5-0.7 moderate, >= 0.7 strong (Pearson; rows with inf or missing values left out and counted)."]))
         extreme = m.extreme
         out.append(("4. Extreme-pruning layers", [
-            f"Correlation with acc_mean: {extreme['correlation'].describe()}",
-            _frame(extreme["table"].rename(columns={"mean": "mean acc", "count": "trials"}), "layers"),
+            f"Correlation with {metric}: {extreme['correlation'].describe()}",
+            _frame(extreme["table"].rename(columns={"mean": mean, "count": "trials"}), "layers"),
         ]))
         out.append(("5. Perplexity vs acc_mean", [f"Correlation: {m.ppl.describe()}"]))
         out.append(("6. Best configuration", _best_blocks(m, z)))
         seeds = m.seeds
         out.append(("7. Calibration-seed spread", [seeds["reason"]] if seeds.get("reason") else [
-            f"Mean between-seed std of acc_mean: {seeds['mean_std']:.4f}", _frame(seeds["table"].rename(columns={"count": "seeds"}), None).reset_index()]))
+            f"Mean between-seed std of {metric}: {seeds['mean_std']:.4f}", _frame(seeds["table"].rename(columns={"count": "seeds"}), None).reset_index()]))
         held = m.heldout
         out.append(("8. Held-out selection", [f"Not computed: {held['reason']}"] if held.get("reason") else [
             f"Chosen on the selection half: {held['chosen']} {held['config']}",
@@ -184,7 +196,8 @@ def _best_blocks(m: ModelReport, z: float) -> list:
     blocks = [
         f"Trial {b['trial_id']}: method {str(b['pruning_method']).upper()}, taylor_seq_len {b['taylor_seq_len']}, "
         f"taylor_num_samples {b['taylor_num_samples']}, seed {_fmt(b.get('seed'))}",
-        f"acc_mean {float(b['acc_mean']):.4f} ± {_fmt(m.best_stderr)} (stderr){ci_text}; ppl {_fmt(b.get('ppl'), 2)}",
+        f"acc_mean {float(b['acc_mean']):.4f} ± {_fmt(m.best_stderr)} (stderr){ci_text}; ppl {_fmt(b.get('ppl'), 2)}"
+        + (f" (ranked by {m.objective.metric})" if m.objective.metric != "acc_mean" else ""),
         "Diagnostics: " + ", ".join(f"{k} {_sig(b.get(k))}" for k in ("params_count", "pruning_ratio", *GRAD_COLUMNS, "extreme_pruning_layers")),
     ]
     rows = []
@@ -201,6 +214,8 @@ def _best_blocks(m: ModelReport, z: float) -> list:
     lead = m.lead
     if lead.runner_up is None:
         blocks.append(f"Lead over the runner-up: undefined ({lead.reason})")
+    elif m.objective.metric != "acc_mean":
+        blocks.append(f"Lead over the runner-up {lead.runner_up}: {lead.difference:.4g} {m.objective.metric}; {lead.reason}")
     elif lead.exceeds_uncertainty is None:
         blocks.append(f"Lead over the runner-up {lead.runner_up}: {lead.difference:+.4f}; uncertainty unknown ({lead.reason})")
     else:
@@ -217,16 +232,20 @@ def _cross_blocks(report: Report) -> list:
         return [f"No valid trials among {len(report.table.trials)}: nothing to compare."] + report.notes
     blocks: list = [report.cross.drop(columns=["trial_id"])]
     best = report.overall_best
-    blocks.append(f"Overall best: {best['model'].upper()} with {str(best['best_method']).upper()}, acc {best['best_acc']:.4f}, "
-                  f"ppl {_fmt(best['best_ppl'], 2)}")
+    blocks.append(f"Overall best by {report.objective.metric}: {best['model'].upper()} with {str(best['best_method']).upper()}, "
+                  f"acc {best['best_acc']:.4f}, ppl {_fmt(best['best_ppl'], 2)}")
     if len(report.models) > 1:
-        blocks += ["Value of the search (each model's best configuration applied to every model; loss = own best - that acc):",
+        blocks += [f"Value of the search (each model's best configuration applied to every model; loss = how much worse its "
+                   f"{report.objective.metric} is than the model's own best):",
                    report.value_of_search]
     k = report.key
     blocks.append(f"Scale: {k['trials']} trials ({k['valid_trials']} valid), {k.get('models')} model(s), {k.get('methods')} method(s), "
                   f"{k.get('task_evaluations')} task evaluations; trial time {_fmt(k.get('trial_hours'), 2)} h")
     blocks.append(f"acc_mean over valid trials: max {_fmt(k.get('acc_max'))}, min {_fmt(k.get('acc_min'))}, "
                   f"median {_fmt(k.get('acc_median'))}, mean {_fmt(k.get('acc_mean'))} ± {_fmt(k.get('acc_std'))}")
+    if k.get("ppl_median") is not None:
+        blocks.append(f"ppl over valid trials: min {_fmt(k.get('ppl_min'), 2)}, median {_fmt(k.get('ppl_median'), 2)}, "
+                      f"max {_fmt(k.get('ppl_max'), 2)}")
     return blocks + report.notes
 
 
@@ -286,16 +305,18 @@ def _write_json(path: Path, data) -> Path:
 def best_config_dict(m: ModelReport) -> dict:
     b = m.best
     keep = [c for c in b.index if not c.startswith("config/") and c not in ("valid", "reason")]
-    return {"model": m.model, "trial_id": b["trial_id"], "acc_mean_stderr": m.best_stderr,
+    return {"model": m.model, "trial_id": b["trial_id"], "objective": {"metric": m.objective.metric, "mode": m.objective.mode},
+            "acc_mean_stderr": m.best_stderr,
             "config": {k: b.get(k) for k in CONFIG_COLUMNS}, "metrics": {k: b[k] for k in keep},
             "lead": m.lead.to_dict()}
 
 
 def method_comparison_dict(m: ModelReport) -> dict:
     table = m.methods["table"]
-    best_per_method = {method: stats.best_trial(group) for method, group in m.valid.groupby("pruning_method")}
+    best_per_method = {method: stats.best_trial(group, m.objective) for method, group in m.valid.groupby("pruning_method")}
     return {
-        "model": m.model, "best_method": m.methods["best_method"], "best_acc": m.methods["best_acc"],
+        "model": m.model, "metric": m.objective.metric, "best_method": m.methods["best_method"], "best_acc": m.methods["best_acc"],
+        "best_value": m.methods["best_value"],
         "best_method_by_mean": m.methods["best_method_by_mean"],
         "methods": {method: {**row.to_dict(), "best_trial": best_per_method[method]["trial_id"],
                              "best_config": {k: best_per_method[method][k] for k in CONFIG_COLUMNS}}
@@ -364,7 +385,8 @@ def write_report(report: Report, output: str | Path) -> list[Path]:
         folder = out / f"consolidated_{folder_name(name)}"
         folder.mkdir(exist_ok=True)
         rows = trials[trials["model"] == name].drop(columns=[c for c in trials if c.startswith("config/")])
-        rows = rows.assign(acc_mean_stderr=m.valid["acc_mean_stderr"]).sort_values("acc_mean", ascending=False, na_position="last")
+        rows = rows.assign(acc_mean_stderr=m.valid["acc_mean_stderr"]).sort_values(
+            report.objective.metric, ascending=report.objective.ascending, na_position="last")
         rows.to_csv(folder / "all_methods_results.csv", index=False)
         written.append(folder / "all_methods_results.csv")
         if m.best is not None:
@@ -395,12 +417,12 @@ def write_report(report: Report, output: str | Path) -> list[Path]:
         (paper / name).write_text(text)
         written.append(paper / name)
     for m in with_best:
-        data = plots.heatmap_data(valid, m.model)
+        data = plots.heatmap_data(valid, m.model, report.objective.metric)
         written.append(_write_json(figures / f"heatmap_{folder_name(m.model)}.json", data.to_dict()))
         plots.render_heatmap(data, figures / f"heatmap_{folder_name(m.model)}.png")
         written.append(figures / f"heatmap_{folder_name(m.model)}.png")
     if with_best:
-        bars = plots.method_bars(valid)
+        bars = plots.method_bars(valid, report.objective.metric)
         written.append(_write_json(figures / "methods_by_models.json", bars.to_dict()))
         plots.render_method_bars(bars, figures / "methods_by_models.png")
         written.append(figures / "methods_by_models.png")

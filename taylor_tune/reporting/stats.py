@@ -13,6 +13,10 @@ Uncertainty: lm-eval gives each task's accuracy a standard error; acc_mean's is 
 when the difference exceeds z * sqrt(se_a^2 + se_b^2), z = 1.96 by default. Both trials answer the same
 items, so this independent-errors bound is conservative: a paired per-item test would call more leads real.
 A single task's interval is Wilson's over its item count (`acc_<task>_n`) where the trials record it.
+
+Ranking follows the sweep's `Objective` (its `metric` and `mode`, acc_mean / max unless the experiment said
+otherwise): the best trial, the best method and value, correlations, fANOVA and the value of a search all use
+it; the stderr-based lead and the held-out selection exist only for accuracies (a perplexity has no stderr here).
 """
 
 from __future__ import annotations
@@ -27,6 +31,33 @@ from scipy import stats
 Z95 = float(stats.norm.ppf(0.975))
 CONFIG = ("pruning_method", "taylor_seq_len", "taylor_num_samples")
 STRENGTHS = ((0.7, "strong"), (0.5, "moderate"), (0.3, "weak"), (0.0, "negligible"))
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What the sweep optimized: `metric` (acc_mean, ppl or acc_<task>) and `mode` (max or min)."""
+
+    metric: str = "acc_mean"
+    mode: str = "max"
+
+    @property
+    def ascending(self) -> bool:
+        """Sort order that puts the best first."""
+        return self.mode == "min"
+
+    @property
+    def is_accuracy(self) -> bool:
+        return self.metric.startswith("acc_")
+
+    def best_index(self, values: pd.Series):
+        return values.idxmin() if self.ascending else values.idxmax()
+
+    def loss(self, best: float, value: float) -> float:
+        """How much worse `value` is than `best`, positive when worse, in the metric's units."""
+        return value - best if self.ascending else best - value
+
+
+ACCURACY = Objective()
 
 
 def strength(r: float) -> str:
@@ -89,38 +120,45 @@ def summary(df: pd.DataFrame, by: str, metric: str = "acc_mean") -> pd.DataFrame
     return table.sort_index()
 
 
-def best_trial(df: pd.DataFrame) -> pd.Series | None:
-    """The trial with the highest acc_mean; ties go to the lower ppl, then the smaller trial id."""
+def best_trial(df: pd.DataFrame, objective: Objective = ACCURACY) -> pd.Series | None:
+    """The trial with the best objective metric; ties go to the lower ppl (ranking by an accuracy) or the higher
+    acc_mean (ranking by ppl), then the smaller trial id."""
     if df.empty:
         return None
-    ordered = df.assign(_ppl=df["ppl"].fillna(np.inf) if "ppl" in df else np.inf)
-    ordered = ordered.sort_values(["acc_mean", "_ppl", "trial_id"], ascending=[False, True, True], kind="stable")
-    return ordered.iloc[0].drop("_ppl")
+    value = pd.to_numeric(df[objective.metric], errors="coerce")
+    if objective.metric == "ppl":
+        tie = -pd.to_numeric(df["acc_mean"], errors="coerce").fillna(-np.inf) if "acc_mean" in df else 0.0
+    else:
+        tie = df["ppl"].fillna(np.inf) if "ppl" in df else np.inf
+    ordered = df.assign(_value=value if objective.ascending else -value, _tie=tie)
+    ordered = ordered.sort_values(["_value", "_tie", "trial_id"], kind="stable")
+    return ordered.iloc[0].drop(["_value", "_tie"])
 
 
-def method_comparison(df: pd.DataFrame) -> dict:
-    """Per method: acc_mean statistics; the best method is the best trial's (as the source tools chose),
-    and the method with the best mean is named beside it."""
-    table = summary(df, "pruning_method")
-    best = best_trial(df)
+def method_comparison(df: pd.DataFrame, objective: Objective = ACCURACY) -> dict:
+    """Per method: statistics of the objective metric; the best method is the best trial's (as the source tools
+    chose), and the method with the best mean is named beside it. `best_acc` is the best trial's acc_mean."""
+    table = summary(df, "pruning_method", objective.metric)
+    best = best_trial(df, objective)
     return {
         "table": table,
         "best_method": None if best is None else best["pruning_method"],
-        "best_acc": None if best is None else float(best["acc_mean"]),
-        "best_method_by_mean": None if table.empty else table["mean"].idxmax(),
+        "best_acc": None if best is None else plain(float(best["acc_mean"])),
+        "best_value": None if best is None else float(best[objective.metric]),
+        "best_method_by_mean": None if table.empty else objective.best_index(table["mean"]),
     }
 
 
-def hyperparameter_impact(df: pd.DataFrame, param: str) -> dict:
-    """acc_mean statistics per value of `param`; the best value is the one with the highest mean."""
-    table = summary(df, param)
-    return {"table": table, "best_value": None if table.empty else table["mean"].idxmax(),
-            "best_mean": None if table.empty else float(table["mean"].max())}
+def hyperparameter_impact(df: pd.DataFrame, param: str, objective: Objective = ACCURACY) -> dict:
+    """Statistics of the objective metric per value of `param`; the best value is the one with the best mean."""
+    table = summary(df, param, objective.metric)
+    return {"table": table, "best_value": None if table.empty else objective.best_index(table["mean"]),
+            "best_mean": None if table.empty else float(table["mean"].loc[objective.best_index(table["mean"])])}
 
 
-def extreme_layers(df: pd.DataFrame) -> dict:
-    table = df.groupby("extreme_pruning_layers")["acc_mean"].agg(["mean", "count"]).sort_index()
-    return {"correlation": correlation(df, "extreme_pruning_layers"), "table": table}
+def extreme_layers(df: pd.DataFrame, objective: Objective = ACCURACY) -> dict:
+    table = df.groupby("extreme_pruning_layers")[objective.metric].agg(["mean", "count"]).sort_index()
+    return {"correlation": correlation(df, "extreme_pruning_layers", objective.metric), "table": table}
 
 
 def acc_mean_stderr(df: pd.DataFrame, tasks: tuple[str, ...]) -> pd.Series:
@@ -170,12 +208,16 @@ class Lead:
         return asdict(self)
 
 
-def lead_of_best(df: pd.DataFrame, tasks: tuple[str, ...], z: float = Z95) -> Lead:
-    best = best_trial(df)
+def lead_of_best(df: pd.DataFrame, tasks: tuple[str, ...], z: float = Z95, objective: Objective = ACCURACY) -> Lead:
+    best = best_trial(df, objective)
     if best is None:
         return Lead(None, reason="no valid trials")
     if len(df) < 2:
         return Lead(best["trial_id"], reason="only one valid trial: nothing to compare with")
+    if objective.metric != "acc_mean":
+        runner = best_trial(df[df["trial_id"] != best["trial_id"]], objective)
+        return Lead(best["trial_id"], runner["trial_id"], float(objective.loss(best[objective.metric], runner[objective.metric])), z=z,
+                    reason=f"{objective.metric} has no standard error here; the calibration-seed spread (search.repeats > 1) is its noise")
     se = acc_mean_stderr(df, tasks)
     others = df[df["trial_id"] != best["trial_id"]]
     runner = best_trial(others)
@@ -192,11 +234,11 @@ def lead_of_best(df: pd.DataFrame, tasks: tuple[str, ...], z: float = Z95) -> Le
     return lead
 
 
-def seed_spread(df: pd.DataFrame) -> dict:
-    """With calibration-seed repeats: acc_mean across seeds for each configuration."""
+def seed_spread(df: pd.DataFrame, objective: Objective = ACCURACY) -> dict:
+    """With calibration-seed repeats: the objective metric across seeds for each configuration."""
     if "seed" not in df or df.empty:
         return {"table": None, "reason": "no seed column"}
-    table = df.groupby(list(CONFIG))["acc_mean"].agg(["mean", "std", "min", "max", "count"])
+    table = df.groupby(list(CONFIG))[objective.metric].agg(["mean", "std", "min", "max", "count"])
     table = table[table["count"] > 1]
     if table.empty:
         return {"table": None, "reason": "one calibration seed per configuration (set search.repeats > 1 to measure the spread)"}
@@ -222,8 +264,11 @@ def heldout_selection(df: pd.DataFrame, tasks: tuple[str, ...]) -> dict:
     }
 
 
-def hyperparameter_importance(df: pd.DataFrame, params: tuple[str, ...] = CONFIG, seed: int = 0) -> dict:
-    """Optuna's fANOVA importance of each searched parameter for acc_mean (sums to 1 over the varied ones)."""
+def hyperparameter_importance(df: pd.DataFrame, params: tuple[str, ...] = CONFIG, seed: int = 0,
+                              objective: Objective = ACCURACY) -> dict:
+    """Optuna's fANOVA importance of each searched parameter for the objective metric (sums to 1 over the varied
+    ones). A perplexity enters as log(ppl): its variance is otherwise that of its few largest values."""
+    metric = objective.metric
     import optuna
     from optuna.distributions import CategoricalDistribution
     from optuna.importance import FanovaImportanceEvaluator, get_param_importances
@@ -231,58 +276,63 @@ def hyperparameter_importance(df: pd.DataFrame, params: tuple[str, ...] = CONFIG
     varied = [p for p in params if p in df and df[p].nunique() > 1]
     if len(df) < 2 or not varied:
         return {"importances": {}, "reason": "fewer than two trials or no parameter takes two values"}
-    if df["acc_mean"].nunique() < 2:
-        return {"importances": {}, "reason": f"acc_mean is the same ({df['acc_mean'].iloc[0]:g}) in every trial: no variance to attribute"}
+    if df[metric].nunique() < 2:
+        return {"importances": {}, "reason": f"{metric} is the same ({df[metric].iloc[0]:g}) in every trial: no variance to attribute"}
+    values = np.log(df[metric].astype(float)) if metric == "ppl" else df[metric].astype(float)
     distributions = {p: CategoricalDistribution(sorted({plain(v) for v in df[p]}, key=str)) for p in varied}
     verbosity = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
-        study = optuna.create_study(direction="maximize")
+        study = optuna.create_study(direction="minimize" if objective.ascending else "maximize")
         study.add_trials([
             optuna.trial.create_trial(params={p: plain(row[p]) for p in varied}, distributions=distributions,
-                                      value=float(row["acc_mean"]))
-            for _, row in df.iterrows()
+                                      value=float(values[i]))
+            for i, row in df.iterrows()
         ])
         importances = get_param_importances(study, evaluator=FanovaImportanceEvaluator(seed=seed))
     finally:
         optuna.logging.set_verbosity(verbosity)
     return {"importances": {k: float(v) for k, v in importances.items()}, "reason": None,
-            "constant": [p for p in params if p not in varied]}
+            "of": "log(ppl)" if metric == "ppl" else metric, "constant": [p for p in params if p not in varied]}
 
 
-def value_of_search(df: pd.DataFrame) -> pd.DataFrame:
+def value_of_search(df: pd.DataFrame, objective: Objective = ACCURACY) -> pd.DataFrame:
     """The loss from pruning each model with another model's best configuration instead of its own
-    (mean over seeds where a configuration was repeated). NaN where the target never ran that configuration."""
+    (mean over seeds where a configuration was repeated), in the objective metric's units, positive = worse.
+    NaN where the target never ran that configuration."""
     rows = []
-    best = {m: best_trial(g) for m, g in df.groupby("model")}
+    metric = objective.metric
+    best = {m: best_trial(g, objective) for m, g in df.groupby("model")}
     for source, source_best in best.items():
         config = {k: source_best[k] for k in CONFIG}
         for target, target_best in best.items():
             same = df[(df["model"] == target) & np.logical_and.reduce([df[k] == v for k, v in config.items()])]
-            acc = float(same["acc_mean"].mean()) if len(same) else float("nan")
+            value = float(same[metric].mean()) if len(same) else float("nan")
             rows.append({"config_of": source, "applied_to": target, **{k: plain(v) for k, v in config.items()},
-                         "acc": acc, "own_best_acc": float(target_best["acc_mean"]),
-                         "loss": float(target_best["acc_mean"]) - acc})
+                         metric: value, f"own_best_{metric}": float(target_best[metric]),
+                         "loss": objective.loss(float(target_best[metric]), value)})
     return pd.DataFrame(rows)
 
 
-def cross_model(df: pd.DataFrame, invalid_counts: dict[str, int] | None = None) -> pd.DataFrame:
+def cross_model(df: pd.DataFrame, invalid_counts: dict[str, int] | None = None, objective: Objective = ACCURACY) -> pd.DataFrame:
     """Per model: its best trial's method, acc and ppl, and the valid-trial count; best model first."""
     rows = []
     for model, group in df.groupby("model"):
-        best = best_trial(group)
+        best = best_trial(group, objective)
         rows.append({"model": model, "best_method": best["pruning_method"], "best_acc": float(best["acc_mean"]),
                      "best_ppl": plain(best.get("ppl")), "taylor_seq_len": plain(best["taylor_seq_len"]),
                      "taylor_num_samples": plain(best["taylor_num_samples"]), "valid_trials": len(group),
                      "invalid_trials": (invalid_counts or {}).get(model, 0), "trial_id": best["trial_id"]})
     columns = ["model", "best_method", "best_acc", "best_ppl", "taylor_seq_len", "taylor_num_samples",
                "valid_trials", "invalid_trials", "trial_id"]
-    return pd.DataFrame(rows, columns=columns).sort_values("best_acc", ascending=False, kind="stable").reset_index(drop=True)
+    by = "best_ppl" if objective.metric == "ppl" else "best_acc"
+    return pd.DataFrame(rows, columns=columns).sort_values(by, ascending=objective.ascending, kind="stable").reset_index(drop=True)
 
 
 def key_figures(df: pd.DataFrame, tasks: tuple[str, ...], total_trials: int) -> dict:
-    """The experiment's scale, cost and accuracy distribution (reference/001's 'key data points')."""
+    """The experiment's scale, cost, and accuracy and perplexity distributions (reference/001's 'key data points')."""
     acc = df["acc_mean"]
+    ppl = pd.to_numeric(df["ppl"], errors="coerce") if "ppl" in df else pd.Series(dtype=float)
     hours = float(pd.to_numeric(df["time_total_s"], errors="coerce").sum() / 3600) if "time_total_s" in df else None
     return {
         "trials": total_trials, "valid_trials": len(df), "models": int(df["model"].nunique()),
@@ -290,6 +340,7 @@ def key_figures(df: pd.DataFrame, tasks: tuple[str, ...], total_trials: int) -> 
         "trial_hours": hours,  # GPU-hours = trial-hours x GPUs per trial
         "acc_max": plain(acc.max()), "acc_min": plain(acc.min()), "acc_median": plain(acc.median()),
         "acc_mean": plain(acc.mean()), "acc_std": plain(acc.std()),
+        "ppl_min": plain(ppl.min()), "ppl_median": plain(ppl.median()), "ppl_max": plain(ppl.max()),
     }
 
 

@@ -128,7 +128,7 @@ def run_sweep(experiment: Experiment, *, verbose: bool = False):
 
 
 def sweep_status(path: str) -> dict:
-    """Trial counts by state and the best acc_mean so far per model, from the saved experiment state."""
+    """Trial counts by state and the best trial so far per model by the sweep's metric, from the saved experiment state."""
     import logging
 
     from ray.tune import ExperimentAnalysis
@@ -162,15 +162,19 @@ def sweep_status(path: str) -> dict:
         result = trial.last_result or {}
         model = trial.config.get("model")
         # only a trial's full evaluation counts (a cheap pass, or a trial ASHA stopped after one, is not comparable);
-        # ties as the report breaks them: higher acc_mean, then lower ppl, then the smaller trial id
-        fidelities = trial.config.get("fixed", {}).get("evaluation", {}).get("fidelities") or [None]
-        if result.get("stage") != zero_shot_stage(fidelities[-1]) or "acc_mean" not in result:
+        # ranked by the sweep's metric, ties as the report breaks them (stats.best_trial), then the smaller trial id
+        fixed = trial.config.get("fixed", {})
+        fidelities = fixed.get("evaluation", {}).get("fidelities") or [None]
+        metric = (fixed.get("objective") or {}).get("metric", "acc_mean")
+        if result.get("stage") != zero_shot_stage(fidelities[-1]) or "acc_mean" not in result or metric not in result:
             continue
         ppl = result.get("ppl")
-        rank = (-result["acc_mean"], math.inf if ppl is None else ppl, trial.trial_id)
+        ppl = math.inf if ppl is None else float(ppl)
+        rank = (ppl, -result["acc_mean"], trial.trial_id) if metric == "ppl" else (-result[metric], ppl, trial.trial_id)
         if model not in ranks or rank < ranks[model]:
             ranks[model] = rank
-            best[model] = {"acc_mean": result["acc_mean"], "ppl": ppl, "trial_id": trial.trial_id,
+            best[model] = {"metric": metric, metric: result[metric], "acc_mean": result["acc_mean"], "ppl": result.get("ppl"),
+                           "trial_id": trial.trial_id,
                            **{k: trial.config.get(k) for k in ("pruning_method", "taylor_seq_len", "taylor_num_samples", "seed")}}
     return {"pending": counts["PENDING"], "running": counts["RUNNING"], "finished": counts["TERMINATED"],
             "errored": counts["ERROR"], "paused": counts["PAUSED"], "total": len(analysis.trials), "best": best,
