@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup fetch demo smoke-demo prune-demo test test-fast bench bench-quality world clean
+.PHONY: setup fetch demo smoke-demo prune-demo test test-fast bench bench-quality bench-real-grid world clean
 
 setup: $(STAMP)
 
@@ -58,6 +58,14 @@ bench: setup
 # Pruning quality on the real models (issue 13's study): hours on 2 cores, resumable (rerun to continue).
 bench-quality: fetch
 	$(PY) bench/bench_quality.py --json bench/quality.json
+	$(PY) bench/bench_quality.py --json bench/quality.json --table --figure bench/quality.png
+
+# The paper grid on SmolLM2-135M ranked by perplexity (~1.5 h on 2 cores, resumable), kept in bench/real_paper_grid,
+# then the TPE and TPE+ASHA replays on it.
+bench-real-grid: fetch
+	$(VENV)/bin/taylor-tune sweep experiments/real_paper_grid.yaml
+	$(PY) bench/export_grid.py runs/sweeps/real_paper_grid bench/real_paper_grid
+	$(PY) bench/bench_search.py bench/real_paper_grid --ppl-rung 16 --tolerance 0.01 --json bench/real_search.json
 
 # Regenerate the offline world (corpus, tasks, tokenizer, tiny trained models); ~7 min of CPU.
 world: setup

@@ -10,6 +10,7 @@ run; a killed run continues with the next unfinished one (hours on 2 CPU cores: 
     python bench/bench_quality.py --models smollm2-135m --sparsity 0.2 --methods taylor --limit 2 \\
         --ppl-max-windows 2 --num-samples 4 --json /tmp/q.json                   # a check (a minute)
     python bench/bench_quality.py --json bench/quality.json --table              # the results so far, as Markdown
+    python bench/bench_quality.py --json bench/quality.json --figure bench/quality.png   # and as a figure
 
 A variant is `field=value` of the prune config, e.g. `criterion=taylor_sum` or `blockwise_attention=mlp_only`;
 it applies to the methods it concerns (criterion: taylor, layerwise, blockwise, magnitude; blockwise_attention:
@@ -97,6 +98,35 @@ def table(data: dict) -> str:
     return "\n".join(rows)
 
 
+def figure(data: dict, path: Path) -> None:
+    """Per model and sparsity, one row of two panels: wiki ppl (log scale) and acc_mean with its 95% interval, per
+    method and variant (the unpruned model as a line)."""
+    from matplotlib.figure import Figure
+
+    runs = [(tuple(k.split("|")), v) for k, v in data["runs"].items()]
+    panels = sorted({(m, s) for (m, s, method, _), _ in runs if method != "unpruned"}, key=lambda p: (p[0], -float(p[1])))
+    fig = Figure(figsize=(12, 3.2 * len(panels)), layout="constrained")
+    axes = fig.subplots(len(panels), 2, squeeze=False)
+    for (model, sparsity), (ax_ppl, ax_acc) in zip(panels, axes):
+        rows = [(f"{method}" + (f"\n{variant}" if variant else ""), run) for (m, s, method, variant), run in runs
+                if m == model and s == sparsity]
+        base = next((run for (m, _, method, _), run in runs if m == model and method == "unpruned"), None)
+        x = range(len(rows))
+        se = [1.96 * sum(e["score_stderr"] ** 2 for e in run["tasks"].values()) ** 0.5 / len(run["tasks"]) for _, run in rows]
+        ax_ppl.bar(x, [run["ppl"] for _, run in rows], color="tab:blue")
+        ax_ppl.set_yscale("log")
+        ax_acc.bar(x, [run["acc_mean"] for _, run in rows], yerr=se, capsize=3, color="tab:green")
+        for ax, key, label in ((ax_ppl, "ppl", "wiki ppl (log)"), (ax_acc, "acc_mean", "acc_mean ± 95% CI")):
+            if base is not None:
+                ax.axhline(base[key], color="black", linestyle="--", linewidth=1, label="unpruned")
+                ax.legend(fontsize=7)
+            ax.set_xticks(list(x), [name for name, _ in rows], rotation=60, ha="right", fontsize=7)
+            ax.set_ylabel(label)
+            ax.set_title(f"{model}, sparsity {sparsity}", fontsize=9)
+        ax_acc.set_ylim(0.3, max(0.5, max(run["acc_mean"] for _, run in rows) + 0.05))
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-0.5b"])
@@ -112,9 +142,14 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", default=list(ZERO_SHOT_TASKS))
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--table", action="store_true", help="print the results in --json as a Markdown table, run nothing")
+    parser.add_argument("--figure", type=Path, help="draw the results in --json to this PNG, run nothing")
     args = parser.parse_args()
-    if args.table:
-        print(table(json.loads(args.json.read_text())))
+    if args.table or args.figure:
+        data = json.loads(args.json.read_text())
+        if args.table:
+            print(table(data))
+        if args.figure:
+            figure(data, args.figure)
         return
     for variant in args.variants:
         if variant.split("=")[0] not in VARIANT_METHODS or "=" not in variant.partition("@")[0]:
