@@ -388,8 +388,10 @@ def test_a_ppl_sweep_is_ranked_by_its_lowest_perplexity_as_pandas_recomputes_it(
             table = m.methods["table"] if impact is None else impact["table"]
             for value, (mean, std, low, high, n) in expected.items():
                 assert table.loc[value, "mean"] == pytest.approx(mean) and table.loc[value, "std"] == pytest.approx(std)
-            best_by_mean = min(expected, key=lambda v: expected[v][0])
-            assert (m.methods["best_method_by_mean"] if impact is None else impact["best_value"]) == best_by_mean
+            gmeans = {k: math.exp(statistics.fmean(map(math.log, rows[rows[key] == k]["ppl"]))) for k in expected}
+            assert table["gmean"].to_dict() == pytest.approx(gmeans)
+            best_by_gmean = min(gmeans, key=gmeans.get)  # a perplexity's groups are ranked by their geometric mean
+            assert (m.methods["best_method_by_mean"] if impact is None else impact["best_value"]) == best_by_gmean
         r, p = pearson_by_hand(rows["grad_mean_ratio"], rows["ppl"])
         assert m.gradient[0].y == "ppl" and m.gradient[0].r == pytest.approx(r) and m.gradient[0].p == pytest.approx(p)
         assert m.importance["of"] == "log(ppl)" and sum(m.importance["importances"].values()) == pytest.approx(1.0)
@@ -413,10 +415,11 @@ def test_a_ppl_sweeps_figures_and_csv_follow_its_metric(ppl_report, ppl_table, t
             cell = rows[(rows["taylor_seq_len"] == s) & (rows["taylor_num_samples"] == n)]["ppl"]
             assert heat.values[i][j] == pytest.approx(scipy_stats.gmean(cell))
     bars = plots.method_bars(ppl_report.table.valid, "ppl")
-    assert bars.metric == "ppl"
+    assert bars.metric == "ppl" and bars.aggregate == "geometric mean"
     for k, method in enumerate(bars.methods):
-        ppl = rows[rows["pruning_method"] == method]["ppl"]
-        assert bars.means[k][bars.models.index("model-a")] == pytest.approx(statistics.fmean(ppl))
+        logs = [math.log(v) for v in rows[rows["pruning_method"] == method]["ppl"]]
+        assert bars.means[k][bars.models.index("model-a")] == pytest.approx(math.exp(statistics.fmean(logs)))
+        assert bars.stds[k][bars.models.index("model-a")] == pytest.approx(math.exp(statistics.stdev(logs)))
     write_report(ppl_report, tmp_path / "out")
     csv = pd.read_csv(tmp_path / "out" / "consolidated_model-a" / "all_methods_results.csv")
     assert csv["ppl"].tolist() == sorted(rows["ppl"]) and csv["ppl"].iloc[0] == 12.0

@@ -32,7 +32,9 @@ class HeatmapData:
 
 @dataclass
 class MethodBars:
-    """Mean of the metric for each method on each model, with the std over its trials as the error bar."""
+    """Mean of the metric for each method on each model, with the std over its trials as the error bar; for ppl
+    the geometric mean and the geometric std factor (the bar spans mean / factor ... mean x factor), since a
+    perplexity's spread is multiplicative and mean - std would fall below zero."""
 
     models: list[str]
     methods: list[str]
@@ -40,6 +42,7 @@ class MethodBars:
     stds: list[list[float | None]]
     counts: list[list[int]]
     metric: str = "acc_mean"
+    aggregate: str = "mean"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -83,13 +86,17 @@ def heatmap_data(df: pd.DataFrame, model: str, metric: str = "acc_mean") -> Heat
 def method_bars(df: pd.DataFrame, metric: str = "acc_mean") -> MethodBars:
     models = sorted(df["model"].unique())
     methods = sorted(df["pruning_method"].unique())
-    stats = df.groupby(["pruning_method", "model"])[metric].agg(["mean", "std", "count"])
+    geometric = metric == "ppl"
+    values = np.log(df[metric].astype(float)) if geometric else df[metric]
+    stats = values.groupby([df["pruning_method"], df["model"]]).agg(["mean", "std", "count"])
+    if geometric:
+        stats[["mean", "std"]] = np.exp(stats[["mean", "std"]])
 
     def grid(column, convert):
         return [[convert(stats[column].get((m, model), np.nan)) for model in models] for m in methods]
 
     return MethodBars(models, methods, grid("mean", _none_if_nan), grid("std", _none_if_nan),
-                      grid("count", lambda v: 0 if pd.isna(v) else int(v)), metric)
+                      grid("count", lambda v: 0 if pd.isna(v) else int(v)), metric, "geometric mean" if geometric else "mean")
 
 
 def layer_profile(layers: list[dict], title: str) -> LayerProfile:
@@ -120,8 +127,10 @@ def render_heatmap(data: HeatmapData, path: Path) -> None:
     ax.set_xticks(range(len(data.num_samples)), [str(v) for v in data.num_samples])
     ax.set_yticks(range(len(data.seq_lens)), [str(v) for v in data.seq_lens])
     for (i, j), value in np.ndenumerate(values):
-        if np.isfinite(value):
-            ax.text(j, i, f"{value:.1f}" if lower_is_better else f"{value:.3f}", ha="center", va="center", fontsize=8)
+        if np.isfinite(value):  # white on the dark half of the colour map, black on the light half
+            red, green, blue, _ = image.cmap(image.norm(value))
+            ax.text(j, i, f"{value:.1f}" if lower_is_better else f"{value:.3f}", ha="center", va="center", fontsize=8,
+                    color="white" if 0.299 * red + 0.587 * green + 0.114 * blue < 0.5 else "black")
     ax.set_xlabel("taylor_num_samples")
     ax.set_ylabel("taylor_seq_len")
     ax.set_title(f"{data.model}: {data.aggregate} {data.metric} over methods")
@@ -135,12 +144,18 @@ def render_method_bars(data: MethodBars, path: Path) -> None:
     x = np.arange(len(data.models))
     for k, method in enumerate(data.methods):
         means = _as_array([data.means[k]])[0]
-        stds = np.nan_to_num(_as_array([data.stds[k]])[0])
-        ax.bar(x + (k - (len(data.methods) - 1) / 2) * width, means, width, yerr=stds, capsize=3, label=method)
+        if data.aggregate == "geometric mean":  # mean / factor ... mean x factor
+            factors = np.nan_to_num(_as_array([data.stds[k]])[0], nan=1.0)
+            errors = np.array([means - means / factors, means * factors - means])
+        else:
+            errors = np.nan_to_num(_as_array([data.stds[k]])[0])
+        ax.bar(x + (k - (len(data.methods) - 1) / 2) * width, means, width, yerr=errors, capsize=3, label=method)
     ax.set_xticks(x, data.models)
-    ax.set_ylabel(f"{data.metric} (mean ± std over trials)")
-    if data.metric == "ppl":
+    if data.aggregate == "geometric mean":
+        ax.set_ylabel(f"{data.metric} (geometric mean ×/÷ geometric std)")
         ax.set_yscale("log")  # methods' perplexities differ by orders of magnitude
+    else:
+        ax.set_ylabel(f"{data.metric} (mean ± std over trials)")
     ax.legend(fontsize=8)
     figure.savefig(path, dpi=120)
 

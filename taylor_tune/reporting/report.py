@@ -140,6 +140,8 @@ def sections(report: Report) -> list[tuple[str, list]]:
     z = report.z
     metric = report.objective.metric
     mean = f"mean {metric}"
+    center = "geometric mean ppl" if report.objective.center == "gmean" else mean
+    columns = {"mean": mean, "gmean": "geo-mean ppl", "count": "trials"}
     for name, m in report.models.items():
         head = [f"Trials: {m.trials}, valid: {len(m.valid)}, invalid: {len(m.invalid)}; "
                 f"ranked by {metric} ({'lower' if report.objective.ascending else 'higher'} is better), the sweep's metric"]
@@ -149,16 +151,16 @@ def sections(report: Report) -> list[tuple[str, list]]:
         if m.valid.empty:
             out.append(("No valid trials", ["Nothing could be computed for this model."]))
             continue
-        methods = m.methods["table"].rename(columns={"mean": mean, "count": "trials"})
+        methods = m.methods["table"].rename(columns=columns)
         out.append(("1. Pruning methods", [
             _frame(methods, "method"),
             f"Best method: {str(m.methods['best_method']).upper()} (its best trial: {metric} {_fmt(m.methods['best_value'])}); "
-            f"best by {mean}: {str(m.methods['best_method_by_mean']).upper()}",
+            f"best by {center}: {str(m.methods['best_method_by_mean']).upper()}",
         ]))
         blocks: list = []
         for label, impact in (("taylor_seq_len", m.seq_len), ("taylor_num_samples", m.num_samples)):
-            blocks += [f"By {label}:", _frame(impact["table"].rename(columns={"mean": mean, "count": "trials"}), label),
-                       f"Best {label}: {impact['best_value']} ({mean} {_fmt(impact['best_mean'])})"]
+            blocks += [f"By {label}:", _frame(impact["table"].rename(columns=columns), label),
+                       f"Best {label}: {impact['best_value']} ({center} {_fmt(impact['best_mean'])})"]
         importance = m.importance
         if importance.get("importances"):
             blocks.append(f"Hyperparameter importance (Optuna fANOVA, share of {importance.get('of', metric)}'s variance): "

@@ -49,6 +49,12 @@ class Objective:
     def is_accuracy(self) -> bool:
         return self.metric.startswith("acc_")
 
+    @property
+    def center(self) -> str:
+        """The summary column that ranks groups: the geometric mean of a perplexity (an arithmetic mean over
+        methods is the worst method's number: one blockwise trial at ppl 911 outweighs ten near 50), else the mean."""
+        return "gmean" if self.metric == "ppl" else "mean"
+
     def best_index(self, values: pd.Series):
         return values.idxmin() if self.ascending else values.idxmax()
 
@@ -115,8 +121,11 @@ def correlation(df: pd.DataFrame, x: str, y: str = "acc_mean", min_rows: int = 3
 
 
 def summary(df: pd.DataFrame, by: str, metric: str = "acc_mean") -> pd.DataFrame:
-    """mean, std (n-1), min, max and count of `metric` per value of `by`, sorted by that value."""
+    """mean, std (n-1), min, max and count of `metric` per value of `by`, sorted by that value; for ppl also its
+    geometric mean (`gmean`, first)."""
     table = df.groupby(by)[metric].agg(["mean", "std", "min", "max", "count"])
+    if metric == "ppl":
+        table.insert(0, "gmean", np.exp(np.log(df[metric].astype(float)).groupby(df[by]).mean()))
     return table.sort_index()
 
 
@@ -145,15 +154,16 @@ def method_comparison(df: pd.DataFrame, objective: Objective = ACCURACY) -> dict
         "best_method": None if best is None else best["pruning_method"],
         "best_acc": None if best is None else plain(float(best["acc_mean"])),
         "best_value": None if best is None else float(best[objective.metric]),
-        "best_method_by_mean": None if table.empty else objective.best_index(table["mean"]),
+        "best_method_by_mean": None if table.empty else objective.best_index(table[objective.center]),
     }
 
 
 def hyperparameter_impact(df: pd.DataFrame, param: str, objective: Objective = ACCURACY) -> dict:
     """Statistics of the objective metric per value of `param`; the best value is the one with the best mean."""
     table = summary(df, param, objective.metric)
-    return {"table": table, "best_value": None if table.empty else objective.best_index(table["mean"]),
-            "best_mean": None if table.empty else float(table["mean"].loc[objective.best_index(table["mean"])])}
+    center = table[objective.center] if not table.empty else None
+    return {"table": table, "best_value": None if table.empty else objective.best_index(center),
+            "best_mean": None if table.empty else float(center.loc[objective.best_index(center)])}
 
 
 def extreme_layers(df: pd.DataFrame, objective: Objective = ACCURACY) -> dict:
