@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from taylor_tune.reporting.stats import multiplicative
+
 
 @dataclass
 class HeatmapData:
@@ -69,9 +71,9 @@ def _none_if_nan(value) -> float | None:
 
 def heatmap_data(df: pd.DataFrame, model: str, metric: str = "acc_mean") -> HeatmapData:
     rows = df[df["model"] == model]
-    geometric = metric == "ppl"
+    geometric = multiplicative(metric)
     if geometric:
-        rows = rows.assign(ppl=np.log(rows["ppl"].astype(float)))
+        rows = rows.assign(**{metric: np.log(rows[metric].astype(float))})
     table = rows.pivot_table(index="taylor_seq_len", columns="taylor_num_samples", values=metric, aggfunc=["mean", "count"])
     seq_lens = sorted(int(v) for v in rows["taylor_seq_len"].unique())
     samples = sorted(int(v) for v in rows["taylor_num_samples"].unique())
@@ -86,7 +88,7 @@ def heatmap_data(df: pd.DataFrame, model: str, metric: str = "acc_mean") -> Heat
 def method_bars(df: pd.DataFrame, metric: str = "acc_mean") -> MethodBars:
     models = sorted(df["model"].unique())
     methods = sorted(df["pruning_method"].unique())
-    geometric = metric == "ppl"
+    geometric = multiplicative(metric)
     values = np.log(df[metric].astype(float)) if geometric else df[metric]
     stats = values.groupby([df["pruning_method"], df["model"]]).agg(["mean", "std", "count"])
     if geometric:
@@ -122,7 +124,7 @@ def _as_array(values) -> np.ndarray:
 def render_heatmap(data: HeatmapData, path: Path) -> None:
     figure, (ax,) = _figure(1.4 + 1.1 * max(len(data.num_samples), 1), 1.2 + 0.55 * max(len(data.seq_lens), 1))
     values = _as_array(data.values) if data.values else np.full((1, 1), np.nan)
-    lower_is_better = data.metric == "ppl"
+    lower_is_better = multiplicative(data.metric)
     image = ax.imshow(values, cmap="YlGnBu_r" if lower_is_better else "YlGnBu", aspect="auto")  # dark = best
     ax.set_xticks(range(len(data.num_samples)), [str(v) for v in data.num_samples])
     ax.set_yticks(range(len(data.seq_lens)), [str(v) for v in data.seq_lens])

@@ -33,6 +33,12 @@ CONFIG = ("pruning_method", "taylor_seq_len", "taylor_num_samples")
 STRENGTHS = ((0.7, "strong"), (0.5, "moderate"), (0.3, "weak"), (0.0, "negligible"))
 
 
+def multiplicative(metric: str) -> bool:
+    """A perplexity: its spread is multiplicative (one method at 900 beside others at 50), so it is averaged and
+    varied in log space: geometric means, log-scale plots, fANOVA of its log."""
+    return metric == "ppl"
+
+
 @dataclass(frozen=True)
 class Objective:
     """What the sweep optimized: `metric` (acc_mean, ppl or acc_<task>) and `mode` (max or min)."""
@@ -46,14 +52,10 @@ class Objective:
         return self.mode == "min"
 
     @property
-    def is_accuracy(self) -> bool:
-        return self.metric.startswith("acc_")
-
-    @property
     def center(self) -> str:
         """The summary column that ranks groups: the geometric mean of a perplexity (an arithmetic mean over
         methods is the worst method's number: one blockwise trial at ppl 911 outweighs ten near 50), else the mean."""
-        return "gmean" if self.metric == "ppl" else "mean"
+        return "gmean" if multiplicative(self.metric) else "mean"
 
     def best_index(self, values: pd.Series):
         return values.idxmin() if self.ascending else values.idxmax()
@@ -124,7 +126,7 @@ def summary(df: pd.DataFrame, by: str, metric: str = "acc_mean") -> pd.DataFrame
     """mean, std (n-1), min, max and count of `metric` per value of `by`, sorted by that value; for ppl also its
     geometric mean (`gmean`, first)."""
     table = df.groupby(by)[metric].agg(["mean", "std", "min", "max", "count"])
-    if metric == "ppl":
+    if multiplicative(metric):
         table.insert(0, "gmean", np.exp(np.log(df[metric].astype(float)).groupby(df[by]).mean()))
     return table.sort_index()
 
@@ -288,7 +290,7 @@ def hyperparameter_importance(df: pd.DataFrame, params: tuple[str, ...] = CONFIG
         return {"importances": {}, "reason": "fewer than two trials or no parameter takes two values"}
     if df[metric].nunique() < 2:
         return {"importances": {}, "reason": f"{metric} is the same ({df[metric].iloc[0]:g}) in every trial: no variance to attribute"}
-    values = np.log(df[metric].astype(float)) if metric == "ppl" else df[metric].astype(float)
+    values = np.log(df[metric].astype(float)) if multiplicative(metric) else df[metric].astype(float)
     distributions = {p: CategoricalDistribution(sorted({plain(v) for v in df[p]}, key=str)) for p in varied}
     verbosity = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -303,7 +305,7 @@ def hyperparameter_importance(df: pd.DataFrame, params: tuple[str, ...] = CONFIG
     finally:
         optuna.logging.set_verbosity(verbosity)
     return {"importances": {k: float(v) for k, v in importances.items()}, "reason": None,
-            "of": "log(ppl)" if metric == "ppl" else metric, "constant": [p for p in params if p not in varied]}
+            "of": f"log({metric})" if multiplicative(metric) else metric, "constant": [p for p in params if p not in varied]}
 
 
 def value_of_search(df: pd.DataFrame, objective: Objective = ACCURACY) -> pd.DataFrame:

@@ -10,7 +10,6 @@ stop` sends) becomes Tune's graceful SIGINT stop, and the experiment state is sa
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import time
@@ -133,8 +132,11 @@ def sweep_status(path: str) -> dict:
 
     from ray.tune import ExperimentAnalysis
 
+    import pandas as pd
+
     from taylor_tune.compat import CompatError
     from taylor_tune.compat.ray import saved_experiment_state
+    from taylor_tune.reporting import stats
 
     if "://" not in path:
         path = str(Path(path).resolve())  # pyarrow reads a relative path as a URI without a scheme
@@ -154,28 +156,24 @@ def sweep_status(path: str) -> dict:
             time.sleep(0.5)
     states = {state["trial_id"]: state["status"] for state in (json.loads(t) for t, _ in saved["trial_data"])}
     counts = {"PENDING": 0, "RUNNING": 0, "TERMINATED": 0, "ERROR": 0, "PAUSED": 0}
-    best: dict[str, dict] = {}
-    ranks: dict[str, tuple] = {}
+    finals: dict[str, list[dict]] = {}
+    objective = stats.ACCURACY
     for trial in analysis.trials:
         status = states.get(trial.trial_id, trial.status)  # a trial added between the two reads: Ray's reading
         counts[status] = counts.get(status, 0) + 1
         result = trial.last_result or {}
-        model = trial.config.get("model")
-        # only a trial's full evaluation counts (a cheap pass, or a trial ASHA stopped after one, is not comparable);
-        # ranked by the sweep's metric, ties as the report breaks them (stats.best_trial), then the smaller trial id
+        # only a trial's full evaluation counts (a cheap pass, or a trial ASHA stopped after one, is not comparable)
         fixed = trial.config.get("fixed", {})
         fidelities = fixed.get("evaluation", {}).get("fidelities") or [None]
-        metric = (fixed.get("objective") or {}).get("metric", "acc_mean")
-        if result.get("stage") != zero_shot_stage(fidelities[-1]) or "acc_mean" not in result or metric not in result:
+        objective = stats.Objective(**fixed["objective"]) if fixed.get("objective") else objective
+        if result.get("stage") != zero_shot_stage(fidelities[-1]) or "acc_mean" not in result or objective.metric not in result:
             continue
-        ppl = result.get("ppl")
-        ppl = math.inf if ppl is None else float(ppl)
-        rank = (ppl, -result["acc_mean"], trial.trial_id) if metric == "ppl" else (-result[metric], ppl, trial.trial_id)
-        if model not in ranks or rank < ranks[model]:
-            ranks[model] = rank
-            best[model] = {"metric": metric, metric: result[metric], "acc_mean": result["acc_mean"], "ppl": result.get("ppl"),
-                           "trial_id": trial.trial_id,
-                           **{k: trial.config.get(k) for k in ("pruning_method", "taylor_seq_len", "taylor_num_samples", "seed")}}
+        finals.setdefault(trial.config.get("model"), []).append(
+            {"trial_id": trial.trial_id, "acc_mean": result["acc_mean"], "ppl": result.get("ppl"), objective.metric: result[objective.metric],
+             **{k: trial.config.get(k) for k in ("pruning_method", "taylor_seq_len", "taylor_num_samples", "seed")}})
+    # ranked and tied as the report ranks them, so that both name the same trial
+    best = {model: {"metric": objective.metric, **{k: stats.plain(v) for k, v in stats.best_trial(pd.DataFrame(rows), objective).items()}}
+            for model, rows in finals.items()}
     return {"pending": counts["PENDING"], "running": counts["RUNNING"], "finished": counts["TERMINATED"],
             "errored": counts["ERROR"], "paused": counts["PAUSED"], "total": len(analysis.trials), "best": best,
             "saved_s_ago": None if saved_at is None else max(0.0, time.time() - saved_at)}
