@@ -8,6 +8,11 @@ relative difference), is_greedy mismatches, and acc/acc_norm per task. A pass al
 killed run continues.
 
     python bench/bench_scorer.py --model smollm2-135m --limit 100 --rounds 2 --json bench/scorer.json
+
+`--baseline full_logits` compares the prefix scorer with itself computing the output layer on every position (as
+it did before it passed transformers' `logits_to_keep`), then keeping the rows it needs: the cost of the full logits.
+
+    python bench/bench_scorer.py --model qwen2.5-0.5b --baseline full_logits --limit 20 --json bench/scorer_logits.json
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import json
 import os
 import platform
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -29,7 +35,28 @@ from taylor_tune.scorer import make_lm
 from taylor_tune.jsonio import write_json
 
 
+@contextmanager
+def full_logits(model):
+    """The model computes logits on every position and only then keeps the rows `logits_to_keep` names."""
+    forward = model.forward
+
+    def every_position(*args, logits_to_keep=0, **kwargs):
+        out = forward(*args, **kwargs)
+        out.logits = out.logits[logits_to_keep] if isinstance(logits_to_keep, torch.Tensor) else out.logits
+        return out
+
+    model.forward = every_position
+    try:
+        yield
+    finally:
+        del model.forward  # the class's forward again
+
+
 def one_pass(model, tokenizer, scorer: str, limit: int, batch_size: int) -> tuple[dict, dict]:
+    if scorer == "prefix_full_logits":
+        with full_logits(model):
+            summary, responses = one_pass(model, tokenizer, "prefix", limit, batch_size)
+        return summary | {"scorer": scorer}, responses
     lm = make_lm(model, tokenizer, batch_size, scorer)
     sources = [task_source(task, "real") for task in ZERO_SHOT_TASKS]
     start = time.perf_counter()
@@ -63,18 +90,21 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=2, help="each round runs both scorers, alternating the order")
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--baseline", choices=["hflm", "full_logits"], default="hflm",
+                        help="what the prefix scorer is compared with: lm-eval's HFLM, or itself on full logits")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
 
     data = json.loads(args.json.read_text()) if args.json.is_file() else {}
     data.setdefault("machine", {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                                 "platform": platform.platform(), "torch": torch.__version__})
-    data.update(model=args.model, limit=args.limit, batch_size=args.batch_size)
+    baseline = "hflm" if args.baseline == "hflm" else "prefix_full_logits"
+    data.update(model=args.model, limit=args.limit, batch_size=args.batch_size, baseline=baseline)
     passes = data.setdefault("passes", [])
     model, tokenizer = load_model(args.model, dtype=torch.float32), load_tokenizer(args.model)
     model.eval()
     reference = None
-    order = [s for r in range(args.rounds) for s in (("hflm", "prefix") if r % 2 == 0 else ("prefix", "hflm"))]
+    order = [s for r in range(args.rounds) for s in ((baseline, "prefix") if r % 2 == 0 else ("prefix", baseline))]
     for index, scorer in enumerate(order):
         if index < len(passes) and index > 0:
             continue  # done in an earlier run (the first pass is rerun: it is the reference for agreement)
@@ -88,9 +118,9 @@ def main() -> None:
         passes[index:index + 1] = [summary]
         write_json(args.json, data)
         print(json.dumps({k: v for k, v in summary.items() if k != "scores"}), flush=True)
-    by = {s: [p for p in passes if p["scorer"] == s] for s in ("hflm", "prefix")}
+    by = {s: [p for p in passes if p["scorer"] == s] for s in (baseline, "prefix")}
     mean = {s: {k: sum(p[k] for p in ps) / len(ps) for k in ("seconds", "tokens_forwarded")} for s, ps in by.items()}
-    data["ratio"] = {k: mean["prefix"][k] / mean["hflm"][k] for k in ("seconds", "tokens_forwarded")}
+    data["ratio"] = {k: mean["prefix"][k] / mean[baseline][k] for k in ("seconds", "tokens_forwarded")}
     write_json(args.json, data)
     print(json.dumps(data["ratio"]))
 

@@ -99,17 +99,23 @@ class PrefixLM(_LibraryBarsFollowTqdmDisable):
     tokens_unpadded = 0
 
     def _forward(self, batch: list[list[Pack]]) -> list[tuple[Pack, torch.Tensor]]:
-        """Each pack with the logits of its positions, [pack length, vocab]."""
+        """Each pack with the logits of the positions that predict its continuations' tokens: its prefix's last
+        position, then every continuation position, [pack length - len(prefix) + 1, vocab].
+
+        Only those rows go through the output layer (transformers' boolean `logits_to_keep`): with a 150k-word
+        vocabulary the full [rows, width, vocab] logits of a batch are gigabytes, and most of them are context."""
         width = sum(pack.length for pack in batch[0])
         ids = torch.zeros(len(batch), width, dtype=torch.long)
         positions = torch.zeros(len(batch), width, dtype=torch.long)
         allowed = torch.eye(width, dtype=torch.bool).repeat(len(batch), 1, 1)  # padding attends to itself: no NaN rows
+        keep = torch.zeros(len(batch), width, dtype=torch.bool)
         placed = []
         for row, packs in enumerate(batch):
             start = 0
             for pack in packs:
                 placed.append((pack, row, start))
                 p = len(pack.prefix)
+                keep[row, start + p - 1 : start + pack.length] = True
                 segments = [(list(pack.prefix), start)]  # (tokens, first column); positions restart at each pack
                 column = start + p
                 for _, cont in pack.members:
@@ -131,8 +137,11 @@ class PrefixLM(_LibraryBarsFollowTqdmDisable):
         with torch.no_grad(), torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
                                              enabled=self.mixed_precision_dtype is not None):
             logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                position_ids=positions.to(self.device), use_cache=False).logits
-        return [(pack, logits[row, start : start + pack.length]) for pack, row, start in placed]
+                                position_ids=positions.to(self.device), use_cache=False,
+                                logits_to_keep=keep.to(self.device)).logits  # [kept positions, vocab], row-major
+        first_kept = (keep.flatten().cumsum(0) - 1).view_as(keep)  # a kept position's row in `logits`
+        return [(pack, logits[first_kept[row, start + len(pack.prefix) - 1] :][: pack.length - len(pack.prefix) + 1])
+                for pack, row, start in placed]
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
         if self.backend != "causal":
@@ -148,10 +157,10 @@ class PrefixLM(_LibraryBarsFollowTqdmDisable):
             batches = plan_batches(packs, self.batch_size)
         for batch in batches:
             for pack, logits in self._forward(batch):
-                offset = len(pack.prefix)
+                offset = 1  # row 0: the prefix's last position
                 for index, cont in pack.members:
                     # the prefix's last position predicts the first token; the continuation's own positions the rest
-                    rows = [len(pack.prefix) - 1, *range(offset, offset + len(cont) - 1)]
+                    rows = [0, *range(offset, offset + len(cont) - 1)]
                     offset += len(cont) - 1
                     logprobs = F.log_softmax(logits[rows], dim=-1, dtype=self.softmax_dtype)
                     target = torch.tensor(cont, dtype=torch.long, device=logprobs.device)
