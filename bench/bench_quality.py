@@ -3,8 +3,11 @@
 For each model: one importance pass on wiki calibration (the paper's 128 x 64 by default, seed 0) serves every
 Taylor-based run and measures every plan (`salience_removed`: the share of Σ|w·ḡ| the plan removes); then per (sparsity, method, variant): prune, wiki held-out perplexity, the seven real tasks
 at --limit items each (acc, acc_norm, stderr), and the plan's diagnostics (attention groups and MLP channels
-kept per layer, extreme layers). The unpruned model is the `unpruned` row. Results go to --json after every
-run; a killed run continues with the next unfinished one (hours on 2 CPU cores: spread it over sessions).
+kept per layer, extreme layers). The unpruned model is the `unpruned` row. Per model, every run's perplexity comes
+first and its zero-shot pass second (perplexity is the cheap, low-noise measure: the verdicts it carries arrive
+hours before the accuracies); the zero-shot stage prunes again and checks the plan is the one the perplexity was
+measured on. Results go to --json after every stage; a killed run continues with the next unfinished stage (hours
+on 2 CPU cores: spread it over sessions).
 
     python bench/bench_quality.py --json bench/quality.json                       # the full study (hours)
     python bench/bench_quality.py --models smollm2-135m --sparsity 0.2 --methods taylor --limit 2 \\
@@ -20,6 +23,7 @@ blockwise), or to those named after `@` (`criterion=l2@blockwise`: LLM-Pruner's 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -43,17 +47,24 @@ def variant_methods(variant: str) -> tuple[str, ...]:
     return tuple(methods.split(",")) if methods else VARIANT_METHODS[setting.split("=")[0]]
 
 
-def evaluate_model(model, tokenizer, args) -> dict:
+def measure_ppl(model, tokenizer, args) -> dict:
     start = time.perf_counter()
     out = perplexity(model, tokenizer, load_ppl_text("wiki"), window=128, max_windows=args.ppl_max_windows)
     out["ppl_s"] = time.perf_counter() - start
+    return out
+
+
+def measure_zero_shot(model, tokenizer, args) -> dict:
     spec = EvalSpec(tasks=list(args.tasks), task_data="real", limit=args.limit, ppl=None, batch_size=16)
     tasks, seconds = zero_shot(make_lm(model, tokenizer, 16), spec, "real")
-    out["tasks"] = {t: {k: e[k] for k in ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "metric", "score", "score_stderr", "n")}
-                    for t, e in tasks.items()}
-    out["acc_mean"] = sum(e["score"] for e in tasks.values()) / len(tasks)
-    out["zero_shot_s"] = seconds
-    return out
+    return {"tasks": {t: {k: e[k] for k in ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "metric", "score",
+                                            "score_stderr", "n")} for t, e in tasks.items()},
+            "acc_mean": sum(e["score"] for e in tasks.values()) / len(tasks), "zero_shot_s": seconds}
+
+
+def plan_sha(plan) -> str:
+    """The plan's identity: which groups it removes, layer by layer."""
+    return hashlib.sha256(repr((plan.attn_removed, plan.mlp_removed)).encode()).hexdigest()[:16]
 
 
 def salience_removed(scores, layout, plan) -> float:
@@ -66,16 +77,18 @@ def salience_removed(scores, layout, plan) -> float:
     return removed / total
 
 
-def runs(args) -> list[tuple[str, float | None, str, str]]:
-    """(model, sparsity, method, variant) in order: each model's unpruned row, then per sparsity every method as
-    configured by default (variant ""), then the variants."""
+def runs(args) -> list[tuple[str, str, float | None, str, str]]:
+    """(stage, model, sparsity, method, variant) in order: per model, the ppl stage of every run, then the
+    zero-shot stage of every run; the runs are the unpruned row, then per sparsity every method as configured
+    by default (variant ""), then the variants."""
     out = []
     for model in args.models:
-        out.append((model, None, "unpruned", ""))
+        model_runs = [(model, None, "unpruned", "")]
         for sparsity in args.sparsity:
-            out += [(model, sparsity, method, "") for method in args.methods]
-            out += [(model, sparsity, method, variant) for variant in args.variants for method in args.methods
-                    if method in variant_methods(variant)]
+            model_runs += [(model, sparsity, method, "") for method in args.methods]
+            model_runs += [(model, sparsity, method, variant) for variant in args.variants for method in args.methods
+                           if method in variant_methods(variant)]
+        out += [(stage, *run) for stage in ("ppl", "zero_shot") for run in model_runs]
     return out
 
 
@@ -87,11 +100,13 @@ def table(data: dict) -> str:
             "attention groups removed | salience removed |", "|---|---|---|---|---|---|---|---|---|---|"]
     for key, run in data["runs"].items():
         model, sparsity, method, variant = key.split("|")
-        se = sum(e["score_stderr"] ** 2 for e in run["tasks"].values()) ** 0.5 / len(run["tasks"])
+        tasks = run.get("tasks")
+        acc = (f"{run['acc_mean']:.4f} ± {sum(e['score_stderr'] ** 2 for e in tasks.values()) ** 0.5 / len(tasks):.4f}"
+               if tasks else "pending")
         ratios, kept = run.get("layer_pruning_ratio"), run.get("attention_groups_kept")
         groups = load_model_config(model).num_key_value_heads  # per layer, before pruning
         rows.append(f"| {model} | {sparsity if sparsity != 'None' else '–'} | {method} | {variant or '–'} | "
-                    f"{run.get('pruning_ratio', 0):.4f} | {run['ppl']:.2f} | {run['acc_mean']:.4f} ± {se:.4f} | "
+                    f"{run.get('pruning_ratio', 0):.4f} | {run['ppl']:.2f} | {acc} | "
                     + (f"{min(ratios):.2f}–{max(ratios):.2f}" if ratios else "–") + " | "
                     + (f"{groups * len(kept) - sum(kept)} of {groups * len(kept)}" if kept else "–") + " | "
                     + (f"{run['salience_removed']:.3f}" if "salience_removed" in run else "–") + " |")
@@ -112,18 +127,20 @@ def figure(data: dict, path: Path) -> None:
                 if m == model and s == sparsity]
         base = next((run for (m, _, method, _), run in runs if m == model and method == "unpruned"), None)
         x = range(len(rows))
-        se = [1.96 * sum(e["score_stderr"] ** 2 for e in run["tasks"].values()) ** 0.5 / len(run["tasks"]) for _, run in rows]
+        # a run whose zero-shot stage is still pending has no accuracy bar yet
+        se = [1.96 * sum(e["score_stderr"] ** 2 for e in run["tasks"].values()) ** 0.5 / len(run["tasks"])
+              if "tasks" in run else 0.0 for _, run in rows]
         ax_ppl.bar(x, [run["ppl"] for _, run in rows], color="tab:blue")
         ax_ppl.set_yscale("log")
-        ax_acc.bar(x, [run["acc_mean"] for _, run in rows], yerr=se, capsize=3, color="tab:green")
+        ax_acc.bar(x, [run.get("acc_mean", 0.0) for _, run in rows], yerr=se, capsize=3, color="tab:green")
         for ax, key, label in ((ax_ppl, "ppl", "wiki ppl (log)"), (ax_acc, "acc_mean", "acc_mean ± 95% CI")):
-            if base is not None:
+            if base is not None and key in base:
                 ax.axhline(base[key], color="black", linestyle="--", linewidth=1, label="unpruned")
                 ax.legend(fontsize=7)
             ax.set_xticks(list(x), [name for name, _ in rows], rotation=60, ha="right", fontsize=7)
             ax.set_ylabel(label)
             ax.set_title(f"{model}, sparsity {sparsity}", fontsize=9)
-        ax_acc.set_ylim(0.3, max(0.5, max(run["acc_mean"] for _, run in rows) + 0.05))
+        ax_acc.set_ylim(0.3, max(0.5, max(run.get("acc_mean", 0.0) for _, run in rows) + 0.05))
     fig.savefig(path, dpi=110)
 
 
@@ -159,14 +176,15 @@ def main() -> None:
     data["settings"] = {k: v for k, v in vars(args).items() if k != "json"}
     data.setdefault("runs", {})
     importance: dict[str, object] = {}
-    for model_name, sparsity, method, variant in runs(args):
+    for stage, model_name, sparsity, method, variant in runs(args):
         key = f"{model_name}|{sparsity}|{method}|{variant.partition('@')[0]}"
-        if key in data["runs"]:
+        entry = data["runs"].get(key, {})
+        if ("ppl" if stage == "ppl" else "tasks") in entry:
             continue
         start = time.perf_counter()
         if method == "unpruned":
             model, tokenizer = load_model(model_name, dtype=torch.float32), load_tokenizer(model_name)
-            entry = {"params_count": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())}
+            pruned = {"params_count": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())}
         else:
             values = dict(model=model_name, method=method, sparsity=sparsity, seq_len=args.seq_len,
                           num_samples=args.num_samples, calibration="wiki", seed=0, device="cpu", dtype="float32")
@@ -182,14 +200,19 @@ def main() -> None:
                 del base
             result = prune(config, importance_provider=lambda model, layout, tokenizer: ProvidedImportance(*importance[model_name]))
             model, tokenizer, d = result.model, result.tokenizer, result.diagnostics
-            entry = {k: d[k] for k in ("params_count", "pruning_ratio", "extreme_pruning_layers", "attention_groups_kept",
-                                       "mlp_channels_kept", "layer_pruning_ratio")}
-            entry["salience_removed"] = salience_removed(importance[model_name][0].scores, result.layout, result.plan)
-        entry |= evaluate_model(model, tokenizer, args)
-        entry["seconds"] = time.perf_counter() - start
+            pruned = {k: d[k] for k in ("params_count", "pruning_ratio", "extreme_pruning_layers", "attention_groups_kept",
+                                        "mlp_channels_kept", "layer_pruning_ratio")}
+            pruned["salience_removed"] = salience_removed(importance[model_name][0].scores, result.layout, result.plan)
+            pruned["plan_sha"] = plan_sha(result.plan)
+            if entry.get("plan_sha", pruned["plan_sha"]) != pruned["plan_sha"]:
+                raise SystemExit(f"{key}: the plan differs from the one its perplexity was measured on "
+                                 f"({pruned['plan_sha']} against {entry['plan_sha']}); delete the run from {args.json} to redo it")
+        entry |= pruned | (measure_ppl(model, tokenizer, args) if stage == "ppl" else measure_zero_shot(model, tokenizer, args))
+        entry[f"{stage}_stage_s"] = time.perf_counter() - start
         data["runs"][key] = entry
         write_json(args.json, data)
-        print(f"{key}: ppl {entry['ppl']:.2f}, acc_mean {entry['acc_mean']:.4f} ({entry['seconds']:.0f} s)", flush=True)
+        shown = f"ppl {entry['ppl']:.2f}" if stage == "ppl" else f"acc_mean {entry['acc_mean']:.4f}"
+        print(f"{key} [{stage}]: {shown} ({entry[f'{stage}_stage_s']:.0f} s)", flush=True)
         del model
 
 
