@@ -75,8 +75,8 @@ class PruneConfig(BaseModel):
         None, ge=1, description="blockwise: first layer after the pruned range; default num_layers - 1"
     )
     blockwise_attention: Literal["closest_ratio", "mlp_only", "min_loss"] = Field(
-        "closest_ratio", description="blockwise: how many attention groups each block loses: closest_ratio (the share "
-        "nearest the MLP's), mlp_only (none), min_loss (the count that removes the least importance)"
+        "min_loss", description="blockwise: how many attention groups each block loses: min_loss (the count that "
+        "removes the least importance), closest_ratio (the share nearest the MLP's), mlp_only (none)"
     )
     extreme_ratio_threshold: float | None = Field(
         None, gt=0.0, description="a layer pruned above this ratio counts as extreme; default 2 x sparsity"

@@ -68,7 +68,7 @@ def test_ratio_counts_and_untouched_parameters(arch):
 
 
 def test_save_load_round_trips_exactly(arch, ids, tmp_path):
-    result = pruned(arch, "blockwise", 0.3)  # layers end up with different head counts and widths
+    result = pruned(arch, "blockwise", 0.3, blockwise_attention="closest_ratio")  # layers of different head counts and widths
     assert len({l.self_attn.k_proj.out_features for l in result.model.model.layers}) > 1
     save_pruned(result.model, tmp_path / "m", tokenizer=result.tokenizer)
     again = load_pruned(tmp_path / "m")
@@ -79,7 +79,7 @@ def test_save_load_round_trips_exactly(arch, ids, tmp_path):
 
 
 def test_generate_with_kv_cache_matches_without(arch, ids):
-    model = pruned(arch, "blockwise", 0.3).model  # per-layer KV head counts differ
+    model = pruned(arch, "blockwise", 0.3, blockwise_attention="closest_ratio").model  # per-layer KV head counts differ
     prompt = ids[:1, :10]
     with_cache = model.generate(prompt, max_new_tokens=8, do_sample=False, use_cache=True, pad_token_id=0)
     without = model.generate(prompt, max_new_tokens=8, do_sample=False, use_cache=False, pad_token_id=0)
@@ -91,7 +91,7 @@ def test_lm_eval_hflm_scores_the_pruned_model():
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 
-    result = pruned("tiny-qwen2-random", "blockwise")
+    result = pruned("tiny-qwen2-random", "blockwise", blockwise_attention="closest_ratio")  # unequal head counts
     lm = HFLM(pretrained=result.model, tokenizer=result.tokenizer, device="cpu", batch_size=2)
     context, continuation = "The market of Holt", " opens every week"
     request = Instance("loglikelihood", {}, (context, continuation), 0)
@@ -111,7 +111,7 @@ def test_pruned_folder_loads_in_plain_transformers_and_a_broken_one_is_one_line(
 
     from transformers import AutoModelForCausalLM
 
-    result = pruned("tiny-qwen2-random", "blockwise", 0.3)
+    result = pruned("tiny-qwen2-random", "blockwise", 0.3, blockwise_attention="closest_ratio")
     folder = save_pruned(result.model, tmp_path / "m", tokenizer=result.tokenizer, source_model="tiny-qwen2-random")
     plain = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)  # the folder's own modeling file
     assert torch.equal(logits(result.model, ids), logits(plain, ids))
@@ -124,5 +124,5 @@ def test_pruned_folder_loads_in_plain_transformers_and_a_broken_one_is_one_line(
 
 
 def test_blockwise_attention_rule_reaches_the_plan():
-    assert any(pruned("tiny-llama-random", "blockwise", 0.15).plan.attn_removed)
+    assert any(pruned("tiny-llama-random", "blockwise", 0.15, blockwise_attention="closest_ratio").plan.attn_removed)
     assert not any(pruned("tiny-llama-random", "blockwise", 0.15, blockwise_attention="mlp_only").plan.attn_removed)

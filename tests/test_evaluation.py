@@ -58,7 +58,7 @@ def test_in_memory_evaluation_equals_the_saved_and_reloaded_model(tmp_path):
     from taylor_tune.artifacts import write_prune_artifacts
 
     config = build_prune_config({"model": "tiny-qwen2", "method": "blockwise", "sparsity": 0.3, "calibration": "world",
-                                 "seq_len": 32, "num_samples": 16, "device": "cpu"})
+                                 "seq_len": 32, "num_samples": 16, "device": "cpu", "blockwise_attention": "closest_ratio"})
     result = prune(config)
     spec = build_eval_spec({"ppl": "world", "tasks": "piqa,hellaswag,arc_challenge", "limit": 60})  # task_data: auto
     in_memory = evaluate(result.model, result.tokenizer, spec, model_name="tiny-qwen2")

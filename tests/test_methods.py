@@ -200,5 +200,6 @@ def test_blockwise_min_loss_by_hand(attention_score, expected_k):
     plan = plan_blockwise(scores, lay, options(0.2, blockwise_attention="min_loss"))
     assert [len(plan.attn_removed[l]) for l in range(1, 5)] == [expected_k] * 4
     assert sum(map(len, plan.mlp_removed)) == (13 if expected_k else 29)
-    closest = plan_blockwise(scores, lay, options(0.2))  # |1/2 - 13/64| < |0 - 29/64|: half of every attention block
+    assert plan_blockwise(scores, lay, options(0.2)) == plan  # min_loss is the default rule
+    closest = plan_blockwise(scores, lay, options(0.2, blockwise_attention="closest_ratio"))  # |1/2 - 13/64| < |0 - 29/64|: half of every attention block
     assert [len(closest.attn_removed[l]) for l in range(1, 5)] == [1] * 4

@@ -107,9 +107,9 @@ def real_model(request, assets):
     return request.param
 
 
-def _pruned(model: str, method: str):
+def _pruned(model: str, method: str, **extra):
     config = build_prune_config(dict(model=model, method=method, sparsity=0.2, seq_len=16, num_samples=4,
-                                     calibration="wiki", micro_batch_size=4, device="cpu", dtype="float32"))
+                                     calibration="wiki", micro_batch_size=4, device="cpu", dtype="float32", **extra))
     return prune(config)
 
 
@@ -128,7 +128,7 @@ def test_real_group_scores_equal_brute_force(real_model):
 
 
 def test_real_pruned_equals_masked_and_round_trips(real_model, tmp_path):
-    result = _pruned(real_model, "blockwise")  # blockwise takes attention groups as well as MLP channels
+    result = _pruned(real_model, "blockwise", blockwise_attention="closest_ratio")  # attention groups as well as MLP channels
     assert any(result.plan.attn_removed) and any(result.plan.mlp_removed)
     ids = load_tokenizer(real_model)("The capital of Italy is Rome, and the capital of France is", return_tensors="pt")["input_ids"]
     pruned_logits = logits(result.model, ids)
@@ -199,7 +199,7 @@ def test_prefix_scorer_equals_hflm_request_by_request_on_the_real_tasks(assets, 
     from tests.test_scorer import assert_same_answers, responses
 
     if pruned:
-        result = _pruned("smollm2-135m", "blockwise")
+        result = _pruned("smollm2-135m", "blockwise", blockwise_attention="closest_ratio")
         model, tokenizer = result.model, result.tokenizer
     else:
         model, tokenizer = load_model("smollm2-135m", dtype=torch.float32), load_tokenizer("smollm2-135m")

@@ -41,7 +41,7 @@ def test_batches_fill_rows_first_fit_within_the_longest_pack():
 
 def _pruned_tiny_qwen2():
     return prune(build_prune_config({"model": "tiny-qwen2", "method": "blockwise", "sparsity": 0.3, "calibration": "world",
-                                     "seq_len": 32, "num_samples": 16, "device": "cpu"}))
+                                     "seq_len": 32, "num_samples": 16, "device": "cpu", "blockwise_attention": "closest_ratio"}))
 
 
 def responses(model, tokenizer, scorer: str, batch_size: int, limit: int, task_data: str = "world") -> tuple[dict, dict]:

@@ -15,7 +15,7 @@ class PlanOptions:
     layerwise_max_ratio: float = 0.4
     blockwise_layer_start: int | None = None
     blockwise_layer_end: int | None = None
-    blockwise_attention: str = "closest_ratio"
+    blockwise_attention: str = "min_loss"
     criterion: str = "taylor"
     seed: int = 0
 
