@@ -107,11 +107,11 @@ def table(data: dict) -> str:
         # BoolQ swings by ±0.15 between plans of these small models (it sits near its majority-class rate), and
         # alone can reorder the acc_mean; the six-task mean shows the order without it.
         rest = [e["score"] for task, e in (tasks or {}).items() if not task.startswith("boolq")]
-        acc += f" | {sum(rest) / len(rest):.4f}" if rest else " | –"
+        without_boolq = f"{sum(rest) / len(rest):.4f}" if rest else "–"
         ratios, kept = run.get("layer_pruning_ratio"), run.get("attention_groups_kept")
         groups = load_model_config(model).num_key_value_heads  # per layer, before pruning
         rows.append(f"| {model} | {sparsity if sparsity != 'None' else '–'} | {method} | {variant or '–'} | "
-                    f"{run.get('pruning_ratio', 0):.4f} | {run['ppl']:.2f} | {acc} | "
+                    f"{run.get('pruning_ratio', 0):.4f} | {run['ppl']:.2f} | {acc} | {without_boolq} | "
                     + (f"{min(ratios):.2f}–{max(ratios):.2f}" if ratios else "–") + " | "
                     + (f"{groups * len(kept) - sum(kept)} of {groups * len(kept)}" if kept else "–") + " | "
                     + (f"{run['salience_removed']:.3f}" if "salience_removed" in run else "–") + " |")

@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from taylor_tune.errors import ConfigError
-from taylor_tune.methods import METHODS  # pure planners: numpy, no torch
+from taylor_tune.methods import DEFAULT_BLOCKWISE_ATTENTION, METHODS  # pure planners: numpy, no torch
 
 CALIBRATION_DATASETS = ("wikitext2", "c4")
 ZERO_SHOT_TASKS = ("boolq", "piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
@@ -75,7 +75,7 @@ class PruneConfig(BaseModel):
         None, ge=1, description="blockwise: first layer after the pruned range; default num_layers - 1"
     )
     blockwise_attention: Literal["closest_ratio", "mlp_only", "min_loss"] = Field(
-        "min_loss", description="blockwise: how many attention groups each block loses: min_loss (the count that "
+        DEFAULT_BLOCKWISE_ATTENTION, description="blockwise: how many attention groups each block loses: min_loss (the count that "
         "removes the least importance), closest_ratio (the share nearest the MLP's), mlp_only (none)"
     )
     extreme_ratio_threshold: float | None = Field(

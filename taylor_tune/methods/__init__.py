@@ -4,8 +4,8 @@ Planners take (scores, layout, options) and return a PrunePlan; they never touch
 """
 
 from taylor_tune.methods import blockwise, layerwise, magnitude, random, taylor
-from taylor_tune.methods._base import Method, PlanOptions, Planner, plan_global
+from taylor_tune.methods._base import DEFAULT_BLOCKWISE_ATTENTION, Method, PlanOptions, Planner, plan_global
 
 METHODS: dict[str, Method] = {m.METHOD.name: m.METHOD for m in (taylor, layerwise, blockwise, magnitude, random)}
 
-__all__ = ["METHODS", "Method", "PlanOptions", "Planner", "plan_global"]
+__all__ = ["DEFAULT_BLOCKWISE_ATTENTION", "METHODS", "Method", "PlanOptions", "Planner", "plan_global"]

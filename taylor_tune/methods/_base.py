@@ -9,13 +9,17 @@ from taylor_tune.errors import PlanError
 from taylor_tune.plan import GroupScores, ModelLayout, PrunePlan, plan_from_sets, ranked_groups, target_params
 
 
+# blockwise's attention rule when none is asked for; PruneConfig's default too (measured best: methods/blockwise.py)
+DEFAULT_BLOCKWISE_ATTENTION = "min_loss"
+
+
 @dataclass(frozen=True)
 class PlanOptions:
     sparsity: float
     layerwise_max_ratio: float = 0.4
     blockwise_layer_start: int | None = None
     blockwise_layer_end: int | None = None
-    blockwise_attention: str = "min_loss"
+    blockwise_attention: str = DEFAULT_BLOCKWISE_ATTENTION
     criterion: str = "taylor"
     seed: int = 0
 

@@ -80,7 +80,7 @@ def removal_loss(scores: GroupScores, layout: ModelLayout, layers: range, k: int
 
 
 def choose_block_counts(scores: GroupScores, layout: ModelLayout, layers: range, target: float,
-                        rule: str = "min_loss", criterion: str = "taylor") -> tuple[int, int]:
+                        rule: str, criterion: str) -> tuple[int, int]:
     """(attention groups per block, MLP channels in all) by the attention rule (see the module docstring)."""
     feasible = feasible_block_counts(layout, layers, target)
     g, c, n = layout.attn_groups[layers.start], layout.mlp_channels[layers.start], len(layers)
