@@ -19,6 +19,9 @@ ppl instead (`--metric ppl`, found from the trials' configs): the cheap fidelity
 `--tolerance` is relative (0.01 = within 1% of the best ppl). A trial costs its load, prune and perplexity seconds;
 the importance pass of a (seq_len, seed) is paid once, by the first trial of the search that needs it, as the sweep's
 importance cache does. The zero-shot pass that rides along is not part of the search and costs nothing here.
+`--importance-cost` prices that pass as two caches the product does not have (what-ifs, the pass's seconds taken as
+proportional to its samples): `per_count` computes only the count a trial asks for and recomputes for a larger one;
+`incremental` extends a computed pass to a larger count, paying only for the added samples.
 
     .venv/bin/python bench/bench_search.py runs/sweeps/offline_paper_grid --passes 40,all --json bench/out/search.json
     .venv/bin/python bench/bench_search.py runs/sweeps/real_paper_grid --ppl-rung 16 --tolerance 0.01 --json bench/real_search.json
@@ -93,23 +96,24 @@ def load_grids(path: Path, passes: list[str] | None = None, metric: str = "acc_m
 
 def replay(grid: dict, good: set[tuple], *, seed: int, asha: bool, n_startup_trials: int, reduction_factor: float,
            items_per_task: int | None = None, metric: str = "acc_mean", mode: str = "max",
-           importance: dict[int, float] | None = None) -> dict:
-    """One search on `grid` until it fully evaluates a configuration in `good`; `importance` (seq_len -> seconds)
-    is paid the first time the search needs a seq_len."""
+           importance: dict[int, float] | None = None, importance_cost: str = "once") -> dict:
+    """One search on `grid` until it fully evaluates a configuration in `good`; `importance` (seq_len -> seconds of
+    the pass over the grid's largest sample count) is paid as `importance_cost` says (module docstring)."""
     domains = {name: sorted({k[i] for k in grid}, key=str) for i, name in enumerate(NAMES)}
     searcher = PerModelSearcher(["model"], domains, len(grid), {}, metric=metric, mode=mode, seed=seed,
                                 n_startup_trials=n_startup_trials)
     n_passes = len(next(iter(grid.values())))
     scheduler = FidelityASHA(n_passes, reduction_factor=reduction_factor, metric=metric, mode=mode) if asha else None
     cost = 0.0
-    paid: set = set()
+    largest = max(domains["taylor_num_samples"])
+    have: dict[int, int] = {}  # seq_len -> the sample count its cached pass holds
     for n in range(1, len(grid) + 1):
         config = searcher.suggest(str(n))
         key = tuple(config[name] for name in NAMES)
         passes = grid[key]
-        if importance and key[0] not in paid:
-            paid.add(key[0])
-            cost += importance[key[0]]
+        if importance:
+            cost += importance_charge(importance_cost, importance[key[0]], largest, have.get(key[0], 0), key[1])
+            have[key[0]] = largest if importance_cost == "once" else max(have.get(key[0], 0), key[1])
         trial = SimpleNamespace(trial_id=str(n))
         if scheduler:
             scheduler.on_trial_add(None, trial)
@@ -131,6 +135,20 @@ def replay(grid: dict, good: set[tuple], *, seed: int, asha: bool, n_startup_tri
     return {"reached": False, "trials": len(grid), "cost_s": cost}
 
 
+def importance_charge(policy: str, pass_s: float, largest: int, have: int, need: int) -> float:
+    """What a trial needing `need` samples pays for importance, the cache holding a pass over `have` samples
+    (0: none) and a pass over `largest` costing `pass_s`."""
+    if need <= have:
+        return 0.0
+    if policy == "once":  # the product's cache: one pass over the largest count, snapshots at the smaller ones
+        return pass_s
+    if policy == "per_count":
+        return pass_s * need / largest
+    if policy == "incremental":
+        return pass_s * (need - have) / largest
+    raise ValueError(policy)
+
+
 def within(scores: dict[tuple, float], tolerance: float, mode: str = "max") -> set[tuple]:
     """The configurations within `tolerance` of the best: absolute for an accuracy, relative for a perplexity."""
     if mode == "min":
@@ -145,7 +163,8 @@ def replays(grid: dict, good: set[tuple], args: argparse.Namespace, importance: 
     out = {}
     for name, asha in (("tpe", False), ("tpe_asha", True)):
         runs = [replay(grid, good, seed=s, asha=asha, n_startup_trials=args.n_startup_trials, reduction_factor=args.reduction_factor,
-                       items_per_task=args.items_per_task, metric=args.metric, mode=args.mode, importance=importance)
+                       items_per_task=args.items_per_task, metric=args.metric, mode=args.mode, importance=importance,
+                       importance_cost=args.importance_cost)
                 for s in range(args.repeats)]
         # a run that never fully evaluated a good configuration (ASHA stopped them all) did not reach one at
         # any cost: its fraction is infinite, so a mean over runs with one is inf
@@ -174,6 +193,9 @@ def main() -> None:
     parser.add_argument("--ppl-rung", type=int, default=16, help="ppl grid: ASHA's rung, the ppl over the first this many windows")
     parser.add_argument("--items-per-task", type=int, help="what-if: cost a cheap pass of L items per task at L / this of "
                         "the trial's full evaluation instead of its measured seconds (the real tasks average ~2,900)")
+    parser.add_argument("--importance-cost", choices=("once", "per_count", "incremental"), default="once",
+                        help="ppl grid: how the search pays for importance passes: once per seq_len (the product's cache), "
+                        "or a what-if cache (module docstring)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     args.metric, args.mode = objective(args.experiment)
@@ -190,7 +212,7 @@ def main() -> None:
               f"{args.tolerance * 100:.1f} {'%' if args.mode == 'min' else 'points'} of it; a configuration's {args.metric} varies by "
               f"{statistics.fmean(statistics.stdev(g[k][-1]['value'] for g in grids.values()) for k in keys):.4f} (std, mean over configurations)")
     result = {"metric": args.metric, "mode": args.mode, "tolerance": args.tolerance, "n_startup_trials": args.n_startup_trials,
-              "reduction_factor": args.reduction_factor, "items_per_task_what_if": args.items_per_task,
+              "reduction_factor": args.reduction_factor, "importance_cost": args.importance_cost, "items_per_task_what_if": args.items_per_task,
               "ppl_rung": args.ppl_rung if args.metric == "ppl" else None, "judges": judges, "grids": {}}
     pooled = {judge: {"tpe": [], "tpe_asha": []} for judge in judges}
     for calibration_seed, grid in sorted(grids.items()):
