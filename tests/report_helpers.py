@@ -68,3 +68,17 @@ def write_tune_folder(rows: pd.DataFrame, root: Path, final_fidelity=None, objec
             {"layer": k, "pruning_ratio": 0.1 * k, "retention_ratio": 1 - 0.1 * k, "grad_mean": 0.01 * (k + 1), "grad_norm": 1.0 + k}
             for k in range(4)]))
     return root
+
+
+def latex_rows(tex: str) -> list[list[tuple[str, bool]]]:
+    """The body rows of a booktabs table (between \\midrule and \\bottomrule, block rules skipped), each cell as
+    (text without \\textbf, whether it was bold)."""
+    body = tex.split("\\midrule", 1)[1].rsplit("\\bottomrule", 1)[0]
+    rows = []
+    for line in body.splitlines():
+        line = line.strip()
+        if not line.endswith("\\\\"):
+            continue
+        cells = [c.strip() for c in line.removesuffix("\\\\").split("&")]
+        rows.append([(c.removeprefix("\\textbf{").removesuffix("}"), c.startswith("\\textbf{")) for c in cells])
+    return rows

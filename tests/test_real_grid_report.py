@@ -12,6 +12,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from taylor_tune.reporting import build_report, write_report
+from tests.report_helpers import latex_rows
 
 REAL_GRID = Path(__file__).resolve().parent.parent / "bench" / "real_paper_grid"
 KEEP = {"seq_len": (16, 64), "samples": (128, 512)}  # 2 x 2 x 3 methods = 12 of the 45 trials
@@ -99,3 +100,31 @@ def test_the_real_grid_figures_hold_geometric_means_and_method_bars_of_ppl(copie
         assert (out / "figures" / png).stat().st_size > 10_000
     text = (out / "final_analysis_report.txt").read_text()
     assert "ranked by ppl (lower is better)" in text and "Overall best by ppl: SMOLLM2-135M" in text
+
+
+def test_the_real_grid_latex_tables_speak_perplexity_and_equal_numpy(copied, written):
+    """Ranked by ppl, the paper tables show geometric means, means and the lowest value, the lowest in bold (an
+    accuracy's labels and its highest-is-best bold would call the worst method the best)."""
+    _, rows = copied
+    _, out = written
+    paper = out / "paper"
+    gmean = lambda values: float(np.exp(np.log(values).mean()))  # noqa: E731
+    (best,) = latex_rows((paper / "table1_best_configs.tex").read_text())
+    assert "chosen by the lowest wiki perplexity" in (paper / "table1_best_configs.tex").read_text()
+    assert best[5] == (f"{rows['ppl'].min():.2f}", True) and best[4][1] is False
+    methods = (paper / "table3_method_comparison.tex").read_text()
+    assert r"\textbf{Geo-mean PPL} & \textbf{Mean PPL} & \textbf{Best PPL}" in methods and "ACC" not in methods
+    by_method = rows.groupby("pruning_method")["ppl"]
+    lowest = by_method.apply(gmean).idxmin()
+    for cells in latex_rows(methods):
+        method = cells[1][0].lower()
+        ppl = rows[rows["pruning_method"] == method]["ppl"]
+        assert [c[0] for c in cells[2:]] == [f"{gmean(ppl):.2f}", f"{ppl.mean():.2f}", f"{ppl.min():.2f}"]
+        assert [c[1] for c in cells[2:]] == [method == lowest, False, False]
+    (cells,) = latex_rows((paper / "table4_seq_len.tex").read_text())
+    by_seq = rows.groupby("taylor_seq_len")["ppl"].apply(gmean).sort_index()
+    assert [c[0] for c in cells[1:-1]] == [f"{v:.2f}" for v in by_seq]
+    assert [c[1] for c in cells[1:-1]] == [s == by_seq.idxmin() for s in by_seq.index]
+    falling = by_seq.is_monotonic_decreasing
+    assert cells[-1][0] == ("monotonic decrease" if falling else "monotonic increase")
+    assert "(best by wiki perplexity)" in (paper / "table2_task_accuracy.tex").read_text()

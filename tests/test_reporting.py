@@ -16,7 +16,7 @@ from scipy import stats as scipy_stats
 from taylor_tune.reporting import build_report, load_trials, render_markdown, render_text, write_report
 from taylor_tune.errors import ReportError
 from taylor_tune.reporting import latex, plots, stats
-from tests.report_helpers import EFFECTS, METHODS, SAMPLES, SEQ_LENS, TASKS, synthetic_trials, write_tune_folder
+from tests.report_helpers import EFFECTS, METHODS, SAMPLES, SEQ_LENS, TASKS, latex_rows, synthetic_trials, write_tune_folder
 
 
 @pytest.fixture(scope="module")
@@ -201,6 +201,27 @@ def tabular_rows_are_well_formed(tex: str) -> None:
                 continue
             spans = sum(int(n) - 1 for n in re.findall(r"\\multicolumn\{(\d+)\}", line))
             assert len(re.findall(r"(?<!\\)&", line)) + 1 + spans == len(spec), (spec, line)
+
+
+def test_latex_method_and_seq_len_tables_hold_the_statistics_module_s_numbers(report, table):
+    """Ranked by acc_mean: the paper's columns (mean, std, best), the highest mean in bold."""
+    for model, m in report.models.items():
+        rows = table[table["model"] == model]
+        expected = by_hand(rows, "pruning_method")
+        tex = latex.method_table({model: m.methods["table"]})
+        assert r"\textbf{Mean ACC} & \textbf{Std} & \textbf{Best ACC}" in tex
+        top = max(expected, key=lambda k: expected[k][0])
+        for cells in latex_rows(tex):
+            method = cells[1][0].lower()
+            mean, std, _, high, _ = expected[method]
+            assert [c[0] for c in cells[2:]] == [f"{mean:.4f}", f"{std:.3f}", f"{high:.4f}"]
+            assert [c[1] for c in cells[2:]] == [method == top, False, False]
+        by_seq = by_hand(rows, "taylor_seq_len")
+        (cells,) = latex_rows(latex.seq_len_table({model: m.seq_len["table"]}))
+        assert [c[0] for c in cells[1:-1]] == [f"{by_seq[s][0]:.3f}" for s in sorted(by_seq)]
+        best = max(by_seq, key=lambda s: by_seq[s][0])
+        assert [c[1] for c in cells[1:-1]] == [s == best for s in sorted(by_seq)]
+        assert cells[-1][0] == f"peak at {best}"
 
 
 @pytest.mark.slow

@@ -410,10 +410,10 @@ def write_report(report: Report, output: str | Path) -> list[Path]:
     figures.mkdir(exist_ok=True)
     with_best = [m for m in report.models.values() if m.best is not None]
     tables = {
-        "table1_best_configs.tex": latex.best_configs_table(report.cross),
-        "table2_task_accuracy.tex": latex.task_table([m.best.to_dict() for m in with_best], report.table.tasks),
-        "table3_method_comparison.tex": latex.method_table({m.model: m.methods["table"] for m in with_best}),
-        "table4_seq_len.tex": latex.seq_len_table({m.model: m.seq_len["table"] for m in with_best}),
+        "table1_best_configs.tex": latex.best_configs_table(report.cross, objective=report.objective),
+        "table2_task_accuracy.tex": latex.task_table([m.best.to_dict() for m in with_best], report.table.tasks, report.objective),
+        "table3_method_comparison.tex": latex.method_table({m.model: m.methods["table"] for m in with_best}, report.objective),
+        "table4_seq_len.tex": latex.seq_len_table({m.model: m.seq_len["table"] for m in with_best}, report.objective),
     }
     for name, text in {**tables, "tables.tex": latex.document(list(tables.values()))}.items():
         (paper / name).write_text(text)
