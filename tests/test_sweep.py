@@ -330,6 +330,19 @@ def test_a_sweep_for_the_lowest_perplexity_is_ranked_by_it_in_tune_status_and_re
     assert f"best so far for tiny-llama by ppl: ppl {status['ppl']:.3f}" in out.stdout
 
 
+def test_the_best_gauge_of_a_perplexity_sweep_keeps_each_models_lowest_final_value():
+    """The smoke sweep checks the gauge by a real scrape under acc_mean / max; here its rule under ppl / min."""
+    from taylor_tune.tune.metrics import SweepMetricsCallback
+
+    callback = SweepMetricsCallback("ppl", "zero_shot_all", "ppl", "min", flush_s=0)
+    results = [("a", "zero_shot_all", 50.0), ("a", "zero_shot_5", 10.0), ("a", "zero_shot_all", 40.0),
+               ("a", "zero_shot_all", 45.0), ("b", "zero_shot_all", 70.0), ("b", "zero_shot_all", 90.0)]
+    for model, stage, ppl in results:
+        callback.on_trial_result(0, [], None, {"model": model, "stage": stage, "ppl": ppl, "acc_mean": 0.9 - ppl / 100})
+    final = [(m, v) for m, stage, v in results if stage == "zero_shot_all"]
+    assert callback.best == {m: min(v for n, v in final if n == m) for m, _ in final}
+
+
 def test_report_on_the_smoke_sweep_writes_every_file_with_the_numbers_ray_reads(smoke, tmp_path):
     import pandas as pd
 
@@ -416,7 +429,7 @@ def test_the_custom_metrics_carry_the_sweeps_numbers(smoke):
         assert total(samples, "ray_taylor_tune_stage_seconds_total", stage=stage) == pytest.approx(seconds, rel=1e-4), stage
     for model in ("tiny-llama", "tiny-qwen2", "tiny-mistral"):
         best = max(r["acc_mean"] for r in rows if r["model"] == model)
-        assert total(samples, "ray_taylor_tune_best_acc_mean", model=model) == pytest.approx(best)
+        assert total(samples, "ray_taylor_tune_best", model=model, metric="acc_mean", mode="max") == pytest.approx(best)
 
 
 def test_every_metric_the_grafana_dashboard_queries_is_in_the_scrape(smoke):

@@ -1,7 +1,7 @@
 """A sweep's custom Ray metrics (`ray.util.metrics`), scraped by Prometheus from each node's metrics agent.
 
-Driver side, `SweepMetricsCallback` (a Tune callback): trials by state and the best acc_mean so far per
-model. Trial side, `TrialMetrics` (fed every report of a trial): stage durations, importance-cache events
+Driver side, `SweepMetricsCallback` (a Tune callback): trials by state and the best value of the sweep's metric
+so far per model (`taylor_tune_best{metric, mode}`: acc_mean / max, or ppl / min for a perplexity sweep). Trial side, `TrialMetrics` (fed every report of a trial): stage durations, importance-cache events
 and the trial's peak GPU memory. Ray prefixes every name with `ray_`; dashboards/taylor_tune.json queries
 them. Metric objects are made on first use (Ray must be running), never at import time.
 """
@@ -24,8 +24,8 @@ def _metrics() -> dict:
 
     return {
         "trials": Gauge("taylor_tune_trials", "Trials of the sweep in each state", tag_keys=("experiment", "state")),
-        "best": Gauge("taylor_tune_best_acc_mean", "Best acc_mean so far (final evaluation) per model",
-                      tag_keys=("experiment", "model")),
+        "best": Gauge("taylor_tune_best", "Best value of the sweep's metric so far (final evaluation) per model",
+                      tag_keys=("experiment", "model", "metric", "mode")),
         # two counters rather than a histogram: Ray exports a histogram's sum from bucket midpoints, and the
         # dashboard's mean stage time (seconds / runs) should be exact
         "stage_seconds": Counter("taylor_tune_stage_seconds", "Seconds trials spent in each stage, summed",
@@ -75,7 +75,8 @@ class SweepMetricsCallback(Callback):
     driver exits (Ray exports every `metrics_report_interval_ms`, 10 s by default)."""
 
     def __init__(self, experiment: str, final_stage: str, metric: str = "acc_mean", mode: str = "max", flush_s: float | None = None):
-        self.experiment, self.final_stage, self.metric, self.sign = experiment, final_stage, metric, 1 if mode == "max" else -1
+        self.experiment, self.final_stage, self.metric, self.mode = experiment, final_stage, metric, mode
+        self.sign = 1 if mode == "max" else -1
         default = "12" if os.environ.get("RAY_ADDRESS") else "0"  # on a cluster someone is watching; locally no agent
         self.flush_s = float(os.environ.get("TAYLOR_TUNE_METRICS_FLUSH_S", default)) if flush_s is None else flush_s
         self.best: dict[str, float] = {}
@@ -95,7 +96,8 @@ class SweepMetricsCallback(Callback):
         if result.get("stage") == self.final_stage and model and isinstance(value, (int, float)):
             if model not in self.best or self.sign * value > self.sign * self.best[model]:
                 self.best[model] = float(value)
-                _metrics()["best"].set(float(value), tags={"experiment": self.experiment, "model": model})
+                _metrics()["best"].set(float(value), tags={"experiment": self.experiment, "model": model,
+                                                           "metric": self.metric, "mode": self.mode})
 
     def on_experiment_end(self, trials, **info) -> None:
         self._counts(trials)
