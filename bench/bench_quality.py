@@ -149,6 +149,9 @@ def figure(data: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+MEASUREMENT = ("seq_len", "num_samples", "limit", "ppl_max_windows", "tasks")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-0.5b"])
@@ -178,7 +181,13 @@ def main() -> None:
             parser.error(f"--variants: {variant!r} is not field=value with field one of {', '.join(VARIANT_METHODS)}")
 
     data = json.loads(args.json.read_text()) if args.json.is_file() else {}
-    data["settings"] = {k: v for k, v in vars(args).items() if k != "json"}
+    # what makes two runs comparable; which models, methods and variants to run is each invocation's own choice
+    settings = {k: getattr(args, k) for k in MEASUREMENT}
+    differ = [k for k in MEASUREMENT if k in data.get("settings", {}) and data["settings"][k] != settings[k]]
+    if differ:
+        parser.error(f"{args.json} holds runs measured with " + ", ".join(f"{k} {data['settings'][k]}" for k in differ)
+                     + "; measure other settings into another --json")
+    data["settings"] = settings
     data.setdefault("runs", {})
     importance: dict[str, object] = {}
     for stage, model_name, sparsity, method, variant in runs(args):
