@@ -128,3 +128,23 @@ def test_the_real_grid_latex_tables_speak_perplexity_and_equal_numpy(copied, wri
     falling = by_seq.is_monotonic_decreasing
     assert cells[-1][0] == ("monotonic decrease" if falling else "monotonic increase")
     assert "(best by wiki perplexity)" in (paper / "table2_task_accuracy.tex").read_text()
+
+
+REAL_SEEDS = REAL_GRID.parent / "real_grid_seeds"  # experiments/real_grid_seeds.yaml: two configurations x 3 seeds
+
+
+def test_the_real_seed_spread_names_its_configurations_and_equals_pandas(tmp_path):
+    if not REAL_SEEDS.is_dir():
+        pytest.fail(f"{REAL_SEEDS} is missing: the seeds sweep's export is part of the repository")
+    rows = pd.DataFrame([final_report(f) for f in sorted(REAL_SEEDS.iterdir()) if (f / "result.json").is_file()])
+    assert len(rows) == 6 and rows["seed"].nunique() == 3
+    write_report(build_report(str(REAL_SEEDS)), tmp_path)
+    spread = json.loads((tmp_path / "consolidated_smollm2-135m" / "method_comparison.json").read_text())["seed_spread"]
+    # each record says which configuration it is (a grouped table's keys were dropped from the JSON)
+    written = pd.DataFrame(spread["table"]).set_index(["pruning_method", "taylor_seq_len", "taylor_num_samples"])
+    expected = rows.groupby(["pruning_method", "taylor_seq_len", "taylor_num_samples"])["ppl"]
+    assert sorted(written.index) == sorted(expected.groups)
+    for key, values in expected:
+        assert written.loc[key, "mean"] == pytest.approx(values.mean())
+        assert written.loc[key, "std"] == pytest.approx(np.std(values.to_numpy(), ddof=1))
+        assert (written.loc[key, "min"], written.loc[key, "max"], written.loc[key, "count"]) == (values.min(), values.max(), 3)

@@ -296,7 +296,9 @@ def _records(value):
     if isinstance(value, (list, tuple)):
         return [_records(v) for v in value]
     if isinstance(value, pd.DataFrame):
-        return value.reset_index().to_dict(orient="records") if value.index.name else value.to_dict(orient="records")
+        # a grouped table's keys are its index (a MultiIndex has names but no .name): they go into each record
+        named = any(name is not None for name in value.index.names)
+        return value.reset_index().to_dict(orient="records") if named else value.to_dict(orient="records")
     return value
 
 
