@@ -1,4 +1,4 @@
-"""Experiment files: every shipped one validates; bad ones are refused before Ray starts, naming the field."""
+"""Experiment files: every shipped one validates (sweeps and the prune configs); bad ones are refused before Ray starts, naming the field."""
 
 import subprocess
 import sys
@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from taylor_tune.config import load_prune_config
 from taylor_tune.errors import ConfigError
 from taylor_tune.experiment import load_experiment
 from tests.sweep_helpers import SMALL, env
@@ -23,6 +24,12 @@ def test_the_shipped_experiments_validate_and_the_paper_grid_has_135_trials():
     assert tpe.search.scheduler == "asha" and tpe.search.algorithm == "tpe" and tpe.grid_size() == 36
     real = load_experiment(REPO / "experiments" / "real_paper_grid.yaml")
     assert real.grid_size() == 45 and (real.metric, real.mode) == ("ppl", "min") and real.prune["sparsity"] == 0.2
+    seeds = load_experiment(REPO / "experiments" / "real_grid_seeds.yaml")
+    assert seeds.grid_size() == 6 and seeds.search.repeats == 3 and seeds.evaluation == real.evaluation
+    sweeps = sorted(p for p in (REPO / "experiments").glob("*.yaml") if not p.name.startswith("prune_"))  # prune_*: one pruning's config
+    assert len(sweeps) >= 7 and all(load_experiment(path).name == path.stem for path in sweeps)
+    assert load_prune_config(REPO / "experiments" / "prune_llama3_8b.yaml").model == "meta-llama/Meta-Llama-3-8B"
+    assert load_prune_config(REPO / "experiments" / "prune_tiny_llama.yaml").model == "tiny-llama"
 
 
 def test_the_tune_param_space_expands_to_the_grid():
