@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup fetch demo smoke-demo prune-demo test test-fast bench bench-quality bench-real-grid world clean
+.PHONY: setup fetch demo smoke-demo prune-demo lint test test-fast bench bench-quality bench-real-grid world clean
 
 setup: $(STAMP)
 
@@ -43,11 +43,15 @@ prune-demo: setup
 	$(VENV)/bin/taylor-tune evaluate --model $(DEMO_OUT)/model --tasks all --ppl world \
 	    --output $(DEMO_OUT)/evaluation.json
 
-test: setup
+# ruff with the rule set in pyproject.toml (pyflakes, pycodestyle, import order, a few bug patterns; 120 columns)
+lint: setup
+	$(VENV)/bin/ruff check .
+
+test: lint
 	$(PY) -m pytest -q
 
-# The quick tier (< 1 min): no Ray cluster, no lm-eval run over a task, nothing fetched.
-test-fast: setup
+# The quick tier (< 1 min): the linter, then no Ray cluster, no lm-eval run over a task, nothing fetched.
+test-fast: lint
 	$(PY) -m pytest -q -m "not slow and not real and not gpu"
 
 bench: setup

@@ -26,8 +26,12 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from taylor_tune.config import build_eval_spec  # noqa: E402
-from taylor_tune.evaluation import evaluate, load_ppl_text, make_lm, perplexity, zero_shot  # noqa: E402
-from taylor_tune.models import load_model, load_tokenizer  # noqa: E402
+from taylor_tune.evaluation.evaluate import evaluate  # noqa: E402
+from taylor_tune.evaluation.perplexity import perplexity  # noqa: E402
+from taylor_tune.evaluation.scorer import make_lm  # noqa: E402
+from taylor_tune.evaluation.zero_shot import zero_shot  # noqa: E402
+from taylor_tune.sources.data import load_ppl_text  # noqa: E402
+from taylor_tune.sources.models import load_model, load_tokenizer  # noqa: E402
 
 LIMITS = [10, 25, 50, 100, 200]
 
@@ -50,8 +54,12 @@ def curve(model, tokenizer, batch_size) -> list[dict]:
         items = sum(t["n"] for t in tasks.values())
         rows.append({"limit": limit, "seconds": total, "seconds_one_call_per_task": per_task, "items": items,
                      "items_per_s": items / total, "acc_mean": sum(t["score"] for t in tasks.values()) / len(tasks)})
-        print(f"limit {limit:4d}: one call {total:6.2f} s, one call per task {per_task:6.2f} s ({per_task / total:.2f}x), "
-              f"{items} items, acc_mean {rows[-1]['acc_mean']:.4f}", flush=True)
+        print(
+            f"limit {limit:4d}: one call {total:6.2f} s, one call per task {per_task:6.2f} s "
+            f"({per_task / total:.2f}x), "
+            f"{items} items, acc_mean {rows[-1]['acc_mean']:.4f}",
+            flush=True,
+        )
     return rows
 
 
@@ -74,16 +82,29 @@ def main() -> None:
     start = time.perf_counter()
     ppl = perplexity(model, tokenizer, text)
     ppl_s = time.perf_counter() - start
-    print(f"load {load_s:.2f}s, HFLM {hflm_s:.2f}s, ppl {ppl['ppl']:.3f} over {ppl['ppl_tokens']} tokens in {ppl_s:.2f}s")
+    print(
+        f"load {load_s:.2f}s, HFLM {hflm_s:.2f}s, ppl {ppl['ppl']:.3f} over {ppl['ppl_tokens']} tokens in {ppl_s:.2f}s"
+    )
     rows = curve(model, tokenizer, batch)
     start = time.perf_counter()
     evaluate(model, tokenizer, build_eval_spec({"task_data": "world", "ppl": "world"}), model_name=args.model)
     full_s = time.perf_counter() - start
     print(f"full evaluate() (ppl + 7 tasks, all items, fresh HFLM): {full_s:.2f}s")
     result = {
-        "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(), "torch": torch.__version__, "device": args.device},
-        "model": args.model, "batch_size": batch, "load_s": load_s, "hflm_s": hflm_s, "ppl_s": ppl_s,
-        "ppl_tokens_per_s": ppl["ppl_tokens"] / ppl_s, "curve": rows, "full_evaluate_s": full_s,
+        "machine": {
+            "platform": platform.platform(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "device": args.device,
+        },
+        "model": args.model,
+        "batch_size": batch,
+        "load_s": load_s,
+        "hflm_s": hflm_s,
+        "ppl_s": ppl_s,
+        "ppl_tokens_per_s": ppl["ppl_tokens"] / ppl_s,
+        "curve": rows,
+        "full_evaluate_s": full_s,
     }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

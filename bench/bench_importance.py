@@ -29,8 +29,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from taylor_tune.groups import describe_layout, prunable_parameters  # noqa: E402
-from taylor_tune.importance import compute_importance  # noqa: E402
+from taylor_tune.pruning.groups import describe_layout, prunable_parameters  # noqa: E402
+from taylor_tune.pruning.importance import compute_importance  # noqa: E402
 
 SNAPSHOTS = [128, 256, 512]
 
@@ -155,17 +155,24 @@ def main() -> None:
     layout = describe_layout(model)
     ids = tokens(args, SNAPSHOTS[-1])
     params = sum(p.numel() for p in model.parameters())
-    print(f"model: {params / 1e6:.1f}M parameters, {args.layers} layers, hidden {args.hidden}; "
-          f"{ids.numel()} tokens per 512-sample pass; {args.device} {args.dtype}, {torch.get_num_threads()} threads", flush=True)
+    print(
+        f"model: {params / 1e6:.1f}M parameters, {args.layers} layers, hidden {args.hidden}; "
+        f"{ids.numel()} tokens per 512-sample pass; {args.device} {args.dtype}, {torch.get_num_threads()} threads",
+        flush=True,
+    )
     plain_forward_backward(model, ids[: args.micro_batch], args.micro_batch)  # warm-up
     times = {}
     times["plain_fwd_bwd_512"] = timed(lambda: plain_forward_backward(model, ids, args.micro_batch), args.device)
     times["importance_nested_128_256_512"] = timed(
-        lambda: compute_importance(model, layout, ids, micro_batch_size=args.micro_batch, snapshots=SNAPSHOTS), args.device)
+        lambda: compute_importance(model, layout, ids, micro_batch_size=args.micro_batch, snapshots=SNAPSHOTS),
+        args.device,
+    )
     times["importance_separate_128_256_512"] = sum(
         timed(lambda n=n: compute_importance(model, layout, ids[:n], micro_batch_size=args.micro_batch), args.device)
         for n in SNAPSHOTS)
-    times["importance_512"] = timed(lambda: compute_importance(model, layout, ids, micro_batch_size=args.micro_batch), args.device)
+    times["importance_512"] = timed(
+        lambda: compute_importance(model, layout, ids, micro_batch_size=args.micro_batch), args.device
+    )
     for k, v in times.items():
         print(f"  {k}: {v:.2f} s", flush=True)
 
@@ -175,10 +182,31 @@ def main() -> None:
     memory = json.loads(child.stdout.strip().splitlines()[-1])
     flops = 6 * params * ids.numel()  # forward + backward, dense, attention ignored (short sequences)
     results = {
-        "machine": {"platform": platform.platform(), "cpu": _cpu_name(), "threads": torch.get_num_threads(),
-                    "torch": torch.__version__, "device": args.device,
-                    "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None},
-        "model": {"params": params, **{k: getattr(args, k) for k in ("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab", "seq_len", "micro_batch", "dtype")}},
+        "machine": {
+            "platform": platform.platform(),
+            "cpu": _cpu_name(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "device": args.device,
+            "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+        },
+        "model": {
+            "params": params,
+            **{
+                k: getattr(args, k)
+                for k in (
+                    "hidden",
+                    "intermediate",
+                    "layers",
+                    "heads",
+                    "kv_heads",
+                    "vocab",
+                    "seq_len",
+                    "micro_batch",
+                    "dtype",
+                )
+            },
+        },
         "times_s": times,
         "ratio_importance_vs_plain": times["importance_512"] / times["plain_fwd_bwd_512"],
         "speedup_nested_vs_separate": times["importance_separate_128_256_512"] / times["importance_nested_128_256_512"],

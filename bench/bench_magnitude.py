@@ -21,22 +21,26 @@ from pathlib import Path
 
 import torch
 
-from taylor_tune.apply import apply_plan
 from taylor_tune.config import build_prune_config
-from taylor_tune.evaluation import load_ppl_text, perplexity
-from taylor_tune.groups import describe_layout
-from taylor_tune.importance import magnitude_scores
+from taylor_tune.evaluation.perplexity import perplexity
 from taylor_tune.jsonio import write_json
-from taylor_tune.methods import METHODS
-from taylor_tune.models import load_model, load_tokenizer
-from taylor_tune.plan import PrunePlan
-from taylor_tune.prune import plan_options
+from taylor_tune.pruning.apply import apply_plan
+from taylor_tune.pruning.groups import describe_layout
+from taylor_tune.pruning.importance import magnitude_scores
+from taylor_tune.pruning.methods import METHODS
+from taylor_tune.pruning.plan import PrunePlan
+from taylor_tune.pruning.prune import plan_options
+from taylor_tune.sources.data import load_ppl_text
+from taylor_tune.sources.models import load_model, load_tokenizer
 
 
 def part(plan: PrunePlan, layers: set[int], attention: bool = True, mlp: bool = True) -> PrunePlan:
     """The plan's removals in `layers` only (and only the kinds asked for)."""
-    return PrunePlan(plan.method, tuple(r if attention and l in layers else () for l, r in enumerate(plan.attn_removed)),
-                     tuple(r if mlp and l in layers else () for l, r in enumerate(plan.mlp_removed)))
+    return PrunePlan(
+        plan.method,
+        tuple(r if attention and l in layers else () for l, r in enumerate(plan.attn_removed)),
+        tuple(r if mlp and l in layers else () for l, r in enumerate(plan.mlp_removed)),
+    )
 
 
 def mlp_energy(model, tokenizer, text: str, windows: int) -> list[torch.Tensor]:
@@ -80,7 +84,9 @@ def main() -> None:
     text = load_ppl_text("wiki")
     plans = {}
     for method in ("magnitude", "random"):
-        config = build_prune_config(dict(model=args.model, method=method, sparsity=args.sparsity, seed=0, device="cpu", dtype="float32"))
+        config = build_prune_config(
+            dict(model=args.model, method=method, sparsity=args.sparsity, seed=0, device="cpu", dtype="float32")
+        )
         scores = magnitude_scores(base, layout, p=2) if method == "magnitude" else None
         plans[method] = METHODS[method].plan(scores, layout, plan_options(config))
 
@@ -100,7 +106,11 @@ def main() -> None:
         removed = 0 if plan is None else plan.params_removed(layout)
         out["runs"][name] = {"ppl": ppl, "params_removed": removed, "share_of_model": removed / layout.total_params}
         write_json(args.json, out)
-        print(f"{name}: ppl {ppl:.2f} ({removed / layout.total_params:.4f} of the model removed, {time.perf_counter() - start:.0f} s)", flush=True)
+        print(
+            f"{name}: ppl {ppl:.2f} ({removed / layout.total_params:.4f} of the model removed, "
+            f"{time.perf_counter() - start:.0f} s)",
+            flush=True,
+        )
         return ppl
 
     every = set(range(layout.num_layers))
@@ -123,11 +133,19 @@ def main() -> None:
     for method, plan in plans.items():
         per_layer = [float(e[list(r)].sum() / e.sum()) for e, r in zip(energy, plan.mlp_removed)]
         channels = [len(r) / len(e) for e, r in zip(energy, plan.mlp_removed)]
-        out["mlp_energy_removed"][method] = {"per_layer": per_layer, "channels_removed_per_layer": channels,
-                                             "total": float(sum(e[list(r)].sum() for e, r in zip(energy, plan.mlp_removed))
-                                                            / sum(e.sum() for e in energy))}
-        print(f"{method}: MLP output energy removed {out['mlp_energy_removed'][method]['total']:.4f} of the model's; per layer "
-              + ", ".join(f"{l}: {v:.3f} ({c:.2f} of channels)" for l, (v, c) in enumerate(zip(per_layer, channels))), flush=True)
+        out["mlp_energy_removed"][method] = {
+            "per_layer": per_layer,
+            "channels_removed_per_layer": channels,
+            "total": float(
+                sum(e[list(r)].sum() for e, r in zip(energy, plan.mlp_removed)) / sum(e.sum() for e in energy)
+            ),
+        }
+        print(
+            f"{method}: MLP output energy removed {out['mlp_energy_removed'][method]['total']:.4f} of the model's; "
+            f"per layer "
+            + ", ".join(f"{l}: {v:.3f} ({c:.2f} of channels)" for l, (v, c) in enumerate(zip(per_layer, channels))),
+            flush=True,
+        )
     out["plan"] = {"attn_removed_per_layer": [len(r) for r in magnitude.attn_removed],
                    "mlp_removed_per_layer": [len(r) for r in magnitude.mlp_removed]}
     write_json(args.json, out)

@@ -1,7 +1,8 @@
 """Pruning quality on the real models: every method (and criterion / blockwise-rule variant) at each sparsity.
 
 For each model: one importance pass on wiki calibration (the paper's 128 x 64 by default, seed 0) serves every
-Taylor-based run and measures every plan (`salience_removed`: the share of Σ|w·ḡ| the plan removes); then per (sparsity, method, variant): prune, wiki held-out perplexity, the seven real tasks
+Taylor-based run and measures every plan (`salience_removed`: the share of Σ|w·ḡ| the plan removes); then per
+(sparsity, method, variant): prune, wiki held-out perplexity, the seven real tasks
 at --limit items each (acc, acc_norm, stderr), and the plan's diagnostics (attention groups and MLP channels
 kept per layer, extreme layers). The unpruned model is the `unpruned` row. Per model, every run's perplexity comes
 first and its zero-shot pass second (perplexity is the cheap, low-noise measure: the verdicts it carries arrive
@@ -31,16 +32,22 @@ from pathlib import Path
 
 import torch
 
-from taylor_tune.calibration import load_calibration
 from taylor_tune.config import ZERO_SHOT_TASKS, EvalSpec, build_prune_config
-from taylor_tune.evaluation import load_ppl_text, make_lm, perplexity, zero_shot
-from taylor_tune.groups import describe_layout
-from taylor_tune.importance import compute_importance
-from taylor_tune.models import load_model, load_tokenizer
-from taylor_tune.prune import ProvidedImportance, prune
+from taylor_tune.evaluation.perplexity import perplexity
+from taylor_tune.evaluation.scorer import make_lm
+from taylor_tune.evaluation.zero_shot import zero_shot
 from taylor_tune.jsonio import write_json
+from taylor_tune.pruning.groups import describe_layout
+from taylor_tune.pruning.importance import compute_importance
+from taylor_tune.pruning.prune import ProvidedImportance, prune
+from taylor_tune.sources.calibration import load_calibration
+from taylor_tune.sources.data import load_ppl_text
+from taylor_tune.sources.models import load_model, load_tokenizer
 
-VARIANT_METHODS = {"criterion": ("taylor", "layerwise", "blockwise", "magnitude"), "blockwise_attention": ("blockwise",)}
+VARIANT_METHODS = {
+    "criterion": ("taylor", "layerwise", "blockwise", "magnitude"),
+    "blockwise_attention": ("blockwise",),
+}
 
 
 def variant_methods(variant: str) -> tuple[str, ...]:
@@ -95,10 +102,13 @@ def runs(args) -> list[tuple[str, str, float | None, str, str]]:
 
 def table(data: dict) -> str:
     """The study so far as a Markdown table (acc_mean ± the stderr of a mean of 7 independent task scores)."""
-    from taylor_tune.models import load_model_config
+    from taylor_tune.sources.models import load_model_config
 
-    rows = ["| model | sparsity | method | variant | ratio reached | wiki ppl | acc_mean ± se | without BoolQ | "
-            "layer ratio min–max | attention groups removed | salience removed |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| model | sparsity | method | variant | ratio reached | wiki ppl | acc_mean ± se | without BoolQ | "
+        "layer ratio min–max | attention groups removed | salience removed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for key, run in data["runs"].items():
         model, sparsity, method, variant = key.split("|")
         tasks = run.get("tasks")
@@ -124,7 +134,9 @@ def figure(data: dict, path: Path) -> None:
     from matplotlib.figure import Figure
 
     runs = [(tuple(k.split("|")), v) for k, v in data["runs"].items()]
-    panels = sorted({(m, s) for (m, s, method, _), _ in runs if method != "unpruned"}, key=lambda p: (p[0], -float(p[1])))
+    panels = sorted(
+        {(m, s) for (m, s, method, _), _ in runs if method != "unpruned"}, key=lambda p: (p[0], -float(p[1]))
+    )
     fig = Figure(figsize=(12, 3.2 * len(panels)), layout="constrained")
     axes = fig.subplots(len(panels), 2, squeeze=False)
     for (model, sparsity), (ax_ppl, ax_acc) in zip(panels, axes):
@@ -157,16 +169,26 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-0.5b"])
     parser.add_argument("--sparsity", nargs="+", type=float, default=[0.1, 0.2])
     parser.add_argument("--methods", nargs="+", default=["taylor", "layerwise", "blockwise", "magnitude", "random"])
-    parser.add_argument("--variants", nargs="*", default=[
-        "criterion=taylor_sum@taylor,layerwise,blockwise", "blockwise_attention=mlp_only", "blockwise_attention=min_loss",
-        "criterion=l2@blockwise", "criterion=l1@blockwise,magnitude"])
+    parser.add_argument(
+        "--variants",
+        nargs="*",
+        default=[
+            "criterion=taylor_sum@taylor,layerwise,blockwise",
+            "blockwise_attention=mlp_only",
+            "blockwise_attention=min_loss",
+            "criterion=l2@blockwise",
+            "criterion=l1@blockwise,magnitude",
+        ],
+    )
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--num-samples", type=int, default=128)
     parser.add_argument("--limit", type=int, default=200)
     parser.add_argument("--ppl-max-windows", type=int, default=400, help="400 windows of 128 = 50,800 scored tokens")
     parser.add_argument("--tasks", nargs="+", default=list(ZERO_SHOT_TASKS))
     parser.add_argument("--json", type=Path, required=True)
-    parser.add_argument("--table", action="store_true", help="print the results in --json as a Markdown table, run nothing")
+    parser.add_argument(
+        "--table", action="store_true", help="print the results in --json as a Markdown table, run nothing"
+    )
     parser.add_argument("--figure", type=Path, help="draw the results in --json to this PNG, run nothing")
     args = parser.parse_args()
     if args.table or args.figure:
@@ -213,19 +235,39 @@ def main() -> None:
 
             if model_name not in importance:  # one gradient pass per model: every run's scores or yardstick
                 base, base_tokenizer = load_model(model_name, dtype=torch.float32), load_tokenizer(model_name)
-                ids = load_calibration(base_tokenizer, "wiki", seq_len=args.seq_len, num_samples=args.num_samples, seed=0)
-                importance[model_name] = (compute_importance(base, describe_layout(base), ids, micro_batch_size=8)[args.num_samples], ids)
+                ids = load_calibration(
+                    base_tokenizer, "wiki", seq_len=args.seq_len, num_samples=args.num_samples, seed=0
+                )
+                importance[model_name] = (
+                    compute_importance(base, describe_layout(base), ids, micro_batch_size=8)[args.num_samples],
+                    ids,
+                )
                 del base
-            result = prune(config, importance_provider=lambda model, layout, tokenizer: ProvidedImportance(*importance[model_name]))
+            result = prune(
+                config, importance_provider=lambda model, layout, tokenizer: ProvidedImportance(*importance[model_name])
+            )
             model, tokenizer, d = result.model, result.tokenizer, result.diagnostics
-            pruned = {k: d[k] for k in ("params_count", "pruning_ratio", "extreme_pruning_layers", "attention_groups_kept",
-                                        "mlp_channels_kept", "layer_pruning_ratio")}
+            pruned = {
+                k: d[k]
+                for k in (
+                    "params_count",
+                    "pruning_ratio",
+                    "extreme_pruning_layers",
+                    "attention_groups_kept",
+                    "mlp_channels_kept",
+                    "layer_pruning_ratio",
+                )
+            }
             pruned["salience_removed"] = salience_removed(importance[model_name][0].scores, result.layout, result.plan)
             pruned["plan_sha"] = plan_sha(result.plan)
             if entry.get("plan_sha", pruned["plan_sha"]) != pruned["plan_sha"]:
-                raise SystemExit(f"{key}: the plan differs from the one its perplexity was measured on "
-                                 f"({pruned['plan_sha']} against {entry['plan_sha']}); delete the run from {args.json} to redo it")
-        entry |= pruned | (measure_ppl(model, tokenizer, args) if stage == "ppl" else measure_zero_shot(model, tokenizer, args))
+                raise SystemExit(
+                    f"{key}: the plan differs from the one its perplexity was measured on "
+                    f"({pruned['plan_sha']} against {entry['plan_sha']}); delete the run from {args.json} to redo it"
+                )
+        entry |= pruned | (
+            measure_ppl(model, tokenizer, args) if stage == "ppl" else measure_zero_shot(model, tokenizer, args)
+        )
         entry[f"{stage}_stage_s"] = time.perf_counter() - start
         data["runs"][key] = entry
         write_json(args.json, data)

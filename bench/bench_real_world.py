@@ -20,10 +20,13 @@ from pathlib import Path
 
 import torch
 
-from taylor_tune.assets import ASSETS, require
 from taylor_tune.config import ZERO_SHOT_TASKS, EvalSpec
-from taylor_tune.evaluation import load_ppl_text, make_lm, perplexity, zero_shot
-from taylor_tune.models import load_model, load_tokenizer
+from taylor_tune.evaluation.perplexity import perplexity
+from taylor_tune.evaluation.scorer import make_lm
+from taylor_tune.evaluation.zero_shot import zero_shot
+from taylor_tune.sources.assets import ASSETS, require
+from taylor_tune.sources.data import load_ppl_text
+from taylor_tune.sources.models import load_model, load_tokenizer
 
 
 def save(path: Path, data: dict) -> None:
@@ -56,11 +59,19 @@ def main() -> None:
         key = f"ppl_{args.ppl_window}_{args.ppl_max_windows or 'all'}"
         if key not in entry:
             start = time.perf_counter()
-            result = perplexity(model, tokenizer, load_ppl_text("wiki"), window=args.ppl_window, max_windows=args.ppl_max_windows)
+            result = perplexity(
+                model, tokenizer, load_ppl_text("wiki"), window=args.ppl_window, max_windows=args.ppl_max_windows
+            )
             seconds = time.perf_counter() - start
-            entry[key] = result | {"seconds": seconds, "tokens_per_s": result["ppl_windows"] * args.ppl_window / seconds}
+            entry[key] = result | {
+                "seconds": seconds,
+                "tokens_per_s": result["ppl_windows"] * args.ppl_window / seconds,
+            }
             save(args.json, data)
-            print(f"{name}: ppl {result['ppl']:.2f} over {result['ppl_tokens']} tokens, {entry[key]['tokens_per_s']:.0f} tokens/s")
+            print(
+                f"{name}: ppl {result['ppl']:.2f} over {result['ppl_tokens']} tokens, "
+                f"{entry[key]['tokens_per_s']:.0f} tokens/s"
+            )
         lm = make_lm(model, tokenizer, args.batch_size)
         for task in args.tasks:
             done = entry["tasks"].get(task)
@@ -68,7 +79,11 @@ def main() -> None:
                 continue
             spec = EvalSpec(tasks=[task], task_data="real", limit=args.limit, ppl=None, batch_size=args.batch_size)
             tasks, seconds = zero_shot(lm, spec, "real")
-            entry["tasks"][task] = tasks[task] | {"limit": args.limit, "seconds": seconds, "items_per_s": tasks[task]["n"] / seconds}
+            entry["tasks"][task] = tasks[task] | {
+                "limit": args.limit,
+                "seconds": seconds,
+                "items_per_s": tasks[task]["n"] / seconds,
+            }
             save(args.json, data)
             t = entry["tasks"][task]
             print(f"{name} {task}: acc {t['acc']:.3f}±{t['acc_stderr']:.3f}"

@@ -30,7 +30,9 @@ TASKS = ("boolq", "piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge"
 def synthetic(n: int, seed: int = 0) -> pd.DataFrame:
     """n trials over 3 models x the paper grid (45 configurations), calibration seeds repeating the grid."""
     rng = np.random.default_rng(seed)
-    grid = [(m, s, k) for m in ("taylor", "layerwise", "blockwise") for s in (16, 32, 64, 128, 256) for k in (128, 256, 512)]
+    grid = [
+        (m, s, k) for m in ("taylor", "layerwise", "blockwise") for s in (16, 32, 64, 128, 256) for k in (128, 256, 512)
+    ]
     rows = []
     for i in range(n):
         model = ("llama", "qwen", "mistral")[i % 3]
@@ -57,8 +59,12 @@ def write_folder(df: pd.DataFrame, root: Path) -> None:
         folder.mkdir()
         config = {k: row[k] for k in ("model", "pruning_method", "taylor_seq_len", "taylor_num_samples", "seed")}
         (folder / "params.json").write_text(json.dumps(config | {"fixed": {"evaluation": {"fidelities": [None]}}}))
-        (folder / "result.json").write_text(json.dumps({k: v for k, v in row.items() if not k.startswith("acc_")} | {"stage": "pruned"})
-                                            + "\n" + json.dumps(row) + "\n")
+        (folder / "result.json").write_text(
+            json.dumps({k: v for k, v in row.items() if not k.startswith("acc_")} | {"stage": "pruned"})
+            + "\n"
+            + json.dumps(row)
+            + "\n"
+        )
 
 
 def timed(phases: dict, name: str, fn):

@@ -3,7 +3,8 @@
 One process, one model, the seven real tasks at --limit items each in one lm-eval call per pass. The scorers
 alternate (hflm, prefix, prefix, hflm, ...) so that slow phases of this noisy machine fall on both. Every pass
 records its seconds and the token positions its scorer forwarded, padding included (`tokens_forwarded`);
-the prefix scorer also without padding (`tokens_unpadded`). Agreement: every request's log-likelihood against the first hflm pass (max absolute and
+the prefix scorer also without padding (`tokens_unpadded`). Agreement: every request's log-likelihood against the
+first hflm pass (max absolute and
 relative difference), is_greedy mismatches, and acc/acc_norm per task. A pass already in --json is skipped, so a
 killed run continues.
 
@@ -29,10 +30,10 @@ import torch
 from lm_eval import simple_evaluate
 
 from taylor_tune.config import ZERO_SHOT_TASKS
-from taylor_tune.evaluation import task_source
-from taylor_tune.models import load_model, load_tokenizer
-from taylor_tune.scorer import make_lm
+from taylor_tune.evaluation.scorer import make_lm
+from taylor_tune.evaluation.zero_shot import task_source
 from taylor_tune.jsonio import write_json
+from taylor_tune.sources.models import load_model, load_tokenizer
 
 
 @contextmanager
@@ -63,7 +64,9 @@ def one_pass(model, tokenizer, scorer: str, limit: int, batch_size: int) -> tupl
     result = simple_evaluate(model=lm, tasks=[s for s, _ in sources], task_manager=sources[0][1], limit=limit,
                              bootstrap_iters=0, log_samples=True, verbosity="ERROR")
     seconds = time.perf_counter() - start
-    responses = {task: [[r[0] for r in sample["resps"]] for sample in samples] for task, samples in result["samples"].items()}
+    responses = {
+        task: [[r[0] for r in sample["resps"]] for sample in samples] for task, samples in result["samples"].items()
+    }
     scores = {task: {m: raw.get(f"{m},none") for m in ("acc", "acc_norm")} for task, raw in result["results"].items()}
     summary = {"scorer": scorer, "seconds": seconds, "tokens_forwarded": lm.tokens_forwarded,
                "tokens_unpadded": getattr(lm, "tokens_unpadded", None), "scores": scores,

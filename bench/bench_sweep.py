@@ -25,13 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from taylor_tune.calibration import load_calibration  # noqa: E402
 from taylor_tune.config import PruneConfig  # noqa: E402
-from taylor_tune.experiment import Evaluation, load_experiment  # noqa: E402
-from taylor_tune.groups import describe_layout  # noqa: E402
-from taylor_tune.importance import compute_importance  # noqa: E402
-from taylor_tune.models import load_model, load_tokenizer  # noqa: E402
-from taylor_tune.trial import TrialConfig, cached_importance, run_trial  # noqa: E402
+from taylor_tune.pruning.groups import describe_layout  # noqa: E402
+from taylor_tune.pruning.importance import compute_importance  # noqa: E402
+from taylor_tune.sources.calibration import load_calibration  # noqa: E402
+from taylor_tune.sources.models import load_model, load_tokenizer  # noqa: E402
+from taylor_tune.sweep.experiment import Evaluation, load_experiment  # noqa: E402
+from taylor_tune.sweep.trial import TrialConfig, cached_importance, run_trial  # noqa: E402
 
 SEQ_LENS, SAMPLES, METHODS = (16, 32, 64, 128, 256), (128, 256, 512), ("taylor", "layerwise", "blockwise")
 
@@ -52,10 +52,12 @@ def cache_benchmark(model_name: str) -> dict:
         for seq_len, n, method in trials:
             config = PruneConfig(model=model_name, method=method, seq_len=seq_len, num_samples=n, calibration="world",
                                  device="cpu", dtype="float32")
-            trial = TrialConfig(prune=config, evaluation=Evaluation(ppl=None, tasks="piqa"), sample_counts=SAMPLES, cache_dir=cache_dir)
+            trial = TrialConfig(
+                prune=config, evaluation=Evaluation(ppl=None, tasks="piqa"), sample_counts=SAMPLES, cache_dir=cache_dir
+            )
             cached_importance(trial)(model, layout, tokenizer)
         cached = time.perf_counter() - start
-        from taylor_tune.importance_cache import ImportanceCache
+        from taylor_tune.sweep.importance_cache import ImportanceCache
 
         counters = ImportanceCache(cache_dir).counters()
     return {"trials": len(trials), "uncached_s": uncached, "cached_s": cached, "speedup": uncached / cached, **counters}
@@ -64,8 +66,8 @@ def cache_benchmark(model_name: str) -> dict:
 def overhead_benchmark(trials: int) -> dict:
     import ray
 
-    from taylor_tune.tune.driver import _start_ray, run_sweep
-    from taylor_tune.tune.trainable import trial_config
+    from taylor_tune.sweep.tune.driver import _start_ray, run_sweep
+    from taylor_tune.sweep.tune.trainable import trial_config
 
     with tempfile.TemporaryDirectory() as storage:
         experiment = load_experiment(Path(__file__).resolve().parent.parent / "experiments" / "smoke.yaml",
@@ -73,7 +75,7 @@ def overhead_benchmark(trials: int) -> dict:
         experiment = experiment.model_copy(update={
             "models": ("tiny-llama",), "search": experiment.search.model_copy(update={"max_concurrent": 1}),
         })
-        from taylor_tune.tune.space import fixed_settings
+        from taylor_tune.sweep.tune.space import fixed_settings
 
         points = experiment.grid_points()[:trials]
         configs = [dict(p, fixed=fixed_settings(experiment, None)) for p in points]
@@ -105,7 +107,9 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=6)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    result = {"machine": {"platform": platform.platform(), "threads": torch.get_num_threads(), "torch": torch.__version__}}
+    result = {
+        "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(), "torch": torch.__version__}
+    }
     result["cache"] = cache_benchmark(args.model)
     print(json.dumps(result["cache"], indent=2), flush=True)
     result["overhead"] = overhead_benchmark(args.trials)

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from taylor_tune.world import world_dir  # noqa: E402
-from taylor_tune.world.generate import write_world_data  # noqa: E402
-from taylor_tune.world.train import train_causal_lm, train_tokenizer  # noqa: E402
+from taylor_tune.sources.world import world_dir  # noqa: E402
+from taylor_tune.sources.world.generate import write_world_data  # noqa: E402
+from taylor_tune.sources.world.train import train_causal_lm, train_tokenizer  # noqa: E402
 
 ARCHITECTURES = {"tiny-llama": "llama", "tiny-qwen2": "qwen2", "tiny-mistral": "mistral"}
 # Small enough that pruning visibly costs accuracy; Llama-3-style GQA (4 query heads per key/value head).
@@ -57,7 +57,9 @@ def main() -> None:
         )
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        print(f"{name}: {sum(p.numel() for p in model.parameters())} parameters, training {args.steps} steps", flush=True)
+        print(
+            f"{name}: {sum(p.numel() for p in model.parameters())} parameters, training {args.steps} steps", flush=True
+        )
         start = time.perf_counter()
         losses = train_causal_lm(model, ids, steps=args.steps, seed=seed)
         print(f"{name}: final loss {sum(losses[-20:]) / 20:.3f} after {time.perf_counter() - start:.0f}s", flush=True)

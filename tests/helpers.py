@@ -1,19 +1,21 @@
 """Helpers shared by tests: tiny models and calibration tokens."""
 
+from pathlib import Path
+
 import torch
 
 ARCHS = ["tiny-llama-random", "tiny-qwen2-random", "tiny-mistral-random"]
 
 
 def tiny(name: str, seed: int = 0):
-    from taylor_tune.models import load_model
+    from taylor_tune.sources.models import load_model
 
     return load_model(name, device="cpu", dtype=torch.float32, seed=seed)
 
 
 def calibration_ids(num_samples: int, seq_len: int, seed: int = 0) -> torch.Tensor:
-    from taylor_tune.calibration import load_calibration
-    from taylor_tune.models import byte_tokenizer
+    from taylor_tune.sources.calibration import load_calibration
+    from taylor_tune.sources.models import byte_tokenizer
 
     return load_calibration(byte_tokenizer(), "sample", seq_len=seq_len, num_samples=num_samples, seed=seed)
 
@@ -41,3 +43,20 @@ def mask_groups(model, plan):
                 mlp.up_proj.weight[c] = 0
                 mlp.down_proj.weight[:, c] = 0
     return model
+
+
+def write_lm_eval_task(task: str, data_file: Path, folder: Path, name: str | None = None) -> str:
+    """A task YAML for lm-eval's own CLI (`--include_path folder --tasks NAME`): lm-eval's registered definition
+    of `task` by `include:`, with only its data source replaced, as `offline_task_config` does in memory."""
+    import yaml
+
+    from taylor_tune.evaluation.zero_shot import TASK_YAML, _lm_eval_tasks_dir, offline_task_config
+
+    name = name or f"{task}_offline"
+    source = offline_task_config(task, data_file)
+    override = {k: source[k] for k in ("dataset_path", "dataset_name", "dataset_kwargs", "training_split",
+                                        "validation_split", "test_split", "fewshot_split")}
+    folder.mkdir(parents=True, exist_ok=True)
+    text = yaml.safe_dump({"include": str(_lm_eval_tasks_dir() / TASK_YAML[task]), "task": name, "tag": [], **override})
+    (folder / f"{name}.yaml").write_text(text)
+    return name

@@ -30,16 +30,24 @@ def write_experiment(folder: Path, name: str, **changes) -> Path:
     return path
 
 
-def env() -> dict:
-    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1"}
+FAULTS = Path(__file__).resolve().parent / "faults"  # a sitecustomize that injects faults (see its docstring)
+
+
+def env(**faults: str) -> dict:
+    """The sweep's environment; `faults` (TAYLOR_TUNE_TEST_FAULT / _PAUSE) put the fault injector on PYTHONPATH."""
+    extra = {}
+    if faults:
+        extra = {**faults, "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULTS), os.environ.get("PYTHONPATH")]))}
+    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1", **extra}
 
 
 def sweep_command(experiment: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "taylor_tune", "sweep", str(experiment), *extra]
 
 
-def run_sweep(experiment: Path, *extra: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(sweep_command(experiment, *extra), capture_output=True, text=True, timeout=timeout, env=env(), cwd=REPO)
+def run_sweep(experiment: Path, *extra: str, timeout: float = 600, **faults: str) -> subprocess.CompletedProcess:
+    return subprocess.run(sweep_command(experiment, *extra), capture_output=True, text=True, timeout=timeout,
+                          env=env(**faults), cwd=REPO)
 
 
 def trial_dirs(experiment_dir: Path) -> dict[str, Path]:
@@ -70,7 +78,9 @@ def ray_processes(started_after: float) -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter(["cmdline", "create_time"]):
         cmd = " ".join(proc.info["cmdline"] or [])
-        if proc.info["create_time"] >= started_after - 1 and ("ray::" in cmd or "/ray/" in cmd or "raylet" in cmd or "gcs_server" in cmd):
+        if proc.info["create_time"] >= started_after - 1 and (
+            "ray::" in cmd or "/ray/" in cmd or "raylet" in cmd or "gcs_server" in cmd
+        ):
             found.append(proc)
     return found
 
@@ -88,7 +98,9 @@ def _from_analysis(experiment_dir: Path, expression: str):
     """`expression` over `analysis = ExperimentAnalysis(experiment_dir)`, evaluated in a fresh process, as JSON."""
     code = ("import json, sys\nfrom ray.tune import ExperimentAnalysis\nanalysis = ExperimentAnalysis(sys.argv[1])\n"
             f"print(json.dumps({expression}))\n")
-    out = subprocess.run([sys.executable, "-c", code, str(experiment_dir)], capture_output=True, text=True, check=True, env=env())
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(experiment_dir)], capture_output=True, text=True, check=True, env=env()
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -102,8 +114,18 @@ def terminated(experiment_dir: Path) -> set[str]:
     return set(_from_analysis(experiment_dir, "[t.trial_id for t in analysis.trials if t.status == 'TERMINATED']"))
 
 
-RAY_LABELS = {"Component", "NodeAddress", "SessionName", "Version", "WorkerId", "otel_scope_name", "otel_scope_schema_url",
-              "otel_scope_version", "instance", "job"}
+RAY_LABELS = {
+    "Component",
+    "NodeAddress",
+    "SessionName",
+    "Version",
+    "WorkerId",
+    "otel_scope_name",
+    "otel_scope_schema_url",
+    "otel_scope_version",
+    "instance",
+    "job",
+}
 
 
 def scrape(url: str) -> dict[tuple, float]:
@@ -127,8 +149,23 @@ def screenshot(url: str, path: Path, user_data: Path) -> subprocess.CompletedPro
     import shutil
 
     return subprocess.run(
-        [shutil.which("chromium"), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync", f"--user-data-dir={user_data}",
-         "--window-size=1400,1000", "--virtual-time-budget=15000", f"--screenshot={path}", url],
-        capture_output=True, text=True, timeout=120,
+        [
+            shutil.which("chromium"),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={user_data}",
+            "--window-size=1400,1000",
+            "--virtual-time-budget=15000",
+            f"--screenshot={path}",
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )

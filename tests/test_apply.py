@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from taylor_tune.apply import apply_plan, load_pruned, save_pruned
 from taylor_tune.config import build_prune_config
-from taylor_tune.methods import METHODS
-from taylor_tune.groups import count_parameters
-from taylor_tune.models import load_model
-from taylor_tune.plan import PrunePlan
-from taylor_tune.prune import prune
+from taylor_tune.pruning.apply import apply_plan, save_pruned
+from taylor_tune.pruning.groups import count_parameters
+from taylor_tune.pruning.methods import METHODS
+from taylor_tune.pruning.plan import PrunePlan
+from taylor_tune.pruning.prune import prune
+from taylor_tune.sources.models import load_model, load_pruned
 from tests.helpers import mask_groups, tiny
 
 
@@ -40,7 +40,9 @@ def ids():
 def test_pruned_equals_masked(arch, method, ids):
     result = pruned(arch, method, 0.3, layerwise_max_ratio=0.6)
     assert any(result.plan.mlp_removed)
-    torch.testing.assert_close(logits(result.model, ids), logits(masked_original(arch, result.plan), ids), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        logits(result.model, ids), logits(masked_original(arch, result.plan), ids), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_attention_groups_pruned_equals_masked(arch, ids):
@@ -68,7 +70,9 @@ def test_ratio_counts_and_untouched_parameters(arch):
 
 
 def test_save_load_round_trips_exactly(arch, ids, tmp_path):
-    result = pruned(arch, "blockwise", 0.3, blockwise_attention="closest_ratio")  # layers of different head counts and widths
+    result = pruned(
+        arch, "blockwise", 0.3, blockwise_attention="closest_ratio"
+    )  # layers of different head counts and widths
     assert len({l.self_attn.k_proj.out_features for l in result.model.model.layers}) > 1
     save_pruned(result.model, tmp_path / "m", tokenizer=result.tokenizer)
     again = load_pruned(tmp_path / "m")

@@ -8,13 +8,15 @@ import sys
 
 import pytest
 
-from taylor_tune import assets
-from taylor_tune.assets import ASSETS, MANIFEST, fetch, file_sha256, verify
+from taylor_tune.sources import assets
+from taylor_tune.sources.assets import ASSETS, MANIFEST, fetch, file_sha256, verify
 
 
 def taylor_tune(*args, home, timeout=900):
     env = dict(os.environ, TAYLOR_TUNE_HOME=str(home))
-    return subprocess.run([sys.executable, "-m", "taylor_tune", *args], capture_output=True, text=True, env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "taylor_tune", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
 
 
 def one_line_error(run, *needles):
@@ -42,7 +44,9 @@ def test_fetch_from_an_empty_cache_then_again_downloads_nothing(tmp_path, monkey
             assert manifest["files"][file] == sha256
         assert manifest["source_sha256"] == asset.source_sha256
     assert sorted(p.name for p in home.iterdir()) == sorted(ASSETS)  # no temporary folder left behind
-    assert (home / "smollm2-135m" / "model.safetensors").is_file() and (home / "qwen2.5-0.5b" / "tokenizer.json").is_file()
+    assert (home / "smollm2-135m" / "model.safetensors").is_file() and (
+        home / "qwen2.5-0.5b" / "tokenizer.json"
+    ).is_file()
 
     def no_download(*args, **kwargs):
         raise AssertionError("a second fetch downloaded")
@@ -95,9 +99,7 @@ def test_missing_assets_name_the_fetch_command(tmp_path, monkeypatch):
 
 
 def test_auto_picks_the_world_of_the_model(tmp_path):
-    from taylor_tune.config import EvalSpec
-    from taylor_tune.evaluation import resolve_task_data
-    from taylor_tune.models import resolve_text, world_of
+    from taylor_tune.sources.data import resolve_task_data, resolve_text, world_of
 
     folder = tmp_path / "pruned"
     folder.mkdir()
@@ -108,4 +110,4 @@ def test_auto_picks_the_world_of_the_model(tmp_path):
     for model, (world, text) in expected.items():
         assert world_of(model) == world, model
         assert resolve_text("auto", model) == text and resolve_text("sample", model) == "sample"
-        assert resolve_task_data(EvalSpec(tasks=["piqa"], ppl=None), model) == (world if world != "hub" else "hub")
+        assert resolve_task_data("auto", model) == world and resolve_task_data("real", model) == "real"

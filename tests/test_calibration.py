@@ -5,9 +5,10 @@ import json
 import pytest
 import torch
 
-from taylor_tune.calibration import DATASETS, DatasetSource, draw_calibration, load_documents, split_paragraphs
 from taylor_tune.errors import CalibrationError
-from taylor_tune.models import byte_tokenizer
+from taylor_tune.sources.calibration import draw_calibration, load_documents, split_paragraphs
+from taylor_tune.sources.data import DATASETS, DatasetSource
+from taylor_tune.sources.models import byte_tokenizer
 
 DOCS = [f"Document {i} talks about the river number {i} and its {i * 3} bridges." for i in range(200)]
 

@@ -11,13 +11,25 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import taylor_tune.prune
-from taylor_tune.calibration import load_calibration
+import taylor_tune.pruning.prune
 from taylor_tune.cli import main
-from taylor_tune.models import byte_tokenizer, load_model
+from taylor_tune.sources.calibration import load_calibration
+from taylor_tune.sources.models import byte_tokenizer, load_model
 
 EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
-BASE = ["prune", "--model", "tiny-llama-random", "--calibration", "sample", "--seq-len", "32", "--num-samples", "16", "--device", "cpu"]
+BASE = [
+    "prune",
+    "--model",
+    "tiny-llama-random",
+    "--calibration",
+    "sample",
+    "--seq-len",
+    "32",
+    "--num-samples",
+    "16",
+    "--device",
+    "cpu",
+]
 
 
 def run(capsys, *args):
@@ -31,8 +43,19 @@ def test_prune_writes_summary_importance_and_model(capsys, tmp_path):
     code, stdout, _ = run(capsys, *BASE, "--method", "blockwise", "--sparsity", "0.25", "--output", str(out))
     assert code == 0 and "pruning_ratio" in stdout
     summary = json.loads((out / "pruning_summary.json").read_text())
-    for key in ("params_count", "pruning_ratio", "layer_pruning_ratio", "layer_retention_ratio", "extreme_pruning_layers",
-                "grad_mean_ratio", "grad_norm_ratio", "grad_mean_range", "grad_norm_range", "removed_groups", "config"):
+    for key in (
+        "params_count",
+        "pruning_ratio",
+        "layer_pruning_ratio",
+        "layer_retention_ratio",
+        "extreme_pruning_layers",
+        "grad_mean_ratio",
+        "grad_norm_ratio",
+        "grad_mean_range",
+        "grad_norm_range",
+        "removed_groups",
+        "config",
+    ):
         assert key in summary, key
     assert summary["config"]["method"] == "blockwise" and summary["config"]["sparsity"] == 0.25
     model = load_model(str(out / "model"))
@@ -47,7 +70,10 @@ def test_prune_writes_summary_importance_and_model(capsys, tmp_path):
     scores, removed = tensors["layers.1.mlp_scores"].numpy(), summary["removed_groups"][1]["mlp_channels"]
     kept = np.setdiff1d(np.arange(192), removed)
     assert scores[removed].max() <= scores[kept].min()
-    assert np.isclose(np.max(tensors["layer_grad_mean"].numpy()) / np.min(tensors["layer_grad_mean"].numpy()), summary["grad_mean_ratio"])
+    assert np.isclose(
+        np.max(tensors["layer_grad_mean"].numpy()) / np.min(tensors["layer_grad_mean"].numpy()),
+        summary["grad_mean_ratio"],
+    )
 
 
 def test_help_shows_a_worked_example(capsys):
@@ -74,7 +100,10 @@ def tiny_text(tmp_path):
 BEFORE_LOADING = [
     (["--sparsity", "1.5"], "sparsity: Input should be less than 1"),
     (["--sparsity", "0"], "sparsity: Input should be greater than 0"),
-    (["--method", "pruneall"], "method: unknown method 'pruneall'; allowed: blockwise, layerwise, magnitude, random, taylor"),
+    (
+        ["--method", "pruneall"],
+        "method: unknown method 'pruneall'; allowed: blockwise, layerwise, magnitude, random, taylor",
+    ),
     (["--seq-len", "0"], "seq_len: Input should be greater than 0"),
     (["--seq-len", "4096"], "seq_len: 4096 exceeds the model's maximum context of 512 tokens"),
     (["--num-samples", "0"], "num_samples: Input should be greater than 0"),
@@ -90,11 +119,13 @@ BEFORE_LOADING = [
 
 
 @pytest.mark.parametrize("extra, message", BEFORE_LOADING)
-def test_bad_input_is_one_line_before_any_weight_loads(extra, message, capsys, monkeypatch, tmp_path, gpt2_folder, tiny_text):
+def test_bad_input_is_one_line_before_any_weight_loads(
+    extra, message, capsys, monkeypatch, tmp_path, gpt2_folder, tiny_text
+):
     def no_loading(*args, **kwargs):
         raise AssertionError("weights were loaded before the input was validated")
 
-    monkeypatch.setattr(taylor_tune.prune, "load_model", no_loading)
+    monkeypatch.setattr(taylor_tune.pruning.prune, "load_model", no_loading)
     extra = [gpt2_folder if x == "GPT2" else tiny_text if x == "SMALL" else x for x in extra]
     message = message.replace("SMALL", tiny_text)
     code, _, err = run(capsys, *BASE, *extra, "--output", str(tmp_path / "out"))
@@ -123,7 +154,12 @@ def test_a_yaml_config_with_overrides_on_the_command_line(capsys, tmp_path):
                      "--seq-len", "16", "--method", "magnitude", "--output", str(tmp_path / "o"))
     assert code == 0
     config = json.loads((tmp_path / "o" / "pruning_summary.json").read_text())["config"]
-    assert (config["model"], config["method"], config["num_samples"], config["trust_remote_code"]) == ("tiny-llama", "magnitude", 8, False)
+    assert (config["model"], config["method"], config["num_samples"], config["trust_remote_code"]) == (
+        "tiny-llama",
+        "magnitude",
+        8,
+        False,
+    )
 
 
 def test_every_shipped_experiment_config_validates():
@@ -142,11 +178,13 @@ def test_evaluate_writes_results_json(capsys, tmp_path):
                           "--ppl", "world", "--ppl-window", "64", "--device", "cpu", "--output", str(out))
     assert code == 0 and "acc_mean" in stdout
     result = json.loads(out.read_text())
-    assert result["scorer"] == "prefix" and result["zero_shot_tokens"] > 0
-    code, _, _ = run(capsys, "evaluate", "--model", "tiny-llama", "--tasks", "arc_easy,piqa", "--limit", "20", "--ppl", "none",
-                     "--scorer", "hflm", "--device", "cpu", "--output", str(tmp_path / "hflm.json"))
+    # the timings and token counts are named as a trial's: <stage>_s, <stage>_tokens
+    assert result["scorer"] == "prefix" and result["zero_shot_20_tokens"] > 0
+    assert result["ppl_s"] > 0 and result["zero_shot_20_s"] > 0 and result["fidelity"] == 20
+    code, _, _ = run(capsys, "evaluate", "--model", "tiny-llama", "--tasks", "arc_easy,piqa", "--limit", "20",
+                     "--ppl", "none", "--scorer", "hflm", "--device", "cpu", "--output", str(tmp_path / "hflm.json"))
     hflm = json.loads((tmp_path / "hflm.json").read_text())
-    assert code == 0 and hflm["scorer"] == "hflm" and hflm["zero_shot_tokens"] > result["zero_shot_tokens"]
+    assert code == 0 and hflm["scorer"] == "hflm" and hflm["zero_shot_20_tokens"] > result["zero_shot_20_tokens"]
     assert hflm["tasks"] == result["tasks"]  # the same scores from lm-eval's own scorer
     assert set(result["tasks"]) == {"arc_easy", "piqa"} and result["ppl_window"] == 64
     assert all(result["tasks"][t]["n"] == 20 for t in result["tasks"])

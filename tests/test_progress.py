@@ -21,9 +21,18 @@ EVALUATE = ["evaluate", "--model", "tiny-llama", "--tasks", "piqa", "--limit", "
 
 def run_on_a_terminal(args: list[str]) -> tuple[int, str]:
     leader, follower = pty.openpty()
-    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # a new pty is 0 x 0: no room for a bar
-    proc = subprocess.Popen([sys.executable, "-m", "taylor_tune", *args], stdin=follower, stdout=follower, stderr=follower,
-                            cwd=REPO, env=env(), close_fds=True)
+    fcntl.ioctl(
+        follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0)
+    )  # a new pty is 0 x 0: no room for a bar
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "taylor_tune", *args],
+        stdin=follower,
+        stdout=follower,
+        stderr=follower,
+        cwd=REPO,
+        env=env(),
+        close_fds=True,
+    )
     os.close(follower)
     chunks = []
     while True:
@@ -38,7 +47,10 @@ def run_on_a_terminal(args: list[str]) -> tuple[int, str]:
     return proc.wait(timeout=300), b"".join(chunks).decode(errors="replace")
 
 
-@pytest.mark.parametrize("args, bars", [(PRUNE, ["calibration (world)", "importance", "tok/s"]), (EVALUATE, ["perplexity", "zero-shot", "req/s"])])
+@pytest.mark.parametrize(
+    "args, bars",
+    [(PRUNE, ["calibration (world)", "importance", "tok/s"]), (EVALUATE, ["perplexity", "zero-shot", "req/s"])],
+)
 def test_a_terminal_shows_the_stage_bars_and_a_pipe_shows_none(args, bars, tmp_path):
     code, shown = run_on_a_terminal([*args, "--output", str(tmp_path / "tty")])
     assert code == 0, shown[-2000:]

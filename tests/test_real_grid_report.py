@@ -53,9 +53,13 @@ def test_the_real_grid_report_is_ranked_by_perplexity_and_its_best_is_the_lowest
     best = rows.loc[rows["ppl"].idxmin()]
     written_best = json.loads((out / "consolidated_smollm2-135m" / "global_best_config.json").read_text())
     assert written_best["metrics"]["ppl"] == pytest.approx(best["ppl"])
-    assert written_best["config"] == {k: best[k] for k in ("model", "pruning_method", "taylor_seq_len", "taylor_num_samples", "seed")}
+    assert written_best["config"] == {
+        k: best[k] for k in ("model", "pruning_method", "taylor_seq_len", "taylor_num_samples", "seed")
+    }
     cross = json.loads((out / "cross_model_comparison.json").read_text())
-    assert cross["overall_best"]["best_ppl"] == pytest.approx(best["ppl"]) and cross["overall_best"]["valid_trials"] == 12
+    assert (
+        cross["overall_best"]["best_ppl"] == pytest.approx(best["ppl"]) and cross["overall_best"]["valid_trials"] == 12
+    )
     assert cross["key_figures"]["ppl_median"] == pytest.approx(rows["ppl"].median())
     csv = pd.read_csv(out / "consolidated_smollm2-135m" / "all_methods_results.csv")
     assert csv["ppl"].tolist() == pytest.approx(sorted(rows["ppl"]))
@@ -147,4 +151,8 @@ def test_the_real_seed_spread_names_its_configurations_and_equals_pandas(tmp_pat
     for key, values in expected:
         assert written.loc[key, "mean"] == pytest.approx(values.mean())
         assert written.loc[key, "std"] == pytest.approx(np.std(values.to_numpy(), ddof=1))
-        assert (written.loc[key, "min"], written.loc[key, "max"], written.loc[key, "count"]) == (values.min(), values.max(), 3)
+        assert (written.loc[key, "min"], written.loc[key, "max"], written.loc[key, "count"]) == (
+            values.min(),
+            values.max(),
+            3,
+        )

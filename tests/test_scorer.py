@@ -10,10 +10,10 @@ from lm_eval import simple_evaluate
 
 from taylor_tune.config import build_eval_spec, build_prune_config
 from taylor_tune.errors import ConfigError
-from taylor_tune.evaluation import TASK_YAML, task_source
-from taylor_tune.models import load_model, load_tokenizer
-from taylor_tune.prune import prune
-from taylor_tune.scorer import Pack, make_lm, plan_batches, plan_packs
+from taylor_tune.evaluation.scorer import Pack, make_lm, plan_batches, plan_packs
+from taylor_tune.evaluation.zero_shot import TASK_YAML, task_source
+from taylor_tune.pruning.prune import prune
+from taylor_tune.sources.models import load_model, load_tokenizer
 
 
 def test_packs_group_requests_by_the_prefix_hflm_would_forward():
@@ -40,17 +40,33 @@ def test_batches_fill_rows_first_fit_within_the_longest_pack():
 
 
 def _pruned_tiny_qwen2():
-    return prune(build_prune_config({"model": "tiny-qwen2", "method": "blockwise", "sparsity": 0.3, "calibration": "world",
-                                     "seq_len": 32, "num_samples": 16, "device": "cpu", "blockwise_attention": "closest_ratio"}))
+    return prune(
+        build_prune_config(
+            {
+                "model": "tiny-qwen2",
+                "method": "blockwise",
+                "sparsity": 0.3,
+                "calibration": "world",
+                "seq_len": 32,
+                "num_samples": 16,
+                "device": "cpu",
+                "blockwise_attention": "closest_ratio",
+            }
+        )
+    )
 
 
-def responses(model, tokenizer, scorer: str, batch_size: int, limit: int, task_data: str = "world") -> tuple[dict, dict]:
+def responses(
+    model, tokenizer, scorer: str, batch_size: int, limit: int, task_data: str = "world"
+) -> tuple[dict, dict]:
     """Every request's (log-likelihood, is_greedy) and each task's acc/acc_norm on the seven tasks."""
     lm = make_lm(model, tokenizer, batch_size, scorer)
     sources = [task_source(task, task_data) for task in TASK_YAML]
     result = simple_evaluate(model=lm, tasks=[s for s, _ in sources], task_manager=sources[0][1], limit=limit,
                              bootstrap_iters=0, log_samples=True, verbosity="ERROR")
-    per_request = {task: [r[0] for sample in samples for r in sample["resps"]] for task, samples in result["samples"].items()}
+    per_request = {
+        task: [r[0] for sample in samples for r in sample["resps"]] for task, samples in result["samples"].items()
+    }
     scores = {task: (raw.get("acc,none"), raw.get("acc_norm,none")) for task, raw in result["results"].items()}
     return per_request, scores
 
@@ -83,8 +99,16 @@ def _short_window_model(max_length: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=max_length, attn_implementation="sdpa")
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_length,
+        attn_implementation="sdpa",
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -129,7 +153,11 @@ def test_tokens_forwarded_equal_a_hand_count():
     hflm = make_lm(model, tokenizer, 1, "hflm")
     prefix._loglikelihood_tokens(requests, disable_tqdm=True)
     hflm._loglikelihood_tokens(requests, disable_tqdm=True)
-    assert (prefix.tokens_forwarded, prefix.tokens_unpadded, hflm.tokens_forwarded) == (by_hand_prefix, by_hand_prefix, by_hand_hflm)
+    assert (prefix.tokens_forwarded, prefix.tokens_unpadded, hflm.tokens_forwarded) == (
+        by_hand_prefix,
+        by_hand_prefix,
+        by_hand_hflm,
+    )
     batched = make_lm(model, tokenizer, 16, "prefix")  # one forward: rows padded to the longest pack (11 positions)
     batched._loglikelihood_tokens(requests, disable_tqdm=True)
     assert batched.tokens_unpadded == by_hand_prefix

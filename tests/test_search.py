@@ -5,7 +5,7 @@ from itertools import product
 
 import pytest
 
-from taylor_tune.tune.search import ModelStudy, PerModelSearcher
+from taylor_tune.sweep.tune.search import ModelStudy, PerModelSearcher
 
 PAPER = {"taylor_seq_len": [16, 32, 64, 128, 256], "taylor_num_samples": [128, 256, 512],
          "pruning_method": ["taylor", "layerwise", "blockwise"]}
@@ -79,7 +79,9 @@ def drive(searcher: PerModelSearcher, tables: dict, start: int, stop: int) -> li
 
 
 def make_searcher() -> PerModelSearcher:
-    return PerModelSearcher(["a", "b"], PAPER, 6, {"prune": {}}, metric="acc_mean", mode="max", seed=3, n_startup_trials=2)
+    return PerModelSearcher(
+        ["a", "b"], PAPER, 6, {"prune": {}}, metric="acc_mean", mode="max", seed=3, n_startup_trials=2
+    )
 
 
 def test_the_searcher_gives_each_model_its_own_study_and_budget():
@@ -114,7 +116,7 @@ def test_asha_decides_at_every_cheap_zero_shot_pass_as_successive_halving_does(r
     import statistics
     from types import SimpleNamespace
 
-    from taylor_tune.tune.scheduler import FidelityASHA
+    from taylor_tune.sweep.tune.scheduler import FidelityASHA
 
     passes = 3
     scheduler = FidelityASHA(passes, reduction_factor=reduction_factor, metric="acc_mean", mode="max")
@@ -128,12 +130,22 @@ def test_asha_decides_at_every_cheap_zero_shot_pass_as_successive_halving_does(r
             assert scheduler.on_trial_result(None, trial, early) == "CONTINUE"
         for k in range(passes):
             score = rng.choice([0.5, 0.6, 0.7]) + rng.random() / 10
-            action = scheduler.on_trial_result(None, trial, {"acc_mean": score, "zero_shot_pass": k, "stage": f"pass{k}"})
+            action = scheduler.on_trial_result(
+                None, trial, {"acc_mean": score, "zero_shot_pass": k, "stage": f"pass{k}"}
+            )
             if k == passes - 1:
                 expected = "STOP"  # the full evaluation: the trial is done
             else:
                 ranks = seen[k]
-                cut = (ranks[0] if len(ranks) == 1 else statistics.quantiles(ranks, n=reduction_factor, method="inclusive")[-1]) if ranks else None
+                cut = (
+                    (
+                        ranks[0]
+                        if len(ranks) == 1
+                        else statistics.quantiles(ranks, n=reduction_factor, method="inclusive")[-1]
+                    )
+                    if ranks
+                    else None
+                )
                 expected = "STOP" if cut is not None and score < cut else "CONTINUE"
                 ranks.append(score)
             assert action == expected, (n, k)

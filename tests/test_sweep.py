@@ -17,9 +17,24 @@ import requests
 from taylor_tune.errors import ConfigError
 from taylor_tune.reporting import build_report, load_trials
 from taylor_tune.reporting.stats import best_trial
-from taylor_tune.tune.driver import sweep_status
-from tests.sweep_helpers import (REPO, SMALL, analysis_rows, env, finished, kill_ray_started_after, run_sweep, scrape, screenshot,
-                                 sweep_command, terminated, total, trial_dirs, wait_for, write_experiment)
+from taylor_tune.sweep.tune.driver import sweep_status
+from tests.sweep_helpers import (
+    REPO,
+    SMALL,
+    analysis_rows,
+    env,
+    finished,
+    kill_ray_started_after,
+    run_sweep,
+    scrape,
+    screenshot,
+    sweep_command,
+    terminated,
+    total,
+    trial_dirs,
+    wait_for,
+    write_experiment,
+)
 
 ARTIFACTS = REPO / "test-artifacts"  # kept after the run (CI can upload it): the dashboard screenshot
 
@@ -53,8 +68,15 @@ def smoke(tmp_path_factory):
     temp = Path("/tmp") / f"tt-ray-{os.getpid()}"  # Ray's socket paths must stay short
     ray_env = {**env(), "RAY_AUTH_MODE": "disabled", "RAY_metrics_report_interval_ms": "1000"}
     bin_dir = Path(os.sys.executable).parent
-    run = SimpleNamespace(path=storage / "smoke", samples={}, jobs=[], screenshot=None, screenshot_error=None, dashboard_cli=None,
-                          statuses=[])
+    run = SimpleNamespace(
+        path=storage / "smoke",
+        samples={},
+        jobs=[],
+        screenshot=None,
+        screenshot_error=None,
+        dashboard_cli=None,
+        statuses=[],
+    )
     started = time.time()
     log_path = tmp_path_factory.mktemp("smoke-log") / "job.log"
     try:
@@ -65,10 +87,25 @@ def smoke(tmp_path_factory):
         runtime_env = json.dumps({"env_vars": {"TAYLOR_TUNE_METRICS_FLUSH_S": "4"}})  # the driver's last values get out
         with open(log_path, "w") as log:
             job = subprocess.Popen(
-                [str(bin_dir / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{dashboard}", "--runtime-env-json",
-                 runtime_env, "--", str(bin_dir / "taylor-tune"), "sweep", str(REPO / "experiments" / "smoke.yaml"),
-                 "--storage", str(storage)],
-                stdout=log, stderr=subprocess.STDOUT, env=ray_env, cwd=REPO,
+                [
+                    str(bin_dir / "ray"),
+                    "job",
+                    "submit",
+                    "--address",
+                    f"http://127.0.0.1:{dashboard}",
+                    "--runtime-env-json",
+                    runtime_env,
+                    "--",
+                    str(bin_dir / "taylor-tune"),
+                    "sweep",
+                    str(REPO / "experiments" / "smoke.yaml"),
+                    "--storage",
+                    str(storage),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=ray_env,
+                cwd=REPO,
             )
             deadline = time.time() + 900
             while job.poll() is None and time.time() < deadline:
@@ -82,11 +119,19 @@ def smoke(tmp_path_factory):
                         run.statuses.append(sweep_status(str(run.path)))
                     except ConfigError:
                         pass  # no state saved yet
-                running = [j for j in run.jobs if "taylor-tune sweep" in j.get("entrypoint", "") and j.get("status") == "RUNNING"]
+                running = [
+                    j
+                    for j in run.jobs
+                    if "taylor-tune sweep" in j.get("entrypoint", "") and j.get("status") == "RUNNING"
+                ]
                 if running and run.dashboard_cli is None:
                     run.dashboard_cli = subprocess.run(
-                        [str(bin_dir / "taylor-tune"), "dashboard", str(run.path)], capture_output=True, text=True, timeout=120,
-                        env={**ray_env, "RAY_ADDRESS": f"127.0.0.1:{port}"})
+                        [str(bin_dir / "taylor-tune"), "dashboard", str(run.path)],
+                        capture_output=True,
+                        text=True,
+                        timeout=120,
+                        env={**ray_env, "RAY_ADDRESS": f"127.0.0.1:{port}"},
+                    )
                 if running and run.screenshot is None and run.screenshot_error is None:
                     if shutil.which("chromium") is None:
                         run.screenshot_error = "Debian's chromium is not installed"
@@ -103,7 +148,9 @@ def smoke(tmp_path_factory):
         run.samples.update(scrape(f"http://127.0.0.1:{metrics}/metrics"))
     finally:
         kill_ray_started_after(started)  # the head node's processes and everything they started, by PID
-    assert wait_for(lambda: not [p for p in psutil.process_iter(["cmdline"]) if str(temp) in " ".join(p.info["cmdline"] or [])], 30)
+    assert wait_for(
+        lambda: not [p for p in psutil.process_iter(["cmdline"]) if str(temp) in " ".join(p.info["cmdline"] or [])], 30
+    )
     run.stdout = log_path.read_text()
     assert job.returncode == 0, run.stdout[-3000:]
     assert "succeeded" in run.stdout
@@ -115,7 +162,11 @@ def test_status_while_the_sweep_runs_counts_its_running_trials(smoke):
     polls = [s for s in smoke.statuses if s["total"]]
     assert len(polls) >= 10, len(polls)
     for status in polls:
-        assert status["pending"] + status["running"] + status["finished"] + status["errored"] + status["paused"] == status["total"] <= 36
+        assert (
+            status["pending"] + status["running"] + status["finished"] + status["errored"] + status["paused"]
+            == status["total"]
+            <= 36
+        )
         assert 0 <= status["running"] <= 2 and status["saved_s_ago"] < 30
     assert max(s["running"] for s in polls) >= 1
     assert [s["finished"] for s in polls] == sorted(s["finished"] for s in polls)  # never goes back
@@ -134,7 +185,9 @@ def test_smoke_sweep_runs_end_to_end_under_ray_job_submit_and_analysis_has_every
         assert 0.19 < row["pruning_ratio"] < 0.21 and row["stage"] == "zero_shot_40"
         assert row["scorer"] == "prefix" and row["zero_shot_40_tokens"] > 0
         assert Path(row["output_dir"]).parent == path and (Path(row["output_dir"]) / "pruning_summary.json").is_file()
-        written = json.loads((Path(row["output_dir"]) / "config.json").read_text())["prune"]  # reused workers: own folder
+        written = json.loads((Path(row["output_dir"]) / "config.json").read_text())[
+            "prune"
+        ]  # reused workers: own folder
         assert (written["method"], written["seq_len"], written["num_samples"]) == (
             row["pruning_method"], row["taylor_seq_len"], row["taylor_num_samples"])
     grid = {(r["model"], r["pruning_method"], r["taylor_seq_len"], r["taylor_num_samples"]) for r in rows}
@@ -146,7 +199,9 @@ def test_the_console_is_one_line_per_trial_and_a_few_status_lines(smoke):
     lines = smoke.stdout.splitlines()
     trial_lines = [line for line in lines if re.match(r"\[\d+/36\] ", line)]
     assert len(trial_lines) == 36, "\n".join(lines[:80])
-    assert all(re.search(r"seq_len=\d+ samples=\d+: ppl [\d.]+, acc_mean \d\.\d{4}, \d+ s$", line) for line in trial_lines), trial_lines
+    assert all(
+        re.search(r"seq_len=\d+ samples=\d+: ppl [\d.]+, acc_mean \d\.\d{4}, \d+ s$", line) for line in trial_lines
+    ), trial_lines
     assert len({line.split(":")[0].split("] ")[1] for line in trial_lines}) == 36  # each configuration once
     assert len(lines) <= 120, "\n".join(lines)
     assert not any("Trial status" in line or "╭" in line for line in lines)
@@ -177,7 +232,9 @@ def test_importance_passes_equal_distinct_model_seq_len_seed(smoke):
 
 def test_status_reports_counts_and_best_per_model(smoke):
     path = smoke.path
-    proc = subprocess.run([os.sys.executable, "-m", "taylor_tune", "status", str(path)], capture_output=True, text=True, env=env())
+    proc = subprocess.run(
+        [os.sys.executable, "-m", "taylor_tune", "status", str(path)], capture_output=True, text=True, env=env()
+    )
     assert proc.returncode == 0
     assert "finished 36, errored 0" in proc.stdout
     named = dict(re.findall(r"^best so far for (\S+) by acc_mean: .*\(trial (\S+)\)$", proc.stdout, flags=re.M))
@@ -186,12 +243,14 @@ def test_status_reports_counts_and_best_per_model(smoke):
     assert len(named) == 3
 
 
-def interrupt_sweep(experiment, log_path, until, sig, **extra_env) -> None:
+def interrupt_sweep(experiment, log_path, until, sig, **faults) -> None:
     """Run the sweep until `until()` holds, let the experiment state be saved (every second), send `sig`, and stop
     every Ray process the run started."""
     started = time.time()
     log = open(log_path, "w")  # a file, not a pipe: nobody reads a pipe while we wait
-    proc = subprocess.Popen(sweep_command(experiment), stdout=log, stderr=subprocess.STDOUT, env={**env(), **extra_env}, cwd=REPO)
+    proc = subprocess.Popen(
+        sweep_command(experiment), stdout=log, stderr=subprocess.STDOUT, env=env(**faults), cwd=REPO
+    )
     try:
         assert wait_for(until, timeout=300), f"the sweep never got there: {log_path.read_text()[-2000:]}"
         time.sleep(3)
@@ -210,10 +269,14 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_trials(sig, tmp
     # + 2.5 s for the saved state) must leave most of the grid still to run
     space = {"taylor_seq_len": {"grid": [16, 32, 48]}, "taylor_num_samples": {"grid": [8, 16]},
              "pruning_method": {"grid": ["taylor", "blockwise"]}}
-    experiment = write_experiment(tmp_path, "resume", search_space=space, search={"algorithm": "grid", "max_concurrent": 1})
+    experiment = write_experiment(
+        tmp_path, "resume", search_space=space, search={"algorithm": "grid", "max_concurrent": 1}
+    )
     path = tmp_path / "sweeps" / "resume"
     started = time.time()
-    interrupt_sweep(experiment, tmp_path / "first-run.log", lambda: len(finished(path)) >= 2, sig)  # two trials finished
+    interrupt_sweep(
+        experiment, tmp_path / "first-run.log", lambda: len(finished(path)) >= 2, sig
+    )  # two trials finished
     # finished = what Tune's saved state records as TERMINATED: a trial whose files were uploaded in the instant
     # before a SIGKILL, but whose completion the driver had not yet saved, is in flight and may run again
     before = {t: (trial_dirs(path)[t] / "result.json").read_bytes() for t in terminated(path)}
@@ -236,13 +299,19 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_trials(sig, tmp
 def test_a_trial_killed_after_its_final_report_is_not_recomputed_on_resume(tmp_path):
     """SIGKILL in the window between a trial's final report (its artifacts complete) and Tune recording it finished
     (a test hook holds the trial there): the rerun reports the finished artifacts instead of computing again."""
-    space = {"taylor_seq_len": {"grid": [16]}, "taylor_num_samples": {"grid": [8]}, "pruning_method": {"grid": ["taylor", "blockwise"]}}
-    experiment = write_experiment(tmp_path, "idem", search_space=space, search={"algorithm": "grid", "max_concurrent": 1})
+    space = {
+        "taylor_seq_len": {"grid": [16]},
+        "taylor_num_samples": {"grid": [8]},
+        "pruning_method": {"grid": ["taylor", "blockwise"]},
+    }
+    experiment = write_experiment(
+        tmp_path, "idem", search_space=space, search={"algorithm": "grid", "max_concurrent": 1}
+    )
     path, markers = tmp_path / "sweeps" / "idem", tmp_path / "paused"
     markers.mkdir()
     started = time.time()
     interrupt_sweep(experiment, tmp_path / "first-run.log", lambda: any(markers.iterdir()), signal.SIGKILL,
-                    TAYLOR_TUNE_TEST_PAUSE_AFTER_FINAL_REPORT=str(markers))  # a trial held after its final report
+                    TAYLOR_TUNE_TEST_PAUSE=str(markers))  # a trial held after its final report
     (paused,) = [p.name for p in markers.iterdir()]
     assert paused not in terminated(path)  # Tune had not recorded it finished: a restore runs it again
 
@@ -254,24 +323,34 @@ def test_a_trial_killed_after_its_final_report_is_not_recomputed_on_resume(tmp_p
     other = next(t for t in rows if t != paused)
     assert not rows[other].get("reused_artifacts")
     # one importance pass (the paused trial's first run) and one hit (the other trial): the rerun touched no gradient
-    events = [json.loads(line)["event"] for line in (path / "importance_cache" / "events.jsonl").read_text().splitlines()]
+    events = [
+        json.loads(line)["event"] for line in (path / "importance_cache" / "events.jsonl").read_text().splitlines()
+    ]
     assert events == ["computed", "hit"]
     assert (trial_dirs(path)[paused] / "evaluation.json").is_file()
 
 
 def test_a_failing_trial_is_retried_then_errored_and_the_rest_finish(tmp_path):
     fault = {"pruning_method": "blockwise", "taylor_seq_len": 32}
-    experiment = write_experiment(tmp_path, "faulty", test_fault=fault, max_failures=2)
+    experiment = write_experiment(tmp_path, "faulty", max_failures=2)
     started = time.time()
-    proc = run_sweep(experiment)
+    proc = run_sweep(experiment, TAYLOR_TUNE_TEST_FAULT=json.dumps(fault))
     kill_ray_started_after(started)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "5 finished, 1 errored" in proc.stdout
-    assert re.search(r"^\[\d/6\] tiny-llama blockwise seq_len=32 samples=\d+: errored: .*InjectedFault: injected fault", proc.stdout, re.M), proc.stdout
+    assert re.search(
+        r"^\[\d/6\] tiny-llama blockwise seq_len=32 samples=\d+: errored: .*InjectedFault: injected fault",
+        proc.stdout,
+        re.M,
+    ), proc.stdout
     path = tmp_path / "sweeps" / "faulty"
-    (bad,) = [p for p in trial_dirs(path).values() if "pruning_method=blockwise" in p.name and "taylor_seq_len=32" in p.name]
+    (bad,) = [
+        p for p in trial_dirs(path).values() if "pruning_method=blockwise" in p.name and "taylor_seq_len=32" in p.name
+    ]
     errors = (bad / "error.txt").read_text()  # Tune's own record: one entry per failed attempt
-    assert errors.count("Failure # ") == 3 and errors.count("InjectedFault: injected fault") == 3  # first try + 2 retries
+    assert (
+        errors.count("Failure # ") == 3 and errors.count("InjectedFault: injected fault") == 3
+    )  # first try + 2 retries
     assert len(finished(path)) == 5
     report = build_report(path)  # the errored trial is counted with its reason, never crashes the report
     (reason,) = report.table.invalid["reason"]
@@ -280,11 +359,22 @@ def test_a_failing_trial_is_retried_then_errored_and_the_rest_finish(tmp_path):
 
 def test_tpe_with_asha_runs_one_study_per_model(tmp_path):
     experiment = write_experiment(
-        tmp_path, "tpe", models=["tiny-llama", "tiny-qwen2"],
-        search_space={"taylor_seq_len": {"choice": [16, 32, 48]}, "taylor_num_samples": {"choice": [8, 16]},
-                      "pruning_method": {"choice": ["taylor", "layerwise", "blockwise"]}},
+        tmp_path,
+        "tpe",
+        models=["tiny-llama", "tiny-qwen2"],
+        search_space={
+            "taylor_seq_len": {"choice": [16, 32, 48]},
+            "taylor_num_samples": {"choice": [8, 16]},
+            "pruning_method": {"choice": ["taylor", "layerwise", "blockwise"]},
+        },
         search={"algorithm": "tpe", "num_trials": 3, "scheduler": "asha", "seed": 0, "reduction_factor": 3},
-        evaluation={"tasks": "arc_challenge,openbookqa", "task_data": "world", "ppl": None, "batch_size": 16, "fidelities": [5, 20]},
+        evaluation={
+            "tasks": "arc_challenge,openbookqa",
+            "task_data": "world",
+            "ppl": None,
+            "batch_size": 16,
+            "fidelities": [5, 20],
+        },
     )
     started = time.time()
     proc = run_sweep(experiment)
@@ -300,11 +390,15 @@ def test_tpe_with_asha_runs_one_study_per_model(tmp_path):
     full = {m: max(r["acc_mean"] for r in final if r["model"] == m) for m in {r["model"] for r in final}}
     assert {m: b["acc_mean"] for m, b in status["best"].items()} == full
     for model in ("tiny-llama", "tiny-qwen2"):  # a study never runs a configuration twice
-        keys = [(r["taylor_seq_len"], r["taylor_num_samples"], r["pruning_method"]) for r in rows if r["model"] == model]
+        keys = [
+            (r["taylor_seq_len"], r["taylor_num_samples"], r["pruning_method"]) for r in rows if r["model"] == model
+        ]
         assert len(set(keys)) == 3
     table = load_trials(tmp_path / "sweeps" / "tpe")  # trials ASHA stopped at the cheap fidelity are not comparable
     stopped = [r for r in rows if r["stage"] == "zero_shot_5"]
-    assert len(table.invalid) == len(stopped) and all("stopped early by the scheduler" in r for r in table.invalid["reason"])
+    assert len(table.invalid) == len(stopped) and all(
+        "stopped early by the scheduler" in r for r in table.invalid["reason"]
+    )
 
 
 def test_a_sweep_for_the_lowest_perplexity_is_ranked_by_it_in_tune_status_and_report(tmp_path):
@@ -323,16 +417,20 @@ def test_a_sweep_for_the_lowest_perplexity_is_ranked_by_it_in_tune_status_and_re
     tune_best = ExperimentAnalysis(str(path)).get_best_trial(metric="ppl", mode="min", scope="last")
     assert tune_best.trial_id == lowest["trial_id"]
     status = sweep_status(str(path))["best"]["tiny-llama"]
-    assert (status["metric"], status["trial_id"]) == ("ppl", lowest["trial_id"]) and status["ppl"] == pytest.approx(lowest["ppl"])
+    assert (status["metric"], status["trial_id"]) == ("ppl", lowest["trial_id"]) and status["ppl"] == pytest.approx(
+        lowest["ppl"]
+    )
     report = build_report(str(path))
     assert report.objective.metric == "ppl" and report.models["tiny-llama"].best["trial_id"] == lowest["trial_id"]
-    out = subprocess.run([os.sys.executable, "-m", "taylor_tune", "status", str(path)], capture_output=True, text=True, env=env())
+    out = subprocess.run(
+        [os.sys.executable, "-m", "taylor_tune", "status", str(path)], capture_output=True, text=True, env=env()
+    )
     assert f"best so far for tiny-llama by ppl: ppl {status['ppl']:.3f}" in out.stdout
 
 
 def test_the_best_gauge_of_a_perplexity_sweep_keeps_each_models_lowest_final_value():
     """The smoke sweep checks the gauge by a real scrape under acc_mean / max; here its rule under ppl / min."""
-    from taylor_tune.tune.metrics import SweepMetricsCallback
+    from taylor_tune.sweep.tune.metrics import SweepMetricsCallback
 
     callback = SweepMetricsCallback("ppl", "zero_shot_all", "ppl", "min", flush_s=0)
     results = [("a", "zero_shot_all", 50.0), ("a", "zero_shot_5", 10.0), ("a", "zero_shot_all", 40.0),
@@ -363,14 +461,18 @@ def test_report_on_the_smoke_sweep_writes_every_file_with_the_numbers_ray_reads(
         assert written["config"]["pruning_method"] in set(top["pruning_method"])
         methods = json.loads((out / f"consolidated_{model}" / "method_comparison.json").read_text())["methods"]
         for method, group in rows.groupby("pruning_method"):
-            assert methods[method]["mean"] == pytest.approx(group["acc_mean"].mean()) and methods[method]["count"] == len(group)
+            assert methods[method]["mean"] == pytest.approx(group["acc_mean"].mean()) and methods[method][
+                "count"
+            ] == len(group)
         heat = json.loads((out / "figures" / f"heatmap_{model}.json").read_text())
         means = rows.groupby(["taylor_seq_len", "taylor_num_samples"])["acc_mean"].mean()
         for i, s in enumerate(heat["seq_lens"]):
             for j, n in enumerate(heat["num_samples"]):
                 assert heat["values"][i][j] == pytest.approx(means[(s, n)])
         csv = pd.read_csv(out / f"consolidated_{model}" / "all_methods_results.csv")
-        assert len(csv) == len(rows) and {"ppl", "acc_mean", "acc_piqa", "grad_norm_ratio", "output_dir"} <= set(csv.columns)
+        assert len(csv) == len(rows) and {"ppl", "acc_mean", "acc_piqa", "grad_norm_ratio", "output_dir"} <= set(
+            csv.columns
+        )
         best_dir = out / f"best_{model}"
         for f in ("best_config.json", "evaluation/evaluation_results.json", "analysis/gradient_diagnosis.json",
                   "analysis/pruning_comparison.json", "artifacts/config.json", "visualization/gradient_analysis.png",
@@ -382,14 +484,25 @@ def test_report_on_the_smoke_sweep_writes_every_file_with_the_numbers_ray_reads(
     bars = json.loads((out / "figures" / "methods_by_models.json").read_text())
     for k, method in enumerate(bars["methods"]):
         for j, model in enumerate(bars["models"]):
-            assert bars["means"][k][j] == pytest.approx(df[(df["model"] == model) & (df["pruning_method"] == method)]["acc_mean"].mean())
+            assert bars["means"][k][j] == pytest.approx(
+                df[(df["model"] == model) & (df["pruning_method"] == method)]["acc_mean"].mean()
+            )
     text = (out / "final_analysis_report.txt").read_text()
-    assert "Perplexity vs acc_mean" in text and "Overall best by acc_mean:" in text and (out / "final_analysis_report.md").is_file()
+    assert (
+        "Perplexity vs acc_mean" in text
+        and "Overall best by acc_mean:" in text
+        and (out / "final_analysis_report.md").is_file()
+    )
     tex = (out / "paper" / "tables.tex").read_text()
     tabular_rows_are_well_formed(tex)
     if shutil.which("pdflatex"):
-        latex = subprocess.run(["pdflatex", "-interaction=nonstopmode", "-halt-on-error", "tables.tex"], cwd=out / "paper",
-                               capture_output=True, text=True, timeout=120)
+        latex = subprocess.run(
+            ["pdflatex", "-interaction=nonstopmode", "-halt-on-error", "tables.tex"],
+            cwd=out / "paper",
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert latex.returncode == 0, latex.stdout[-2000:]
 
 
@@ -401,7 +514,9 @@ def test_the_example_notebook_runs_headless_on_the_smoke_sweep(smoke, tmp_path):
     notebook = nbformat.read(REPO / "dashboards" / "explore_experiment.ipynb", as_version=4)
     os.environ["TAYLOR_TUNE_EXPERIMENT"], os.environ["TAYLOR_TUNE_REPORT"] = str(path), str(tmp_path / "nb-report")
     try:
-        nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
+        nbclient.NotebookClient(
+            notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}
+        ).execute()
     finally:
         del os.environ["TAYLOR_TUNE_EXPERIMENT"], os.environ["TAYLOR_TUNE_REPORT"]
     printed = "".join(o.get("text", "") for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs)
@@ -422,11 +537,20 @@ def test_the_custom_metrics_carry_the_sweeps_numbers(smoke):
     distinct = {(r["model"], r["taylor_seq_len"], r["seed"]) for r in rows}
     assert total(samples, "ray_taylor_tune_importance_cache_events_total", event="computed") == len(distinct) == 6
     assert total(samples, "ray_taylor_tune_importance_cache_events_total", event="hit") == 36 - 6
-    for stage, trials in (("load", 36), ("calibration", 6), ("importance", 36), ("prune", 36), ("ppl", 36), ("zero_shot_40", 36)):
+    for stage, trials in (
+        ("load", 36),
+        ("calibration", 6),
+        ("importance", 36),
+        ("prune", 36),
+        ("ppl", 36),
+        ("zero_shot_40", 36),
+    ):
         assert total(samples, "ray_taylor_tune_stage_runs_total", stage=stage) == trials, stage
     for stage in ("importance", "ppl", "zero_shot_40"):  # the seconds the trials reported, summed
         seconds = sum(r[f"{stage}_s"] for r in rows)
-        assert total(samples, "ray_taylor_tune_stage_seconds_total", stage=stage) == pytest.approx(seconds, rel=1e-4), stage
+        assert total(samples, "ray_taylor_tune_stage_seconds_total", stage=stage) == pytest.approx(seconds, rel=1e-4), (
+            stage
+        )
     for model in ("tiny-llama", "tiny-qwen2", "tiny-mistral"):
         best = max(r["acc_mean"] for r in rows if r["model"] == model)
         assert total(samples, "ray_taylor_tune_best", model=model, metric="acc_mean", mode="max") == pytest.approx(best)

@@ -1,11 +1,12 @@
-import pytest
 """One trial without Ray: what it reports, with and without the shared importance cache."""
 
 import json
 
+import pytest
+
 from taylor_tune.config import PruneConfig
-from taylor_tune.experiment import Evaluation
-from taylor_tune.trial import TrialConfig, run_trial
+from taylor_tune.sweep.experiment import Evaluation
+from taylor_tune.sweep.trial import TrialConfig, run_trial
 
 
 def trial(num_samples: int, cache_dir=None) -> TrialConfig:
@@ -39,8 +40,14 @@ def test_a_sweeps_evaluation_is_an_evalspec_with_passes_and_keeps_its_metric_ove
 
     from taylor_tune.config import EvalSpec
 
-    evaluation = Evaluation(tasks="piqa,arc_easy", task_data="world", ppl=None, metrics={"piqa": "acc_norm"}, fidelities=[5])
-    assert isinstance(evaluation, EvalSpec) and evaluation.spec(5).limit == 5 and evaluation.spec(5).metrics == {"piqa": "acc_norm"}
+    evaluation = Evaluation(
+        tasks="piqa,arc_easy", task_data="world", ppl=None, metrics={"piqa": "acc_norm"}, fidelities=[5]
+    )
+    assert (
+        isinstance(evaluation, EvalSpec)
+        and evaluation.spec(5).limit == 5
+        and evaluation.spec(5).metrics == {"piqa": "acc_norm"}
+    )
     with pytest.raises(ValidationError, match="fidelities"):
         Evaluation(limit=5)
     config = trial(8).model_copy(update={"evaluation": evaluation})
@@ -48,3 +55,35 @@ def test_a_sweeps_evaluation_is_an_evalspec_with_passes_and_keeps_its_metric_ove
     tasks = json.loads((tmp_path / "t" / "evaluation.json").read_text())["tasks"]
     assert tasks["piqa"]["metric"] == "acc_norm" and metrics["acc_piqa"] == tasks["piqa"]["acc_norm"]
     assert tasks["arc_easy"]["metric"] == "acc" and metrics["acc_arc_easy"] == tasks["arc_easy"]["acc"]
+
+
+def test_an_importance_entry_serves_only_the_dtype_and_device_it_was_computed_in(tmp_path):
+    """A sweep resumed on other hardware must not read the importance of a float32 CPU pass into a bfloat16 GPU
+    trial: the key holds the dtype and device type the model was loaded in, not the config's `auto`."""
+    import torch
+
+    from taylor_tune.pruning.groups import describe_layout
+    from taylor_tune.sources.models import load_tokenizer
+    from taylor_tune.sweep.importance_cache import ImportanceCache
+    from taylor_tune.sweep.trial import cached_importance, importance_fields
+    from tests.helpers import tiny
+
+    config = PruneConfig(model="tiny-llama-random", method="taylor", seq_len=16, num_samples=4, calibration="world",
+                         device="cpu", dtype="auto")
+    cache_dir = tmp_path / "cache"
+    provide = cached_importance(TrialConfig(prune=config, evaluation=Evaluation(tasks="piqa", ppl=None),
+                                            cache_dir=str(cache_dir)))
+    model, tokenizer = tiny("tiny-llama-random"), load_tokenizer("tiny-llama-random")
+    layout = describe_layout(model)
+    events = [provide(model, layout, tokenizer).cache_event for _ in range(2)]
+    events.append(provide(model.to(torch.bfloat16), layout, tokenizer).cache_event)
+    assert events == ["computed", "hit", "computed"]
+
+    cpu, cuda = (importance_fields(config, dtype=torch.float32, device=torch.device(d)) for d in ("cpu", "cuda:1"))
+    assert cpu["device"] == "cpu" and cuda["device"] == "cuda" and cpu["dtype"] == "float32"
+    assert (
+        importance_fields(config, dtype=torch.float32, device=torch.device("cuda:0")) == cuda
+    )  # the type, not the index
+    asked = []
+    ImportanceCache(cache_dir).get_or_compute(cuda, [4], lambda: asked.append("cuda") or {})
+    assert asked == ["cuda"]  # the CPU entry of the same model, draw and dtype was not served

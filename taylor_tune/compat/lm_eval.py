@@ -1,4 +1,4 @@
-"""lm-eval 0.4.13's private names: the task YAML loader, the task index, and the HFLM internals the prefix scorer
+"""lm-eval 0.4.13's private names: the task YAML loader and the HFLM internals the prefix scorer
 builds on (it overrides `_loglikelihood_tokens` and reads the attributes HFLM's own version reads)."""
 
 from __future__ import annotations
@@ -19,14 +19,8 @@ def load_task_yaml(path: Path) -> dict:
     return dict(load_yaml(path, resolve_func=True))
 
 
-def task_yaml_path(manager, task: str) -> Path:
-    """Where lm-eval's index keeps a registered task's YAML."""
-    return Path(manager._entry(task).yaml_path)
-
-
 def check(lm=None) -> None:
     """Raise CompatError if a fenced name is gone; `lm`: an HFLM instance, to check its attributes too."""
-    import lm_eval.tasks
     from lm_eval.models.huggingface import HFLM
 
     gone = [f"HFLM.{name}" for name in HFLM_METHODS if not callable(vars(HFLM).get(name))]  # HFLM's own, not a base's
@@ -34,8 +28,6 @@ def check(lm=None) -> None:
         from lm_eval.tasks._yaml_loader import load_yaml  # noqa: F401
     except ImportError:
         gone.append("lm_eval.tasks._yaml_loader.load_yaml")
-    if not hasattr(lm_eval.tasks.TaskManager, "_entry"):
-        gone.append("TaskManager._entry")
     if lm is not None:
         gone += [f"HFLM().{name}" for name in HFLM_ATTRIBUTES if not hasattr(lm, name)]
     missing("lm-eval", TESTED, gone)

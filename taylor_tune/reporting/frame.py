@@ -1,4 +1,5 @@
-"""Tune results -> one tidy DataFrame, one row per trial (docs/specification.md §3), with every trial's validity and reason.
+"""Tune results -> one tidy DataFrame, one row per trial (docs/specification.md §3), with every trial's validity and
+reason.
 
 An experiment folder (local, `file://` or any URI pyarrow understands, such as `s3://`) is read file by file,
 so that a truncated result.json, an errored trial or one that never reported is counted, not fatal.
@@ -16,23 +17,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from taylor_tune.config import ZERO_SHOT_TASKS
 from taylor_tune.errors import ReportError
 from taylor_tune.reporting.stats import ACCURACY, Objective
+from taylor_tune.schema import CONFIG_COLUMNS, task_columns, task_key
 
-CONFIG_COLUMNS = ("model", "pruning_method", "taylor_seq_len", "taylor_num_samples", "seed")
 GRAD_COLUMNS = ("grad_mean_ratio", "grad_norm_ratio", "grad_mean_range", "grad_norm_range")
 SPEC_COLUMNS = ("output_dir", "ppl", "acc_mean", "params_count", "pruning_ratio", *GRAD_COLUMNS,
                 "extreme_pruning_layers", "pruning_method", "taylor_seq_len", "taylor_num_samples")
 ARTIFACTS = ("config.json", "evaluation.json", "pruning_summary.json", "layer_analysis.json")
-_SUFFIXES = ("_stderr", "_sel", "_heldout", "_n")
-
-
-def task_columns(columns) -> tuple[str, ...]:
-    """The zero-shot tasks present as `acc_<task>` columns: the paper's order first, then any others by name."""
-    found = {c[4:] for c in columns if c.startswith("acc_") and c != "acc_mean" and not c.startswith("acc_mean_")
-             and not c.endswith(_SUFFIXES)}
-    return tuple(t for t in ZERO_SHOT_TASKS if t in found) + tuple(sorted(found - set(ZERO_SHOT_TASKS)))
 
 
 @dataclass
@@ -69,14 +61,20 @@ class TrialTable:
         pairs = self.trials[["objective_metric", "objective_mode"]].dropna().drop_duplicates()
         if len(pairs) > 1:
             found = ", ".join(f"{m} ({d})" for m, d in pairs.itertuples(index=False))
-            raise ReportError(f"{self.source}: the trials optimized different metrics ({found}); report one sweep at a time")
+            raise ReportError(
+                f"{self.source}: the trials optimized different metrics ({found}); report one sweep at a time"
+            )
         return Objective(*pairs.iloc[0]) if len(pairs) else ACCURACY
 
     def for_model(self, model: str) -> TrialTable:
         if model not in self.models:
             raise ReportError(f"--model {model!r}: not in the experiment; models: {', '.join(self.models) or 'none'}")
-        return TrialTable(self.trials[self.trials["model"] == model].reset_index(drop=True), self.source, self.filesystem,
-                          self.superseded)
+        return TrialTable(
+            self.trials[self.trials["model"] == model].reset_index(drop=True),
+            self.source,
+            self.filesystem,
+            self.superseded,
+        )
 
 
 # ---------------------------------------------------------------- reading a folder
@@ -196,18 +194,24 @@ def _reason(row: pd.Series, tasks: tuple[str, ...]) -> str | None:
         if error:
             return f"errored: {error}"
         stage = row.get("stage")
-        return f"incomplete: no finite acc_mean (last stage {stage!r})" if isinstance(stage, str) else "no finite acc_mean"
+        return (
+            f"incomplete: no finite acc_mean (last stage {stage!r})" if isinstance(stage, str) else "no finite acc_mean"
+        )
     metric = row.get("objective_metric")
     # an infinite perplexity is a result (the worst one), a missing one is not
-    if isinstance(metric, str) and metric != "acc_mean" and not (_finite(row.get(metric)) or str(row.get(metric)) in ("inf", "Infinity")):
+    if (
+        isinstance(metric, str)
+        and metric != "acc_mean"
+        and not (_finite(row.get(metric)) or str(row.get(metric)) in ("inf", "Infinity"))
+    ):
         return f"errored: {error}" if error else f"no {metric}, the sweep's metric"
     expected, reached = row.get("final_fidelity"), row.get("fidelity")
     if _finite(expected) and _finite(reached) and int(reached) != int(expected):
         why = f"errored: {error}" if error else "stopped early by the scheduler"
         return f"incomplete: evaluated on {int(reached)} items per task, not the full {int(expected) or 'set'} ({why})"
     for task in tasks:
-        if not _finite(row.get(f"acc_{task}")):
-            return f"acc_{task} is missing or not finite"
+        if not _finite(row.get(task_key(task))):
+            return f"{task_key(task)} is missing or not finite"
     return None
 
 
@@ -216,13 +220,18 @@ def _drop_superseded(rows: pd.DataFrame) -> tuple[pd.DataFrame, int]:
     after the resume in a second folder with the same trial id: keep one row per trial id, a valid one first."""
     if "trial_id" not in rows or not rows["trial_id"].duplicated().any():
         return rows, 0
-    order = rows.assign(_valid=rows["valid"].astype(int), _dir=rows.get("output_dir", pd.Series("", index=rows.index)).astype(str))
-    keep = order.sort_values(["_valid", "_dir"], ascending=[False, False], kind="stable").drop_duplicates("trial_id").index
+    order = rows.assign(
+        _valid=rows["valid"].astype(int), _dir=rows.get("output_dir", pd.Series("", index=rows.index)).astype(str)
+    )
+    keep = (
+        order.sort_values(["_valid", "_dir"], ascending=[False, False], kind="stable").drop_duplicates("trial_id").index
+    )
     return rows.loc[sorted(keep)].reset_index(drop=True), len(order) - len(keep)
 
 
 def consolidate(rows: pd.DataFrame, source: str = "DataFrame") -> TrialTable:
-    """Judge each trial: valid trials have a finite acc_mean from their final evaluation and every task of their model."""
+    """Judge each trial: valid trials have a finite acc_mean from their final evaluation and every task of their
+    model."""
     rows = rows.copy().reset_index(drop=True)
     if "model" not in rows:
         rows["model"] = pd.Series([None] * len(rows), dtype=object)
@@ -240,7 +249,7 @@ def consolidate(rows: pd.DataFrame, source: str = "DataFrame") -> TrialTable:
     rows["valid"] = rows["reason"].isna()
     rows, superseded = _drop_superseded(rows)
     for task in task_columns(rows.columns):  # an accuracy and its stderr must be numbers, not "None" strings
-        for column in (f"acc_{task}", f"acc_{task}_stderr"):
+        for column in (task_key(task), task_key(task, "_stderr")):
             if column in rows:
                 rows[column] = pd.to_numeric(rows[column], errors="coerce")
     for column in ("acc_mean", "ppl", *GRAD_COLUMNS, "extreme_pruning_layers", "params_count", "pruning_ratio"):
@@ -265,4 +274,6 @@ def load_trials(source) -> TrialTable:
         table = consolidate(read_experiment(str(path), filesystem), str(path))
         table.filesystem = filesystem
         return table
-    raise ReportError(f"cannot read results from a {type(source).__name__}; give a path, ExperimentAnalysis, ResultGrid or DataFrame")
+    raise ReportError(
+        f"cannot read results from a {type(source).__name__}; give a path, ExperimentAnalysis, ResultGrid or DataFrame"
+    )

@@ -54,10 +54,20 @@ def best_configs_table(cross: pd.DataFrame, sparsity: str = "", objective: Objec
     """Table 1: each model's best configuration; the best value of the ranked column in bold."""
     ranked = "best_ppl" if objective.metric == "ppl" else "best_acc"
     top = _best(cross[ranked].tolist(), objective)
-    rows = [[escape(r.model), escape(str(r.best_method).capitalize()), escape(r.taylor_seq_len), escape(r.taylor_num_samples),
-             number(r.best_acc, bold=ranked == "best_acc" and r.best_acc == top),
-             number(r.best_ppl, 2, bold=ranked == "best_ppl" and r.best_ppl == top)] for r in cross.itertuples()]
-    header = [r"\textbf{Model} & \textbf{Method} & \textbf{seq\_len} & \textbf{samples} & \textbf{Avg ACC} & \textbf{PPL} \\"]
+    rows = [
+        [
+            escape(r.model),
+            escape(str(r.best_method).capitalize()),
+            escape(r.taylor_seq_len),
+            escape(r.taylor_num_samples),
+            number(r.best_acc, bold=ranked == "best_acc" and r.best_acc == top),
+            number(r.best_ppl, 2, bold=ranked == "best_ppl" and r.best_ppl == top),
+        ]
+        for r in cross.itertuples()
+    ]
+    header = [
+        r"\textbf{Model} & \textbf{Method} & \textbf{seq\_len} & \textbf{samples} & \textbf{Avg ACC} & \textbf{PPL} \\"
+    ]
     caption = (f"Best pruning configuration found for each model{sparsity}, chosen by the "
                f"{'lowest' if objective.ascending else 'highest'} {_words(objective)[1]}.")
     return _table(caption, "tab:optimal_configs", "lccccc", header, rows)
@@ -67,8 +77,14 @@ def task_table(best_rows: list[dict], tasks: tuple[str, ...], objective: Objecti
     """Table 2: per-task accuracy of each model's best configuration; the best of each column in bold."""
     columns = ["acc_mean", *[f"acc_{t}" for t in tasks]]
     tops = {c: max((r[c] for r in best_rows if r.get(c) is not None), default=None) for c in columns}
-    rows = [[escape(r["model"]), escape(str(r["pruning_method"]).capitalize()),
-             *[number(r.get(c), 3, bold=r.get(c) is not None and r.get(c) == tops[c]) for c in columns]] for r in best_rows]
+    rows = [
+        [
+            escape(r["model"]),
+            escape(str(r["pruning_method"]).capitalize()),
+            *[number(r.get(c), 3, bold=r.get(c) is not None and r.get(c) == tops[c]) for c in columns],
+        ]
+        for r in best_rows
+    ]
     span = len(columns)
     header = [rf" & & \multicolumn{{{span}}}{{c}}{{\textbf{{Zero-shot accuracy}}}} \\",
               rf"\cmidrule(lr){{3-{2 + span}}}",
@@ -83,21 +99,41 @@ def method_table(methods: dict[str, pd.DataFrame], objective: Objective = ACCURA
     """Table 3: per model and method, the metric over the configurations: mean / std / best of an accuracy, or
     geometric mean / mean / best of a perplexity (`stats.summary`'s columns); the best centre in bold."""
     label, name, digits, summary_digits = _words(objective)
-    center, spread, best = objective.center, "mean" if multiplicative(objective.metric) else "std", "min" if objective.ascending else "max"
+    center, spread, best = (
+        objective.center,
+        "mean" if multiplicative(objective.metric) else "std",
+        "min" if objective.ascending else "max",
+    )
     rows: list = []
     for k, (model, table) in enumerate(methods.items()):
         if k:
             rows.append(r"\midrule")
         top = _best(table[center].tolist(), objective)
         for i, (method, r) in enumerate(table.iterrows()):
-            rows.append([escape(model) if i == 0 else "", escape(str(method).capitalize()),
-                         number(r[center], digits, bold=r[center] == top), number(r[spread], summary_digits), number(r[best], digits)])
+            rows.append(
+                [
+                    escape(model) if i == 0 else "",
+                    escape(str(method).capitalize()),
+                    number(r[center], digits, bold=r[center] == top),
+                    number(r[spread], summary_digits),
+                    number(r[best], digits),
+                ]
+            )
     if multiplicative(objective.metric):
-        header = [rf"\textbf{{Model}} & \textbf{{Method}} & \textbf{{Geo-mean {label}}} & \textbf{{Mean {label}}} & \textbf{{Best {label}}} \\"]
-        caption = f"Pruning methods compared: geometric mean, mean and best (lowest) {name} over each method's configurations."
+        header = [
+            rf"\textbf{{Model}} & \textbf{{Method}} & \textbf{{Geo-mean {label}}} & \textbf{{Mean {label}}} & "
+            rf"\textbf{{Best {label}}} \\"
+        ]
+        caption = (f"Pruning methods compared: geometric mean, mean and best (lowest) {name} over each method's "
+                   "configurations.")
     else:
-        header = [rf"\textbf{{Model}} & \textbf{{Method}} & \textbf{{Mean {label}}} & \textbf{{Std}} & \textbf{{Best {label}}} \\"]
-        caption = f"Pruning methods compared: mean, standard deviation and best {name} over each method's configurations."
+        header = [
+            rf"\textbf{{Model}} & \textbf{{Method}} & \textbf{{Mean {label}}} & \textbf{{Std}} & "
+            rf"\textbf{{Best {label}}} \\"
+        ]
+        caption = (
+            f"Pruning methods compared: mean, standard deviation and best {name} over each method's configurations."
+        )
     return _table(caption, "tab:method_comparison", "llccc", header, rows)
 
 
@@ -124,7 +160,9 @@ def seq_len_table(impact: dict[str, pd.DataFrame], objective: Objective = ACCURA
         words = trend(means)
         if words == "peak at {}":
             words = f"{'lowest' if objective.ascending else 'peak'} at {seq_lens[means.index(top)]}"
-        rows.append([escape(model), *[number(m, summary_digits, bold=m is not None and m == top) for m in means], words])
+        rows.append(
+            [escape(model), *[number(m, summary_digits, bold=m is not None and m == top) for m in means], words]
+        )
     n = len(seq_lens)
     header = [rf" & \multicolumn{{{n}}}{{c}}{{\textbf{{taylor\_seq\_len}}}} & \\", rf"\cmidrule(lr){{2-{1 + n}}}",
               r"\textbf{Model} & " + " & ".join(rf"\textbf{{{s}}}" for s in seq_lens) + r" & \textbf{Trend} \\"]
@@ -135,4 +173,8 @@ def seq_len_table(impact: dict[str, pd.DataFrame], objective: Objective = ACCURA
 
 def document(tables: list[str]) -> str:
     """A standalone document holding every table, so that one pdflatex run checks them all."""
-    return "\\documentclass{article}\n\\usepackage{booktabs}\n\\begin{document}\n" + "\n".join(tables) + "\\end{document}\n"
+    return (
+        "\\documentclass{article}\n\\usepackage{booktabs}\n\\begin{document}\n"
+        + "\n".join(tables)
+        + "\\end{document}\n"
+    )

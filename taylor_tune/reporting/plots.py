@@ -74,15 +74,28 @@ def heatmap_data(df: pd.DataFrame, model: str, metric: str = "acc_mean") -> Heat
     geometric = multiplicative(metric)
     if geometric:
         rows = rows.assign(**{metric: np.log(rows[metric].astype(float))})
-    table = rows.pivot_table(index="taylor_seq_len", columns="taylor_num_samples", values=metric, aggfunc=["mean", "count"])
+    table = rows.pivot_table(
+        index="taylor_seq_len", columns="taylor_num_samples", values=metric, aggfunc=["mean", "count"]
+    )
     seq_lens = sorted(int(v) for v in rows["taylor_seq_len"].unique())
     samples = sorted(int(v) for v in rows["taylor_num_samples"].unique())
-    means = table["mean"].reindex(index=seq_lens, columns=samples) if len(rows) else pd.DataFrame(index=seq_lens, columns=samples)
+    means = (
+        table["mean"].reindex(index=seq_lens, columns=samples)
+        if len(rows)
+        else pd.DataFrame(index=seq_lens, columns=samples)
+    )
     counts = table["count"].reindex(index=seq_lens, columns=samples).fillna(0) if len(rows) else means.fillna(0)
     if geometric:
         means = np.exp(means.astype(float))
-    return HeatmapData(model, seq_lens, samples, [[_none_if_nan(v) for v in r] for r in means.to_numpy()],
-                       [[int(v) for v in r] for r in counts.to_numpy()], metric, "geometric mean" if geometric else "mean")
+    return HeatmapData(
+        model,
+        seq_lens,
+        samples,
+        [[_none_if_nan(v) for v in r] for r in means.to_numpy()],
+        [[int(v) for v in r] for r in counts.to_numpy()],
+        metric,
+        "geometric mean" if geometric else "mean",
+    )
 
 
 def method_bars(df: pd.DataFrame, metric: str = "acc_mean") -> MethodBars:
@@ -97,14 +110,26 @@ def method_bars(df: pd.DataFrame, metric: str = "acc_mean") -> MethodBars:
     def grid(column, convert):
         return [[convert(stats[column].get((m, model), np.nan)) for model in models] for m in methods]
 
-    return MethodBars(models, methods, grid("mean", _none_if_nan), grid("std", _none_if_nan),
-                      grid("count", lambda v: 0 if pd.isna(v) else int(v)), metric, "geometric mean" if geometric else "mean")
+    return MethodBars(
+        models,
+        methods,
+        grid("mean", _none_if_nan),
+        grid("std", _none_if_nan),
+        grid("count", lambda v: 0 if pd.isna(v) else int(v)),
+        metric,
+        "geometric mean" if geometric else "mean",
+    )
 
 
 def layer_profile(layers: list[dict], title: str) -> LayerProfile:
-    return LayerProfile(title, [int(r["layer"]) for r in layers], [float(r["pruning_ratio"]) for r in layers],
-                        [float(r["retention_ratio"]) for r in layers], [_none_if_nan(r.get("grad_mean")) for r in layers],
-                        [_none_if_nan(r.get("grad_norm")) for r in layers])
+    return LayerProfile(
+        title,
+        [int(r["layer"]) for r in layers],
+        [float(r["pruning_ratio"]) for r in layers],
+        [float(r["retention_ratio"]) for r in layers],
+        [_none_if_nan(r.get("grad_mean")) for r in layers],
+        [_none_if_nan(r.get("grad_norm")) for r in layers],
+    )
 
 
 # ---------------------------------------------------------------- rendering

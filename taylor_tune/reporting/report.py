@@ -18,8 +18,9 @@ from pathlib import Path
 import pandas as pd
 
 from taylor_tune.jsonio import write_json
-from taylor_tune.reporting import stats
-from taylor_tune.reporting.frame import ARTIFACTS, CONFIG_COLUMNS, GRAD_COLUMNS, TrialTable, load_trials, task_columns
+from taylor_tune.reporting import latex, plots, stats
+from taylor_tune.reporting.frame import ARTIFACTS, GRAD_COLUMNS, TrialTable, load_trials, open_filesystem, read_text
+from taylor_tune.schema import CONFIG_COLUMNS, task_columns
 
 
 @dataclass
@@ -104,10 +105,15 @@ def build_report(source, model: str | None = None, z: float = stats.Z95, seed: i
     if unattributed:
         notes.append(f"{unattributed} trial(s) recorded no model and appear only in the invalid-trial count")
     return Report(
-        source=table.source, table=table, models=models,
-        cross=stats.cross_model(valid, invalid_counts, objective), value_of_search=stats.value_of_search(valid, objective),
+        source=table.source,
+        table=table,
+        models=models,
+        cross=stats.cross_model(valid, invalid_counts, objective),
+        value_of_search=stats.value_of_search(valid, objective),
         key=stats.key_figures(valid, table.tasks, len(table.trials)),
-        z=z, notes=notes, objective=objective,
+        z=z,
+        notes=notes,
+        objective=objective,
     )
 
 
@@ -143,34 +149,66 @@ def sections(report: Report) -> list[tuple[str, list]]:
     center = "geometric mean ppl" if report.objective.center == "gmean" else mean
     columns = {"mean": mean, "gmean": "geo-mean ppl", "count": "trials"}
     for name, m in report.models.items():
-        head = [f"Trials: {m.trials}, valid: {len(m.valid)}, invalid: {len(m.invalid)}; "
-                f"ranked by {metric} ({'lower' if report.objective.ascending else 'higher'} is better), the sweep's metric"]
+        head = [
+            f"Trials: {m.trials}, valid: {len(m.valid)}, invalid: {len(m.invalid)}; "
+            f"ranked by {metric} ({'lower' if report.objective.ascending else 'higher'} is better), the sweep's metric"
+        ]
         if len(m.invalid):
-            head += ["Invalid trials (left out of every statistic):", m.invalid[[c for c in ("trial_id", *CONFIG_COLUMNS[1:4], "reason") if c in m.invalid]]]
+            head += [
+                "Invalid trials (left out of every statistic):",
+                m.invalid[[c for c in ("trial_id", *CONFIG_COLUMNS[1:4], "reason") if c in m.invalid]],
+            ]
         out.append((f"{name.upper()}", head))
         if m.valid.empty:
             out.append(("No valid trials", ["Nothing could be computed for this model."]))
             continue
         methods = m.methods["table"].rename(columns=columns)
-        out.append(("1. Pruning methods", [
-            _frame(methods, "method"),
-            f"Best method: {str(m.methods['best_method']).upper()} (its best trial: {metric} {_fmt(m.methods['best_value'])}); "
-            f"best by {center}: {str(m.methods['best_method_by_mean']).upper()}",
-        ]))
+        out.append(
+            (
+                "1. Pruning methods",
+                [
+                    _frame(methods, "method"),
+                    f"Best method: {str(m.methods['best_method']).upper()} (its best trial: {metric} "
+                    f"{_fmt(m.methods['best_value'])}); "
+                    f"best by {center}: {str(m.methods['best_method_by_mean']).upper()}",
+                ],
+            )
+        )
         blocks: list = []
         for label, impact in (("taylor_seq_len", m.seq_len), ("taylor_num_samples", m.num_samples)):
             blocks += [f"By {label}:", _frame(impact["table"].rename(columns=columns), label),
                        f"Best {label}: {impact['best_value']} ({center} {_fmt(impact['best_mean'])})"]
         importance = m.importance
         if importance.get("importances"):
-            blocks.append(f"Hyperparameter importance (Optuna fANOVA, share of {importance.get('of', metric)}'s variance): "
-                          + ", ".join(f"{k} {v:.2f}" for k, v in importance["importances"].items()))
+            blocks.append(
+                f"Hyperparameter importance (Optuna fANOVA, share of {importance.get('of', metric)}'s variance): "
+                + ", ".join(f"{k} {v:.2f}" for k, v in importance["importances"].items())
+            )
         else:
             blocks.append(f"Hyperparameter importance: undefined ({importance.get('reason')})")
         out.append(("2. Hyperparameters", blocks))
-        grad = pd.DataFrame([{"statistic": c.x, "r": c.r, "p": c.p, "n": c.n, "strength or reason": c.strength or f"undefined: {c.reason}"}
-                             for c in m.gradient])
-        out.append((f"3. Gradient statistics vs {metric}", [grad, "Strength by |r|: < 0.3 negligible, 0.3-0.5 weak, 0.5-0.7 moderate, >= 0.7 strong (Pearson; rows with inf or missing values left out and counted)."]))
+        grad = pd.DataFrame(
+            [
+                {
+                    "statistic": c.x,
+                    "r": c.r,
+                    "p": c.p,
+                    "n": c.n,
+                    "strength or reason": c.strength or f"undefined: {c.reason}",
+                }
+                for c in m.gradient
+            ]
+        )
+        out.append(
+            (
+                f"3. Gradient statistics vs {metric}",
+                [
+                    grad,
+                    "Strength by |r|: < 0.3 negligible, 0.3-0.5 weak, 0.5-0.7 moderate, >= 0.7 strong (Pearson; rows "
+                    "with inf or missing values left out and counted).",
+                ],
+            )
+        )
         extreme = m.extreme
         out.append(("4. Extreme-pruning layers", [
             f"Correlation with {metric}: {extreme['correlation'].describe()}",
@@ -179,28 +217,51 @@ def sections(report: Report) -> list[tuple[str, list]]:
         out.append(("5. Perplexity vs acc_mean", [f"Correlation: {m.ppl.describe()}"]))
         out.append(("6. Best configuration", _best_blocks(m, z)))
         seeds = m.seeds
-        out.append(("7. Calibration-seed spread", [seeds["reason"]] if seeds.get("reason") else [
-            f"Mean between-seed std of {metric}: {seeds['mean_std']:.4f}", _frame(seeds["table"].rename(columns={"count": "seeds"}), None).reset_index()]))
+        out.append(
+            (
+                "7. Calibration-seed spread",
+                [seeds["reason"]]
+                if seeds.get("reason")
+                else [
+                    f"Mean between-seed std of {metric}: {seeds['mean_std']:.4f}",
+                    _frame(seeds["table"].rename(columns={"count": "seeds"}), None).reset_index(),
+                ],
+            )
+        )
         held = m.heldout
-        out.append(("8. Held-out selection", [f"Not computed: {held['reason']}"] if held.get("reason") else [
-            f"Chosen on the selection half: {held['chosen']} {held['config']}",
-            f"acc on the selection half {held['selection_acc']:.4f}, on the held-out half {held['heldout_acc']:.4f} "
-            f"(optimism of picking by the reported numbers: {held['optimism']:+.4f}); best held-out acc of any trial {held['best_heldout_acc']:.4f}",
-        ]))
+        out.append(
+            (
+                "8. Held-out selection",
+                [f"Not computed: {held['reason']}"]
+                if held.get("reason")
+                else [
+                    f"Chosen on the selection half: {held['chosen']} {held['config']}",
+                    f"acc on the selection half {held['selection_acc']:.4f}, on the held-out half "
+                    f"{held['heldout_acc']:.4f} "
+                    f"(optimism of picking by the reported numbers: {held['optimism']:+.4f}); best held-out acc of "
+                    f"any trial {held['best_heldout_acc']:.4f}",
+                ],
+            )
+        )
     out.append(("Cross-model comparison", _cross_blocks(report)))
     return out
 
 
 def _best_blocks(m: ModelReport, z: float) -> list:
     b = m.best
-    ci = stats.confidence_interval(float(b["acc_mean"]), m.best_stderr if m.best_stderr is not None else float("nan"), z)
+    ci = stats.confidence_interval(
+        float(b["acc_mean"]), m.best_stderr if m.best_stderr is not None else float("nan"), z
+    )
     ci_text = f", {stats.coverage(z):.0%} interval [{ci[0]:.4f}, {ci[1]:.4f}]" if ci else ""
     blocks = [
         f"Trial {b['trial_id']}: method {str(b['pruning_method']).upper()}, taylor_seq_len {b['taylor_seq_len']}, "
         f"taylor_num_samples {b['taylor_num_samples']}, seed {_fmt(b.get('seed'))}",
         f"acc_mean {float(b['acc_mean']):.4f} ± {_fmt(m.best_stderr)} (stderr){ci_text}; ppl {_fmt(b.get('ppl'), 2)}"
         + (f" (ranked by {m.objective.metric})" if m.objective.metric != "acc_mean" else ""),
-        "Diagnostics: " + ", ".join(f"{k} {_sig(b.get(k))}" for k in ("params_count", "pruning_ratio", *GRAD_COLUMNS, "extreme_pruning_layers")),
+        "Diagnostics: "
+        + ", ".join(
+            f"{k} {_sig(b.get(k))}" for k in ("params_count", "pruning_ratio", *GRAD_COLUMNS, "extreme_pruning_layers")
+        ),
     ]
     rows = []
     for t in m.tasks:
@@ -209,7 +270,9 @@ def _best_blocks(m: ModelReport, z: float) -> list:
         if n is not None and not pd.isna(n):  # Wilson over the task's items; older trials lack n: normal approximation
             interval = stats.wilson_interval(float(acc), int(n), z)
         else:
-            interval = stats.confidence_interval(float(acc), float(se) if se is not None and not pd.isna(se) else float("nan"), z)
+            interval = stats.confidence_interval(
+                float(acc), float(se) if se is not None and not pd.isna(se) else float("nan"), z
+            )
         rows.append({"task": t, "acc": acc, "stderr": se, "n": None if n is None or pd.isna(n) else int(n),
                      "ci_low": interval[0] if interval else None, "ci_high": interval[1] if interval else None})
     blocks.append(pd.DataFrame(rows))
@@ -217,15 +280,25 @@ def _best_blocks(m: ModelReport, z: float) -> list:
     if lead.runner_up is None:
         blocks.append(f"Lead over the runner-up: undefined ({lead.reason})")
     elif m.objective.metric != "acc_mean":
-        blocks.append(f"Lead over the runner-up {lead.runner_up}: {lead.difference:.4g} {m.objective.metric}; {lead.reason}")
+        blocks.append(
+            f"Lead over the runner-up {lead.runner_up}: {lead.difference:.4g} {m.objective.metric}; {lead.reason}"
+        )
     elif lead.exceeds_uncertainty is None:
-        blocks.append(f"Lead over the runner-up {lead.runner_up}: {lead.difference:+.4f}; uncertainty unknown ({lead.reason})")
+        blocks.append(
+            f"Lead over the runner-up {lead.runner_up}: {lead.difference:+.4f}; uncertainty unknown ({lead.reason})"
+        )
     else:
         verdict = "exceeds" if lead.exceeds_uncertainty else "does NOT exceed"
         blocks.append(f"Lead over the runner-up {lead.runner_up}: {lead.difference:+.4f} ± {lead.stderr:.4f}; "
                       f"{verdict} {z:.2f} standard errors")
-        blocks.append(f"Statistically tied with the best: {len(lead.tied_with_best)} trial(s)"
-                      + (f": {', '.join(lead.tied_with_best[:10])}{' ...' if len(lead.tied_with_best) > 10 else ''}" if lead.tied_with_best else ""))
+        blocks.append(
+            f"Statistically tied with the best: {len(lead.tied_with_best)} trial(s)"
+            + (
+                f": {', '.join(lead.tied_with_best[:10])}{' ...' if len(lead.tied_with_best) > 10 else ''}"
+                if lead.tied_with_best
+                else ""
+            )
+        )
     return blocks
 
 
@@ -234,15 +307,22 @@ def _cross_blocks(report: Report) -> list:
         return [f"No valid trials among {len(report.table.trials)}: nothing to compare."] + report.notes
     blocks: list = [report.cross.drop(columns=["trial_id"])]
     best = report.overall_best
-    blocks.append(f"Overall best by {report.objective.metric}: {best['model'].upper()} with {str(best['best_method']).upper()}, "
-                  f"acc {best['best_acc']:.4f}, ppl {_fmt(best['best_ppl'], 2)}")
+    blocks.append(
+        f"Overall best by {report.objective.metric}: {best['model'].upper()} with {str(best['best_method']).upper()}, "
+        f"acc {best['best_acc']:.4f}, ppl {_fmt(best['best_ppl'], 2)}"
+    )
     if len(report.models) > 1:
-        blocks += [f"Value of the search (each model's best configuration applied to every model; loss = how much worse its "
-                   f"{report.objective.metric} is than the model's own best):",
-                   report.value_of_search]
+        blocks += [
+            f"Value of the search (each model's best configuration applied to every model; loss = how much worse its "
+            f"{report.objective.metric} is than the model's own best):",
+            report.value_of_search,
+        ]
     k = report.key
-    blocks.append(f"Scale: {k['trials']} trials ({k['valid_trials']} valid), {k.get('models')} model(s), {k.get('methods')} method(s), "
-                  f"{k.get('task_evaluations')} task evaluations; trial time {_fmt(k.get('trial_hours'), 2)} h")
+    blocks.append(
+        f"Scale: {k['trials']} trials ({k['valid_trials']} valid), {k.get('models')} model(s), {k.get('methods')} "
+        f"method(s), "
+        f"{k.get('task_evaluations')} task evaluations; trial time {_fmt(k.get('trial_hours'), 2)} h"
+    )
     blocks.append(f"acc_mean over valid trials: max {_fmt(k.get('acc_max'))}, min {_fmt(k.get('acc_min'))}, "
                   f"median {_fmt(k.get('acc_median'))}, mean {_fmt(k.get('acc_mean'))} ± {_fmt(k.get('acc_std'))}")
     if k.get("ppl_median") is not None:
@@ -256,7 +336,10 @@ def _text_table(df: pd.DataFrame) -> str:
 
 
 def _markdown_table(df: pd.DataFrame) -> str:
-    cells = [[_fmt(v) if isinstance(v, float) else ("-" if v is None else str(v)) for v in row] for row in df.itertuples(index=False)]
+    cells = [
+        [_fmt(v) if isinstance(v, float) else ("-" if v is None else str(v)) for v in row]
+        for row in df.itertuples(index=False)
+    ]
     lines = ["| " + " | ".join(map(str, df.columns)) + " |", "|" + "---|" * len(df.columns)]
     return "\n".join(lines + ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in cells])
 
@@ -272,7 +355,7 @@ def render_text(report: Report) -> str:
 
 
 def render_markdown(report: Report) -> str:
-    lines = [f"# taylor_tune analysis report", "", f"Source: `{report.source}`"]
+    lines = ["# taylor_tune analysis report", "", f"Source: `{report.source}`"]
     for title, blocks in sections(report):
         top = not title[0].isdigit() and title not in ("No valid trials",)
         lines += ["", f"{'##' if top else '###'} {title}", ""]
@@ -309,27 +392,43 @@ def _write_json(path: Path, data) -> Path:
 def best_config_dict(m: ModelReport) -> dict:
     b = m.best
     keep = [c for c in b.index if not c.startswith("config/") and c not in ("valid", "reason")]
-    return {"model": m.model, "trial_id": b["trial_id"], "objective": {"metric": m.objective.metric, "mode": m.objective.mode},
-            "acc_mean_stderr": m.best_stderr,
-            "config": {k: b.get(k) for k in CONFIG_COLUMNS}, "metrics": {k: b[k] for k in keep},
-            "lead": m.lead.to_dict()}
+    return {
+        "model": m.model,
+        "trial_id": b["trial_id"],
+        "objective": {"metric": m.objective.metric, "mode": m.objective.mode},
+        "acc_mean_stderr": m.best_stderr,
+        "config": {k: b.get(k) for k in CONFIG_COLUMNS},
+        "metrics": {k: b[k] for k in keep},
+        "lead": m.lead.to_dict(),
+    }
 
 
 def method_comparison_dict(m: ModelReport) -> dict:
     table = m.methods["table"]
-    best_per_method = {method: stats.best_trial(group, m.objective) for method, group in m.valid.groupby("pruning_method")}
+    best_per_method = {
+        method: stats.best_trial(group, m.objective) for method, group in m.valid.groupby("pruning_method")
+    }
     return {
-        "model": m.model, "metric": m.objective.metric, "best_method": m.methods["best_method"], "best_acc": m.methods["best_acc"],
+        "model": m.model,
+        "metric": m.objective.metric,
+        "best_method": m.methods["best_method"],
+        "best_acc": m.methods["best_acc"],
         "best_value": m.methods["best_value"],
         "best_method_by_mean": m.methods["best_method_by_mean"],
-        "methods": {method: {**row.to_dict(), "best_trial": best_per_method[method]["trial_id"],
-                             "best_config": {k: best_per_method[method][k] for k in CONFIG_COLUMNS}}
-                    for method, row in table.iterrows()},
+        "methods": {
+            method: {
+                **row.to_dict(),
+                "best_trial": best_per_method[method]["trial_id"],
+                "best_config": {k: best_per_method[method][k] for k in CONFIG_COLUMNS},
+            }
+            for method, row in table.iterrows()
+        },
         "seq_len": {"table": m.seq_len["table"], "best_value": m.seq_len["best_value"]},
         "num_samples": {"table": m.num_samples["table"], "best_value": m.num_samples["best_value"]},
         "gradient_correlations": [c.to_dict() for c in m.gradient],
         "extreme_pruning_layers": {"correlation": m.extreme["correlation"].to_dict(), "table": m.extreme["table"]},
-        "ppl_correlation": m.ppl.to_dict(), "hyperparameter_importance": m.importance,
+        "ppl_correlation": m.ppl.to_dict(),
+        "hyperparameter_importance": m.importance,
         "seed_spread": {"reason": m.seeds.get("reason"), "table": m.seeds.get("table")},
         "heldout_selection": m.heldout,
     }
@@ -337,9 +436,6 @@ def method_comparison_dict(m: ModelReport) -> dict:
 
 def _copy_artifacts(report_dir: Path, m: ModelReport, written: list[Path], filesystem=None) -> None:
     """The best trial's artifacts (reference/003's best_<model>/ layout) and its three per-layer plots."""
-    from taylor_tune.reporting import plots
-    from taylor_tune.reporting.frame import open_filesystem, read_text
-
     folder = report_dir / f"best_{folder_name(m.model)}"
     written.append(_write_json(folder / "best_config.json", best_config_dict(m)))
     trial_dir = m.best.get("output_dir")
@@ -379,7 +475,6 @@ def _copy_artifacts(report_dir: Path, m: ModelReport, written: list[Path], files
 
 def write_report(report: Report, output: str | Path) -> list[Path]:
     """Write every file of the report under `output`; returns the paths written."""
-    from taylor_tune.reporting import latex, plots
 
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
@@ -402,7 +497,10 @@ def write_report(report: Report, output: str | Path) -> list[Path]:
     written.append(_write_json(out / "cross_model_comparison.json", {
         "models": report.cross, "overall_best": report.overall_best, "value_of_search": report.value_of_search,
         "key_figures": report.key, "notes": report.notes}))
-    for path, text in ((out / "final_analysis_report.txt", render_text(report)), (out / "final_analysis_report.md", render_markdown(report))):
+    for path, text in (
+        (out / "final_analysis_report.txt", render_text(report)),
+        (out / "final_analysis_report.md", render_markdown(report)),
+    ):
         path.write_text(text)
         written.append(path)
 
@@ -413,8 +511,12 @@ def write_report(report: Report, output: str | Path) -> list[Path]:
     with_best = [m for m in report.models.values() if m.best is not None]
     tables = {
         "table1_best_configs.tex": latex.best_configs_table(report.cross, objective=report.objective),
-        "table2_task_accuracy.tex": latex.task_table([m.best.to_dict() for m in with_best], report.table.tasks, report.objective),
-        "table3_method_comparison.tex": latex.method_table({m.model: m.methods["table"] for m in with_best}, report.objective),
+        "table2_task_accuracy.tex": latex.task_table(
+            [m.best.to_dict() for m in with_best], report.table.tasks, report.objective
+        ),
+        "table3_method_comparison.tex": latex.method_table(
+            {m.model: m.methods["table"] for m in with_best}, report.objective
+        ),
         "table4_seq_len.tex": latex.seq_len_table({m.model: m.seq_len["table"] for m in with_best}, report.objective),
     }
     for name, text in {**tables, "tables.tex": latex.document(list(tables.values()))}.items():

@@ -28,8 +28,10 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from taylor_tune.schema import CONFIG_COLUMNS
+
 Z95 = float(stats.norm.ppf(0.975))
-CONFIG = ("pruning_method", "taylor_seq_len", "taylor_num_samples")
+CONFIG = CONFIG_COLUMNS[1:4]  # pruning_method, taylor_seq_len, taylor_num_samples
 STRENGTHS = ((0.7, "strong"), (0.5, "moderate"), (0.3, "weak"), (0.0, "negligible"))
 
 
@@ -228,8 +230,14 @@ def lead_of_best(df: pd.DataFrame, tasks: tuple[str, ...], z: float = Z95, objec
         return Lead(best["trial_id"], reason="only one valid trial: nothing to compare with")
     if objective.metric != "acc_mean":
         runner = best_trial(df[df["trial_id"] != best["trial_id"]], objective)
-        return Lead(best["trial_id"], runner["trial_id"], float(objective.loss(best[objective.metric], runner[objective.metric])), z=z,
-                    reason=f"{objective.metric} has no standard error here; the calibration-seed spread (search.repeats > 1) is its noise")
+        return Lead(
+            best["trial_id"],
+            runner["trial_id"],
+            float(objective.loss(best[objective.metric], runner[objective.metric])),
+            z=z,
+            reason=f"{objective.metric} has no standard error here; "
+            "the calibration-seed spread (search.repeats > 1) is its noise",
+        )
     se = acc_mean_stderr(df, tasks)
     others = df[df["trial_id"] != best["trial_id"]]
     runner = best_trial(others)
@@ -253,7 +261,10 @@ def seed_spread(df: pd.DataFrame, objective: Objective = ACCURACY) -> dict:
     table = df.groupby(list(CONFIG))[objective.metric].agg(["mean", "std", "min", "max", "count"])
     table = table[table["count"] > 1]
     if table.empty:
-        return {"table": None, "reason": "one calibration seed per configuration (set search.repeats > 1 to measure the spread)"}
+        return {
+            "table": None,
+            "reason": "one calibration seed per configuration (set search.repeats > 1 to measure the spread)",
+        }
     return {"table": table, "reason": None, "mean_std": float(table["std"].mean())}
 
 
@@ -269,8 +280,11 @@ def heldout_selection(df: pd.DataFrame, tasks: tuple[str, ...]) -> dict:
     scores = pd.DataFrame({"sel": df[sel].mean(axis=1), "heldout": df[held].mean(axis=1)}, index=df.index)
     chosen = df.loc[scores.sort_values("sel", ascending=False, kind="stable").index[0]]
     return {
-        "reason": None, "chosen": chosen["trial_id"], "config": {k: plain(chosen[k]) for k in CONFIG},
-        "selection_acc": float(scores.loc[chosen.name, "sel"]), "heldout_acc": float(scores.loc[chosen.name, "heldout"]),
+        "reason": None,
+        "chosen": chosen["trial_id"],
+        "config": {k: plain(chosen[k]) for k in CONFIG},
+        "selection_acc": float(scores.loc[chosen.name, "sel"]),
+        "heldout_acc": float(scores.loc[chosen.name, "heldout"]),
         "optimism": float(scores.loc[chosen.name, "sel"] - scores.loc[chosen.name, "heldout"]),
         "best_heldout_acc": float(scores["heldout"].max()),
     }
@@ -289,7 +303,10 @@ def hyperparameter_importance(df: pd.DataFrame, params: tuple[str, ...] = CONFIG
     if len(df) < 2 or not varied:
         return {"importances": {}, "reason": "fewer than two trials or no parameter takes two values"}
     if df[metric].nunique() < 2:
-        return {"importances": {}, "reason": f"{metric} is the same ({df[metric].iloc[0]:g}) in every trial: no variance to attribute"}
+        return {
+            "importances": {},
+            "reason": f"{metric} is the same ({df[metric].iloc[0]:g}) in every trial: no variance to attribute",
+        }
     values = np.log(df[metric].astype(float)) if multiplicative(metric) else df[metric].astype(float)
     distributions = {p: CategoricalDistribution(sorted({plain(v) for v in df[p]}, key=str)) for p in varied}
     verbosity = optuna.logging.get_verbosity()
@@ -304,8 +321,12 @@ def hyperparameter_importance(df: pd.DataFrame, params: tuple[str, ...] = CONFIG
         importances = get_param_importances(study, evaluator=FanovaImportanceEvaluator(seed=seed))
     finally:
         optuna.logging.set_verbosity(verbosity)
-    return {"importances": {k: float(v) for k, v in importances.items()}, "reason": None,
-            "of": f"log({metric})" if multiplicative(metric) else metric, "constant": [p for p in params if p not in varied]}
+    return {
+        "importances": {k: float(v) for k, v in importances.items()},
+        "reason": None,
+        "of": f"log({metric})" if multiplicative(metric) else metric,
+        "constant": [p for p in params if p not in varied],
+    }
 
 
 def value_of_search(df: pd.DataFrame, objective: Objective = ACCURACY) -> pd.DataFrame:
@@ -326,7 +347,9 @@ def value_of_search(df: pd.DataFrame, objective: Objective = ACCURACY) -> pd.Dat
     return pd.DataFrame(rows)
 
 
-def cross_model(df: pd.DataFrame, invalid_counts: dict[str, int] | None = None, objective: Objective = ACCURACY) -> pd.DataFrame:
+def cross_model(
+    df: pd.DataFrame, invalid_counts: dict[str, int] | None = None, objective: Objective = ACCURACY
+) -> pd.DataFrame:
     """Per model: its best trial's method, acc and ppl, and the valid-trial count; best model first."""
     rows = []
     for model, group in df.groupby("model"):
@@ -338,7 +361,11 @@ def cross_model(df: pd.DataFrame, invalid_counts: dict[str, int] | None = None, 
     columns = ["model", "best_method", "best_acc", "best_ppl", "taylor_seq_len", "taylor_num_samples",
                "valid_trials", "invalid_trials", "trial_id"]
     by = "best_ppl" if objective.metric == "ppl" else "best_acc"
-    return pd.DataFrame(rows, columns=columns).sort_values(by, ascending=objective.ascending, kind="stable").reset_index(drop=True)
+    return (
+        pd.DataFrame(rows, columns=columns)
+        .sort_values(by, ascending=objective.ascending, kind="stable")
+        .reset_index(drop=True)
+    )
 
 
 def key_figures(df: pd.DataFrame, tasks: tuple[str, ...], total_trials: int) -> dict:

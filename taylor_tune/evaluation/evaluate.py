@@ -1,0 +1,125 @@
+"""The one evaluation path: perplexity, then zero-shot passes, each returning a typed result that flattens into the
+metrics a trial reports and `taylor-tune evaluate` writes.
+
+`Evaluator` is set up once per model (its window checked, its scorer built, its data names resolved) and runs
+each stage when asked, so a sweep's trial can report between stages and run several zero-shot passes at
+increasing item limits with one scorer; `evaluate` runs them all at once. The model is put in eval mode for the
+duration and given back in the mode it came in.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from taylor_tune import schema
+from taylor_tune.config import EvalSpec
+from taylor_tune.evaluation.perplexity import check_window, perplexity
+from taylor_tune.evaluation.scorer import make_lm
+from taylor_tune.evaluation.zero_shot import zero_shot
+from taylor_tune.sources.data import load_ppl_text, resolve_task_data, resolve_text
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    ppl: float
+    window: int
+    windows: int
+    tokens: int
+    curve: list  # [windows, ppl over those first windows] after each batch
+    source: str  # the text, resolved (never auto)
+    seconds: float
+
+    def metrics(self) -> dict:
+        return {"ppl": self.ppl, "ppl_window": self.window, "ppl_windows": self.windows, "ppl_tokens": self.tokens,
+                "ppl_curve": self.curve, "ppl_source": self.source, schema.seconds_key("ppl"): self.seconds}
+
+
+@dataclass(frozen=True)
+class ZeroShotResult:
+    tasks: dict[str, dict]  # per task: acc, acc_norm (+ stderr), metric, score, score_stderr, n, the halves' scores
+    limit: int | None  # items per task; None = every item
+    task_data: str  # resolved (never auto)
+    scorer: str
+    tokens: int  # positions forwarded by this pass, padding included
+    seconds: float
+
+    @property
+    def stage(self) -> str:
+        return schema.zero_shot_stage(self.limit)
+
+    @property
+    def acc_mean(self) -> float:
+        return sum(e["score"] for e in self.tasks.values()) / len(self.tasks)
+
+    def metrics(self) -> dict:
+        out: dict = {}
+        for task, entry in self.tasks.items():
+            out[schema.task_key(task)] = entry["score"]
+            out[schema.task_key(task, "_stderr")] = entry["score_stderr"]
+            out[schema.task_key(task, "_n")] = entry["n"]  # items scored: the report's Wilson intervals
+            for half in ("sel", "heldout"):
+                out[schema.task_key(task, f"_{half}")] = entry[f"score_{half}"]
+        return out | {"acc_mean": self.acc_mean, "fidelity": self.limit or 0, "task_data": self.task_data,
+                      "scorer": self.scorer, schema.seconds_key(self.stage): self.seconds,
+                      schema.tokens_key(self.stage): self.tokens}
+
+
+@contextmanager
+def _eval_mode(model):
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+class Evaluator:
+    """Evaluates one in-memory model as `spec` says; `model_name` is what `auto` data names resolve against."""
+
+    def __init__(self, model, tokenizer, spec: EvalSpec, *, model_name: str | None = None):
+        if spec.ppl is not None:
+            check_window(spec.ppl_window, model.config)
+        self.model, self.tokenizer, self.spec, self.model_name = model, tokenizer, spec, model_name
+        self.task_data = resolve_task_data(spec.task_data, model_name)
+        self._lm = None
+
+    def perplexity(self) -> PerplexityResult:
+        spec = self.spec
+        start = time.perf_counter()
+        source = resolve_text(spec.ppl, self.model_name)
+        with _eval_mode(self.model):
+            out = perplexity(self.model, self.tokenizer, load_ppl_text(source), window=spec.ppl_window,
+                             max_windows=spec.ppl_max_windows)
+        return PerplexityResult(out["ppl"], out["ppl_window"], out["ppl_windows"], out["ppl_tokens"], out["ppl_curve"],
+                                source, time.perf_counter() - start)
+
+    def zero_shot(self, limit: int | None) -> ZeroShotResult:
+        """One pass over the spec's tasks at `limit` items per task (the spec's own limit is not used)."""
+        if self._lm is None:
+            self._lm = make_lm(self.model, self.tokenizer, self.spec.batch_size, self.spec.scorer)
+        before = self._lm.tokens_forwarded
+        with _eval_mode(self.model):
+            tasks, seconds = zero_shot(self._lm, self.spec.model_copy(update={"limit": limit}), self.task_data)
+        return ZeroShotResult(
+            tasks, limit, self.task_data, self.spec.scorer, self._lm.tokens_forwarded - before, seconds
+        )
+
+
+def flatten(ppl: PerplexityResult | None, shots: ZeroShotResult | None) -> dict:
+    """The flat metrics of an evaluation (what a trial reports), plus `tasks`: the per-task details."""
+    out = ppl.metrics() if ppl is not None else {}
+    if shots is not None:
+        out |= shots.metrics() | {"tasks": shots.tasks}
+    return out
+
+
+def evaluate(model, tokenizer, spec: EvalSpec, *, model_name: str | None = None) -> dict:
+    """Perplexity (if `spec.ppl`) and one zero-shot pass at `spec.limit` (if `spec.tasks`) of the in-memory model,
+    flattened (`flatten`)."""
+    evaluator = Evaluator(model, tokenizer, spec, model_name=model_name)
+    ppl = evaluator.perplexity() if spec.ppl is not None else None
+    shots = evaluator.zero_shot(spec.limit) if spec.tasks else None
+    return flatten(ppl, shots)

@@ -1,0 +1,135 @@
+"""Zero-shot accuracy through lm-eval's `simple_evaluate`, on an in-memory model wrapped by a scorer.
+
+lm-eval's own task definitions (prompts, preprocessing such as HellaSwag's process_docs and WinoGrande's partial
+scoring) on the real datasets (`task_data: hub`), or with only their data replaced by local files of the same
+schema (the offline worlds, or a folder; `sources.data.task_file` says which file). `acc_mean` averages one metric
+per task, by default as LLM-Pruner reports them: acc for BoolQ, PIQA, WinoGrande, ARC-e; acc_norm for HellaSwag,
+ARC-c, OpenBookQA. No model is saved or reloaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from functools import lru_cache
+from pathlib import Path
+
+import lm_eval.tasks
+import torch
+from lm_eval import simple_evaluate
+from lm_eval.tasks import TaskManager
+
+from taylor_tune.compat.lm_eval import load_task_yaml
+from taylor_tune.config import EvalSpec
+from taylor_tune.errors import EvaluationError
+from taylor_tune.sources.data import task_file
+
+log = logging.getLogger(__name__)
+
+# Where lm-eval keeps each task's YAML (checked against lm-eval's own index by a test).
+TASK_YAML = {
+    "boolq": "super_glue/boolq/default.yaml", "piqa": "piqa/piqa.yaml", "hellaswag": "hellaswag/hellaswag.yaml",
+    "winogrande": "winogrande/default.yaml", "arc_easy": "arc/arc_easy.yaml", "arc_challenge": "arc/arc_challenge.yaml",
+    "openbookqa": "openbookqa/openbookqa.yaml",
+}
+
+
+@lru_cache(maxsize=1)
+def _lm_eval_tasks_dir() -> Path:
+    return Path(lm_eval.tasks.__file__).parent
+
+
+def offline_task_config(task: str, data_file: Path) -> dict:
+    """lm-eval's registered config of `task` with only its data source replaced by a local jsonl file."""
+    config = load_task_yaml(_lm_eval_tasks_dir() / TASK_YAML[task])
+    split = "test" if config.get("test_split") else "validation"
+    config.pop("tag", None)
+    config.update(
+        task=f"{task}_offline", dataset_path="json", dataset_name=None,
+        dataset_kwargs={"data_files": {split: str(Path(data_file).resolve())}},
+        training_split=None, validation_split="validation" if split == "validation" else None,
+        test_split="test" if split == "test" else None, fewshot_split=None,
+    )
+    return config
+
+
+@lru_cache(maxsize=2)
+def _task_manager(with_defaults: bool):
+    return TaskManager(include_defaults=with_defaults)
+
+
+def task_source(task: str, task_data: str) -> tuple[str | dict, object]:
+    """What to pass to simple_evaluate for one task, and the TaskManager that resolves it."""
+    path = task_file(task, task_data)
+    if path is None:
+        return task, _task_manager(True)
+    return offline_task_config(task, path), _task_manager(False)
+
+
+def _metric(results: dict, name: str) -> float | None:
+    value = results.get(f"{name},none")
+    return None if value in (None, "N/A") else float(value)
+
+
+def split_scores(samples: list[dict], metric: str) -> dict:
+    """The task's score on its even-numbered items ("sel") and on its odd-numbered ones ("heldout"), so that a
+    report can choose a configuration on one half and report it on the other, untouched half."""
+    halves: dict[str, list[float]] = {"sel": [], "heldout": []}
+    for sample in samples:
+        halves["sel" if sample["doc_id"] % 2 == 0 else "heldout"].append(float(sample[metric]))
+    out = {}
+    for half, values in halves.items():
+        out[f"score_{half}"] = sum(values) / len(values) if values else None
+        out[f"n_{half}"] = len(values)
+    return out
+
+
+def _simple_evaluate(lm, spec: EvalSpec, sources: list[tuple[str | dict, object]]) -> dict:
+    return simple_evaluate(
+        model=lm, tasks=[source for source, _ in sources], task_manager=sources[0][1], limit=spec.limit,
+        bootstrap_iters=1000, log_samples=True, verbosity="ERROR",
+    )
+
+
+def _failure(task: str | None, error: Exception) -> EvaluationError:
+    first_line = str(error).splitlines()[0] if str(error) else ""
+    return EvaluationError(f"{f'task {task}' if task else 'zero-shot'}: {type(error).__name__}: {first_line}")
+
+
+def zero_shot(lm, spec: EvalSpec, task_data: str) -> tuple[dict[str, dict], float]:
+    """Every task in one `simple_evaluate` call: lm-eval then pools the requests of all tasks into one sorted
+    batch stream, and pays its per-call set-up once, not per task (it collects the environment by running pip).
+    A pass's time is reported as a whole: per-task times do not exist in one call."""
+    sources = {task: task_source(task, task_data) for task in spec.tasks}
+    start = time.perf_counter()
+    try:
+        result = _simple_evaluate(lm, spec, list(sources.values()))
+    except torch.cuda.OutOfMemoryError as error:  # the model's, not a task's: running tasks alone would only repeat it
+        raise _failure(None, error) from None
+    except Exception as error:  # lm-eval and datasets raise anything: find the task it came from by running each alone
+        for task, source in sources.items():
+            try:
+                _simple_evaluate(lm, spec, [source])
+            except Exception as task_error:
+                raise _failure(task, task_error) from None
+        raise _failure(None, error) from None
+    seconds = time.perf_counter() - start
+    # lm-eval keys results by the task's own name: the hub task's, or the offline config's
+    names = {task: source if isinstance(source, str) else source["task"] for task, (source, _) in sources.items()}
+    out = {}
+    for task, name in names.items():
+        raw = result["results"][name]
+        metric = spec.metric(task)
+        entry = {
+            "acc": _metric(raw, "acc"), "acc_stderr": _metric(raw, "acc_stderr"),
+            "acc_norm": _metric(raw, "acc_norm"), "acc_norm_stderr": _metric(raw, "acc_norm_stderr"),
+            "metric": metric, "n": int(raw.get("sample_len") or result["n-samples"][name]["effective"]),
+        }
+        if entry[metric] is None:
+            raise EvaluationError(f"task {task}: lm-eval reported no {metric}")
+        entry["score"], entry["score_stderr"] = entry[metric], entry[f"{metric}_stderr"]
+        entry |= split_scores(result["samples"][name], metric)
+        out[task] = entry
+        log.info("%s: %s %.4f (n=%d)", task, metric, entry["score"], entry["n"])
+    log.info("zero-shot: %d tasks, %d items in %.1fs", len(out), sum(e["n"] for e in out.values()), seconds)
+    return out, seconds

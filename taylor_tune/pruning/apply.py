@@ -1,0 +1,107 @@
+"""Turn a PrunePlan into a physically smaller model, and save it as a pruned folder.
+
+Pruned layers have different sizes, which a HF config cannot express. A pruned folder is what
+`save_pretrained` writes (safetensors, tied embeddings kept tied) plus, in config.json, `pruned_layout` (per-layer
+head counts and MLP width) and an `auto_map` to `modeling_taylor_tune_pruned.py`, a copy of `pruned_modeling.py`
+that builds the model at those sizes. Plain transformers and lm-eval's CLI load the folder with
+`trust_remote_code=True`; taylor_tune loads it with its own copy of that module (`sources.models.load_pruned`),
+running nothing from the folder.
+`pruned_layout.json` records what the folder was pruned from. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from taylor_tune.pruning.groups import attention_groups, decoder_layers, head_dim, q_per_kv
+from taylor_tune.pruning.plan import PrunePlan
+from taylor_tune.sources import pruned_modeling
+from taylor_tune.sources.data import PRUNED_MANIFEST as MANIFEST
+from taylor_tune.sources.pruned_modeling import PRUNED_CLASSES, set_layer_shape
+
+MODELING_FILE = "modeling_taylor_tune_pruned.py"
+
+
+def _slice_linear(linear: nn.Linear, keep: torch.Tensor, dim: int) -> nn.Linear:
+    """A new Linear keeping `keep` along the output (dim=0) or input (dim=1) features."""
+    weight = linear.weight.detach().index_select(dim, keep.to(linear.weight.device))
+    out_features, in_features = weight.shape
+    bias = linear.bias is not None
+    new = nn.Linear(in_features, out_features, bias=bias, device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        new.weight.copy_(weight)
+        if bias:
+            b = linear.bias.detach()
+            new.bias.copy_(b.index_select(0, keep.to(b.device)) if dim == 0 else b)
+    new.weight.requires_grad_(linear.weight.requires_grad)
+    return new
+
+
+def _kept(size: int, removed: tuple[int, ...]) -> torch.Tensor:
+    mask = torch.ones(size, dtype=torch.bool)
+    mask[list(removed)] = False
+    return mask.nonzero().flatten()
+
+
+def shrink_layer(layer: nn.Module, keep_groups: torch.Tensor, keep_channels: torch.Tensor) -> None:
+    """Keep the given attention groups and MLP channels of one decoder layer, in place."""
+    attn, mlp = layer.self_attn, layer.mlp
+    d, rep = head_dim(attn), q_per_kv(attn)
+    kv_rows = (keep_groups[:, None] * d + torch.arange(d)).flatten()
+    q_rows = (keep_groups[:, None] * rep * d + torch.arange(rep * d)).flatten()
+    attn.q_proj = _slice_linear(attn.q_proj, q_rows, 0)
+    attn.k_proj = _slice_linear(attn.k_proj, kv_rows, 0)
+    attn.v_proj = _slice_linear(attn.v_proj, kv_rows, 0)
+    attn.o_proj = _slice_linear(attn.o_proj, q_rows, 1)
+    mlp.gate_proj = _slice_linear(mlp.gate_proj, keep_channels, 0)
+    mlp.up_proj = _slice_linear(mlp.up_proj, keep_channels, 0)
+    mlp.down_proj = _slice_linear(mlp.down_proj, keep_channels, 1)
+    set_layer_shape(layer, int(keep_groups.numel()) * rep, int(keep_groups.numel()), int(keep_channels.numel()))
+
+
+def apply_plan(model: nn.Module, plan: PrunePlan) -> nn.Module:
+    """Physically remove the plan's groups from `model` (in place) and return it."""
+    for layer, attn_removed, mlp_removed in zip(decoder_layers(model), plan.attn_removed, plan.mlp_removed):
+        groups, channels = attention_groups(layer.self_attn), layer.mlp.gate_proj.out_features
+        if attn_removed or mlp_removed:
+            shrink_layer(layer, _kept(groups, attn_removed), _kept(channels, mlp_removed))
+    return model
+
+
+def layer_shapes(model: nn.Module) -> list[dict[str, int]]:
+    return [
+        {
+            "num_attention_heads": layer.self_attn.q_proj.out_features // head_dim(layer.self_attn),
+            "num_key_value_heads": attention_groups(layer.self_attn),
+            "intermediate_size": layer.mlp.gate_proj.out_features,
+        }
+        for layer in decoder_layers(model)
+    ]
+
+
+def save_pruned(model: nn.Module, directory: str | Path, tokenizer=None, *, source_model: str | None = None) -> Path:
+    """Write the pruned folder (see the module docstring), with the tokenizer if given.
+
+    `source_model` (the spec the model was loaded from) is recorded so that tools can tell what it was.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    layout = layer_shapes(model)
+    config = json.loads((directory / "config.json").read_text())
+    cls = PRUNED_CLASSES[config["model_type"]].__name__
+    config |= {"pruned_layout": layout, "architectures": [cls],
+               "auto_map": {"AutoModelForCausalLM": f"{MODELING_FILE.removesuffix('.py')}.{cls}"}}
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    shutil.copyfile(pruned_modeling.__file__, directory / MODELING_FILE)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    manifest = {"format": 2, "dtype": dtype, "source_model": source_model, "layers": layout}
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    return directory

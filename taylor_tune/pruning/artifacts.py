@@ -1,0 +1,56 @@
+"""Write what one pruning run leaves behind: pruning_summary.json, importance.safetensors, model/."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from taylor_tune.config import PruneConfig
+from taylor_tune.jsonio import write_json
+from taylor_tune.pruning.apply import save_pruned
+from taylor_tune.pruning.prune import PruneResult
+
+
+def summary_dict(config: PruneConfig, result: PruneResult) -> dict:
+    return {
+        "config": config.model_dump(),
+        "method": result.plan.method,
+        **result.diagnostics,
+        "removed_groups": [
+            {"layer": i, "attention_groups": list(a), "mlp_channels": list(m)}
+            for i, (a, m) in enumerate(zip(result.plan.attn_removed, result.plan.mlp_removed))
+        ],
+        "group_params": {
+            "attention_group": result.layout.attn_group_params,
+            "mlp_channel": result.layout.mlp_channel_params,
+        },
+        "timings_s": result.timings,
+    }
+
+
+def importance_tensors(result: PruneResult) -> dict[str, torch.Tensor]:
+    """Group scores, gradient statistics and the calibration tokens, for audit and reproduction."""
+    tensors: dict[str, torch.Tensor] = {}
+    if result.importance is not None:
+        scores = result.importance.scores
+        for layer, (a, m) in enumerate(zip(scores.attn, scores.mlp)):
+            tensors[f"layers.{layer}.attention_scores"] = torch.from_numpy(a.copy())
+            tensors[f"layers.{layer}.mlp_scores"] = torch.from_numpy(m.copy())
+        tensors["layer_grad_mean"] = torch.from_numpy(result.importance.grad_mean.copy())
+        tensors["layer_grad_norm"] = torch.from_numpy(result.importance.grad_norm.copy())
+    if result.calibration_ids is not None:
+        tensors["calibration_input_ids"] = result.calibration_ids.contiguous()
+    return tensors
+
+
+def write_prune_artifacts(output: str | Path, config: PruneConfig, result: PruneResult) -> Path:
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    write_json(output / "pruning_summary.json", summary_dict(config, result))
+    metadata = {"method": config.method, "num_samples": str(config.num_samples), "seq_len": str(config.seq_len),
+                "seed": str(config.seed), "calibration": config.calibration, "model": config.model}
+    save_file(importance_tensors(result), str(output / "importance.safetensors"), metadata=metadata)
+    save_pruned(result.model, output / "model", tokenizer=result.tokenizer, source_model=config.model)
+    return output

@@ -1,0 +1,117 @@
+"""What a group is in Llama, Qwen2 and Mistral decoder layers, and how to reduce per-parameter values to groups.
+
+Attention group g of a layer = key/value head g with the q_per_kv query heads that share it (HF's GQA
+maps query head h to key/value head h // q_per_kv): rows [g*q_per_kv*d, (g+1)*q_per_kv*d) of q_proj, rows
+[g*d, (g+1)*d) of k_proj and v_proj (and those entries of their biases, as in Qwen2), and the same columns
+of o_proj as q_proj's rows. MLP channel c = row c of gate_proj and up_proj (and their biases if any),
+column c of down_proj. Embeddings, lm_head, norms and output biases of o_proj/down_proj are never pruned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from taylor_tune.pruning.plan import ModelLayout
+
+ATTN_ROWS = ("q_proj", "k_proj", "v_proj")  # grouped by output rows
+MLP_ROWS = ("gate_proj", "up_proj")
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    return model.model.layers
+
+
+def head_dim(attn: nn.Module) -> int:
+    return attn.head_dim
+
+
+def attention_groups(attn: nn.Module) -> int:
+    """Key/value heads currently in this attention module."""
+    return attn.k_proj.out_features // attn.head_dim
+
+
+def q_per_kv(attn: nn.Module) -> int:
+    return attn.q_proj.out_features // attn.k_proj.out_features
+
+
+def prunable_parameters(model: nn.Module) -> list[list[tuple[str, nn.Parameter]]]:
+    """Per layer, the (name, parameter) pairs that belong to groups: their gradients make the importance."""
+    result = []
+    for layer in decoder_layers(model):
+        params = []
+        for name in ATTN_ROWS:
+            proj = getattr(layer.self_attn, name)
+            params.append((f"self_attn.{name}.weight", proj.weight))
+            if proj.bias is not None:
+                params.append((f"self_attn.{name}.bias", proj.bias))
+        params.append(("self_attn.o_proj.weight", layer.self_attn.o_proj.weight))
+        for name in MLP_ROWS:
+            proj = getattr(layer.mlp, name)
+            params.append((f"mlp.{name}.weight", proj.weight))
+            if proj.bias is not None:
+                params.append((f"mlp.{name}.bias", proj.bias))
+        params.append(("mlp.down_proj.weight", layer.mlp.down_proj.weight))
+        result.append(params)
+    return result
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Distinct parameters (tied weights counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def describe_layout(model: nn.Module) -> ModelLayout:
+    """Group counts and sizes of a model whose layers all have the same shape (an unpruned model)."""
+    layers = decoder_layers(model)
+    first = layers[0]
+    d, rep = head_dim(first.self_attn), q_per_kv(first.self_attn)
+    hidden = first.self_attn.q_proj.in_features
+    # q (rep*d rows) + k (d) + v (d) rows of `hidden` inputs, o_proj's rep*d columns, plus bias entries
+    q_bias = d * rep if first.self_attn.q_proj.bias is not None else 0
+    kv_bias = d * sum(getattr(first.self_attn, n).bias is not None for n in ("k_proj", "v_proj"))
+    attn_group_params = (2 * rep * d + 2 * d) * hidden + q_bias + kv_bias
+    mlp_bias = sum(getattr(first.mlp, n).bias is not None for n in MLP_ROWS)
+    mlp_channel_params = 3 * hidden + mlp_bias
+    return ModelLayout(
+        attn_groups=tuple(attention_groups(l.self_attn) for l in layers),
+        mlp_channels=tuple(l.mlp.gate_proj.out_features for l in layers),
+        attn_group_params=attn_group_params,
+        mlp_channel_params=mlp_channel_params,
+        layer_params=tuple(count_parameters(l) for l in layers),
+        total_params=count_parameters(model),
+    )
+
+
+def reduce_to_groups(
+    model: nn.Module, value: Callable[[str, nn.Parameter], torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Sum an elementwise value (e.g. |w * g|) over each group's parameters: (attn[l] [G], mlp[l] [C]) in fp32.
+
+    Works on pruned models too (each layer read at its own size).
+    """
+    attn_sums, mlp_sums = [], []
+    for layer, params in zip(decoder_layers(model), prunable_parameters(model)):
+        attn = layer.self_attn
+        groups, d, rep = attention_groups(attn), head_dim(attn), q_per_kv(attn)
+        a = torch.zeros(groups, dtype=torch.float32, device=attn.q_proj.weight.device)
+        c = torch.zeros(layer.mlp.gate_proj.out_features, dtype=torch.float32, device=a.device)
+        for name, param in params:
+            v = value(name, param).float()
+            if name.startswith("self_attn.q_proj"):
+                a += v.reshape(groups, rep * d, -1).sum(dim=(1, 2))
+            elif name.startswith(("self_attn.k_proj", "self_attn.v_proj")):
+                a += v.reshape(groups, d, -1).sum(dim=(1, 2))
+            elif name == "self_attn.o_proj.weight":
+                a += v.reshape(v.shape[0], groups, rep * d).sum(dim=(0, 2))
+            elif name.startswith(("mlp.gate_proj", "mlp.up_proj")):
+                c += v.reshape(v.shape[0], -1).sum(dim=1)
+            elif name == "mlp.down_proj.weight":
+                c += v.sum(dim=0)
+            else:  # a parameter listed by prunable_parameters but not mapped: a bug, not user input
+                raise AssertionError(name)
+        attn_sums.append(a)
+        mlp_sums.append(c)
+    return attn_sums, mlp_sums

@@ -1,0 +1,137 @@
+"""Group importance: one gradient pass over the calibration data, scores at several sample counts.
+
+ḡ is the gradient of the mean causal-LM loss over all n calibration sequences (all of one length, so the
+token mean equals the mean of per-sequence means). Micro-batches accumulate Σ_samples ∂loss_s/∂θ into fp32
+buffers through post-accumulate-grad hooks that free each `.grad` at once, so no full set of gradients is
+ever alive beside the buffers. Embeddings, lm_head and norms get no gradient at all.
+
+One pass over N sequences yields the scores for every n in `snapshots` (nested draws: the first n
+sequences of N are the n-sample draw), e.g. 128/256/512 from a 512-sequence pass.
+
+Group score (docs/specification.md §1) = Σ_{params in group} |w · ḡ| / (params in group).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from taylor_tune.progress import bar
+from taylor_tune.pruning.groups import prunable_parameters, reduce_to_groups
+from taylor_tune.pruning.plan import GroupScores, ModelLayout
+
+
+@dataclass(frozen=True)
+class Importance:
+    """Scores and per-layer gradient statistics at one sample count."""
+
+    num_samples: int
+    scores: GroupScores
+    grad_mean: np.ndarray  # per layer: mean |ḡ| over its prunable parameters
+    grad_norm: np.ndarray  # per layer: L2 norm of ḡ over its prunable parameters
+
+
+def _to_scores(attn: list[torch.Tensor], mlp: list[torch.Tensor], layout: ModelLayout) -> GroupScores:
+    return GroupScores(
+        attn=tuple((a / layout.attn_group_params).double().cpu().numpy() for a in attn),
+        mlp=tuple((m / layout.mlp_channel_params).double().cpu().numpy() for m in mlp),
+    )
+
+
+def taylor_criterion(scores: GroupScores, layout: ModelLayout, criterion: str) -> GroupScores:
+    """The scores a method ranks by: `taylor` as computed (Σ|w·ḡ| / group size), `taylor_sum` the plain group sum.
+
+    Every attention group of an unpruned model has one size and every MLP channel another, so the two criteria
+    rank groups of one kind identically; they differ only where attention groups and MLP channels are compared
+    (the global ranking) and in layer-level sums (layerwise).
+    """
+    if criterion == "taylor":
+        return scores
+    if criterion == "taylor_sum":
+        return GroupScores(attn=tuple(a * layout.attn_group_params for a in scores.attn),
+                           mlp=tuple(m * layout.mlp_channel_params for m in scores.mlp))
+    raise ValueError(f"unknown criterion {criterion!r}")
+
+
+GRADIENT_CRITERIA = ("taylor", "taylor_sum")
+
+
+def magnitude_scores(model: nn.Module, layout: ModelLayout, p: int = 2) -> GroupScores:
+    """Σ|w|^p over each group's parameters divided by its parameter count: the mean squared weight (p = 2, criterion
+    l2, the magnitude baseline) or the mean absolute weight (p = 1, l1). No data, no gradients.
+
+    Within one block every attention group has one size and every MLP channel another, so the division changes no
+    ranking inside a block: LLM-Pruner's vector-wise L1/L2 importance (the group's Σ|w|^p, averaged over the
+    group's layers) orders each block's groups the same way."""
+    with torch.no_grad():
+        attn, mlp = reduce_to_groups(model, lambda name, w: w.float().abs().pow(p))
+    return _to_scores(attn, mlp, layout)
+
+
+def _snapshot(model, layout, buffers, n) -> Importance:
+    with torch.no_grad():
+        attn, mlp = reduce_to_groups(model, lambda name, p: (p.float() * buffers[p]).abs_().div_(n))
+        means, norms = [], []
+        for params in prunable_parameters(model):
+            count = sum(p.numel() for _, p in params)
+            means.append(sum(float(buffers[p].abs().sum()) for _, p in params) / n / count)
+            norms.append(float(torch.stack([buffers[p].square().sum() for _, p in params]).sum().sqrt()) / n)
+    return Importance(n, _to_scores(attn, mlp, layout), np.array(means), np.array(norms))
+
+
+def compute_importance(
+    model: nn.Module,
+    layout: ModelLayout,
+    input_ids: torch.Tensor,
+    *,
+    micro_batch_size: int = 8,
+    snapshots: list[int] | None = None,
+) -> dict[int, Importance]:
+    """Taylor importance at each sample count in `snapshots` (default: all rows of `input_ids`), one pass.
+
+    `input_ids` is [N, seq_len] on any device; micro-batches are moved to the model's device.
+    The model's parameters, requires_grad flags and mode are restored afterwards.
+    """
+    total = input_ids.shape[0]
+    counts = sorted(set(snapshots or [total]))
+    if counts[0] <= 0 or counts[-1] > total:
+        raise ValueError(f"snapshots {counts} must lie in [1, {total}]")
+    device = next(model.parameters()).device
+    grouped = [p for params in prunable_parameters(model) for _, p in params]
+    buffers = {p: torch.zeros_like(p, dtype=torch.float32) for p in grouped}
+
+    def accumulate(param: torch.Tensor) -> None:
+        buffers[param].add_(param.grad)
+        param.grad = None
+
+    flags = {p: p.requires_grad for p in model.parameters()}
+    was_training = model.training
+    hooks = []
+    try:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for p in grouped:
+            p.requires_grad_(True)
+            hooks.append(p.register_post_accumulate_grad_hook(accumulate))
+        model.eval()  # dropout off: the gradient of the model as it will be used
+        results, done = {}, 0
+        with bar(total * input_ids.shape[1], "importance", unit="tok", unit_scale=True) as progress:
+            for boundary in counts:
+                while done < boundary:
+                    batch = input_ids[done : min(done + micro_batch_size, boundary)].to(device)
+                    loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+                    (loss * batch.shape[0]).backward()  # Σ over samples of each sample's mean token loss
+                    done += batch.shape[0]
+                    progress.update(batch.numel())
+                results[boundary] = _snapshot(model, layout, buffers, boundary)
+        return results
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for p, flag in flags.items():
+            p.requires_grad_(flag)
+            p.grad = None
+        model.train(was_training)

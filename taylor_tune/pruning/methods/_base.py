@@ -1,0 +1,61 @@
+"""What every method shares: its options, its registry entry, and the global greedy removal."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from taylor_tune.config import DEFAULT_BLOCKWISE_ATTENTION
+from taylor_tune.errors import PlanError
+from taylor_tune.pruning.plan import GroupScores, ModelLayout, PrunePlan, plan_from_sets, ranked_groups, target_params
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    sparsity: float
+    layerwise_max_ratio: float = 0.4
+    blockwise_layer_start: int | None = None
+    blockwise_layer_end: int | None = None
+    blockwise_attention: str = DEFAULT_BLOCKWISE_ATTENTION
+    criterion: str = "taylor"
+    seed: int = 0
+
+
+Planner = Callable[[GroupScores | None, ModelLayout, PlanOptions], PrunePlan]
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    # what the planner ranks: "criterion" (PruneConfig.criterion's scores: a gradient pass, or weights for l1/l2),
+    # "weights" (weight magnitude whatever the criterion) or "none" (draws its own)
+    scored_by: str
+    plan: Planner
+    summary: str
+
+
+def plan_global(method: str, scores: GroupScores, layout: ModelLayout, sparsity: float) -> PrunePlan:
+    """Remove the least important groups of the whole model, in one ranking, until the target is reached.
+
+    The last group of a block is never removed (a block needs one to run); it is skipped, not fatal.
+    Stops at the first removal that reaches the target, so the overshoot is under one group.
+    """
+    scores.check_matches(layout)
+    target = target_params(layout, sparsity)
+    left = {"attn": list(layout.attn_groups), "mlp": list(layout.mlp_channels)}
+    removed = {"attn": [set() for _ in left["attn"]], "mlp": [set() for _ in left["mlp"]]}
+    total = 0
+    for _, layer, index, kind in ranked_groups(scores):
+        if total >= target:
+            break
+        if left[kind][layer] == 1:
+            continue
+        left[kind][layer] -= 1
+        removed[kind][layer].add(index)
+        total += layout.group_params(kind)
+    if total < target:
+        raise PlanError(
+            f"{method}: cannot remove {target:.0f} parameters without emptying a block "
+            f"(at most {total} removable); lower the sparsity"
+        )
+    return plan_from_sets(method, removed["attn"], removed["mlp"])

@@ -1,0 +1,11 @@
+"""taylor: one global ranking of every group of every layer; per-layer ratios emerge freely."""
+
+from taylor_tune.pruning.methods._base import Method, PlanOptions, plan_global
+from taylor_tune.pruning.plan import GroupScores, ModelLayout, PrunePlan
+
+
+def plan_taylor(scores: GroupScores, layout: ModelLayout, options: PlanOptions) -> PrunePlan:
+    return plan_global("taylor", scores, layout, options.sparsity)
+
+
+METHOD = Method("taylor", "criterion", plan_taylor, "global ranking of group-normalized Taylor scores")

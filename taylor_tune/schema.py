@@ -1,0 +1,82 @@
+"""The names a trial's results travel under, built and parsed here and nowhere else.
+
+A trial reports flat metrics to Tune (and writes them to `evaluation.json`); the driver, the Ray metrics, the
+console, `status` and the report read them back. The configuration columns (`model`, `pruning_method`,
+`taylor_seq_len`, `taylor_num_samples`, `seed`: the source tables' spelling), the stage names and their
+`<stage>_s` / `<stage>_tokens` timings, and the per-task `acc_<task>[_stderr|_n|_sel|_heldout]` columns are
+defined below. Pure: imports neither torch nor ray.
+"""
+
+from __future__ import annotations
+
+from taylor_tune.config import ZERO_SHOT_TASKS
+
+# Search dimensions (as the source tables spell them) and the PruneConfig fields they set.
+DIMENSIONS = {"taylor_seq_len": "seq_len", "taylor_num_samples": "num_samples", "pruning_method": "method"}
+# What identifies a trial's configuration in every table.
+CONFIG_COLUMNS = ("model", "pruning_method", "taylor_seq_len", "taylor_num_samples", "seed")
+
+# The stages of a trial before its zero-shot passes, in order; each zero-shot pass is a stage of its own.
+STAGES = ("load", "calibration", "importance", "prune", "ppl")
+SECONDS_SUFFIX, TOKENS_SUFFIX = "_s", "_tokens"
+_ZERO_SHOT = "zero_shot_"
+# Per-task columns beside acc_<task>: its stderr, the items scored, and the two halves of held-out selection.
+TASK_SUFFIXES = ("_stderr", "_n", "_sel", "_heldout")
+
+
+def config_columns(model: str, method: str, seq_len: int, num_samples: int, seed: int) -> dict:
+    """The configuration columns of one trial."""
+    return {"model": model, "pruning_method": method, "taylor_seq_len": seq_len, "taylor_num_samples": num_samples,
+            "seed": seed}
+
+
+def zero_shot_stage(limit: int | None) -> str:
+    """The stage a zero-shot pass at `limit` items per task reports; None = every item."""
+    return f"{_ZERO_SHOT}{limit or 'all'}"
+
+
+def seconds_key(stage: str) -> str:
+    return stage + SECONDS_SUFFIX
+
+
+def tokens_key(stage: str) -> str:
+    return stage + TOKENS_SUFFIX
+
+
+def stage_seconds(metrics: dict) -> dict[str, float]:
+    """{stage: seconds} of the stages a cumulative report holds (its `<stage>_s` numbers)."""
+    out = {}
+    for key, value in metrics.items():
+        if not key.endswith(SECONDS_SUFFIX) or not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        stage = key[: -len(SECONDS_SUFFIX)]
+        if stage in STAGES or stage.startswith(_ZERO_SHOT):
+            out[stage] = value
+    return out
+
+
+def task_key(task: str, part: str = "") -> str:
+    """`acc_<task>` (the task's score in the metric acc_mean averages), or one of its TASK_SUFFIXES columns."""
+    if part and part not in TASK_SUFFIXES:
+        raise ValueError(f"unknown task column part {part!r}; one of {', '.join(TASK_SUFFIXES)}")
+    return f"acc_{task}{part}"
+
+
+def task_of(column: str) -> str | None:
+    """The task of an `acc_<task>` score column; None for acc_mean, a TASK_SUFFIXES column or anything else."""
+    if not column.startswith("acc_") or column == "acc_mean" or column.startswith("acc_mean_"):
+        return None
+    if column.endswith(TASK_SUFFIXES):
+        return None
+    return column[len("acc_"):]
+
+
+def task_columns(columns) -> tuple[str, ...]:
+    """The zero-shot tasks present as `acc_<task>` columns: the paper's order first, then any others by name."""
+    found = {task for task in map(task_of, columns) if task}
+    return tuple(t for t in ZERO_SHOT_TASKS if t in found) + tuple(sorted(found - set(ZERO_SHOT_TASKS)))
+
+
+def objective_metrics(tasks) -> list[str]:
+    """Every metric a sweep over `tasks` can rank by."""
+    return ["acc_mean", "ppl", *(task_key(t) for t in tasks)]

@@ -1,0 +1,205 @@
+"""Load a causal LM (hub id, local folder, a pruned folder, or a tiny built-in) with explicit device and dtype.
+
+Real loading code for real models (`AutoModelForCausalLM.from_pretrained`); `trust_remote_code` stays off
+unless asked. Two kinds of tiny built-ins need no download:
+- `tiny-llama`, `tiny-qwen2`, `tiny-mistral`: trained on the offline world's corpus and shipped in the
+  package (`taylor_tune/data/world/models/`); loaded by the same `from_pretrained` code as any folder.
+- `tiny-llama-random`, `tiny-qwen2-random`, `tiny-mistral-random`: random-init, built from their config
+  classes with a byte-level tokenizer; the engine's tests use them.
+Real pretrained models come from the real offline world (`assets.py`): `smollm2-135m` and `qwen2.5-0.5b` are
+HF folders in the asset cache, converted once from GGUF files; any `path/to/file.gguf` is converted the same
+way on first use and cached by its sha256.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+
+from taylor_tune.errors import ModelLoadError
+from taylor_tune.sources.assets import MANIFEST, MODEL_ASSETS, file_sha256, home
+from taylor_tune.sources.assets import require as require_asset
+from taylor_tune.sources.data import PRUNED_MANIFEST, TINY_MODELS, TRAINED_MODELS
+from taylor_tune.sources.gguf import convert_gguf
+from taylor_tune.sources.pruned_modeling import PRUNED_CLASSES
+from taylor_tune.sources.world import model_dir
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+# Llama-3-style GQA (4 query heads per key/value head) at toy size; heads x head_dim (128) != hidden (64)
+# exercises an explicit head_dim. Qwen2 adds q/k/v biases by design.
+_TINY_SHAPE = dict(
+    hidden_size=64, intermediate_size=192, num_hidden_layers=4, num_attention_heads=16,
+    num_key_value_heads=4, head_dim=8, max_position_embeddings=512, rms_norm_eps=1e-5,
+)
+
+
+def builtin_path(spec: str) -> Path | None:
+    """The shipped folder of a trained tiny model, else None."""
+    if spec not in TRAINED_MODELS:
+        return None
+    return model_dir(spec)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device: {device!r} was asked for but CUDA is not available here; use cpu or auto")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if cuda_bf16 else torch.float32
+    return getattr(torch, dtype)
+
+
+@lru_cache(maxsize=1)
+def byte_tokenizer():
+    """A byte-level tokenizer (256 byte tokens + <s>, </s>, <pad>) built offline; lossless on any text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    core = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(["<s>", "</s>", "<pad>"])
+    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def tiny_config(name: str) -> PretrainedConfig:
+    tok = byte_tokenizer()
+    extra = {"sliding_window": None} if TINY_MODELS[name] == "mistral" else {}
+    return AutoConfig.for_model(
+        TINY_MODELS[name], vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, tie_word_embeddings=False, **_TINY_SHAPE, **extra,
+    )
+
+
+def gguf_folder(path: Path) -> Path:
+    """The cached HF folder of a GGUF file (converted on first use, keyed by the file's sha256)."""
+    target = home() / "gguf" / file_sha256(path)[:16]
+    if (target / MANIFEST).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".convert-") as tmp:
+        out = convert_gguf(path, Path(tmp) / "out")
+        (out / MANIFEST).write_text(json.dumps({"source": str(path.resolve())}) + "\n")
+        os.replace(out, target)
+    return target
+
+
+def _source(spec: str) -> tuple[str, str]:
+    """(loader, location) for a model spec: tiny, pruned, folder or hub. A missing local path is an error here."""
+    if spec in TINY_MODELS:
+        return "tiny", spec
+    if spec in MODEL_ASSETS:
+        return "folder", str(require_asset(spec))
+    if spec.endswith(".gguf") and Path(spec).is_file():
+        return "folder", str(gguf_folder(Path(spec)))
+    path = builtin_path(spec) or Path(spec)
+    if path.is_dir():
+        return ("pruned" if (path / PRUNED_MANIFEST).is_file() else "folder"), str(path)
+    if _HUB_ID.match(spec) and not spec.startswith((".", "/")):
+        return "hub", spec
+    names = ", ".join(MODEL_ASSETS + TRAINED_MODELS + tuple(TINY_MODELS))
+    raise ModelLoadError(
+        f"model: {spec!r} is not a built-in model ({names}), an existing folder, or a hub id (org/name)"
+    )
+
+
+def load_model_config(spec: str, *, trust_remote_code: bool = False) -> PretrainedConfig:
+    """The model's config only (cheap): used to validate the run before any weight is read."""
+    source, location = _source(spec)
+    if source == "tiny":
+        config = tiny_config(spec)
+    else:
+        try:
+            config = AutoConfig.from_pretrained(location, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as error:
+            raise ModelLoadError(f"model: cannot read the config of {spec!r}: {str(error).splitlines()[0]}") from None
+    if config.model_type not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"model: architecture {config.model_type!r} of {spec!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return config
+
+
+def load_tokenizer(spec: str, *, trust_remote_code: bool = False):
+    source, location = _source(spec)
+    if source == "tiny":
+        return byte_tokenizer()
+    try:
+        return AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"model: cannot load the tokenizer of {spec!r}: {str(error).splitlines()[0]}") from None
+
+
+def load_model(
+    spec: str, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False, seed: int = 0,
+) -> PreTrainedModel:
+    """The model in eval mode on `device` in `dtype`. Tiny models are initialised from `seed`."""
+    source, location = _source(spec)
+    config = load_model_config(spec, trust_remote_code=trust_remote_code)
+    if source == "tiny":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = model.to(device=device, dtype=dtype)
+    elif source == "pruned":
+        model = load_pruned(location, device=device, dtype=dtype)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                location, dtype=dtype, trust_remote_code=trust_remote_code
+            ).to(device)
+        except Exception as error:  # transformers and safetensors raise many kinds for a damaged folder
+            first = str(error).splitlines()[0] if str(error) else ""
+            raise ModelLoadError(
+                f"model: cannot load the weights of {spec!r}: {type(error).__name__}: {first}"
+            ) from None
+    return model.eval()
+
+
+def load_pruned(
+    directory: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+) -> torch.nn.Module:
+    """Rebuild a model saved by `pruning.apply.save_pruned`; logits equal the saved model's exactly (same dtype).
+
+    The folder's own copy of the modeling file is never run: the classes come from `pruned_modeling` here."""
+    directory = Path(directory)
+    try:
+        manifest = json.loads((directory / PRUNED_MANIFEST).read_text())
+        config = AutoConfig.from_pretrained(directory)
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(
+            f"model: {directory} is not a readable pruned model: {str(error).splitlines()[0]}"
+        ) from None
+    if manifest.get("format") != 2 or not hasattr(config, "pruned_layout"):
+        raise ModelLoadError(f"model: {directory} is a pruned folder of an older format ({PRUNED_MANIFEST} format "
+                             f"{manifest.get('format')}); prune the model again")
+    saved_dtype = getattr(torch, manifest["dtype"])
+    try:
+        model = PRUNED_CLASSES[config.model_type].from_pretrained(directory, dtype=saved_dtype)
+    except (
+        Exception
+    ) as error:  # transformers and safetensors raise many kinds for a damaged folder; all mean "cannot load"
+        first = str(error).splitlines()[0] if str(error) else ""
+        raise ModelLoadError(
+            f"model: cannot load the pruned model in {directory}: {type(error).__name__}: {first}"
+        ) from None
+    return model.to(device=device, dtype=dtype or saved_dtype).eval()

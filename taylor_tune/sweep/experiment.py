@@ -1,0 +1,260 @@
+"""A sweep, as its YAML file states it: models, search space, search strategy, fixed settings, resources.
+
+Validated before Ray starts (no torch, no ray here): unknown keys, wrong types, an empty grid, unknown methods
+or tasks all name the field; then `check_sources`, `check_models` and `check_storage` check what the file names
+exists. The search space may be inline or a file under search_spaces/ (see search_spaces/README.md).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from itertools import product
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from taylor_tune.config import METHODS, EvalSpec, PruneConfig, format_validation_error, read_config_file
+from taylor_tune.errors import ConfigError
+from taylor_tune.schema import DIMENSIONS, objective_metrics
+from taylor_tune.sources.data import check_calibration, check_eval_sources
+
+
+class Domain(BaseModel):
+    """One dimension: `grid` (every value, for grid search) or `choice` (sampled by TPE / random search)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    grid: tuple[int | str, ...] | None = None
+    choice: tuple[int | str, ...] | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> Domain:
+        if (self.grid is None) == (self.choice is None):
+            raise ValueError("give exactly one of grid or choice")
+        if not self.values:
+            raise ValueError("empty list of values")
+        return self
+
+    @property
+    def values(self) -> tuple:
+        return self.grid if self.grid is not None else self.choice
+
+
+class SearchSpace(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    taylor_seq_len: Domain
+    taylor_num_samples: Domain
+    pruning_method: Domain
+
+    @field_validator("taylor_seq_len", "taylor_num_samples")
+    @classmethod
+    def _positive(cls, domain: Domain) -> Domain:
+        if any(not isinstance(v, int) or v <= 0 for v in domain.values):
+            raise ValueError(f"values must be positive integers, got {list(domain.values)}")
+        return domain
+
+    @field_validator("pruning_method")
+    @classmethod
+    def _methods(cls, domain: Domain) -> Domain:
+        unknown = [v for v in domain.values if v not in METHODS]
+        if unknown:
+            raise ValueError(f"unknown method {unknown[0]!r}; allowed: {', '.join(sorted(METHODS))}")
+        return domain
+
+    def domains(self) -> dict[str, Domain]:
+        return {name: getattr(self, name) for name in DIMENSIONS}
+
+
+class Search(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    algorithm: Literal["grid", "tpe"] = "grid"
+    scheduler: Literal["none", "asha"] = "none"
+    num_trials: int = Field(1, gt=0, description="tpe: trials per model; grid: ignored (the grid decides)")
+    repeats: int = Field(1, gt=0, description="calibration seeds per configuration (seeds 0..repeats-1)")
+    seed: int = 0
+    max_concurrent: int | None = Field(None, gt=0)
+    n_startup_trials: int = Field(
+        10, ge=0, description="tpe: random trials per model before TPE models the results (Optuna's default)"
+    )
+    reduction_factor: float = Field(
+        2,
+        gt=1,
+        description="asha: each cheap zero-shot pass lets the best 1/reduction_factor of the trials seen there go on",
+    )
+
+
+class Evaluation(EvalSpec):
+    """A sweep's evaluation: an EvalSpec whose item limit is a list of zero-shot passes (`fidelities`)."""
+
+    fidelities: tuple[int | None, ...] = Field(
+        (None,), description="zero-shot item limits, cheapest first, each reported to Tune; null = every item"
+    )
+
+    @field_validator("fidelities")
+    @classmethod
+    def _fidelities(cls, value: tuple) -> tuple:
+        if not value:
+            raise ValueError("at least one fidelity (null = every item)")
+        if any(v is not None and v <= 0 for v in value):
+            raise ValueError("limits must be positive (or null for every item)")
+        return value
+
+    @field_validator("limit")
+    @classmethod
+    def _no_limit(cls, value: int | None) -> None:
+        if value is not None:
+            raise ValueError("a sweep limits items per pass with fidelities, e.g. fidelities: [40, null]")
+        return value
+
+    def spec(self, limit: int | None) -> EvalSpec:
+        """The EvalSpec of one zero-shot pass."""
+        return EvalSpec(**self.model_dump(exclude={"fidelities", "limit"}), limit=limit)
+
+
+class Resources(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    cpu: float = Field(1, gt=0)
+    gpu: float | Literal["auto"] = Field("auto", description="per trial; auto = 1 where the cluster has GPUs, else 0")
+
+
+class Experiment(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    models: tuple[str, ...] = Field(min_length=1)
+    search_space: SearchSpace
+    search: Search = Search()
+    prune: dict[str, Any] = Field(default_factory=dict, description="fixed PruneConfig fields for every trial")
+    evaluation: Evaluation = Evaluation()
+    resources: Resources = Resources()
+    max_failures: int = Field(1, ge=0)
+    metric: str = Field(
+        "acc_mean", description="what the search optimizes and the report ranks by: acc_mean, ppl or acc_<task>"
+    )
+    mode: Literal["max", "min"] = Field("max", description="max for accuracies, min for ppl")
+    storage_path: str = "runs/sweeps"
+
+    @field_validator("prune")
+    @classmethod
+    def _prune(cls, values: dict) -> dict:
+        reserved = {"model", "method", "seq_len", "num_samples", "seed"} & set(values)
+        if reserved:
+            raise ValueError(f"{sorted(reserved)[0]!r} is set by the search, not in prune")
+        PruneConfig(model="tiny-llama", **values)
+        return values
+
+    @model_validator(mode="after")
+    def _objective(self) -> Experiment:
+        allowed = objective_metrics(self.evaluation.tasks)
+        if self.metric not in allowed:
+            raise ValueError(f"metric: {self.metric!r} is not reported by these trials; one of {', '.join(allowed)}")
+        if self.metric == "ppl" and self.evaluation.ppl is None:
+            raise ValueError("metric: ppl needs evaluation.ppl (a perplexity text such as wiki or wikitext2)")
+        if self.mode != ("min" if self.metric == "ppl" else "max"):
+            raise ValueError(f"mode: {self.mode!r} would search for the worst {self.metric}; "
+                             f"use mode: {'min' if self.metric == 'ppl' else 'max'}")
+        return self
+
+    @model_validator(mode="after")
+    def _tpe(self) -> Experiment:
+        if self.search.algorithm == "tpe" and self.search.repeats > 1:
+            raise ValueError("search.repeats > 1 is for grid search; TPE draws one calibration seed (0)")
+        if self.search.scheduler == "asha" and len(self.evaluation.fidelities) < 2:
+            raise ValueError(
+                "search.scheduler: asha stops trials at a cheap zero-shot pass, and evaluation.fidelities has "
+                "only one; give cheaper limits first, e.g. fidelities: [200, null]"
+            )
+        if self.search.algorithm == "grid" and any(d.grid is None for d in self.search_space.domains().values()):
+            raise ValueError("search.algorithm grid needs grid domains in the search space (choice is for tpe)")
+        if self.search.algorithm == "tpe" and self.search.num_trials > self.space_size():
+            raise ValueError(
+                f"search.num_trials: {self.search.num_trials} is more than the {self.space_size()} configurations "
+                "of the search space, and TPE runs each at most once (algorithm: grid runs them all)"
+            )
+        return self
+
+    def prune_config(self, model: str, method: str, seq_len: int, num_samples: int, seed: int) -> PruneConfig:
+        return PruneConfig(
+            model=model, method=method, seq_len=seq_len, num_samples=num_samples, seed=seed, **self.prune
+        )
+
+    def space_size(self) -> int:
+        """Configurations per model in the search space."""
+        return math.prod(len(domain.values) for domain in self.search_space.domains().values())
+
+    def grid_size(self) -> int:
+        if self.search.algorithm == "grid":
+            return self.space_size() * len(self.models) * self.search.repeats
+        return self.search.num_trials * len(self.models) * self.search.repeats
+
+    def sample_counts(self) -> tuple[int, ...]:
+        """Every num_samples the search can ask for: one importance pass serves them all (nested)."""
+        return tuple(sorted(set(self.search_space.taylor_num_samples.values)))
+
+    def grid_points(self) -> list[dict]:
+        """Every configuration of a grid search (for checks and benchmarks; Tune expands its own)."""
+        names = list(DIMENSIONS)
+        values = [self.search_space.domains()[n].values for n in names]
+        return [
+            {"model": m, "seed": s, **dict(zip(names, combo))}
+            for m in self.models for s in range(self.search.repeats) for combo in product(*values)
+        ]
+
+
+def _resolve_space(data: dict, base: Path) -> dict:
+    space = data.get("search_space")
+    if isinstance(space, str):
+        path = Path(space) if Path(space).is_absolute() else base / space
+        if not path.is_file():
+            path = Path(space)
+        try:
+            data = dict(data, search_space=yaml.safe_load(path.read_text()))
+        except OSError as error:
+            raise ConfigError(f"search_space: cannot read {space}: {error.strerror}") from None
+    return data
+
+
+def load_experiment(path: str | Path, **overrides: Any) -> Experiment:
+    """Read and validate an experiment YAML; `overrides` (e.g. storage_path, name) replace its values."""
+    path = Path(path)
+    data = read_config_file(path, what="experiment")
+    data = _resolve_space(data, path.resolve().parent.parent) | {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return Experiment(**data)
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(error)) from None
+
+
+def check_models(experiment: Experiment) -> None:
+    """Each model resolves (built-in, folder or hub id) and its config allows the largest seq_len."""
+    from taylor_tune.sources.models import load_model_config  # torch: only here, not when the file is validated
+
+    longest = max(experiment.search_space.taylor_seq_len.values)
+    for model in experiment.models:
+        config = load_model_config(model, trust_remote_code=bool(experiment.prune.get("trust_remote_code")))
+        limit = getattr(config, "max_position_embeddings", None)
+        if limit is not None and longest > limit:
+            raise ConfigError(
+                f"search_space.taylor_seq_len: {longest} exceeds the maximum context ({limit}) of {model}"
+            )
+
+
+def check_sources(experiment: Experiment) -> None:
+    """What the fixed settings name exists: the calibration text and the evaluation's text and task files."""
+    check_calibration(experiment.prune.get("calibration", "auto"))
+    check_eval_sources(experiment.evaluation)
+
+
+def check_storage(storage_path: str) -> None:
+    """The storage path must be writable (local paths: by writing a probe; a URI such as s3:// is left to pyarrow)."""
+    if "://" in storage_path:
+        return
+    try:
+        Path(storage_path).mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=storage_path, prefix=".write-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as error:
+        raise ConfigError(f"storage_path: {storage_path} is not writable ({error.strerror})") from None

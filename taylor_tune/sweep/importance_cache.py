@@ -1,0 +1,138 @@
+"""A file cache of importance passes, shared by every trial of a sweep (and across nodes on shared storage).
+
+Key: the fields the caller gives (the trial: model, resolved calibration text, seq_len, seed, the dtype and device
+type the model was loaded in, micro-batch size) and every sample count the entry holds. One entry holds the scores at
+every sample count of the search (one nested pass gives them all), so methods and sample counts share it.
+
+Concurrency: the first trial to ask creates `<key>.lock` with O_EXCL and computes; the others wait for the
+entry to appear. The owner refreshes the lock's mtime while it works (a heartbeat), so a lock left by a
+killed owner goes stale and another trial takes over. Entries are written to a temporary name and renamed
+into place, so a kill never leaves a partial entry that a later trial would read. Every hit and every
+computed pass is appended to `events.jsonl`: the cache's own counters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from taylor_tune.pruning.importance import Importance
+from taylor_tune.pruning.plan import GroupScores
+
+
+def cache_key(**fields) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _to_tensors(results: dict[int, Importance]) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for n, imp in results.items():
+        for layer, (a, m) in enumerate(zip(imp.scores.attn, imp.scores.mlp)):
+            tensors[f"n{n}.layers.{layer}.attention_scores"] = torch.from_numpy(np.ascontiguousarray(a))
+            tensors[f"n{n}.layers.{layer}.mlp_scores"] = torch.from_numpy(np.ascontiguousarray(m))
+        tensors[f"n{n}.layer_grad_mean"] = torch.from_numpy(np.ascontiguousarray(imp.grad_mean))
+        tensors[f"n{n}.layer_grad_norm"] = torch.from_numpy(np.ascontiguousarray(imp.grad_norm))
+    return tensors
+
+
+def _from_tensors(tensors: dict[str, torch.Tensor], counts: list[int]) -> dict[int, Importance]:
+    results = {}
+    for n in counts:
+        layers = sum(1 for k in tensors if k.startswith(f"n{n}.layers.") and k.endswith(".mlp_scores"))
+        scores = GroupScores(
+            attn=tuple(tensors[f"n{n}.layers.{l}.attention_scores"].numpy() for l in range(layers)),
+            mlp=tuple(tensors[f"n{n}.layers.{l}.mlp_scores"].numpy() for l in range(layers)),
+        )
+        results[n] = Importance(
+            n, scores, tensors[f"n{n}.layer_grad_mean"].numpy(), tensors[f"n{n}.layer_grad_norm"].numpy()
+        )
+    return results
+
+
+class ImportanceCache:
+    def __init__(self, root: str | Path, *, poll_s: float = 0.2, heartbeat_s: float = 5.0, stale_s: float = 60.0):
+        self.root = Path(root)
+        self.poll_s, self.heartbeat_s, self.stale_s = poll_s, heartbeat_s, stale_s
+        self.last_event: str | None = None  # what this object's latest call did: "hit", "computed" or "takeover"
+
+    def _record(self, event: str, key: str, **extra) -> None:
+        self.last_event = event
+        line = json.dumps({"event": event, "key": key, "time": time.time(), "host": socket.gethostname(),
+                           "pid": os.getpid(), **extra}) + "\n"
+        with open(self.root / "events.jsonl", "a") as f:  # one short O_APPEND write per event
+            f.write(line)
+
+    def counters(self) -> dict[str, int]:
+        path = self.root / "events.jsonl"
+        events = [json.loads(l) for l in path.read_text().splitlines()] if path.is_file() else []
+        return {
+            "computed": sum(e["event"] == "computed" for e in events),
+            "hits": sum(e["event"] == "hit" for e in events),
+            "takeovers": sum(e["event"] == "takeover" for e in events),
+        }
+
+    def get_or_compute(self, fields: dict, counts: list[int], compute: Callable[[], dict[int, Importance]],
+                       extra_tensors: Callable[[], dict[str, torch.Tensor]] | None = None) -> dict[int, Importance]:
+        """The scores at every count in `counts`, computed at most once per key across all processes."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        key = cache_key(**fields, counts=sorted(counts))
+        entry, lock = self.root / f"{key}.safetensors", self.root / f"{key}.lock"
+        while True:
+            if entry.is_file():
+                self._record("hit", key)
+                return _from_tensors(load_file(entry), counts)
+            try:
+                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                if self._stale(lock):
+                    self._record("takeover", key)
+                    lock.unlink(missing_ok=True)
+                else:
+                    time.sleep(self.poll_s)
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+            return self._compute(key, fields, entry, lock, counts, compute, extra_tensors)
+
+    def _stale(self, lock: Path) -> bool:
+        try:
+            return time.time() - lock.stat().st_mtime > self.stale_s
+        except FileNotFoundError:
+            return False
+
+    def _compute(self, key, fields, entry, lock, counts, compute, extra_tensors):
+        stop = threading.Event()
+
+        def heartbeat() -> None:
+            while not stop.wait(self.heartbeat_s):
+                try:
+                    os.utime(lock)
+                except FileNotFoundError:
+                    return
+
+        beat = threading.Thread(target=heartbeat, daemon=True)
+        beat.start()
+        try:
+            start = time.perf_counter()
+            results = compute()
+            tensors = _to_tensors(results) | (extra_tensors() if extra_tensors else {})
+            tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
+            save_file(tensors, str(tmp), metadata={k: str(v) for k, v in fields.items()})
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, entry)  # atomic: readers see no entry or a whole one
+            self._record("computed", key, seconds=time.perf_counter() - start, **{k: str(v) for k, v in fields.items()})
+            return results
+        finally:
+            stop.set()
+            lock.unlink(missing_ok=True)

@@ -1,0 +1,2 @@
+"""The Ray Tune adapter: search spaces, the trainable, the sweep driver and status. With `compat.ray`, the only
+code that imports ray."""

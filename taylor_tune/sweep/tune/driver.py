@@ -1,0 +1,207 @@
+"""Start or resume a sweep (idempotent), and read its status.
+
+`run_sweep` restores the experiment when its folder holds one (`Tuner.can_restore`, then `Tuner.restore`
+with `resume_errored=True`), else starts it. Finished trials are never run again. SIGTERM (what `ray job
+stop` sends) becomes Tune's graceful SIGINT stop, and the experiment state is saved every second
+(TUNE_GLOBAL_CHECKPOINT_S=1), so even a SIGKILLed driver loses no finished trial. Locally Ray starts with
+`ray.init(address="local")`; under `ray job submit` (RAY_ADDRESS set) the driver joins the cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+import pandas as pd
+import ray
+from ray import tune
+from ray.tune import ExperimentAnalysis
+
+from taylor_tune.compat import CompatError
+from taylor_tune.compat.ray import saved_experiment_state
+from taylor_tune.errors import ConfigError
+from taylor_tune.reporting import stats
+from taylor_tune.schema import CONFIG_COLUMNS, zero_shot_stage
+from taylor_tune.sweep.experiment import Experiment, check_models, check_sources, check_storage
+from taylor_tune.sweep.tune.console import ConsoleCallback
+from taylor_tune.sweep.tune.metrics import SweepMetricsCallback
+from taylor_tune.sweep.tune.scheduler import FidelityASHA
+from taylor_tune.sweep.tune.search import PerModelSearcher, domains_of
+from taylor_tune.sweep.tune.space import fixed_settings, param_space
+from taylor_tune.sweep.tune.trainable import sweep_trainable
+
+
+def experiment_path(experiment: Experiment) -> str:
+    storage = experiment.storage_path
+    return (
+        f"{storage.rstrip('/')}/{experiment.name}"
+        if "://" in storage
+        else str(Path(storage).resolve() / experiment.name)
+    )
+
+
+def validate(experiment: Experiment) -> None:
+    """Every check that needs no Ray: storage, models, and a GPU request on a machine without one (local runs)."""
+    check_storage(experiment.storage_path)
+    check_sources(experiment)
+    check_models(experiment)
+    gpu = experiment.resources.gpu
+    if gpu != "auto" and gpu > 0 and not os.environ.get("RAY_ADDRESS"):
+        import torch  # only to ask for a GPU; the driver has no other use for it
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"resources.gpu: {gpu} GPU per trial requested, but this machine has no GPU; use auto or 0"
+            )
+
+
+def _start_ray(verbose: bool = False) -> None:
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if ray.is_initialized():
+        return
+    level = logging.INFO if verbose else logging.WARNING
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address="auto", log_to_driver=False, logging_level=level)
+    else:
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, logging_level=level)
+
+
+def _resources(experiment: Experiment) -> dict:
+    cluster_gpus = ray.cluster_resources().get("GPU", 0)
+    gpu = experiment.resources.gpu
+    if gpu == "auto":
+        gpu = 1 if cluster_gpus > 0 else 0
+    elif gpu > 0 and cluster_gpus == 0:
+        raise ConfigError(f"resources.gpu: {gpu} GPU per trial requested, but the cluster has none; use auto or 0")
+    return {"cpu": experiment.resources.cpu, "gpu": gpu}
+
+
+def run_sweep(experiment: Experiment, *, verbose: bool = False):
+    """Run (or resume) the sweep to completion; returns Tune's ResultGrid. The console gets one line per trial
+    that ends and a status line at most every 30 s; `verbose` adds Tune's own tables."""
+    validate(experiment)
+    os.environ["TUNE_GLOBAL_CHECKPOINT_S"] = "1"  # read when the Tuner starts; a SIGKILL then loses <= 1 s of state
+    os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")  # early stages report no acc_mean yet
+    if not verbose:  # Tune's new console prints its configuration box even at verbose 0; the classic one does not
+        os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    _start_ray(verbose)
+    path = experiment_path(experiment)
+    final_stage = zero_shot_stage(experiment.evaluation.fidelities[-1])
+    trainable = tune.with_resources(sweep_trainable, _resources(experiment))
+    if tune.Tuner.can_restore(path):
+        tuner = tune.Tuner.restore(path, trainable=trainable, resume_errored=True)
+    else:
+        scheduler = None
+        if experiment.search.scheduler == "asha":
+            scheduler = FidelityASHA(
+                len(experiment.evaluation.fidelities), reduction_factor=experiment.search.reduction_factor
+            )
+        cache_dir = f"{path}/importance_cache"
+        if experiment.search.algorithm == "grid":
+            search_alg, num_samples, space = None, 1, param_space(experiment, cache_dir=cache_dir)
+        else:
+            search_alg = PerModelSearcher(
+                experiment.models,
+                domains_of(experiment),
+                experiment.search.num_trials,
+                fixed_settings(experiment, cache_dir),
+                metric=experiment.metric,
+                mode=experiment.mode,
+                seed=experiment.search.seed,
+                n_startup_trials=experiment.search.n_startup_trials,
+            )
+            num_samples, space = experiment.grid_size(), {}
+        tuner = tune.Tuner(
+            trainable,
+            param_space=space,
+            # reuse_actors: a new trial runs in the previous trial's worker, which keeps torch, transformers and
+            # lm-eval imported (~4 s per trial here); the trainable asks the session for its own folders
+            tune_config=tune.TuneConfig(
+                metric=experiment.metric,
+                mode=experiment.mode,
+                scheduler=scheduler,
+                search_alg=search_alg,
+                num_samples=num_samples,
+                max_concurrent_trials=experiment.search.max_concurrent,
+                reuse_actors=True,
+            ),
+            run_config=tune.RunConfig(
+                name=experiment.name,
+                storage_path=str(Path(path).parent) if "://" not in path else experiment.storage_path,
+                failure_config=tune.FailureConfig(max_failures=experiment.max_failures),
+                verbose=1 if verbose else 0,
+                sync_config=tune.SyncConfig(sync_artifacts=True),  # the trial's artifacts reach storage from any node
+                callbacks=[
+                    SweepMetricsCallback(experiment.name, final_stage, experiment.metric, experiment.mode),
+                    ConsoleCallback(final_stage),
+                ],
+            ),
+        )
+    previous = signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+    try:
+        return tuner.fit()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def sweep_status(path: str) -> dict:
+    """Trial counts by state and the best trial so far per model by the sweep's metric, from the saved experiment
+    state."""
+    if "://" not in path:
+        path = str(Path(path).resolve())  # pyarrow reads a relative path as a URI without a scheme
+    # while a sweep runs, its pending trials have no results yet, and Ray warns of each one
+    logging.getLogger("ray.tune.analysis.experiment_analysis").setLevel(logging.ERROR)
+    # a running driver rewrites the state file every second, not atomically: a read can catch it half written
+    for attempt in range(3):
+        try:
+            analysis = ExperimentAnalysis(path)
+            saved, saved_at = saved_experiment_state(analysis)  # the states as saved, not as Ray reloads them
+            break
+        except CompatError:
+            raise
+        except Exception as error:  # ray raises ValueError / FileNotFoundError / TuneError for a missing or bad folder
+            if attempt == 2:
+                raise ConfigError(f"{path}: not a readable Tune experiment ({type(error).__name__}: {error})") from None
+            time.sleep(0.5)
+    states = {state["trial_id"]: state["status"] for state in (json.loads(t) for t, _ in saved["trial_data"])}
+    counts = {"PENDING": 0, "RUNNING": 0, "TERMINATED": 0, "ERROR": 0, "PAUSED": 0}
+    finals: dict[str, list[dict]] = {}
+    objective = stats.ACCURACY
+    for trial in analysis.trials:
+        status = states.get(trial.trial_id, trial.status)  # a trial added between the two reads: Ray's reading
+        counts[status] = counts.get(status, 0) + 1
+        result = trial.last_result or {}
+        # only a trial's full evaluation counts (a cheap pass, or a trial ASHA stopped after one, is not comparable)
+        fixed = trial.config.get("fixed", {})
+        fidelities = fixed.get("evaluation", {}).get("fidelities") or [None]
+        objective = stats.Objective(**fixed["objective"]) if fixed.get("objective") else objective
+        if (
+            result.get("stage") != zero_shot_stage(fidelities[-1])
+            or "acc_mean" not in result
+            or objective.metric not in result
+        ):
+            continue
+        finals.setdefault(trial.config.get("model"), []).append(
+            {
+                "trial_id": trial.trial_id,
+                "acc_mean": result["acc_mean"],
+                "ppl": result.get("ppl"),
+                objective.metric: result[objective.metric],
+                **{k: trial.config.get(k) for k in CONFIG_COLUMNS[1:]},
+            }
+        )
+    # ranked and tied as the report ranks them, so that both name the same trial
+    best = {
+        model: {
+            "metric": objective.metric,
+            **{k: stats.plain(v) for k, v in stats.best_trial(pd.DataFrame(rows), objective).items()},
+        }
+        for model, rows in finals.items()
+    }
+    return {"pending": counts["PENDING"], "running": counts["RUNNING"], "finished": counts["TERMINATED"],
+            "errored": counts["ERROR"], "paused": counts["PAUSED"], "total": len(analysis.trials), "best": best,
+            "saved_s_ago": None if saved_at is None else max(0.0, time.time() - saved_at)}

@@ -1,0 +1,71 @@
+"""The function trainable: one Tune trial = `trial.run_trial` with Tune's report and trial folder."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from ray import tune
+
+from taylor_tune.compat.ray import trial_storage
+from taylor_tune.config import PruneConfig
+from taylor_tune.schema import zero_shot_stage
+from taylor_tune.sweep.experiment import Evaluation
+from taylor_tune.sweep.trial import FINISHED_ARTIFACTS, TrialConfig, completed_metrics, run_trial
+from taylor_tune.sweep.tune.metrics import TrialMetrics
+
+
+def trial_config(config: dict) -> TrialConfig:
+    fixed = config["fixed"]
+    prune = PruneConfig(model=config["model"], method=config["pruning_method"], seq_len=config["taylor_seq_len"],
+                        num_samples=config["taylor_num_samples"], seed=config["seed"], **fixed["prune"])
+    return TrialConfig(
+        prune=prune,
+        evaluation=Evaluation(**fixed["evaluation"]),
+        sample_counts=tuple(fixed["sample_counts"]),
+        cache_dir=fixed["cache_dir"],
+    )
+
+
+def sweep_trainable(config: dict) -> None:
+    """Artifacts go to the trial's working directory on whichever node runs it; Tune uploads that folder to
+    the trial's folder in storage (RunConfig's SyncConfig(sync_artifacts=True)), so they arrive on shared or
+    cloud storage from any node, and a reused actor (reuse_actors=True) gets each new trial's own folders.
+
+    The final report carries a checkpoint of the finished artifacts. A trial that Tune runs again after a restore
+    (killed after its final report, before Tune recorded it finished) finds that checkpoint, and if it holds this
+    configuration's complete results (`trial.completed_metrics`) reports them instead of recomputing."""
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    context = tune.get_context()
+    storage = trial_storage(context)  # the paths of *this* trial, also in a reused worker
+    emit = TrialMetrics(context.get_experiment_name(), config["model"], context.get_trial_id())
+    trial = trial_config(config)
+    final_stage = zero_shot_stage(trial.evaluation.fidelities[-1])
+    working = Path(storage.trial_working_directory)
+
+    previous = tune.get_checkpoint()
+    if previous is not None:
+        with previous.as_directory() as folder:
+            done = completed_metrics(Path(folder), trial)
+            if done is not None:
+                working.mkdir(parents=True, exist_ok=True)
+                for name in FINISHED_ARTIFACTS:
+                    shutil.copy2(Path(folder) / name, working / name)
+        if done is not None:
+            emit.observe(done)
+            tune.report({**done, "reused_artifacts": True})
+            return
+
+    def report(metrics: dict) -> None:
+        emit.observe(metrics)
+        if metrics.get("stage") != final_stage:
+            tune.report(metrics)
+            return
+        with tempfile.TemporaryDirectory() as folder:  # the finished artifacts only: a few small JSON files
+            for name in FINISHED_ARTIFACTS:
+                shutil.copy2(working / name, Path(folder) / name)
+            tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(folder))
+
+    run_trial(trial, working, report=report, output_dir=storage.trial_fs_path)

@@ -1,0 +1,80 @@
+"""Fault injection for the sweep tests, from outside the product: a test puts this folder on PYTHONPATH, so every
+Python process of the sweep (the driver and Ray's workers) runs this file at start-up.
+
+With TAYLOR_TUNE_TEST_FAULT='{"pruning_method": "blockwise", ...}' a trial whose configuration matches raises
+InjectedFault before it prunes. With TAYLOR_TUNE_TEST_PAUSE=<folder> a trial, once its final report is made, touches
+<folder>/<trial id> and sleeps: a window in which a test kills the sweep. Without either variable nothing happens.
+The product's modules are patched when they are first imported (nothing is imported here ahead of time).
+"""
+
+import functools
+import importlib.abc
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+class InjectedFault(RuntimeError):
+    """Raised on purpose by the sweep tests."""
+
+
+def _fail_matching(run_trial):
+    fault = json.loads(os.environ["TAYLOR_TUNE_TEST_FAULT"])
+
+    @functools.wraps(run_trial)
+    def wrapper(trial, *args, **kwargs):
+        from taylor_tune.sweep.trial import trial_columns
+
+        if all(trial_columns(trial.prune).get(k) == v for k, v in fault.items()):
+            raise InjectedFault(f"injected fault for {fault}")
+        return run_trial(trial, *args, **kwargs)
+
+    return wrapper
+
+
+def _pause_after(trainable):
+    folder = os.environ["TAYLOR_TUNE_TEST_PAUSE"]
+
+    @functools.wraps(trainable)
+    def wrapper(config):
+        from ray import tune
+
+        trainable(config)
+        Path(folder, tune.get_context().get_trial_id()).touch()
+        time.sleep(600)
+
+    return wrapper
+
+
+PATCHES = {}  # module -> (attribute, wrapper factory)
+if os.environ.get("TAYLOR_TUNE_TEST_FAULT"):
+    PATCHES["taylor_tune.sweep.trial"] = ("run_trial", _fail_matching)
+if os.environ.get("TAYLOR_TUNE_TEST_PAUSE"):
+    PATCHES["taylor_tune.sweep.tune.trainable"] = ("sweep_trainable", _pause_after)
+
+
+class _PatchAfterImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in PATCHES:
+            return None
+        sys.meta_path.remove(self)  # let the ordinary finders find it
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        original = spec.loader.exec_module
+        attribute, factory = PATCHES[fullname]
+
+        def exec_module(module):
+            original(module)
+            setattr(module, attribute, factory(getattr(module, attribute)))
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if PATCHES:
+    sys.meta_path.insert(0, _PatchAfterImport())

@@ -1,0 +1,145 @@
+"""The package's layout: one subpackage per stage, imports one way (docs/specification.md, "Layout").
+
+sweep -> pruning, evaluation, reporting -> sources -> the root modules; pruning and evaluation do not import each
+other; reporting imports the root modules only; the root modules import no stage (cli aside). `config`, `schema`
+and `reporting` import neither torch nor ray, not even through the modules they import. A module imports the
+project's own modules at its top, unless a comment on the line (or the one above) says why not.
+The imports are read with `ast`, so nothing is imported to check them.
+"""
+
+import ast
+import shutil
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "taylor_tune"
+STAGES = ("sources", "pruning", "evaluation", "sweep", "reporting")
+# what each room may import besides itself ("root": config, schema, errors, jsonio, progress, compat)
+ALLOWED = {
+    "root": {"root"},
+    "sources": {"root"},
+    "pruning": {"sources", "root"},
+    "evaluation": {"sources", "root"},
+    "reporting": {"root"},
+    "sweep": {"pruning", "evaluation", "reporting", "sources", "root"},
+    "cli": {*STAGES, "root"},
+}
+HEAVY = ("torch", "ray")  # what the instant parts (validation, statistics) must never load
+LIGHT = ("taylor_tune.config", "taylor_tune.schema", "taylor_tune.reporting")
+
+
+def module_name(path: Path, package: Path) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def room(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) > 1 and parts[1] in STAGES:
+        return parts[1]
+    return "cli" if parts[1:2] in (["cli"], ["__main__"]) else "root"
+
+
+def imports(path: Path, package: Path) -> list[tuple[str, int, bool]]:
+    """(imported module, line, at module level) for every import in the file; relative imports resolved."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    here = module_name(path, package).split(".")
+    if path.name != "__init__.py":
+        here = here[:-1]
+    top = {id(node) for node in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno, id(node) in top) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(here[: len(here) - node.level + 1] + ([base] if base else []))
+            # `from taylor_tune.sources import data` imports the module taylor_tune.sources.data
+            names = [f"{base}.{alias.name}" for alias in node.names] if base.startswith("taylor_tune") else [base]
+            found += [(name, node.lineno, id(node) in top) for name in names]
+    return found
+
+
+def project_files(package: Path) -> dict[str, Path]:
+    return {
+        module_name(p, package): p for p in sorted(package.rglob("*.py")) if "data" not in p.relative_to(package).parts
+    }
+
+
+def resolve(name: str, modules) -> str | None:
+    """The project module an imported name lives in (`taylor_tune.schema.zero_shot_stage` -> `taylor_tune.schema`)."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def explained(lines: list[str], line: int) -> bool:
+    """A comment on the import's line, on another import of its block, or on the line just above the block."""
+    index = line - 1
+    while index >= 0:
+        text = lines[index].strip()
+        if "#" in text:
+            return True
+        if not text.startswith(("from ", "import ")) or index == 0:
+            return False
+        index -= 1
+    return False
+
+
+def layout_violations(package: Path = PACKAGE) -> list[str]:
+    files = project_files(package)
+    graph = {module: imports(path, package) for module, path in files.items()}
+    problems = []
+    for module, found in graph.items():
+        lines = files[module].read_text().splitlines()
+        for name, line, at_top in found:
+            target = resolve(name, graph) if name.startswith("taylor_tune") else None
+            if target is None:
+                continue
+            if room(target) != room(module) and room(target) not in ALLOWED[room(module)]:
+                problems.append(f"{module}:{line} imports {target}: {room(module)} may not import {room(target)}")
+            if not at_top and not explained(lines, line):
+                problems.append(f"{module}:{line} imports {target} inside a function without a comment saying why")
+    for light in LIGHT:
+        seen, todo = set(), [m for m in graph if m == light or m.startswith(light + ".")]
+        while todo:
+            module = todo.pop()
+            if module in seen:
+                continue
+            seen.add(module)
+            for name, line, _ in graph[module]:
+                if name.split(".")[0] in HEAVY:
+                    problems.append(f"{module}:{line} imports {name}, and {light} must not load {name.split('.')[0]}")
+                elif name.startswith("taylor_tune") and (target := resolve(name, graph)):
+                    todo.append(target)
+    return problems
+
+
+def test_the_package_keeps_its_layout():
+    assert sorted(set(layout_violations())) == []
+
+
+def test_every_module_sits_in_a_stage_or_is_a_named_root_module():
+    root = {p.stem for p in PACKAGE.glob("*.py")} | {p.name for p in PACKAGE.iterdir() if p.is_dir()}
+    assert root - {"__pycache__"} == {"__init__", "__main__", "cli", "config", "schema", "errors", "jsonio", "progress",
+                                      "compat", "data", *STAGES}
+
+
+@pytest.mark.parametrize("where, planted, expected", [
+    ("sources/data.py", "from taylor_tune.sweep.trial import run_trial\n", "sources may not import sweep"),
+    ("pruning/plan.py", "from taylor_tune.evaluation import perplexity\n", "pruning may not import evaluation"),
+    ("reporting/stats.py", "from taylor_tune.sources.data import world_of\n", "reporting may not import sources"),
+    ("schema.py", "from taylor_tune.pruning import plan\n", "root may not import pruning"),
+    ("config.py", "import torch\n", "taylor_tune.config must not load torch"),
+    ("reporting/latex.py", "import ray.tune\n", "taylor_tune.reporting must not load ray"),
+    ("reporting/frame.py", "def f():\n    from taylor_tune import jsonio\n", "inside a function without a comment"),
+])
+def test_a_planted_violation_is_caught(tmp_path, where, planted, expected):
+    package = tmp_path / "taylor_tune"
+    shutil.copytree(PACKAGE, package, ignore=shutil.ignore_patterns("data", "__pycache__"))
+    target = package / where
+    target.write_text(target.read_text() + "\n" + planted)
+    problems = layout_violations(package)
+    assert any(expected in p for p in problems), problems
