@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup fetch demo smoke-demo prune-demo lint test test-fast bench bench-quality bench-real-grid world clean
+.PHONY: setup fetch demo smoke-demo prune-demo lint test test-fast mutants bench bench-quality bench-real-grid world clean
 
 setup: $(STAMP)
 
@@ -53,6 +53,10 @@ test: lint
 # The quick tier (< 1 min): the linter, then no Ray cluster, no lm-eval run over a task, nothing fetched.
 test-fast: lint
 	$(PY) -m pytest -q -m "not slow and not real and not gpu"
+
+# The fast tier against the curated mutations of scripts/mutants.py, each in a temporary copy (~10 min on 2 cores)
+mutants: setup
+	$(PY) scripts/mutants.py --json bench/out/mutants.json
 
 bench: setup
 	$(PY) bench/bench_importance.py --json bench/out/importance.json

@@ -60,3 +60,10 @@ def test_methods_without_gradients_have_undefined_gradient_spreads():
     assert d["grad_mean_ratio"] is None and d["grad_norm_range"] is None
     assert "no gradient" in d["notes"]["grad_norm_range"]
     json.dumps(d, allow_nan=False)
+
+
+def test_a_layer_pruned_exactly_at_the_threshold_is_not_extreme():
+    ratios = diag(None, None)["layer_pruning_ratio"]  # 3/110, 20/110, 52/110
+    assert diag(None, None, threshold=ratios[2])["extreme_pruning_layers"] == 0  # "above the threshold": > not >=
+    assert diag(None, None, threshold=ratios[1])["extreme_pruning_layers"] == 1
+    assert diag(None, None, threshold=ratios[2] * (1 - 1e-12))["extreme_pruning_layers"] == 1

@@ -570,3 +570,18 @@ def test_a_ppl_tie_goes_to_the_higher_accuracy_and_mixed_objectives_are_refused(
         ReportError, match=r"different metrics \(.*(ppl \(min\).*acc_mean \(max\)|acc_mean \(max\).*ppl \(min\))"
     ):
         build_report(str(mixed))
+
+
+@pytest.mark.parametrize("gap_in_se, exceeds", [(1.5, False), (2.5, True)])
+def test_a_lead_counts_only_beyond_z_standard_errors(gap_in_se, exceeds):
+    """Two trials, one task each with stderr 0.01: the gap's stderr is sqrt(2) x 0.01. A lead of 1.5 of them is
+    within the 95% bound (z = 1.96) and the runner-up is tied; 2.5 of them is a real lead."""
+    se = 0.01
+    gap = gap_in_se * math.sqrt(2) * se
+    df = pd.DataFrame({"trial_id": ["a", "b"], "acc_mean": [0.5 + gap, 0.5], "ppl": [10.0, 10.0],
+                       "acc_piqa": [0.5 + gap, 0.5], "acc_piqa_stderr": [se, se]})
+    lead = stats.lead_of_best(df, ("piqa",))
+    assert (lead.best, lead.runner_up) == ("a", "b")
+    assert lead.difference == pytest.approx(gap) and lead.stderr == pytest.approx(math.sqrt(2) * se)
+    assert lead.exceeds_uncertainty is exceeds
+    assert lead.tied_with_best == ([] if exceeds else ["b"])

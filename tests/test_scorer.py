@@ -168,3 +168,18 @@ def test_scorer_is_validated():
     with pytest.raises(ConfigError, match="scorer: Input should be 'prefix' or 'hflm'"):
         build_eval_spec({"scorer": "fast"})
     assert build_eval_spec({}).scorer == "prefix"
+
+
+def test_continuations_packed_after_one_prefix_see_the_prefix_and_themselves_only():
+    """Three multi-token continuations of one context in one pack: each scored as if forwarded alone (a plain forward
+    pass of context + continuation, and lm-eval's HFLM); seeing an earlier continuation of the pack would change it."""
+    model, tokenizer = load_model("tiny-llama-random"), load_tokenizer("tiny-llama-random")
+    context = [40, 41, 42, 43, 44, 45]
+    endings = ([50, 51, 52, 53], [60, 61, 62], [70, 71, 72, 73, 74])
+    requests = [(("q", i), context, ending) for i, ending in enumerate(endings)]
+    assert len(plan_packs([(c, e) for _, c, e in requests], 512)) == 1  # one pack: the case under test
+    expected = [reference(model, context, ending, 512) for ending in endings]
+    for scorer in ("prefix", "hflm"):
+        got = make_lm(model, tokenizer, 4, scorer)._loglikelihood_tokens(requests, disable_tqdm=True)
+        for (ll, greedy), (ref_ll, ref_greedy) in zip(got, expected, strict=True):
+            assert abs(ll - ref_ll) <= 1e-4 and greedy == ref_greedy, scorer

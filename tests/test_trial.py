@@ -87,3 +87,21 @@ def test_an_importance_entry_serves_only_the_dtype_and_device_it_was_computed_in
     asked = []
     ImportanceCache(cache_dir).get_or_compute(cuda, [4], lambda: asked.append("cuda") or {})
     assert asked == ["cuda"]  # the CPU entry of the same model, draw and dtype was not served
+
+
+@pytest.mark.parametrize("changed", ["model", "calibration", "seq_len", "seed", "dtype", "device"])
+def test_the_importance_key_changes_with_each_field_the_pass_depends_on(changed):
+    import torch
+
+    from taylor_tune.sweep.importance_cache import cache_key
+    from taylor_tune.sweep.trial import importance_fields
+
+    base = dict(model="tiny-llama", method="taylor", seq_len=32, num_samples=8, calibration="world", seed=0)
+    runtime = dict(dtype=torch.float32, device=torch.device("cpu"))
+    other = {"model": "tiny-qwen2", "calibration": "sample", "seq_len": 64, "seed": 1}
+    config_change = {changed: other[changed]} if changed in other else {}
+    runtime_change = {"dtype": {"dtype": torch.bfloat16}, "device": {"device": torch.device("cuda")}}.get(changed, {})
+    key = lambda config, at: cache_key(**importance_fields(PruneConfig(**config), **at), counts=[8])
+    # one entry serves every method and sample count
+    assert key(base, runtime) == key(dict(base, method="blockwise", num_samples=4), runtime)
+    assert key(base, runtime) != key(base | config_change, runtime | runtime_change)

@@ -4,8 +4,8 @@ Real loading code for real models (`AutoModelForCausalLM.from_pretrained`); `tru
 unless asked. Two kinds of tiny built-ins need no download:
 - `tiny-llama`, `tiny-qwen2`, `tiny-mistral`: trained on the offline world's corpus and shipped in the
   package (`taylor_tune/data/world/models/`); loaded by the same `from_pretrained` code as any folder.
-- `tiny-llama-random`, `tiny-qwen2-random`, `tiny-mistral-random`: random-init, built from their config
-  classes with a byte-level tokenizer; the engine's tests use them.
+- `tiny-llama-random`, `tiny-qwen2-random`, `tiny-mistral-random`: random-init (Qwen2's q/k/v biases too), built
+  from their config classes with a byte-level tokenizer; the engine's tests use them.
 Real pretrained models come from the real offline world (`assets.py`): `smollm2-135m` and `qwen2.5-0.5b` are
 HF folders in the asset cache, converted once from GGUF files; any `path/to/file.gguf` is converted the same
 way on first use and cached by its sha256.
@@ -159,6 +159,11 @@ def load_model(
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            # transformers starts biases at zero; random ones make a test see a bias kept or dropped by mistake
+            with torch.no_grad():
+                for module in model.modules():
+                    if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                        module.bias.normal_(0.0, config.initializer_range)
         model = model.to(device=device, dtype=dtype)
     elif source == "pruned":
         model = load_pruned(location, device=device, dtype=dtype)
