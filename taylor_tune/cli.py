@@ -23,6 +23,10 @@ from taylor_tune.config import (
 from taylor_tune.errors import ConfigError, TaylorTuneError
 from taylor_tune.jsonio import write_json
 
+# `taylor-tune sweep`'s exit codes besides 0 (every trial finished), 2 (bad input, nothing ran) and 130 (interrupted)
+EXIT_ERRORED = 3  # the sweep ran to its end, and some trials errored (after their retries)
+EXIT_NOT_DONE = 4  # the sweep stopped with trials not run or not finished (stopped, killed): run it again to resume
+
 PRUNE_EXAMPLE = """\
 example (a tiny model on the shipped sample text, CPU, a few seconds):
   taylor-tune prune --model tiny-llama --method taylor --sparsity 0.2 --seq-len 64 \\
@@ -191,16 +195,21 @@ def _run_sweep(args: argparse.Namespace) -> int:
     from taylor_tune.sweep.experiment import load_experiment  # pydantic only
 
     experiment = load_experiment(args.experiment, storage_path=args.storage, name=args.name)
-    from taylor_tune.sweep.tune.driver import experiment_path, run_sweep, sweep_status  # Ray: once the file is valid
+    # Ray: once the file is valid
+    from taylor_tune.sweep.tune.console import error_summary, trial_name
+    from taylor_tune.sweep.tune.driver import experiment_path, run_sweep, sweep_status
 
     results = run_sweep(experiment, verbose=args.verbose)
     status = sweep_status(experiment_path(experiment))
+    not_done = status["pending"] + status["running"] + status["paused"]
     print(f"{experiment.name}: {status['finished']} finished, {status['errored']} errored, "
-          f"{status['pending'] + status['running'] + status['paused']} not done, of {status['total']}; "
-          f"results in {experiment_path(experiment)}")
-    for error in results.errors:
-        print(f"  errored trial: {str(error).splitlines()[0][:200]}")
-    return 0
+          f"{not_done} not done, of {status['total']}; results in {experiment_path(experiment)}")
+    for result in results:
+        if result.error is not None:
+            print(f"  errored trial {trial_name(result.config or {})}: {error_summary(str(result.error))}")
+    if not_done:
+        return EXIT_NOT_DONE
+    return EXIT_ERRORED if status["errored"] else 0
 
 
 def _run_status(args: argparse.Namespace) -> int:

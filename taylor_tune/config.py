@@ -217,11 +217,13 @@ def read_config_file(path: str | Path, what: str = "config") -> dict[str, Any]:
     """A YAML mapping (safe_load only), not yet validated."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as error:
         raise ConfigError(f"cannot read {what} file {path}: {error.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a UTF-8 text file") from None
     except yaml.YAMLError as error:
-        raise ConfigError(f"{path} is not valid YAML: {error}") from None
+        raise ConfigError(f"{path} is not valid YAML: {' '.join(str(error).split())}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of {what} keys, got {type(data).__name__}")
     return data

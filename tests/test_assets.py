@@ -111,3 +111,22 @@ def test_auto_picks_the_world_of_the_model(tmp_path):
         assert world_of(model) == world, model
         assert resolve_text("auto", model) == text and resolve_text("sample", model) == "sample"
         assert resolve_task_data("auto", model) == world and resolve_task_data("real", model) == "real"
+
+
+def test_a_fetched_file_changed_in_the_cache_is_refused_where_it_is_used(tmp_path, monkeypatch):
+    """`require` (every use: a model load, a calibration or perplexity text, the task files) checks the asset's files
+    against its manifest, not only `fetch`: a flipped label or a replaced text is refused in one line."""
+    from taylor_tune.errors import AssetError
+
+    monkeypatch.setenv("TAYLOR_TUNE_HOME", str(tmp_path))
+    folder = tmp_path / "smollm2-135m"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    (folder / MANIFEST).write_text(json.dumps({"files": {"config.json": file_sha256(folder / "config.json")}}))
+    assert assets.require("smollm2-135m") == folder
+    (folder / "config.json").write_text('{"model_type": "llama", "changed": 1}')
+    with pytest.raises(AssetError, match=r"config.json does not match its recorded sha256 .* taylor-tune fetch"):
+        assets.require("smollm2-135m")
+    (folder / "config.json").unlink()
+    with pytest.raises(AssetError, match="config.json is missing"):
+        assets.require("smollm2-135m")

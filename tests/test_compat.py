@@ -1,5 +1,7 @@
 """The private names of pinned dependencies that taylor_tune/compat/ fences: present now, and a loud error if not."""
 
+import json
+
 import pytest
 
 from taylor_tune.compat import CompatError
@@ -38,17 +40,25 @@ def test_a_missing_hflm_attribute_fails_loudly():
         lm_eval.check(lm)
 
 
-def test_a_missing_ray_name_fails_loudly(monkeypatch):
-    import inspect
+def test_the_saved_state_is_read_as_json_and_a_changed_layout_fails_loudly(tmp_path):
+    from pyarrow import fs
 
     from taylor_tune.compat import ray
 
-    real = inspect.getsource
-    monkeypatch.setattr(inspect, "getsource", lambda obj: real(obj).replace("self._fs =", "self._filesystem ="))
-    with pytest.raises(CompatError, match=r"ray: ExperimentAnalysis\._fs no longer exist.*tested with ray 2\.60"):
-        ray.check()
-    with pytest.raises(CompatError, match="_experiment_json_fs_path"):
-        ray.check(object())
+    state = {"trial_id": "a_00000", "status": "TERMINATED", "config": {"model": "m"},
+             "storage": {"_type": "CLOUDPICKLE_FALLBACK", "value": "00"}}  # stays an opaque dict: never unpickled
+    saved = {"trial_data": [[json.dumps(state), json.dumps({"last_result": {"acc_mean": 0.5}})]]}
+    (tmp_path / "experiment_state-2026-01-01_00-00-00.json").write_text(json.dumps({"trial_data": []}))
+    (tmp_path / "experiment_state-2026-01-02_00-00-00.json").write_text(json.dumps(saved))  # the newest run's
+    trials, saved_at = ray.saved_trials(fs.LocalFileSystem(), str(tmp_path))
+    assert trials == [{"trial_id": "a_00000", "status": "TERMINATED", "config": {"model": "m"},
+                       "last_result": {"acc_mean": 0.5}}]
+    assert saved_at is not None
+    del state["status"]
+    (tmp_path / "experiment_state-2026-01-03_00-00-00.json").write_text(
+        json.dumps({"trial_data": [[json.dumps(state), "{}"]]}))
+    with pytest.raises(CompatError, match=r"ray: trial state status no longer exist.*tested with ray 2\.60"):
+        ray.saved_trials(fs.LocalFileSystem(), str(tmp_path))
 
 
 def test_a_missing_trial_storage_fails_loudly():

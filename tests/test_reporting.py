@@ -406,7 +406,8 @@ def test_a_task_missing_from_every_trial_inf_gradients_one_trial_and_an_empty_fo
     write_report(single, tmp_path / "b")
     assert (tmp_path / "b" / "best_model-a" / "MISSING.txt").is_file()  # a DataFrame has no trial folders to copy
 
-    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty").mkdir()  # a sweep that started and has no trial yet: its state file, no trial folder
+    (tmp_path / "empty" / "experiment_state-2026-01-01_00-00-00.json").write_text('{"trial_data": []}')
     empty = build_report(tmp_path / "empty")
     write_report(empty, tmp_path / "c")
     assert "No valid trials among 0" in (tmp_path / "c" / "final_analysis_report.txt").read_text()

@@ -243,9 +243,42 @@ def test_status_reports_counts_and_best_per_model(smoke):
     assert len(named) == 3
 
 
-def interrupt_sweep(experiment, log_path, until, sig, **faults) -> None:
+class _Planted:
+    """A pickle that creates a file when it is loaded: what someone who can write to shared storage could plant."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (str(self.marker), "w")
+
+
+def test_status_and_report_run_no_code_planted_in_the_experiment_state(smoke, tmp_path):
+    """Ray keeps some trial fields as cloudpickle blobs in experiment_state-*.json, and its own readers load them:
+    status and report read the folder as JSON only, so a planted blob stays unread."""
+    import pickle
+
+    folder = tmp_path / "smoke"
+    shutil.copytree(smoke.path, folder)
+    marker = tmp_path / "planted-code-ran"
+    blob = {"_type": "CLOUDPICKLE_FALLBACK", "value": pickle.dumps(_Planted(marker)).hex()}
+    (state_file,) = folder.glob("experiment_state-*.json")
+    saved = json.loads(state_file.read_text())
+    trial, runtime = (json.loads(part) for part in saved["trial_data"][0])
+    trial["storage"], runtime["checkpoint_manager"] = blob, blob
+    saved["trial_data"][0] = [json.dumps(trial), json.dumps(runtime)]
+    state_file.write_text(json.dumps(saved))
+    for command in (["status", str(folder)], ["report", str(folder), "--output", str(tmp_path / "report")]):
+        proc = subprocess.run([os.sys.executable, "-m", "taylor_tune", *command], capture_output=True, text=True,
+                              env=env())
+        assert proc.returncode == 0, proc.stderr
+        assert not marker.exists(), f"{command[0]} ran code from the experiment folder"
+    assert "finished 36, errored 0" in proc.stdout or "36 trials" in proc.stdout
+
+
+def interrupt_sweep(experiment, log_path, until, sig, **faults) -> int:
     """Run the sweep until `until()` holds, let the experiment state be saved (every second), send `sig`, and stop
-    every Ray process the run started."""
+    every Ray process the run started; the driver's exit code."""
     started = time.time()
     log = open(log_path, "w")  # a file, not a pipe: nobody reads a pipe while we wait
     proc = subprocess.Popen(
@@ -255,7 +288,7 @@ def interrupt_sweep(experiment, log_path, until, sig, **faults) -> None:
         assert wait_for(until, timeout=300), f"the sweep never got there: {log_path.read_text()[-2000:]}"
         time.sleep(3)
         proc.send_signal(sig)
-        proc.wait(timeout=120)
+        return proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -274,9 +307,11 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_trials(sig, tmp
     )
     path = tmp_path / "sweeps" / "resume"
     started = time.time()
-    interrupt_sweep(
+    code = interrupt_sweep(
         experiment, tmp_path / "first-run.log", lambda: len(finished(path)) >= 2, sig
     )  # two trials finished
+    if sig == signal.SIGTERM:  # stopped gracefully with trials not run: EXIT_NOT_DONE, not success
+        assert code == 4, (tmp_path / "first-run.log").read_text()[-2000:]
     # finished = what Tune's saved state records as TERMINATED: a trial whose files were uploaded in the instant
     # before a SIGKILL, but whose completion the driver had not yet saved, is in flight and may run again
     before = {t: (trial_dirs(path)[t] / "result.json").read_bytes() for t in terminated(path)}
@@ -336,8 +371,11 @@ def test_a_failing_trial_is_retried_then_errored_and_the_rest_finish(tmp_path):
     started = time.time()
     proc = run_sweep(experiment, TAYLOR_TUNE_TEST_FAULT=json.dumps(fault))
     kill_ray_started_after(started)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "5 finished, 1 errored" in proc.stdout
+    assert proc.returncode == 3, proc.stderr[-2000:]  # EXIT_ERRORED: the sweep ended, a trial errored
+    assert "5 finished, 1 errored" in proc.stdout and "\x1b[" not in proc.stdout  # no terminal colour codes
+    # the summary names the trial and its exception with its message (it showed Ray's task name, coloured)
+    assert re.search(r"^  errored trial tiny-llama blockwise seq_len=32 samples=\d+: .*InjectedFault: injected fault",
+                     proc.stdout, re.M), proc.stdout
     assert re.search(
         r"^\[\d/6\] tiny-llama blockwise seq_len=32 samples=\d+: errored: .*InjectedFault: injected fault",
         proc.stdout,

@@ -105,3 +105,27 @@ def test_the_importance_key_changes_with_each_field_the_pass_depends_on(changed)
     # one entry serves every method and sample count
     assert key(base, runtime) == key(dict(base, method="blockwise", num_samples=4), runtime)
     assert key(base, runtime) != key(base | config_change, runtime | runtime_change)
+
+
+def test_a_damaged_cache_entry_is_removed_and_computed_again_once(tmp_path):
+    import numpy as np
+
+    from taylor_tune.pruning.importance import Importance
+    from taylor_tune.pruning.plan import GroupScores
+    from taylor_tune.sweep.importance_cache import ImportanceCache, cache_key
+
+    def compute():
+        computed.append(1)
+        scores = GroupScores(attn=(np.array([1.0, 2.0]),), mlp=(np.array([3.0, 4.0, 5.0]),))
+        return {4: Importance(4, scores, np.array([0.1]), np.array([0.2]))}
+
+    computed, fields = [], {"model": "m", "seq_len": 8}
+    cache = ImportanceCache(tmp_path)
+    first = cache.get_or_compute(fields, [4], compute)
+    entry = tmp_path / f"{cache_key(**fields, counts=[4])}.safetensors"
+    entry.write_bytes(entry.read_bytes()[:40])  # cut short, as a full disk or an interrupted copy leaves it
+    again = cache.get_or_compute(fields, [4], compute)
+    assert len(computed) == 2 and np.array_equal(again[4].scores.mlp[0], first[4].scores.mlp[0])
+    assert cache.get_or_compute(fields, [4], compute)[4].num_samples == 4 and len(computed) == 2  # a hit now
+    events = [json.loads(line)["event"] for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert events == ["computed", "damaged", "computed", "hit"]

@@ -1,20 +1,17 @@
-"""Ray 2.60's private and developer names: the saved experiment state as `ExperimentAnalysis` found it, and a
+"""Ray 2.60's private and developer names: the layout of the saved experiment state, read as JSON only, and a
 trial's own storage paths from inside its trainable.
 
 Ray's `Trial` turns a saved RUNNING into PENDING when it loads (it loads to resume), so a live sweep's states
-come from the saved state file itself, read through the analysis' own filesystem (local or cloud)."""
+come from the saved state file itself, read through a pyarrow filesystem (local or cloud)."""
 
 from __future__ import annotations
 
-import inspect
 import json
-
-from ray.tune import ExperimentAnalysis
 
 from taylor_tune.compat import missing
 
 TESTED = "2.60"
-ANALYSIS_ATTRIBUTES = ("_fs", "_experiment_json_fs_path")
+STATE_KEYS = ("trial_id", "status", "config")
 STORAGE_ATTRIBUTES = ("trial_working_directory", "trial_fs_path")
 
 
@@ -28,20 +25,39 @@ def trial_storage(context):
     return storage
 
 
-def saved_experiment_state(analysis) -> tuple[dict, float | None]:
-    """The experiment state file as saved (JSON) and when it was saved (epoch seconds; None if unknown)."""
-    check(analysis)
-    with analysis._fs.open_input_stream(analysis._experiment_json_fs_path) as f:
-        saved = json.loads(f.readall())
-    mtime = analysis._fs.get_file_info(analysis._experiment_json_fs_path).mtime
-    return saved, None if mtime is None else mtime.timestamp()
+def saved_trials(filesystem, root: str) -> tuple[list[dict], float | None]:
+    """Every trial of the experiment's newest `experiment_state-*.json`, read as plain JSON: trial_id, status, config
+    and last_result, and when the file was saved (epoch seconds; None if unknown).
+
+    Nothing is unpickled: Ray stores some fields as cloudpickle blobs (`CLOUDPICKLE_FALLBACK`), and its own readers
+    (`ExperimentAnalysis`, `Tuner.restore`) load them, running whatever code a planted blob names. Here such a value
+    stays an opaque dict that is never read. Raises FileNotFoundError without a state file, ValueError for one that
+    does not parse (a driver rewrites it every second, not atomically), CompatError for one of another layout."""
+    from pyarrow import fs
+
+    infos = filesystem.get_file_info(fs.FileSelector(root, recursive=False))
+    names = (i for i in infos if i.base_name.startswith("experiment_state-") and i.base_name.endswith(".json"))
+    states = sorted(i.path for i in names)
+    if not states:
+        raise FileNotFoundError(f"no experiment_state-*.json in {root}")
+    newest = states[-1]  # named by the time the run started: the newest run's state sorts last
+    with filesystem.open_input_stream(newest) as stream:
+        saved = json.loads(stream.read().decode("utf-8"))
+    if not isinstance(saved, dict) or not isinstance(saved.get("trial_data"), list):
+        missing("ray", TESTED, ["experiment_state.trial_data"])
+    trials = []
+    for entry in saved["trial_data"]:
+        state, runtime = (json.loads(part) for part in entry)
+        gone = [f"trial state {key}" for key in STATE_KEYS if key not in state]
+        missing("ray", TESTED, gone)
+        trials.append({"trial_id": state["trial_id"], "status": state["status"], "config": state["config"],
+                       "last_result": runtime.get("last_result") or {}})
+    mtime = filesystem.get_file_info(newest).mtime
+    return trials, None if mtime is None else mtime.timestamp()
 
 
-def check(analysis=None) -> None:
-    """Raise CompatError if a fenced name is gone: on `analysis`, or (None) where ExperimentAnalysis sets it."""
-    if analysis is None:
-        source = inspect.getsource(ExperimentAnalysis)
-        gone = [n for n in ANALYSIS_ATTRIBUTES if f"self.{n} =" not in source]
-    else:
-        gone = [n for n in ANALYSIS_ATTRIBUTES if not hasattr(analysis, n)]
-    missing("ray", TESTED, [f"ExperimentAnalysis.{n}" for n in gone])
+def check() -> None:
+    """Raise CompatError if a fenced name is gone (the state file's layout is checked as it is read)."""
+    from ray.tune import TuneContext
+
+    missing("ray", TESTED, [] if callable(getattr(TuneContext, "get_storage", None)) else ["TuneContext.get_storage"])

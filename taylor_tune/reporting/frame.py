@@ -168,6 +168,8 @@ def read_experiment(location: str, filesystem=None) -> pd.DataFrame:
     entries = filesystem.get_file_info(pafs.FileSelector(root, recursive=False))
     trial_dirs = sorted(e.path for e in entries if e.type == pafs.FileType.Directory
                         and filesystem.get_file_info(posixpath.join(e.path, "params.json")).type == pafs.FileType.File)
+    if not trial_dirs and not any(e.base_name.startswith("experiment_state-") for e in entries):
+        raise ReportError(f"{location}: not a Tune experiment folder (no trial folders, no experiment_state-*.json)")
     rows = pd.DataFrame([read_trial(filesystem, d) for d in trial_dirs])
     if "://" in str(location) and given is None and len(rows):  # keep the scheme: s3://bucket/... not bucket/...
         scheme = str(location).split("://", 1)[0]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from taylor_tune.errors import ReportError
 from taylor_tune.jsonio import write_json
 from taylor_tune.reporting import latex, plots, stats
 from taylor_tune.reporting.frame import ARTIFACTS, GRAD_COLUMNS, TrialTable, load_trials, open_filesystem, read_text
@@ -434,15 +435,31 @@ def method_comparison_dict(m: ModelReport) -> dict:
     }
 
 
+def _leaves(trial_dir: Path, name: str) -> bool:
+    """Whether a local trial folder's file is a symbolic link to somewhere outside the folder."""
+    path = trial_dir / name
+    return path.is_symlink() and not path.resolve().is_relative_to(trial_dir.resolve())
+
+
+def _refuse_links(out: Path) -> None:
+    """Writing into a folder that holds symbolic links would write through them, to wherever they point."""
+    for path in (out, *out.rglob("*")) if out.is_dir() else (out,):
+        if path.is_symlink():
+            raise ReportError(f"--output: {path} is a symbolic link, and the report would write through it; "
+                              "write the report to a fresh folder")
+
+
 def _copy_artifacts(report_dir: Path, m: ModelReport, written: list[Path], filesystem=None) -> None:
     """The best trial's artifacts (reference/003's best_<model>/ layout) and its three per-layer plots."""
     folder = report_dir / f"best_{folder_name(m.model)}"
     written.append(_write_json(folder / "best_config.json", best_config_dict(m)))
     trial_dir = m.best.get("output_dir")
-    texts = {}
+    texts, leaving = {}, []
     if isinstance(trial_dir, str):
         filesystem, root = open_filesystem(trial_dir, filesystem)
         texts = {name: read_text(filesystem, f"{root.rstrip('/')}/{name}") for name in ARTIFACTS}
+        leaving = [name for name in ARTIFACTS if _leaves(Path(root), name)] if "://" not in trial_dir else []
+        texts |= dict.fromkeys(leaving)  # a link out of the trial folder is not the trial's: never copied
     (folder / "artifacts").mkdir(parents=True, exist_ok=True)
     missing = [name for name, text in texts.items() if text is None] if texts else list(ARTIFACTS)
     for name, text in texts.items():
@@ -450,7 +467,8 @@ def _copy_artifacts(report_dir: Path, m: ModelReport, written: list[Path], files
             (folder / "artifacts" / name).write_text(text)
             written.append(folder / "artifacts" / name)
     if missing:
-        (folder / "MISSING.txt").write_text(f"not found in {trial_dir}: {', '.join(missing)}\n")
+        links = f" ({', '.join(leaving)}: a symbolic link out of the trial folder, not copied)" if leaving else ""
+        (folder / "MISSING.txt").write_text(f"not found in {trial_dir}: {', '.join(missing)}{links}\n")
         written.append(folder / "MISSING.txt")
     if texts.get("evaluation.json"):
         (folder / "evaluation").mkdir(exist_ok=True)
@@ -477,6 +495,9 @@ def write_report(report: Report, output: str | Path) -> list[Path]:
     """Write every file of the report under `output`; returns the paths written."""
 
     out = Path(output)
+    if out.exists() and not out.is_dir() and not out.is_symlink():
+        raise ReportError(f"--output: {out} is a file, not a folder")
+    _refuse_links(out)
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     trials = report.table.trials

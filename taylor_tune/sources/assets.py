@@ -172,11 +172,21 @@ def fetch_command(name: str) -> str:
 
 
 def require(name: str) -> Path:
-    """The folder of a fetched asset, or an AssetError that says how to fetch it."""
+    """The folder of a fetched asset, verified (`verify`), or an AssetError that says how to fetch it."""
+    verify(name)
+    return asset_dir(name)
+
+
+def _fetched_dir(name: str) -> Path:
     directory = asset_dir(name)
     if not (directory / MANIFEST).is_file():
         raise AssetError(f"{name} is not fetched (looked in {directory}); run: {fetch_command(name)}")
     return directory
+
+
+# Files this process has hashed and found as recorded, by (path, size, mtime): each is hashed once per process, and
+# again if it changes (a changed file changes its size or mtime, unless someone forges both).
+_VERIFIED: set[tuple[str, int, int]] = set()
 
 
 def file_sha256(path: Path) -> str:
@@ -384,17 +394,27 @@ def write_manifest(asset: Asset, out: Path, seconds: dict[str, float]) -> None:
 
 
 def verify(name: str) -> dict:
-    """Check every file of a fetched asset against its manifest (and the project's record, where it has one)."""
-    directory = require(name)
-    manifest = json.loads((directory / MANIFEST).read_text())
-    recorded = manifest["files"] | dict(ASSETS[name].products)
+    """Check every file of a fetched asset against its manifest (and the project's record, where it has one): at every
+    use, through `require`; the sha256 of a file once per process while its size and mtime stay the same."""
+    directory = _fetched_dir(name)
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+        recorded = manifest["files"] | dict(ASSETS[name].products)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise AssetError(f"{name}: {directory / MANIFEST} is unreadable ({type(error).__name__}); remove {directory} "
+                         f"and run {fetch_command(name)}") from None
     for file, sha256 in sorted(recorded.items()):
         path = directory / file
         if not path.is_file():
             raise AssetError(f"{name}: cached file {path} is missing; remove {directory} and run {fetch_command(name)}")
+        info = path.stat()
+        seen = (str(path), info.st_size, info.st_mtime_ns)
+        if seen in _VERIFIED:
+            continue
         if file_sha256(path) != sha256:
             raise AssetError(f"{name}: cached file {path} does not match its recorded sha256 (changed since it was "
                              f"fetched); remove {directory} and run {fetch_command(name)}")
+        _VERIFIED.add(seen)
     return manifest
 
 

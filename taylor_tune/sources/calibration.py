@@ -34,6 +34,8 @@ def load_documents(source: str | DatasetSource) -> list[str]:
         return split_paragraphs(source.read_text(encoding="utf-8"))
     except OSError as error:
         raise CalibrationError(f"calibration: cannot read {source}: {error.strerror}") from None
+    except UnicodeDecodeError:
+        raise CalibrationError(f"calibration: {source} is not a UTF-8 text file") from None
 
 
 def draw_calibration(

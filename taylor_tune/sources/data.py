@@ -125,6 +125,8 @@ def load_ppl_text(name: str) -> str:
         return path.read_text(encoding="utf-8")
     except OSError as error:
         raise EvaluationError(f"ppl: cannot read {path}: {error.strerror}") from None
+    except UnicodeDecodeError:
+        raise EvaluationError(f"ppl: {path} is not a UTF-8 text file") from None
 
 
 def task_file(task: str, task_data: str) -> Path | None:

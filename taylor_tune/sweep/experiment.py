@@ -7,6 +7,7 @@ exists. The search space may be inline or a file under search_spaces/ (see searc
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import tempfile
@@ -15,7 +16,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from taylor_tune.config import METHODS, EvalSpec, PruneConfig, format_validation_error, read_config_file
 from taylor_tune.errors import ConfigError
@@ -27,8 +37,9 @@ class Domain(BaseModel):
     """One dimension: `grid` (every value, for grid search) or `choice` (sampled by TPE / random search)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    grid: tuple[int | str, ...] | None = None
-    choice: tuple[int | str, ...] | None = None
+    # strict: YAML's `true` is not the integer 1, nor "1" a number
+    grid: tuple[StrictInt | StrictStr, ...] | None = None
+    choice: tuple[StrictInt | StrictStr, ...] | None = None
 
     @model_validator(mode="after")
     def _one_kind(self) -> Domain:
@@ -122,7 +133,8 @@ class Resources(BaseModel):
 
 class Experiment(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    # one path component under storage_path: not "." or "..", no separator
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     models: tuple[str, ...] = Field(min_length=1)
     search_space: SearchSpace
     search: Search = Search()
@@ -210,9 +222,17 @@ def _resolve_space(data: dict, base: Path) -> dict:
         if not path.is_file():
             path = Path(space)
         try:
-            data = dict(data, search_space=yaml.safe_load(path.read_text()))
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
         except OSError as error:
             raise ConfigError(f"search_space: cannot read {space}: {error.strerror}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"search_space: {space} is not a UTF-8 text file") from None
+        except yaml.YAMLError as error:  # a syntax error, or a tag such as !!python/object that safe_load refuses
+            raise ConfigError(f"search_space: {space} is not valid YAML: {' '.join(str(error).split())}") from None
+        if not isinstance(loaded, dict):  # never echo the file: it may be anything the user pointed at
+            raise ConfigError(f"search_space: {space} does not hold a mapping of dimensions "
+                              f"(it holds a {type(loaded).__name__})")
+        data = dict(data, search_space=loaded)
     return data
 
 
@@ -228,16 +248,22 @@ def load_experiment(path: str | Path, **overrides: Any) -> Experiment:
 
 
 def check_models(experiment: Experiment) -> None:
-    """Each model resolves (built-in, folder or hub id) and its config allows the largest seq_len."""
+    """Each model resolves (built-in, folder or hub id) and its config allows the largest seq_len and the perplexity
+    window."""
     from taylor_tune.sources.models import load_model_config  # torch: only here, not when the file is validated
 
     longest = max(experiment.search_space.taylor_seq_len.values)
+    window = experiment.evaluation.ppl_window if experiment.evaluation.ppl is not None else None
     for model in experiment.models:
         config = load_model_config(model, trust_remote_code=bool(experiment.prune.get("trust_remote_code")))
         limit = getattr(config, "max_position_embeddings", None)
         if limit is not None and longest > limit:
             raise ConfigError(
                 f"search_space.taylor_seq_len: {longest} exceeds the maximum context ({limit}) of {model}"
+            )
+        if limit is not None and window is not None and window > limit:
+            raise ConfigError(
+                f"evaluation.ppl_window: {window} is longer than the maximum context ({limit}) of {model}"
             )
 
 
@@ -247,10 +273,71 @@ def check_sources(experiment: Experiment) -> None:
     check_eval_sources(experiment.evaluation)
 
 
+def check_experiment_folder(experiment: Experiment) -> None:
+    """`<storage_path>/<name>` is a folder or does not exist yet (a local path)."""
+    if "://" in experiment.storage_path:
+        return
+    folder = Path(experiment.storage_path) / experiment.name
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"name: {folder} is a file, not an experiment folder; choose another name or storage_path")
+
+
+def check_resume_trust(folder: str) -> None:
+    """Resuming is Ray's `Tuner.restore`, which unpickles the folder's state (`tuner.pkl`, `experiment_state-*.json`):
+    a local folder, or one of those files, that another user owns or every user can write is refused unless the user
+    opts in with TAYLOR_TUNE_TRUST_EXPERIMENT=1 (README: what is trusted in an experiment folder). Group-writable
+    is let through: with per-user groups (umask 002) it is every file a user writes."""
+    root = Path(folder)
+    if "://" in folder or not root.is_dir() or os.environ.get("TAYLOR_TUNE_TRUST_EXPERIMENT") == "1":
+        return
+    for path in (root, *sorted(root.glob("tuner.pkl")), *sorted(root.glob("*state*.json"))):
+        info = path.stat()
+        problem = ("is owned by another user" if info.st_uid != os.getuid()
+                   else "is writable by every user" if info.st_mode & 0o002 else None)
+        if problem:
+            raise ConfigError(f"{path} {problem}, and resuming the sweep would unpickle its state (running code it "
+                              "names); make it yours alone (chmod o-w) or set TAYLOR_TUNE_TRUST_EXPERIMENT=1")
+
+
+SAVED_EXPERIMENT = "taylor_tune_experiment.json"
+
+
+def _flat(value, prefix: str = "") -> dict:
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in _flat(item, f"{prefix}{key}.").items()}
+    return {prefix.rstrip("."): value}
+
+
+def check_unchanged(experiment: Experiment, folder: str) -> None:
+    """A sweep resumes only with the settings it was started with: the first start records them in the experiment
+    folder, a later one compares and names every field that differs (Tune's restore would silently keep the old
+    ones). Another name (`--name`) starts the edited experiment anew."""
+    if "://" in folder:
+        return
+    now = json.loads(json.dumps(experiment.model_dump(exclude={"storage_path"}), default=str))
+    saved_path = Path(folder) / SAVED_EXPERIMENT
+    try:
+        saved = json.loads(saved_path.read_text())
+    except FileNotFoundError:
+        saved_path.parent.mkdir(parents=True, exist_ok=True)
+        saved_path.write_text(json.dumps(now, indent=2, sort_keys=True) + "\n")
+        return
+    except (OSError, ValueError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{saved_path}: unreadable ({type(error).__name__}); it records the settings the sweep "
+                          "started with") from None
+    old, new = _flat(saved), _flat(now)
+    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    if changed:
+        raise ConfigError(f"{folder} was started with other settings ({', '.join(changed)} differ); a resume runs the "
+                          f"settings it started with: restore the file, or run the edited one under another --name")
+
+
 def check_storage(storage_path: str) -> None:
     """The storage path must be writable (local paths: by writing a probe; a URI such as s3:// is left to pyarrow)."""
     if "://" in storage_path:
         return
+    if Path(storage_path).exists() and not Path(storage_path).is_dir():
+        raise ConfigError(f"storage_path: {storage_path} is a file, not a folder")
     try:
         Path(storage_path).mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=storage_path, prefix=".write-probe-")

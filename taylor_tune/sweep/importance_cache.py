@@ -7,14 +7,16 @@ every sample count of the search (one nested pass gives them all), so methods an
 Concurrency: the first trial to ask creates `<key>.lock` with O_EXCL and computes; the others wait for the
 entry to appear. The owner refreshes the lock's mtime while it works (a heartbeat), so a lock left by a
 killed owner goes stale and another trial takes over. Entries are written to a temporary name and renamed
-into place, so a kill never leaves a partial entry that a later trial would read. Every hit and every
-computed pass is appended to `events.jsonl`: the cache's own counters.
+into place, so a kill never leaves a partial entry that a later trial would read; an entry that does not read back
+all the same (a damaged disk, a copy cut short) is removed and computed again once, logged as a `damaged` event.
+Every hit and every computed pass is appended to `events.jsonl`: the cache's own counters.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import socket
 import threading
@@ -28,6 +30,8 @@ from safetensors.torch import load_file, save_file
 
 from taylor_tune.pruning.importance import Importance
 from taylor_tune.pruning.plan import GroupScores
+
+log = logging.getLogger(__name__)
 
 
 def cache_key(**fields) -> str:
@@ -87,10 +91,23 @@ class ImportanceCache:
         self.root.mkdir(parents=True, exist_ok=True)
         key = cache_key(**fields, counts=sorted(counts))
         entry, lock = self.root / f"{key}.safetensors", self.root / f"{key}.lock"
+        damaged = False
         while True:
             if entry.is_file():
+                try:
+                    results = _from_tensors(load_file(entry), counts)
+                except Exception as error:  # truncated or damaged: safetensors, OSError, a missing tensor (KeyError)
+                    # removed and computed again, once: a second damaged entry is not a state to loop on
+                    if damaged:
+                        raise
+                    damaged = True
+                    log.warning("importance cache: entry %s does not read back (%s: %s); computing it again",
+                                entry.name, type(error).__name__, error)
+                    self._record("damaged", key, error=f"{type(error).__name__}: {error}")
+                    entry.unlink(missing_ok=True)
+                    continue
                 self._record("hit", key)
-                return _from_tensors(load_file(entry), counts)
+                return results
             try:
                 fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
             except FileExistsError:

@@ -4,6 +4,7 @@ most every `interval_s` seconds. Tune's own tables (a config table per trial sta
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from typing import TextIO
@@ -29,9 +30,12 @@ def trial_line(config: dict, result: dict, final_stage: str) -> str:
     return f"{trial_name(config)}: " + ", ".join(parts)
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # Ray colours the task names in its error traces
+
+
 def error_summary(text: str | None) -> str:
-    """The exception line of a Tune error trace (its last non-blank line)."""
-    lines = [line for line in (text or "").splitlines() if line.strip()]
+    """The exception line of a Tune error trace (its last non-blank line), without terminal colour codes."""
+    lines = [line for line in _ANSI.sub("", text or "").splitlines() if line.strip()]
     return lines[-1].strip()[:200] if lines else "no error text"
 
 

@@ -9,7 +9,6 @@ stop` sends) becomes Tune's graceful SIGINT stop, and the experiment state is sa
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -18,15 +17,25 @@ from pathlib import Path
 
 import pandas as pd
 import ray
+import torch
 from ray import tune
-from ray.tune import ExperimentAnalysis
 
-from taylor_tune.compat import CompatError
-from taylor_tune.compat.ray import saved_experiment_state
+from taylor_tune.compat.ray import saved_trials
 from taylor_tune.errors import ConfigError
 from taylor_tune.reporting import stats
+from taylor_tune.reporting.frame import open_filesystem
 from taylor_tune.schema import CONFIG_COLUMNS, zero_shot_stage
-from taylor_tune.sweep.experiment import Experiment, check_models, check_sources, check_storage
+from taylor_tune.sweep.experiment import (
+    Experiment,
+    check_experiment_folder,
+    check_models,
+    check_resume_trust,
+    check_sources,
+    check_storage,
+    check_unchanged,
+)
+from taylor_tune.sweep.lock import driver_lock
+from taylor_tune.sweep.preflight import check_calibration_sizes, check_plans
 from taylor_tune.sweep.tune.console import ConsoleCallback
 from taylor_tune.sweep.tune.metrics import SweepMetricsCallback
 from taylor_tune.sweep.tune.scheduler import FidelityASHA
@@ -45,14 +54,21 @@ def experiment_path(experiment: Experiment) -> str:
 
 
 def validate(experiment: Experiment) -> None:
-    """Every check that needs no Ray: storage, models, and a GPU request on a machine without one (local runs)."""
+    """Every check that needs no Ray: storage, models, every point's plan and calibration draw, and resources that
+    this machine cannot give (local runs)."""
     check_storage(experiment.storage_path)
+    check_experiment_folder(experiment)
+    check_resume_trust(experiment_path(experiment))
     check_sources(experiment)
     check_models(experiment)
+    check_plans(experiment)
+    check_calibration_sizes(experiment)
     gpu = experiment.resources.gpu
-    if gpu != "auto" and gpu > 0 and not os.environ.get("RAY_ADDRESS"):
-        import torch  # only to ask for a GPU; the driver has no other use for it
-
+    local = not os.environ.get("RAY_ADDRESS")
+    if local and experiment.resources.cpu > (os.cpu_count() or 1):
+        raise ConfigError(f"resources.cpu: {experiment.resources.cpu:g} CPUs per trial requested, but this machine has "
+                          f"{os.cpu_count()}; no trial could start")
+    if gpu != "auto" and gpu > 0 and local:
         if not torch.cuda.is_available():
             raise ConfigError(
                 f"resources.gpu: {gpu} GPU per trial requested, but this machine has no GPU; use auto or 0"
@@ -77,13 +93,24 @@ def _resources(experiment: Experiment) -> dict:
         gpu = 1 if cluster_gpus > 0 else 0
     elif gpu > 0 and cluster_gpus == 0:
         raise ConfigError(f"resources.gpu: {gpu} GPU per trial requested, but the cluster has none; use auto or 0")
+    cluster_cpus = ray.cluster_resources().get("CPU", 0)
+    if experiment.resources.cpu > cluster_cpus:
+        raise ConfigError(f"resources.cpu: {experiment.resources.cpu:g} CPUs per trial requested, but the cluster has "
+                          f"{cluster_cpus:g}; no trial could start")
     return {"cpu": experiment.resources.cpu, "gpu": gpu}
 
 
 def run_sweep(experiment: Experiment, *, verbose: bool = False):
     """Run (or resume) the sweep to completion; returns Tune's ResultGrid. The console gets one line per trial
-    that ends and a status line at most every 30 s; `verbose` adds Tune's own tables."""
+    that ends and a status line at most every 30 s; `verbose` adds Tune's own tables. One driver per experiment
+    folder: a second one is refused before Ray starts (`lock.driver_lock`)."""
     validate(experiment)
+    with driver_lock(experiment_path(experiment)):
+        check_unchanged(experiment, experiment_path(experiment))
+        return _fit(experiment, verbose)
+
+
+def _fit(experiment: Experiment, verbose: bool):
     os.environ["TUNE_GLOBAL_CHECKPOINT_S"] = "1"  # read when the Tuner starts; a SIGKILL then loses <= 1 s of state
     os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")  # early stages report no acc_mean yet
     if not verbose:  # Tune's new console prints its configuration box even at verbose 0; the classic one does not
@@ -151,32 +178,24 @@ def run_sweep(experiment: Experiment, *, verbose: bool = False):
 def sweep_status(path: str) -> dict:
     """Trial counts by state and the best trial so far per model by the sweep's metric, from the saved experiment
     state."""
-    if "://" not in path:
-        path = str(Path(path).resolve())  # pyarrow reads a relative path as a URI without a scheme
-    # while a sweep runs, its pending trials have no results yet, and Ray warns of each one
-    logging.getLogger("ray.tune.analysis.experiment_analysis").setLevel(logging.ERROR)
+    filesystem, root = open_filesystem(path)
     # a running driver rewrites the state file every second, not atomically: a read can catch it half written
     for attempt in range(3):
         try:
-            analysis = ExperimentAnalysis(path)
-            saved, saved_at = saved_experiment_state(analysis)  # the states as saved, not as Ray reloads them
+            trials, saved_at = saved_trials(filesystem, root)  # JSON only: nothing from the folder is unpickled
             break
-        except CompatError:
-            raise
-        except Exception as error:  # ray raises ValueError / FileNotFoundError / TuneError for a missing or bad folder
+        except (OSError, ValueError, UnicodeDecodeError) as error:  # missing folder or file, a half-written file
             if attempt == 2:
                 raise ConfigError(f"{path}: not a readable Tune experiment ({type(error).__name__}: {error})") from None
             time.sleep(0.5)
-    states = {state["trial_id"]: state["status"] for state in (json.loads(t) for t, _ in saved["trial_data"])}
     counts = {"PENDING": 0, "RUNNING": 0, "TERMINATED": 0, "ERROR": 0, "PAUSED": 0}
     finals: dict[str, list[dict]] = {}
     objective = stats.ACCURACY
-    for trial in analysis.trials:
-        status = states.get(trial.trial_id, trial.status)  # a trial added between the two reads: Ray's reading
-        counts[status] = counts.get(status, 0) + 1
-        result = trial.last_result or {}
+    for trial in trials:
+        counts[trial["status"]] = counts.get(trial["status"], 0) + 1
+        result, config = trial["last_result"], trial["config"]
         # only a trial's full evaluation counts (a cheap pass, or a trial ASHA stopped after one, is not comparable)
-        fixed = trial.config.get("fixed", {})
+        fixed = config.get("fixed", {})
         fidelities = fixed.get("evaluation", {}).get("fidelities") or [None]
         objective = stats.Objective(**fixed["objective"]) if fixed.get("objective") else objective
         if (
@@ -185,13 +204,13 @@ def sweep_status(path: str) -> dict:
             or objective.metric not in result
         ):
             continue
-        finals.setdefault(trial.config.get("model"), []).append(
+        finals.setdefault(config.get("model"), []).append(
             {
-                "trial_id": trial.trial_id,
+                "trial_id": trial["trial_id"],
                 "acc_mean": result["acc_mean"],
                 "ppl": result.get("ppl"),
                 objective.metric: result[objective.metric],
-                **{k: trial.config.get(k) for k in CONFIG_COLUMNS[1:]},
+                **{k: config.get(k) for k in CONFIG_COLUMNS[1:]},
             }
         )
     # ranked and tied as the report ranks them, so that both name the same trial
@@ -203,5 +222,5 @@ def sweep_status(path: str) -> dict:
         for model, rows in finals.items()
     }
     return {"pending": counts["PENDING"], "running": counts["RUNNING"], "finished": counts["TERMINATED"],
-            "errored": counts["ERROR"], "paused": counts["PAUSED"], "total": len(analysis.trials), "best": best,
+            "errored": counts["ERROR"], "paused": counts["PAUSED"], "total": len(trials), "best": best,
             "saved_s_ago": None if saved_at is None else max(0.0, time.time() - saved_at)}

@@ -1,0 +1,198 @@
+"""Bad input found by adversarial use (issue 27): one line naming the problem, exit 2, no traceback, nothing written
+where it should not be. Each case failed before its fix (a traceback, a write outside the storage folder, exit 0)."""
+
+import shutil
+
+import pytest
+import yaml
+
+from taylor_tune.cli import main
+from tests.sweep_helpers import SMALL
+
+NOT_UTF8 = b"caf\xe9 \xff\xfe text\n"
+
+
+def run(capsys, *args):
+    code = main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def one_line(code, err, expected):
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.startswith("taylor-tune: error: ") and "Traceback" not in err, err
+    assert expected in err, err
+
+
+def experiment(tmp_path, **changes):
+    data = {"name": "exp", **SMALL, "storage_path": str(tmp_path / "sweeps"), **changes}
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize("name", ["..", ".", "../escape", ".hidden"])
+def test_an_experiment_name_is_one_path_component(capsys, tmp_path, name):
+    code, _, err = run(capsys, "sweep", experiment(tmp_path), "--name", name)
+    one_line(code, err, "name: String should match pattern")
+    assert not (tmp_path / "sweeps").exists() and not list(tmp_path.glob("*.json"))  # nothing written, no state
+
+
+def test_a_non_utf8_experiment_file_is_one_line(capsys, tmp_path):
+    path = tmp_path / "exp.yaml"
+    path.write_bytes(NOT_UTF8)
+    code, _, err = run(capsys, "sweep", path)
+    one_line(code, err, "exp.yaml: not a UTF-8 text file")
+
+
+@pytest.mark.parametrize("content, expected", [
+    (b"taylor_seq_len: [1, 2\n", "is not valid YAML"),
+    (b"taylor_seq_len: !!python/object:os.system {}\n", "is not valid YAML"),  # safe_load refuses the tag
+    (NOT_UTF8, "is not a UTF-8 text file"),
+    (b"root:x:0:0:root:/root:/bin/bash\nsecret-line-of-the-file\n", "does not hold a mapping of dimensions"),
+])
+def test_a_bad_search_space_file_is_one_line_and_not_echoed(capsys, tmp_path, content, expected):
+    space = tmp_path / "space.yaml"
+    space.write_bytes(content)
+    code, _, err = run(capsys, "sweep", experiment(tmp_path, search_space=str(space)))
+    one_line(code, err, f"search_space: {space} {expected}")
+    assert "secret-line" not in err and "root:x" not in err
+
+
+def test_an_experiment_folder_that_is_a_file_is_one_line(capsys, tmp_path):
+    (tmp_path / "sweeps").mkdir()
+    (tmp_path / "sweeps" / "exp").write_text("not a folder")
+    code, _, err = run(capsys, "sweep", experiment(tmp_path))
+    one_line(code, err, "is a file, not an experiment folder")
+
+
+def test_non_utf8_calibration_and_perplexity_texts_are_one_line(capsys, tmp_path):
+    text = tmp_path / "latin1.txt"
+    text.write_bytes(NOT_UTF8 * 50)
+    code, _, err = run(capsys, "prune", "--model", "tiny-llama-random", "--calibration", text, "--seq-len", "8",
+                       "--num-samples", "2", "--device", "cpu", "--output", tmp_path / "out")
+    one_line(code, err, f"calibration: {text} is not a UTF-8 text file")
+    code, _, err = run(capsys, "evaluate", "--model", "tiny-llama-random", "--ppl", text, "--tasks", "",
+                       "--device", "cpu", "--output", tmp_path / "e.json")
+    one_line(code, err, f"ppl: {text} is not a UTF-8 text file")
+
+
+def test_report_refuses_a_folder_that_is_no_experiment_and_an_output_that_is_a_file(capsys, tmp_path):
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "notes.txt").write_text("not a sweep")
+    code, _, err = run(capsys, "report", tmp_path / "plain", "--output", tmp_path / "r")
+    one_line(code, err, "not a Tune experiment folder")
+    assert not (tmp_path / "r").exists()  # no empty report
+
+    sweep = tmp_path / "sweep"
+    shutil.copytree(tmp_path / "plain", sweep)
+    (sweep / "experiment_state-2026-01-01_00-00-00.json").write_text('{"trial_data": []}')  # started, no trial yet
+    (tmp_path / "file").write_text("a file")
+    code, _, err = run(capsys, "report", sweep, "--output", tmp_path / "file")
+    one_line(code, err, "--output: ")
+    assert (tmp_path / "file").read_text() == "a file"
+
+
+def test_a_sweep_does_not_resume_from_a_folder_other_users_can_write(capsys, tmp_path, monkeypatch):
+    """Resuming unpickles Ray's state: a folder (or state file) others can write is refused unless the user opts in."""
+    from taylor_tune.errors import ConfigError
+    from taylor_tune.sweep.experiment import check_resume_trust
+
+    folder = tmp_path / "sweeps" / "exp"
+    folder.mkdir(parents=True)
+    (folder / "tuner.pkl").write_bytes(b"\x80\x05N.")
+    (folder / "experiment_state-2026-01-01_00-00-00.json").write_text("{}")
+    check_resume_trust(str(folder))  # yours alone: fine
+    (folder / "tuner.pkl").chmod(0o664)
+    check_resume_trust(str(folder))  # group-writable: every file of a user whose umask is 002
+    (folder / "tuner.pkl").chmod(0o666)
+    with pytest.raises(ConfigError, match="tuner.pkl is writable by every user"):
+        check_resume_trust(str(folder))
+    code, _, err = run(capsys, "sweep", experiment(tmp_path))  # refused before Ray starts
+    one_line(code, err, "is writable by every user, and resuming the sweep would unpickle its state")
+    monkeypatch.setenv("TAYLOR_TUNE_TRUST_EXPERIMENT", "1")
+    check_resume_trust(str(folder))
+
+
+def test_one_driver_per_experiment_folder(capsys, tmp_path):
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from taylor_tune.errors import ConfigError
+    from taylor_tune.sweep.lock import LOCK, driver_lock
+
+    folder = tmp_path / "sweeps" / "exp"
+    with driver_lock(str(folder)):
+        with pytest.raises(ConfigError, match="another driver"), driver_lock(str(folder)):
+            pass
+        held = json.loads((folder / LOCK).read_text())
+        assert held == {"pid": os.getpid(), "host": socket.gethostname()}
+        code, _, err = run(capsys, "sweep", experiment(tmp_path))  # a second driver: refused before Ray starts
+        one_line(code, err, f"another driver (pid {os.getpid()} on this host) is running this sweep")
+    assert not (folder / LOCK).exists()  # released
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (folder / LOCK).write_text(json.dumps({"pid": int(dead.stdout), "host": socket.gethostname()}))
+    with driver_lock(str(folder)):  # a driver killed without releasing it: taken over
+        assert json.loads((folder / LOCK).read_text())["pid"] == os.getpid()
+    (folder / LOCK).write_text(json.dumps({"pid": 1, "host": "another-node"}))
+    with pytest.raises(ConfigError, match="another driver .pid 1 on another-node. holds"), driver_lock(str(folder)):
+        pass
+
+
+def test_an_edited_experiment_is_not_silently_resumed_with_its_old_settings(capsys, tmp_path):
+    from taylor_tune.sweep.experiment import SAVED_EXPERIMENT, check_unchanged, load_experiment
+
+    path = experiment(tmp_path)
+    folder = tmp_path / "sweeps" / "exp"
+    check_unchanged(load_experiment(path), str(folder))  # the first start records its settings
+    assert (folder / SAVED_EXPERIMENT).is_file()
+    check_unchanged(load_experiment(path), str(folder))  # the same file resumes
+    space = {**SMALL["search_space"], "pruning_method": {"grid": ["taylor", "blockwise", "layerwise"]}}
+    edited = experiment(tmp_path, search_space=space, prune={**SMALL["prune"], "sparsity": 0.3})
+    code, _, err = run(capsys, "sweep", edited)
+    one_line(code, err, "was started with other settings (prune.sparsity, search_space.pruning_method.grid differ)")
+    code, _, err = run(capsys, "sweep", edited, "--name", "exp")  # naming the same folder changes nothing
+    assert code == 2
+
+
+def test_report_follows_no_symbolic_link_out_of_a_trial_or_into_the_output(capsys, tmp_path):
+    from tests.report_helpers import synthetic_trials, write_tune_folder
+
+    path = write_tune_folder(synthetic_trials(n_items=200), tmp_path / "exp")
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"secret": "outside the experiment"}')
+    for trial in path.glob("*/"):  # every trial's config.json is a link out of its folder
+        (trial / "config.json").unlink(missing_ok=True)
+        (trial / "config.json").symlink_to(secret)
+    code, _, err = run(capsys, "report", path, "--output", tmp_path / "r")
+    assert code == 0, err
+    copied = list((tmp_path / "r").rglob("artifacts/config.json"))
+    assert copied == [] and not any("outside the experiment" in p.read_text() for p in (tmp_path / "r").rglob("*.json"))
+    assert "symbolic link out of the trial folder" in next((tmp_path / "r").rglob("MISSING.txt")).read_text()
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    (tmp_path / "r2").mkdir()
+    (tmp_path / "r2" / "final_analysis_report.txt").symlink_to(victim)
+    code, _, err = run(capsys, "report", path, "--output", tmp_path / "r2")
+    one_line(code, err, "is a symbolic link, and the report would write through it")
+    assert victim.read_text() == "keep me"
+
+
+@pytest.mark.parametrize("changes, expected", [
+    (dict(prune={**SMALL["prune"], "sparsity": 0.99}), "prune: taylor on tiny-llama cannot be planned"),
+    (dict(search_space={**SMALL["search_space"], "taylor_num_samples": {"grid": [8, 100000]}}),
+     "search_space: the largest draw of tiny-llama (100000 x 48 tokens) does not fit"),
+    (dict(evaluation={**SMALL["evaluation"], "ppl": "world", "ppl_window": 100000}),
+     "evaluation.ppl_window: 100000 is longer than the maximum context"),
+    (dict(resources={"cpu": 1000, "gpu": 0}), "resources.cpu: 1000 CPUs per trial requested, but this machine has"),
+    (dict(search_space={**SMALL["search_space"], "taylor_seq_len": {"grid": [True]}}), "search_space.taylor_seq_len"),
+])
+def test_what_prune_and_evaluate_refuse_is_refused_for_the_whole_space_before_ray(capsys, tmp_path, changes, expected):
+    code, _, err = run(capsys, "sweep", experiment(tmp_path, **changes))
+    one_line(code, err, expected)
+    assert not (tmp_path / "sweeps" / "exp" / "tuner.pkl").exists()  # Tune never started
