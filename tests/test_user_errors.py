@@ -196,3 +196,23 @@ def test_what_prune_and_evaluate_refuse_is_refused_for_the_whole_space_before_ra
     code, _, err = run(capsys, "sweep", experiment(tmp_path, **changes))
     one_line(code, err, expected)
     assert not (tmp_path / "sweeps" / "exp" / "tuner.pkl").exists()  # Tune never started
+
+
+def test_a_damaged_experiment_state_is_not_resumed_over_and_status_reads_the_intact_one(capsys, tmp_path):
+    """The newest state truncated, an older one intact: the sweep refuses in one line before Ray starts (Ray used to
+    log a warning and start an empty sweep over the finished one, exit 0), and status reads the intact one."""
+    import json
+
+    folder = tmp_path / "sweeps" / "exp"
+    folder.mkdir(parents=True)
+    (folder / "tuner.pkl").write_bytes(b"\x80\x05N.")
+    trial = {"trial_id": "t_00000", "status": "TERMINATED", "config": {"model": "tiny-llama"}}
+    intact = json.dumps({"trial_data": [[json.dumps(trial), json.dumps({"last_result": {}})]]})
+    (folder / "experiment_state-2026-01-01_00-00-00.json").write_text(intact)
+    (folder / "experiment_state-2026-01-02_00-00-00.json").write_text(intact[: len(intact) // 2])
+    code, _, err = run(capsys, "sweep", experiment(tmp_path))
+    one_line(code, err, "experiment_state-2026-01-02_00-00-00.json: the experiment state is damaged")
+    assert "the previous state experiment_state-2026-01-01_00-00-00.json is intact" in err
+    code, out, err = run(capsys, "status", folder)
+    assert code == 0, err
+    assert out.startswith("trials: 1 (pending 0, running 0, finished 1, errored 0)")

@@ -27,7 +27,8 @@ def trial_storage(context):
 
 def saved_trials(filesystem, root: str) -> tuple[list[dict], float | None]:
     """Every trial of the experiment's newest `experiment_state-*.json`, read as plain JSON: trial_id, status, config
-    and last_result, and when the file was saved (epoch seconds; None if unknown).
+    and last_result, and when the file was saved (epoch seconds; None if unknown). A newest file that does not
+    parse gives way to the one before it.
 
     Nothing is unpickled: Ray stores some fields as cloudpickle blobs (`CLOUDPICKLE_FALLBACK`), and its own readers
     (`ExperimentAnalysis`, `Tuner.restore`) load them, running whatever code a planted blob names. Here such a value
@@ -40,9 +41,16 @@ def saved_trials(filesystem, root: str) -> tuple[list[dict], float | None]:
     states = sorted(i.path for i in names)
     if not states:
         raise FileNotFoundError(f"no experiment_state-*.json in {root}")
-    newest = states[-1]  # named by the time the run started: the newest run's state sorts last
-    with filesystem.open_input_stream(newest) as stream:
-        saved = json.loads(stream.read().decode("utf-8"))
+    # named by the time each run started: the newest run's state sorts last; one that does not parse (half written
+    # by a live driver, or damaged) gives way to the one before it
+    for newest in reversed(states):
+        try:
+            with filesystem.open_input_stream(newest) as stream:
+                saved = json.loads(stream.read().decode("utf-8"))
+            break
+        except (ValueError, UnicodeDecodeError):
+            if newest == states[0]:
+                raise
     if not isinstance(saved, dict) or not isinstance(saved.get("trial_data"), list):
         missing("ray", TESTED, ["experiment_state.trial_data"])
     trials = []

@@ -299,6 +299,35 @@ def check_resume_trust(folder: str) -> None:
                               "names); make it yours alone (chmod o-w) or set TAYLOR_TUNE_TRUST_EXPERIMENT=1")
 
 
+def check_state_intact(folder: str) -> None:
+    """The experiment state a resume would start from parses. Ray restores from the newest `experiment_state-*.json`;
+    a damaged one made it log a warning and start an empty sweep over the finished one (every result gone from its
+    state). Read as JSON only: nothing is unpickled here."""
+    root = Path(folder)
+    if "://" in folder or not root.is_dir():
+        return
+    states = sorted(root.glob("experiment_state-*.json"))
+    if not states:
+        return
+    try:
+        saved = json.loads(states[-1].read_text(encoding="utf-8"))
+        intact = isinstance(saved, dict) and isinstance(saved.get("trial_data"), list)
+    except (OSError, ValueError, UnicodeDecodeError):
+        intact = False
+    if not intact:
+        older = f"; the previous state {states[-2].name} is intact" if len(states) > 1 and _parses(states[-2]) else ""
+        raise ConfigError(f"{states[-1]}: the experiment state is damaged, and resuming from it would start the sweep "
+                          f"afresh over its finished trials{older}: move the damaged file aside to resume from the "
+                          "previous one (the trials' folders hold every finished result)")
+
+
+def _parses(path: Path) -> bool:
+    try:
+        return isinstance(json.loads(path.read_text(encoding="utf-8")).get("trial_data"), list)
+    except (OSError, ValueError, UnicodeDecodeError, AttributeError):
+        return False
+
+
 SAVED_EXPERIMENT = "taylor_tune_experiment.json"
 
 

@@ -31,6 +31,7 @@ from taylor_tune.sweep.experiment import (
     check_models,
     check_resume_trust,
     check_sources,
+    check_state_intact,
     check_storage,
     check_unchanged,
 )
@@ -59,6 +60,7 @@ def validate(experiment: Experiment) -> None:
     check_storage(experiment.storage_path)
     check_experiment_folder(experiment)
     check_resume_trust(experiment_path(experiment))
+    check_state_intact(experiment_path(experiment))
     check_sources(experiment)
     check_models(experiment)
     check_plans(experiment)
