@@ -66,7 +66,7 @@ def test_a_missing_trial_storage_fails_loudly():
 
     from taylor_tune.compat import ray
 
-    storage = SimpleNamespace(trial_working_directory="/w", trial_fs_path="/s")
+    storage = SimpleNamespace(trial_working_directory="/w", trial_fs_path="/s", storage_filesystem=None)
     assert ray.trial_storage(SimpleNamespace(get_storage=lambda: storage)) is storage
     with pytest.raises(CompatError, match=r"ray: TuneContext\.get_storage no longer exist"):
         ray.trial_storage(SimpleNamespace())

@@ -276,17 +276,17 @@ def test_status_and_report_run_no_code_planted_in_the_experiment_state(smoke, tm
     assert "finished 36, errored 0" in proc.stdout or "36 trials" in proc.stdout
 
 
-def interrupt_sweep(experiment, log_path, until, sig, **faults) -> int:
-    """Run the sweep until `until()` holds, let the experiment state be saved (every second), send `sig`, and stop
-    every Ray process the run started; the driver's exit code."""
+def interrupt_sweep(experiment, log_path, until, sig, settle: float = 3, **faults) -> int:
+    """Run the sweep until `until()` holds, let the experiment state be saved (every second; `settle` seconds),
+    send `sig`, and stop every Ray process the run started; the driver's exit code."""
     started = time.time()
     log = open(log_path, "w")  # a file, not a pipe: nobody reads a pipe while we wait
     proc = subprocess.Popen(
         sweep_command(experiment), stdout=log, stderr=subprocess.STDOUT, env=env(**faults), cwd=REPO
     )
     try:
-        assert wait_for(until, timeout=300), f"the sweep never got there: {log_path.read_text()[-2000:]}"
-        time.sleep(3)
+        assert wait_for(until, timeout=300, poll=0.05), f"the sweep never got there: {log_path.read_text()[-2000:]}"
+        time.sleep(settle)
         proc.send_signal(sig)
         return proc.wait(timeout=120)
     finally:
@@ -331,9 +331,12 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_trials(sig, tmp
     assert len(table.valid) == 12 and table.invalid.empty
 
 
-def test_a_trial_killed_after_its_final_report_is_not_recomputed_on_resume(tmp_path):
+@pytest.mark.parametrize("settle", [3, 0], ids=["state-saved", "killed-at-once"])
+def test_a_trial_killed_after_its_final_report_is_not_recomputed_on_resume(tmp_path, settle):
     """SIGKILL in the window between a trial's final report (its artifacts complete) and Tune recording it finished
-    (a test hook holds the trial there): the rerun reports the finished artifacts instead of computing again."""
+    (a test hook holds the trial there): the rerun reports the finished artifacts instead of computing again. At once:
+    before the driver's saved state (every second) holds the final report's checkpoint; the copy in the trial's
+    storage folder serves."""
     space = {
         "taylor_seq_len": {"grid": [16]},
         "taylor_num_samples": {"grid": [8]},
@@ -345,7 +348,7 @@ def test_a_trial_killed_after_its_final_report_is_not_recomputed_on_resume(tmp_p
     path, markers = tmp_path / "sweeps" / "idem", tmp_path / "paused"
     markers.mkdir()
     started = time.time()
-    interrupt_sweep(experiment, tmp_path / "first-run.log", lambda: any(markers.iterdir()), signal.SIGKILL,
+    interrupt_sweep(experiment, tmp_path / "first-run.log", lambda: any(markers.iterdir()), signal.SIGKILL, settle,
                     TAYLOR_TUNE_TEST_PAUSE=str(markers))  # a trial held after its final report
     (paused,) = [p.name for p in markers.iterdir()]
     assert paused not in terminated(path)  # Tune had not recorded it finished: a restore runs it again

@@ -12,7 +12,7 @@ from taylor_tune.compat import missing
 
 TESTED = "2.60"
 STATE_KEYS = ("trial_id", "status", "config")
-STORAGE_ATTRIBUTES = ("trial_working_directory", "trial_fs_path")
+STORAGE_ATTRIBUTES = ("trial_working_directory", "trial_fs_path", "storage_filesystem")
 
 
 def trial_storage(context):

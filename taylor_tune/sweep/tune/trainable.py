@@ -7,6 +7,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from pyarrow import fs
 from ray import tune
 
 from taylor_tune.compat.ray import trial_storage
@@ -29,14 +30,38 @@ def trial_config(config: dict) -> TrialConfig:
     )
 
 
+def _finished_before(checkpoint, storage, trial: TrialConfig, working: Path) -> dict | None:
+    """The final metrics of this trial's earlier run, from its checkpoint or else its storage folder, with its
+    artifacts copied into `working`; None when it did not finish (or finished another configuration)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        if checkpoint is not None:
+            folder = Path(checkpoint.to_directory(tmp))
+        else:
+            folder = Path(tmp)
+            try:
+                for name in FINISHED_ARTIFACTS:
+                    fs.copy_files(f"{storage.trial_fs_path}/{name}", str(folder / name),
+                                  source_filesystem=storage.storage_filesystem)
+            except (OSError, FileNotFoundError):  # a first run, or one that never reached its final report
+                return None
+        done = completed_metrics(folder, trial)
+        if done is not None:
+            working.mkdir(parents=True, exist_ok=True)
+            for name in FINISHED_ARTIFACTS:
+                shutil.copy2(folder / name, working / name)
+    return done
+
+
 def sweep_trainable(config: dict) -> None:
     """Artifacts go to the trial's working directory on whichever node runs it; Tune uploads that folder to
     the trial's folder in storage (RunConfig's SyncConfig(sync_artifacts=True)), so they arrive on shared or
     cloud storage from any node, and a reused actor (reuse_actors=True) gets each new trial's own folders.
 
-    The final report carries a checkpoint of the finished artifacts. A trial that Tune runs again after a restore
-    (killed after its final report, before Tune recorded it finished) finds that checkpoint, and if it holds this
-    configuration's complete results (`trial.completed_metrics`) reports them instead of recomputing."""
+    The final report carries a checkpoint of the finished artifacts, and just before it they are copied to the trial's
+    folder in storage. A trial that Tune runs again after a restore (killed after its final report, before Tune
+    recorded it finished) finds that checkpoint, or, when the driver was killed before its saved state recorded the
+    checkpoint (it saves every second), the copy in its storage folder; if either holds this configuration's complete
+    results (`trial.completed_metrics`) it reports them instead of recomputing."""
     os.environ.setdefault("TQDM_DISABLE", "1")
     context = tune.get_context()
     storage = trial_storage(context)  # the paths of *this* trial, also in a reused worker
@@ -45,24 +70,20 @@ def sweep_trainable(config: dict) -> None:
     final_stage = zero_shot_stage(trial.evaluation.fidelities[-1])
     working = Path(storage.trial_working_directory)
 
-    previous = tune.get_checkpoint()
-    if previous is not None:
-        with previous.as_directory() as folder:
-            done = completed_metrics(Path(folder), trial)
-            if done is not None:
-                working.mkdir(parents=True, exist_ok=True)
-                for name in FINISHED_ARTIFACTS:
-                    shutil.copy2(Path(folder) / name, working / name)
-        if done is not None:
-            emit.observe(done)
-            tune.report({**done, "reused_artifacts": True})
-            return
+    done = _finished_before(tune.get_checkpoint(), storage, trial, working)
+    if done is not None:
+        emit.observe(done)
+        tune.report({**done, "reused_artifacts": True})
+        return
 
     def report(metrics: dict) -> None:
         emit.observe(metrics)
         if metrics.get("stage") != final_stage:
             tune.report(metrics)
             return
+        for name in FINISHED_ARTIFACTS:  # in storage before the report: found on a rerun whatever Tune saved
+            fs.copy_files(str(working / name), f"{storage.trial_fs_path}/{name}",
+                          destination_filesystem=storage.storage_filesystem)
         with tempfile.TemporaryDirectory() as folder:  # the finished artifacts only: a few small JSON files
             for name in FINISHED_ARTIFACTS:
                 shutil.copy2(working / name, Path(folder) / name)
