@@ -309,12 +309,7 @@ def check_state_intact(folder: str) -> None:
     states = sorted(root.glob("experiment_state-*.json"))
     if not states:
         return
-    try:
-        saved = json.loads(states[-1].read_text(encoding="utf-8"))
-        intact = isinstance(saved, dict) and isinstance(saved.get("trial_data"), list)
-    except (OSError, ValueError, UnicodeDecodeError):
-        intact = False
-    if not intact:
+    if not _parses(states[-1]):
         older = f"; the previous state {states[-2].name} is intact" if len(states) > 1 and _parses(states[-2]) else ""
         raise ConfigError(f"{states[-1]}: the experiment state is damaged, and resuming from it would start the sweep "
                           f"afresh over its finished trials{older}: move the damaged file aside to resume from the "

@@ -53,10 +53,11 @@ def check_calibration_sizes(experiment: Experiment) -> None:
     longest = max(experiment.search_space.taylor_seq_len.values)
     most = max(experiment.search_space.taylor_num_samples.values)
     methods = experiment.search_space.pruning_method.values
+    criterion = experiment.prune_config(experiment.models[0], methods[0], longest, most, 0).criterion  # fixed per sweep
+    if criterion not in GRADIENT_CRITERIA or all(METHODS[m].scored_by != "criterion" for m in methods):
+        return  # no point of the space draws calibration
     for model in experiment.models:
         config = experiment.prune_config(model, methods[0], longest, most, 0)
-        if config.criterion not in GRADIENT_CRITERIA or all(METHODS[m].scored_by != "criterion" for m in methods):
-            return  # no point of the space draws calibration
         try:
             load_calibration(load_tokenizer(model, trust_remote_code=trust), resolve_text(config.calibration, model),
                              seq_len=longest, num_samples=most, seed=0)

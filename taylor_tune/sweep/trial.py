@@ -8,7 +8,6 @@ comes from the sweep's shared cache when one is given.
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,8 +27,6 @@ from taylor_tune.sources.calibration import load_calibration
 from taylor_tune.sources.data import resolve_text
 from taylor_tune.sweep.experiment import Evaluation
 from taylor_tune.sweep.importance_cache import ImportanceCache
-
-log = logging.getLogger(__name__)
 
 
 class TrialConfig(BaseModel):

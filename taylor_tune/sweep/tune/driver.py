@@ -89,13 +89,13 @@ def _start_ray(verbose: bool = False) -> None:
 
 
 def _resources(experiment: Experiment) -> dict:
-    cluster_gpus = ray.cluster_resources().get("GPU", 0)
+    cluster = ray.cluster_resources()
+    cluster_gpus, cluster_cpus = cluster.get("GPU", 0), cluster.get("CPU", 0)
     gpu = experiment.resources.gpu
     if gpu == "auto":
         gpu = 1 if cluster_gpus > 0 else 0
     elif gpu > 0 and cluster_gpus == 0:
         raise ConfigError(f"resources.gpu: {gpu} GPU per trial requested, but the cluster has none; use auto or 0")
-    cluster_cpus = ray.cluster_resources().get("CPU", 0)
     if experiment.resources.cpu > cluster_cpus:
         raise ConfigError(f"resources.cpu: {experiment.resources.cpu:g} CPUs per trial requested, but the cluster has "
                           f"{cluster_cpus:g}; no trial could start")
