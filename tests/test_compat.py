@@ -22,6 +22,7 @@ def test_the_pinned_versions_have_every_fenced_name():
 @pytest.mark.parametrize("target, name", [
     ("lm_eval.models.huggingface.HFLM", "_loglikelihood_tokens"),
     ("lm_eval.tasks._yaml_loader", "load_yaml"),
+    ("lm_eval.evaluator", "add_env_info"),
 ])
 def test_a_missing_lm_eval_name_fails_loudly(monkeypatch, target, name):
     from taylor_tune.compat import lm_eval

@@ -231,3 +231,29 @@ def test_a_failure_inside_a_task_names_the_task(tmp_path):
 def test_wikitext2_goes_through_the_datasets_loader_and_fails_clearly_offline():
     with pytest.raises(Exception, match="ppl: cannot load dataset 'wikitext'"):
         load_ppl_text("wikitext2")
+
+
+def test_outside_a_git_checkout_zero_shot_prints_no_git_error_and_records_versions(tmp_path):
+    """Issue 27, finding 15: lm-eval's environment record ran `git describe` in the working directory (`fatal: not a
+    git repository` in every trial's log outside a checkout) and torch's collect_env on every call."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "e.json"
+    run = subprocess.run([sys.executable, "-m", "taylor_tune", "evaluate", "--model", "tiny-llama", "--tasks", "piqa",
+                          "--limit", "8", "--ppl", "none", "--output", str(out)],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "not a git repository" not in run.stderr + run.stdout
+    assert json.loads(out.read_text())["acc_piqa_n"] == 8
+
+    from lm_eval import evaluator
+
+    from taylor_tune.compat.lm_eval import without_environment_record
+
+    record = {}
+    with without_environment_record():
+        evaluator.add_env_info(record)
+        assert evaluator.get_git_commit_hash() is None
+    assert set(record) == {"lm_eval_version", "transformers_version"}
+    assert evaluator.add_env_info.__module__ == "lm_eval.loggers.utils"  # lm-eval's own again outside

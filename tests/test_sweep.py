@@ -627,3 +627,52 @@ def test_dashboard_command_prints_the_running_clusters_urls(smoke):
     lines = {line[:14].strip(): line[15:] for line in proc.stdout.splitlines()}  # "{name:14s} {url}"
     assert re.fullmatch(r"http://127\.0\.0\.1:\d+/#/jobs", lines["ray dashboard"])
     assert "var-experiment=smoke" in lines["grafana"] and str(smoke.path) in lines["tensorboard"]
+
+
+LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_local_sweep_listens_on_loopback_only_and_stops_what_it_started(tmp_path):
+    """Issue 27, finding 7: with a trial running (held after its final report), every listening socket of the driver
+    and of each process it started (GCS, raylet, agents, workers) is on a loopback address; SIGTERM stops them all.
+    Ray 2.60 alone listens on `::` and on the machine's address."""
+    experiment = write_experiment(tmp_path, "loopback", search={"algorithm": "grid", "max_concurrent": 1})
+    markers = tmp_path / "paused"
+    markers.mkdir()
+    started = time.time()
+    log_path = tmp_path / "sweep.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen(sweep_command(experiment), stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                            env=env(TAYLOR_TUNE_TEST_PAUSE=str(markers)))
+    try:
+        assert wait_for(lambda: any(markers.iterdir()), timeout=300), log_path.read_text()[-2000:]
+        driver = psutil.Process(proc.pid)
+        family = [driver, *driver.children(recursive=True)]
+        listening = {}
+        for p in family:
+            try:
+                sockets = p.net_connections(kind="inet")
+            except psutil.NoSuchProcess:
+                continue
+            for s in sockets:
+                if s.status == psutil.CONN_LISTEN:
+                    listening[(s.laddr.ip, s.laddr.port)] = p.cmdline()[0][-40:]
+        names = " ".join(listening.values())
+        assert "gcs_server" in names and "raylet" in names and "ray::" in names, listening  # the test sees Ray
+        assert {ip for ip, _ in listening} <= LOOPBACK, listening
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 4  # stopped with the grid not done
+        assert wait_for(lambda: not any(_alive(p) for p in family), timeout=60), [p.pid for p in family if _alive(p)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+        kill_ray_started_after(started)

@@ -1,5 +1,5 @@
-"""Ray 2.60's private and developer names: the layout of the saved experiment state, read as JSON only, and a
-trial's own storage paths from inside its trainable.
+"""Ray 2.60's private and developer names: the layout of the saved experiment state, read as JSON only, a
+trial's own storage paths from inside its trainable, and a local Ray whose services listen on loopback only.
 
 Ray's `Trial` turns a saved RUNNING into PENDING when it loads (it loads to resume), so a live sweep's states
 come from the saved state file itself, read through a pyarrow filesystem (local or cloud)."""
@@ -64,8 +64,31 @@ def saved_trials(filesystem, root: str) -> tuple[list[dict], float | None]:
     return trials, None if mtime is None else mtime.timestamp()
 
 
+def init_local(**kwargs) -> None:
+    """`ray.init(address="local", **kwargs)` with every process it starts listening on 127.0.0.1 only.
+
+    Ray 2.60 binds its gRPC servers (GCS, raylet, each worker) and its agents to the node's address, but
+    `ray.init` turns a node address of 127.0.0.1 into the machine's reachable one (`resolve_ip_for_localhost`,
+    so that other nodes could join) and then listens on every interface, the gRPC servers on `::`. A local sweep
+    has no other node: the address is kept at 127.0.0.1 for the call (the started processes get it as
+    `--node-ip-address`)."""
+    import ray
+    from ray._private import services
+
+    resolve = services.resolve_ip_for_localhost
+    services.resolve_ip_for_localhost = lambda host: host
+    try:
+        ray.init(address="local", _node_ip_address="127.0.0.1", **kwargs)
+    finally:
+        services.resolve_ip_for_localhost = resolve
+
+
 def check() -> None:
     """Raise CompatError if a fenced name is gone (the state file's layout is checked as it is read)."""
+    from ray._private import services
     from ray.tune import TuneContext
 
-    missing("ray", TESTED, [] if callable(getattr(TuneContext, "get_storage", None)) else ["TuneContext.get_storage"])
+    gone = [] if callable(getattr(TuneContext, "get_storage", None)) else ["TuneContext.get_storage"]
+    if not callable(getattr(services, "resolve_ip_for_localhost", None)):
+        gone.append("ray._private.services.resolve_ip_for_localhost")
+    missing("ray", TESTED, gone)

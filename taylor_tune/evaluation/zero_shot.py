@@ -19,7 +19,7 @@ import torch
 from lm_eval import simple_evaluate
 from lm_eval.tasks import TaskManager
 
-from taylor_tune.compat.lm_eval import load_task_yaml
+from taylor_tune.compat.lm_eval import load_task_yaml, without_environment_record
 from taylor_tune.config import EvalSpec
 from taylor_tune.errors import EvaluationError
 from taylor_tune.sources.data import task_file
@@ -85,10 +85,11 @@ def split_scores(samples: list[dict], metric: str) -> dict:
 
 
 def _simple_evaluate(lm, spec: EvalSpec, sources: list[tuple[str | dict, object]]) -> dict:
-    return simple_evaluate(
-        model=lm, tasks=[source for source, _ in sources], task_manager=sources[0][1], limit=spec.limit,
-        bootstrap_iters=1000, log_samples=True, verbosity="ERROR",
-    )
+    with without_environment_record():
+        return simple_evaluate(
+            model=lm, tasks=[source for source, _ in sources], task_manager=sources[0][1], limit=spec.limit,
+            bootstrap_iters=1000, log_samples=True, verbosity="ERROR",
+        )
 
 
 def _failure(task: str | None, error: Exception) -> EvaluationError:

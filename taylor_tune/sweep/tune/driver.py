@@ -4,7 +4,8 @@
 with `resume_errored=True`), else starts it. Finished trials are never run again. SIGTERM (what `ray job
 stop` sends) becomes Tune's graceful SIGINT stop, and the experiment state is saved every second
 (TUNE_GLOBAL_CHECKPOINT_S=1), so even a SIGKILLed driver loses no finished trial. Locally Ray starts with
-`ray.init(address="local")`; under `ray job submit` (RAY_ADDRESS set) the driver joins the cluster.
+`ray.init(address="local")`, every service on 127.0.0.1 (`compat.ray.init_local`); under `ray job submit`
+(RAY_ADDRESS set) the driver joins the cluster.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import ray
 import torch
 from ray import tune
 
-from taylor_tune.compat.ray import saved_trials
+from taylor_tune.compat.ray import init_local, saved_trials
 from taylor_tune.errors import ConfigError
 from taylor_tune.reporting import stats
 from taylor_tune.reporting.frame import open_filesystem
@@ -85,7 +86,7 @@ def _start_ray(verbose: bool = False) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address="auto", log_to_driver=False, logging_level=level)
     else:
-        ray.init(address="local", include_dashboard=False, log_to_driver=False, logging_level=level)
+        init_local(include_dashboard=False, log_to_driver=False, logging_level=level)
 
 
 def _resources(experiment: Experiment) -> dict:
