@@ -78,9 +78,11 @@ def _add_prune(subparsers) -> None:
             "blockwise_layer_start",
             "blockwise_layer_end",
             "blockwise_attention",
+            "uniform_multiple",
             "extreme_ratio_threshold",
         ),
     )
+    p.add_argument("--uniform", action="store_true", default=None, help=fields["uniform"].description)
     p.add_argument(
         "--trust-remote-code", action="store_true", default=None, help=fields["trust_remote_code"].description
     )
@@ -229,9 +231,12 @@ def _run_status(args: argparse.Namespace) -> int:
         )  # the ranked metric first
         if best["metric"] not in ("ppl", "acc_mean"):
             first = f"{best['metric']} {best[best['metric']]:.4f}, {first}"
+        speed = ""
+        if best.get("decode_speedup") is not None and best.get("memory_ratio") is not None:
+            speed = f"; decode {best['decode_speedup']:.2f}x the unpruned model, memory {best['memory_ratio']:.2f}x"
         print(f"best so far for {model} by {best['metric']}: {first} with {best['pruning_method']}, "
               f"seq_len {best['taylor_seq_len']}, num_samples {best['taylor_num_samples']}, seed {best['seed']} "
-              f"(trial {best['trial_id']})")
+              f"(trial {best['trial_id']}){speed}")
     return 0
 
 

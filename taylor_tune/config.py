@@ -21,9 +21,9 @@ from taylor_tune.errors import ConfigError
 # The pruning methods (each a planner in pruning/methods/; a test checks the registry against this list).
 METHODS = ("taylor", "layerwise", "blockwise", "magnitude", "random")
 CRITERIA = ("taylor", "taylor_sum", "l1", "l2")
-BLOCKWISE_ATTENTION_RULES = ("closest_ratio", "mlp_only", "min_loss")
+BLOCKWISE_ATTENTION_RULES = ("closest_ratio", "measured_loss", "mlp_only", "min_loss")
 # blockwise's attention rule when none is asked for (BENCHMARKS.md, pruning quality, says why)
-DEFAULT_BLOCKWISE_ATTENTION = "min_loss"
+DEFAULT_BLOCKWISE_ATTENTION = "measured_loss"  # BENCHMARKS.md: blockwise attention rules on the real models
 
 CALIBRATION_DATASETS = ("wikitext2", "c4")
 ZERO_SHOT_TASKS = ("boolq", "piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
@@ -82,9 +82,16 @@ class PruneConfig(BaseModel):
     )
     blockwise_attention: Literal[BLOCKWISE_ATTENTION_RULES] = Field(
         DEFAULT_BLOCKWISE_ATTENTION,
-        description="blockwise: how many attention groups each block loses: min_loss (the count that "
-        "removes the least importance), closest_ratio (the share nearest the MLP's), mlp_only (none)",
+        description="blockwise: how many attention groups each block loses: measured_loss (the count whose "
+        "plan gives the lowest calibration loss, measured with the groups masked), min_loss (the count that removes "
+        "the least first-order importance), closest_ratio (the share nearest the MLP's), mlp_only (none)",
     )
+    uniform: bool = Field(
+        False, description="every layer keeps the same attention-group count (the one whose plan measures the lowest "
+        "calibration loss) and MLP width, saved as a stock model that any runtime loads (the method's scores pick "
+        "the groups)",
+    )
+    uniform_multiple: int = Field(64, gt=0, description="uniform: the kept MLP width is a multiple of this")
     extreme_ratio_threshold: float | None = Field(
         None, gt=0.0, description="a layer pruned above this ratio counts as extreme; default 2 x sparsity"
     )
@@ -117,6 +124,23 @@ class PruneConfig(BaseModel):
     @property
     def layerwise_cap(self) -> float:
         return self.layerwise_max_ratio if self.layerwise_max_ratio is not None else min(0.95, 2.0 * self.sparsity)
+
+
+class SpeedSpec(BaseModel):
+    """How a trial measures what pruning buys, on its own device, against the unpruned model: prefill tokens/s at
+    a fixed batch x length, greedy decode tokens/s with the KV cache at batch 1 and at `decode_batch`, the weights'
+    memory and the KV cache's at `context` tokens. Each timing is the median of `repeats` after `warmup` runs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prefill_batch: int = Field(4, gt=0, description="sequences per prefill forward")
+    prefill_len: int = Field(256, gt=0, description="tokens per prefill sequence")
+    decode_batch: int = Field(8, gt=1, description="the larger decode batch (batch 1 is always measured)")
+    prompt_len: int = Field(64, gt=0, description="prompt tokens before decoding (not timed)")
+    new_tokens: int = Field(16, gt=0, description="greedy decode steps timed")
+    context: int = Field(2048, gt=0, description="context at which the KV cache's memory is stated")
+    repeats: int = Field(3, gt=0, description="timed runs; the median counts")
+    warmup: int = Field(1, ge=0, description="untimed runs first")
 
 
 class EvalSpec(BaseModel):

@@ -17,7 +17,8 @@ DIMENSIONS = {"taylor_seq_len": "seq_len", "taylor_num_samples": "num_samples", 
 CONFIG_COLUMNS = ("model", "pruning_method", "taylor_seq_len", "taylor_num_samples", "seed")
 
 # The stages of a trial before its zero-shot passes, in order; each zero-shot pass is a stage of its own.
-STAGES = ("load", "calibration", "importance", "prune", "ppl")
+# unpruned_speed: measuring the unpruned model (once per model and device in a sweep, cached); speed: the pruned one.
+STAGES = ("unpruned_speed", "load", "calibration", "importance", "prune", "speed", "ppl")
 SECONDS_SUFFIX, TOKENS_SUFFIX = "_s", "_tokens"
 _ZERO_SHOT = "zero_shot_"
 # Per-task columns beside acc_<task>: its stderr, the items scored, and the two halves of held-out selection.

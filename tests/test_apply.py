@@ -130,3 +130,67 @@ def test_pruned_folder_loads_in_plain_transformers_and_a_broken_one_is_one_line(
 def test_blockwise_attention_rule_reaches_the_plan():
     assert any(pruned("tiny-llama-random", "blockwise", 0.15, blockwise_attention="closest_ratio").plan.attn_removed)
     assert not any(pruned("tiny-llama-random", "blockwise", 0.15, blockwise_attention="mlp_only").plan.attn_removed)
+
+
+@pytest.mark.parametrize("method", ["taylor", "blockwise", "random"])
+def test_a_uniform_model_loads_in_stock_transformers_without_remote_code(arch, method, ids, tmp_path):
+    """Issue 28: every layer keeps one shape, the folder is a stock one (no auto_map, no modeling file, the stock
+    config class) and plain from_pretrained gives the in-memory pruned model's logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    result = pruned(arch, method, 0.3, uniform=True)
+    original = tiny(arch).config
+    hd = getattr(original, "head_dim", None) or original.hidden_size // original.num_attention_heads
+    shapes = {(layer.self_attn.q_proj.out_features, layer.self_attn.k_proj.out_features,
+               layer.mlp.gate_proj.out_features) for layer in result.model.model.layers}
+    assert len(shapes) == 1
+    q_rows, kv_rows, width = shapes.pop()
+    assert width % 64 == 0 and (kv_rows, width) != (original.num_key_value_heads * hd, original.intermediate_size)
+    folder = save_pruned(result.model, tmp_path / "m", tokenizer=result.tokenizer, source_model=arch)
+    assert not (folder / "modeling_taylor_tune_pruned.py").exists()
+    assert "auto_map" not in (folder / "config.json").read_text()
+    stock = AutoModelForCausalLM.from_pretrained(folder)  # trust_remote_code off
+    assert type(stock).__name__ == type(tiny(arch)).__name__
+    assert type(stock.config) is type(original) and type(AutoConfig.from_pretrained(folder)) is type(original)
+    assert (stock.config.num_key_value_heads * hd, stock.config.intermediate_size) == (kv_rows, width)
+    assert stock.config.num_attention_heads * hd == q_rows
+    torch.testing.assert_close(logits(stock, ids), logits(result.model, ids), rtol=0, atol=1e-5)
+    again = load_pruned(folder)  # taylor_tune's own loader takes the stock folder too
+    torch.testing.assert_close(logits(again, ids), logits(result.model, ids), rtol=0, atol=1e-5)
+
+
+def test_a_masked_plan_computes_what_the_pruned_model_computes_and_is_restored(arch, ids):
+    """The measured-loss rule scores candidates by masking; the masked model equals the physically pruned one."""
+    from taylor_tune.pruning.measured import calibration_loss, masked
+
+    plan = pruned(arch, "random", 0.3).plan
+    model = tiny(arch)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with masked(model, plan):
+        inside = logits(model, ids)
+        loss = calibration_loss(model, ids, 2)
+    after = tiny(arch)
+    apply_plan(after, plan)
+    torch.testing.assert_close(inside, logits(after, ids), rtol=0, atol=1e-5)
+    assert loss == pytest.approx(calibration_loss(after, ids, 3), abs=1e-5)  # micro-batches do not change it
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # restored exactly
+
+
+def test_blockwise_measured_loss_keeps_the_plan_whose_pruned_model_has_the_lowest_loss():
+    """Against enumeration: every feasible attention count's plan pruned physically, its calibration loss computed."""
+    from taylor_tune.pruning.importance import taylor_criterion
+    from taylor_tune.pruning.measured import LOSS_SEQUENCES, calibration_loss
+    from taylor_tune.pruning.methods.blockwise import block_plan, blockwise_range, feasible_block_counts
+    from taylor_tune.pruning.plan import target_params
+    from taylor_tune.pruning.prune import plan_options
+
+    result = pruned("tiny-llama", "blockwise", 0.3, blockwise_attention="measured_loss")
+    config = build_prune_config(dict(model="tiny-llama", method="blockwise", sparsity=0.3))
+    layers = blockwise_range(result.layout, plan_options(config))
+    scores = taylor_criterion(result.importance.scores, result.layout, "taylor")
+    losses = {}
+    for k, mlp_total in feasible_block_counts(result.layout, layers, target_params(result.layout, 0.3)):
+        candidate = block_plan(scores, result.layout, layers, k, mlp_total)
+        losses[candidate] = calibration_loss(apply_plan(load_model("tiny-llama"), candidate),
+                                             result.calibration_ids[:LOSS_SEQUENCES], 4)
+    assert len(losses) > 1 and result.plan == min(losses, key=losses.get)

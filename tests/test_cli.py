@@ -208,3 +208,18 @@ def test_the_readme_points_at_nothing_a_user_of_the_repository_cannot_open():
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert not re.search(r"\.\./shared|issue", readme, re.IGNORECASE)
     assert (Path(__file__).resolve().parent.parent / "docs" / "specification.md").is_file()
+
+
+def test_prune_uniform_writes_a_stock_folder(capsys, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    code, _, err = run(
+        capsys, *BASE, "--sparsity", "0.3", "--uniform", "--uniform-multiple", "32", "--output", str(out)
+    )
+    assert code == 0, err
+    summary = json.loads((out / "pruning_summary.json").read_text())
+    assert summary["config"]["uniform"] is True and summary["config"]["uniform_multiple"] == 32
+    model = AutoModelForCausalLM.from_pretrained(out / "model")  # stock class, no remote code
+    widths = {layer.mlp.gate_proj.out_features for layer in model.model.layers}
+    assert len(widths) == 1 and widths.pop() % 32 == 0 and model.config.intermediate_size < 192

@@ -142,8 +142,9 @@ def test_magnitude_criteria_plan_from_weights_without_calibration(method, criter
     from taylor_tune.pruning.methods import METHODS
     from taylor_tune.pruning.prune import plan_options, prune
 
+    # blockwise's default attention rule measures a calibration loss; min_loss keeps it weights-only
     config = build_prune_config(dict(model="tiny-llama", method=method, criterion=criterion, sparsity=0.3, device="cpu",
-                                     dtype="float32"))
+                                     dtype="float32", blockwise_attention="min_loss"))
     result = prune(config)
     assert result.importance is None and result.calibration_ids is None and "calibration_s" not in result.timings
     weights = magnitude_scores(tiny("tiny-llama"), result.layout, p=int(criterion[1]))

@@ -25,6 +25,7 @@ def random_scores(lay: ModelLayout, seed: int, layer_scale=None) -> GroupScores:
 
 
 def options(sparsity=0.2, **kw) -> PlanOptions:
+    kw.setdefault("blockwise_attention", "min_loss")  # the default rule measures a model; these tests have none
     return PlanOptions(sparsity=sparsity, layerwise_max_ratio=kw.pop("cap", 0.4), **kw)
 
 
@@ -209,7 +210,8 @@ def test_blockwise_min_loss_by_hand(attention_score, expected_k):
     plan = plan_blockwise(scores, lay, options(0.2, blockwise_attention="min_loss"))
     assert [len(plan.attn_removed[l]) for l in range(1, 5)] == [expected_k] * 4
     assert sum(map(len, plan.mlp_removed)) == (13 if expected_k else 29)
-    assert plan_blockwise(scores, lay, options(0.2)) == plan  # min_loss is the default rule
+    with pytest.raises(PlanError, match="measured_loss needs the model"):  # the default rule measures
+        plan_blockwise(scores, lay, PlanOptions(sparsity=0.2))
     closest = plan_blockwise(
         scores, lay, options(0.2, blockwise_attention="closest_ratio")
     )  # |1/2 - 13/64| < |0 - 29/64|: half of every attention block
@@ -222,3 +224,78 @@ def test_the_registry_holds_the_methods_the_config_names():
 
     assert tuple(METHODS) == config.METHODS
     assert all(m.scored_by in ("criterion", "weights", "none") for m in METHODS.values())
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("sparsity", [0.1, 0.3])
+@pytest.mark.parametrize("multiple", [1, 8, 16])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_uniform_plan_against_enumeration(method, sparsity, multiple, seed):
+    """Issue 28's uniform layout, against a brute force: the attention count is the method's mean per layer (rounded),
+    the width the multiple (or the full width) whose removal lands nearest the target, and in every layer exactly
+    the lowest-scored groups go."""
+    from taylor_tune.pruning.uniform import uniform_plan
+
+    lay, scores = layout(), random_scores(layout(), seed + 10)
+    free = METHODS[method].plan(scores, lay, options(sparsity, seed=seed))
+    plan = uniform_plan(free, scores, lay, sparsity, multiple)
+    plan.validate(lay)
+    attn = round(sum(map(len, free.attn_removed)) / lay.num_layers)
+    assert {len(a) for a in plan.attn_removed} == {attn}
+    target = sparsity * lay.total_params
+    widths = [w for w in range(1, C + 1) if w % multiple == 0 or w == C]
+    best = min(abs(lay.num_layers * (attn * A + (C - w) * M) - target) for w in widths)
+    (kept,) = {C - len(m) for m in plan.mlp_removed}
+    assert kept in widths and abs(plan.params_removed(lay) - target) == best
+    for layer in range(lay.num_layers):
+        pairs = ((plan.attn_removed[layer], scores.attn[layer]), (plan.mlp_removed[layer], scores.mlp[layer]))
+        for removed, s in pairs:
+            gone = s[list(removed)]
+            stays = np.delete(s, list(removed))
+            assert not len(gone) or not len(stays) or gone.max() <= stays.min()
+
+
+@pytest.mark.parametrize("g", [2, 4, 8])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_blockwise_measured_loss_takes_the_candidate_with_the_lowest_given_loss(g, seed):
+    """The rule asks the loss of every feasible k's whole plan and keeps the lowest (ties: the smaller k); the plan is
+    the one block_plan gives for that k, and without a loss the rule refuses."""
+    from taylor_tune.pruning.methods.blockwise import block_plan, blockwise_range, feasible_block_counts
+
+    lay = small_layout(g)
+    scores = GroupScores(*(tuple(np.random.default_rng(seed).random(n) for n in sizes)
+                           for sizes in (lay.attn_groups, lay.mlp_channels)))
+    losses = dict(zip(range(g), np.random.default_rng(seed + 100).random(g)))
+    asked = []
+
+    def loss(plan):
+        k = len(plan.attn_removed[1])
+        asked.append(k)
+        return losses[k]
+
+    opts = options(0.2, blockwise_attention="measured_loss", plan_loss=loss)
+    plan = plan_blockwise(scores, lay, opts)
+    layers = blockwise_range(lay, opts)
+    feasible = feasible_block_counts(lay, layers, 0.2 * lay.total_params)
+    assert sorted(asked) == [k for k, _ in feasible]
+    best = min(feasible, key=lambda kc: (losses[kc[0]], kc[0]))
+    assert plan == block_plan(scores, lay, layers, *best)
+    with pytest.raises(PlanError, match="measured_loss needs the model"):
+        plan_blockwise(scores, lay, options(0.2, blockwise_attention="measured_loss"))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_uniform_with_a_loss_takes_the_attention_count_whose_plan_measures_lowest(seed):
+    """With the model at hand every attention count 0..G-1 is a candidate (each with the width that meets the
+    target), and the one with the lowest given loss wins; a target no width reaches is refused."""
+    from taylor_tune.pruning.uniform import mlp_width, uniform_plan
+
+    lay, scores = layout(), random_scores(layout(), seed)
+    free = METHODS["taylor"].plan(scores, lay, options(0.3))
+    losses = dict(enumerate(np.random.default_rng(seed).random(G)))
+    plan = uniform_plan(free, scores, lay, 0.3, 8, plan_loss=lambda p: losses[len(p.attn_removed[0])])
+    best = min((k for k in range(G) if mlp_width(lay, 0.3, 8, k) is not None), key=losses.get)
+    assert {len(a) for a in plan.attn_removed} == {best}
+    assert {C - len(m) for m in plan.mlp_removed} == {mlp_width(lay, 0.3, 8, best)}
+    with pytest.raises(PlanError, match="uniform: every layer would need to keep less than half of 32"):
+        uniform_plan(free, scores, lay, 0.9, 32)

@@ -586,3 +586,40 @@ def test_a_lead_counts_only_beyond_z_standard_errors(gap_in_se, exceeds):
     assert lead.difference == pytest.approx(gap) and lead.stderr == pytest.approx(math.sqrt(2) * se)
     assert lead.exceeds_uncertainty is exceeds
     assert lead.tied_with_best == ([] if exceeds else ["b"])
+
+
+def test_speed_vs_quality_table_and_figure_hold_each_trials_numbers(table, tmp_path):
+    """Issue 28: with measured speed in the trials, the report's table per model holds every valid trial's speedups
+    beside its quality (fastest decode first) and the figure's data the same points per method."""
+    rng = np.random.default_rng(3)
+    timed = table.assign(
+        decode_speedup=rng.uniform(0.9, 1.6, len(table)),
+        prefill_speedup=rng.uniform(1, 2, len(table)),
+        decode_batch_speedup=rng.uniform(1, 2, len(table)),
+        memory_ratio=rng.uniform(0.5, 1, len(table)),
+        uniform=rng.random(len(table)) < 0.5,
+    )
+    report = build_report(timed)
+    for name, m in report.models.items():
+        rows = timed[timed["model"] == name]
+        assert len(m.speed) == len(rows)
+        assert list(m.speed["decode_speedup"]) == sorted(rows["decode_speedup"], reverse=True)
+        by_id = rows.set_index("trial_id")
+        for _, row in m.speed.iterrows():
+            for column in ("acc_mean", "prefill_speedup", "memory_ratio", "pruning_method", "uniform"):
+                assert row[column] == by_id.loc[row["trial_id"], column]
+        data = plots.speed_quality_data(m.speed, name)
+        for k, method in enumerate(data.methods):
+            mine = rows[rows["pruning_method"] == method]
+            assert sorted(data.speedup[k]) == sorted(mine["decode_speedup"])
+            assert sorted(data.labels[k]) == sorted("uniform" if u else "free" for u in mine["uniform"])
+            assert sorted(zip(data.speedup[k], data.acc_mean[k])) == sorted(
+                zip(mine["decode_speedup"], mine["acc_mean"])
+            )
+    assert "9. Speed vs quality" in render_text(report)
+    written = write_report(report, tmp_path / "r")
+    for name in report.models:
+        assert tmp_path / "r" / f"consolidated_{name}" / "speed_quality.csv" in written
+        assert (tmp_path / "r" / "figures" / f"speed_quality_{name}.png").stat().st_size > 0
+    assert build_report(table).models["model-a"].speed is None  # no trial measured: no section, no figure
+    assert "Speed vs quality" not in render_text(build_report(table))

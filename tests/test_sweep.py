@@ -200,7 +200,8 @@ def test_the_console_is_one_line_per_trial_and_a_few_status_lines(smoke):
     trial_lines = [line for line in lines if re.match(r"\[\d+/36\] ", line)]
     assert len(trial_lines) == 36, "\n".join(lines[:80])
     assert all(
-        re.search(r"seq_len=\d+ samples=\d+: ppl [\d.]+, acc_mean \d\.\d{4}, \d+ s$", line) for line in trial_lines
+        re.search(r"seq_len=\d+ samples=\d+: ppl [\d.]+, acc_mean \d\.\d{4}, decode [\d.]+x, \d+ s$", line)
+        for line in trial_lines
     ), trial_lines
     assert len({line.split(":")[0].split("] ")[1] for line in trial_lines}) == 36  # each configuration once
     assert len(lines) <= 120, "\n".join(lines)
@@ -237,7 +238,8 @@ def test_status_reports_counts_and_best_per_model(smoke):
     )
     assert proc.returncode == 0
     assert "finished 36, errored 0" in proc.stdout
-    named = dict(re.findall(r"^best so far for (\S+) by acc_mean: .*\(trial (\S+)\)$", proc.stdout, flags=re.M))
+    best_line = r"^best so far for (\S+) by acc_mean: .*\(trial (\S+)\); decode ([\d.]+)x the unpruned model, memory"
+    named = {model: trial for model, trial, _ in re.findall(best_line, proc.stdout, flags=re.M)}
     table = load_trials(path)  # the report's reading and tie rule name the same best trial per model
     assert named == {model: best_trial(rows)["trial_id"] for model, rows in table.valid.groupby("model")}
     assert len(named) == 3

@@ -129,3 +129,46 @@ def test_a_damaged_cache_entry_is_removed_and_computed_again_once(tmp_path):
     assert cache.get_or_compute(fields, [4], compute)[4].num_samples == 4 and len(computed) == 2  # a hit now
     events = [json.loads(line)["event"] for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert events == ["computed", "damaged", "computed", "hit"]
+
+
+def test_a_trial_measures_speed_and_memory_against_the_unpruned_model_measured_once(tmp_path):
+    """Issue 28: every trial reports its speedups and memory ratio; the unpruned model is measured by the first
+    trial of a sweep and read by the next; a uniform 40% model holds less memory than the unpruned one."""
+    from taylor_tune.config import SpeedSpec
+
+    speed = SpeedSpec(prefill_batch=2, prefill_len=32, decode_batch=4, prompt_len=8, new_tokens=4, context=256,
+                      repeats=2, warmup=1)
+    cache = str(tmp_path / "sweep" / "importance_cache")
+    base = trial(8, cache)
+    evaluation = base.evaluation.model_copy(update={"speed": speed})
+    first = run_trial(base.model_copy(update={"evaluation": evaluation}), tmp_path / "a")
+    uniform = base.prune.model_copy(update={"uniform": True, "sparsity": 0.4})
+    second = run_trial(base.model_copy(update={"evaluation": evaluation, "prune": uniform}), tmp_path / "b")
+    for metrics in (first, second):
+        for key in ("prefill_speedup", "decode_speedup", "decode_batch_speedup", "memory_ratio", "prefill_tokens_per_s",
+                    "unpruned_decode_tokens_per_s", "speed_s", "weight_bytes", "kv_cache_bytes"):
+            assert metrics[key] > 0, key
+        assert metrics["prefill_speedup"] == metrics["prefill_tokens_per_s"] / metrics["unpruned_prefill_tokens_per_s"]
+    assert first["unpruned_speed_s"] > 0 and "unpruned_speed_s" not in second  # measured once, then read
+    unpruned = [k for k in first if k.startswith("unpruned_") and k != "unpruned_speed_s"]
+    assert len(unpruned) == 5 and all(first[k] == second[k] for k in unpruned)
+    assert len(list((tmp_path / "sweep" / "unpruned_speed").glob("*.json"))) == 1
+    total = lambda m, prefix="": m[f"{prefix}weight_bytes"] + m[f"{prefix}kv_cache_bytes"]
+    assert second["memory_ratio"] == pytest.approx(total(second) / total(second, "unpruned_"))
+    assert total(second) < total(second, "unpruned_")
+    saved = json.loads((tmp_path / "b" / "evaluation.json").read_text())  # what status and the report read
+    assert saved["decode_speedup"] == second["decode_speedup"] and saved["memory_ratio"] == second["memory_ratio"]
+
+
+def test_kv_cache_bytes_equal_what_transformers_cache_holds():
+    import torch
+
+    from taylor_tune.evaluation.speed import kv_cache_bytes
+    from taylor_tune.sources.models import load_model
+    from tests.test_apply import pruned
+
+    for model in (load_model("tiny-qwen2-random"), pruned("tiny-qwen2-random", "taylor", 0.3).model):
+        with torch.no_grad():
+            cache = model(input_ids=torch.zeros(1, 37, dtype=torch.long), use_cache=True).past_key_values
+        held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+        assert kv_cache_bytes(model, 37) == held

@@ -144,6 +144,9 @@ def test_one_driver_per_experiment_folder(capsys, tmp_path):
 
 
 def test_an_edited_experiment_is_not_silently_resumed_with_its_old_settings(capsys, tmp_path):
+    import json
+
+    from taylor_tune.errors import ConfigError
     from taylor_tune.sweep.experiment import SAVED_EXPERIMENT, check_unchanged, load_experiment
 
     path = experiment(tmp_path)
@@ -157,6 +160,16 @@ def test_an_edited_experiment_is_not_silently_resumed_with_its_old_settings(caps
     one_line(code, err, "was started with other settings (prune.sparsity, search_space.pruning_method.grid differ)")
     code, _, err = run(capsys, "sweep", edited, "--name", "exp")  # naming the same folder changes nothing
     assert code == 2
+
+    # a record written before a newer taylor_tune added a field (evaluation.speed) resumes where the field has its
+    # default, and not where the file sets another value
+    saved = json.loads((folder / SAVED_EXPERIMENT).read_text())
+    del saved["evaluation"]["speed"]
+    (folder / SAVED_EXPERIMENT).write_text(json.dumps(saved))
+    check_unchanged(load_experiment(experiment(tmp_path)), str(folder))  # the original file again
+    faster = experiment(tmp_path, evaluation={**SMALL["evaluation"], "speed": {"repeats": 5}})
+    with pytest.raises(ConfigError, match=r"evaluation\.speed\.repeats differ"):
+        check_unchanged(load_experiment(faster), str(folder))
 
 
 def test_report_follows_no_symbolic_link_out_of_a_trial_or_into_the_output(capsys, tmp_path):
@@ -190,6 +203,10 @@ def test_report_follows_no_symbolic_link_out_of_a_trial_or_into_the_output(capsy
     (dict(evaluation={**SMALL["evaluation"], "ppl": "world", "ppl_window": 100000}),
      "evaluation.ppl_window: 100000 is longer than the maximum context"),
     (dict(resources={"cpu": 1000, "gpu": 0}), "resources.cpu: 1000 CPUs per trial requested, but this machine has"),
+    (dict(evaluation={**SMALL["evaluation"], "speed": {"prefill_len": 4096}}),
+     "evaluation.speed: sequences of 4096 tokens (prefill_len, or prompt_len + new_tokens) exceed the maximum context"),
+    (dict(prune={**SMALL["prune"], "uniform": True, "uniform_multiple": 100000}),
+     "prune: taylor on tiny-llama cannot be planned with these settings: uniform_multiple: 100000 is wider"),
     (dict(search_space={**SMALL["search_space"], "taylor_seq_len": {"grid": [True]}}), "search_space.taylor_seq_len"),
 ])
 def test_what_prune_and_evaluate_refuse_is_refused_for_the_whole_space_before_ray(capsys, tmp_path, changes, expected):

@@ -1,6 +1,9 @@
 """Turn a PrunePlan into a physically smaller model, and save it as a pruned folder.
 
-Pruned layers have different sizes, which a HF config cannot express. A pruned folder is what
+A model whose layers all have one shape (the `uniform` layout) is saved as a stock folder: config.json is the
+original's with the smaller `num_attention_heads`, `num_key_value_heads`, `intermediate_size` (and `head_dim`
+spelled out), so plain `AutoModelForCausalLM.from_pretrained` and every runtime load it without remote code.
+Otherwise the layers have different sizes, which a HF config cannot express. Such a pruned folder is what
 `save_pretrained` writes (safetensors, tied embeddings kept tied) plus, in config.json, `pruned_layout` (per-layer
 head counts and MLP width) and an `auto_map` to `modeling_taylor_tune_pruned.py`, a copy of `pruned_modeling.py`
 that builds the model at those sizes. Plain transformers and lm-eval's CLI load the folder with
@@ -93,14 +96,18 @@ def save_pruned(model: nn.Module, directory: str | Path, tokenizer=None, *, sour
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
     layout = layer_shapes(model)
+    uniform = all(shape == layout[0] for shape in layout)
     config = json.loads((directory / "config.json").read_text())
-    cls = PRUNED_CLASSES[config["model_type"]].__name__
-    config |= {"pruned_layout": layout, "architectures": [cls],
-               "auto_map": {"AutoModelForCausalLM": f"{MODELING_FILE.removesuffix('.py')}.{cls}"}}
+    if uniform:  # a stock config: every layer has the shape its fields say
+        config |= layout[0] | {"head_dim": head_dim(decoder_layers(model)[0].self_attn)}
+    else:
+        cls = PRUNED_CLASSES[config["model_type"]].__name__
+        config |= {"pruned_layout": layout, "architectures": [cls],
+                   "auto_map": {"AutoModelForCausalLM": f"{MODELING_FILE.removesuffix('.py')}.{cls}"}}
+        shutil.copyfile(pruned_modeling.__file__, directory / MODELING_FILE)
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    shutil.copyfile(pruned_modeling.__file__, directory / MODELING_FILE)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    manifest = {"format": 2, "dtype": dtype, "source_model": source_model, "layers": layout}
+    manifest = {"format": 2, "dtype": dtype, "source_model": source_model, "uniform": uniform, "layers": layout}
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)

@@ -6,6 +6,7 @@ model's config (architecture, context length), the tokenizer and the calibration
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -25,8 +26,11 @@ from taylor_tune.pruning.importance import (
     magnitude_scores,
     taylor_criterion,
 )
+from taylor_tune.pruning.measured import plan_loss
 from taylor_tune.pruning.methods import METHODS, PlanOptions
-from taylor_tune.pruning.plan import ModelLayout, PrunePlan
+from taylor_tune.pruning.methods.random import drawn_scores
+from taylor_tune.pruning.plan import GroupScores, ModelLayout, PrunePlan
+from taylor_tune.pruning.uniform import uniform_plan
 from taylor_tune.sources.calibration import load_calibration
 from taylor_tune.sources.data import check_calibration, resolve_text
 from taylor_tune.sources.models import load_model, load_model_config, load_tokenizer, resolve_device, resolve_dtype
@@ -69,6 +73,20 @@ def plan_options(config: PruneConfig) -> PlanOptions:
         criterion=config.criterion,
         seed=config.seed,
     )
+
+
+def make_plan(config: PruneConfig, scores: GroupScores | None, layout: ModelLayout,
+              loss: Callable[[PrunePlan], float] | None = None) -> PrunePlan:
+    """The method's plan, made uniform if the config asks, validated (PlanError when it cannot be had). `loss`: a
+    candidate plan's measured calibration loss, for what measures (blockwise_attention measured_loss, the uniform
+    layout's attention count)."""
+    options = dataclasses.replace(plan_options(config), plan_loss=loss)
+    plan = METHODS[config.method].plan(scores, layout, options)
+    if config.uniform:
+        scores = drawn_scores(layout, config.seed) if scores is None else scores
+        plan = uniform_plan(plan, scores, layout, config.sparsity, config.uniform_multiple, loss)
+    plan.validate(layout)
+    return plan
 
 
 def check_against_model(config: PruneConfig) -> None:
@@ -139,8 +157,13 @@ def prune(config: PruneConfig, *, importance_provider: ImportanceProvider | None
         timings |= provided.timings  # the provider's own split of its time into calibration and importance
 
     start = time.perf_counter()
-    plan = method.plan(scores, layout, plan_options(config))
-    plan.validate(layout)
+    loss = None
+    if config.uniform or (config.method == "blockwise" and config.blockwise_attention == "measured_loss"):
+        if calibration_ids is None:  # a cache hit, or a method without gradients: the same draw, no gradients
+            calibration_ids = load_calibration(tokenizer, resolve_text(config.calibration, config.model),
+                                               seq_len=config.seq_len, num_samples=config.num_samples, seed=config.seed)
+        loss = plan_loss(model, calibration_ids, config.micro_batch_size)
+    plan = make_plan(config, scores, layout, loss)
     apply_plan(model, plan)
     timings["prune_s"] = time.perf_counter() - start
 

@@ -65,6 +65,21 @@ class LayerProfile:
         return asdict(self)
 
 
+@dataclass
+class SpeedQuality:
+    """Per method, each trial's measured decode speedup (batch 1) against its acc_mean and its ppl."""
+
+    model: str
+    methods: list[str]
+    speedup: list[list[float | None]]  # [method index][trial]
+    acc_mean: list[list[float | None]]
+    ppl: list[list[float | None]]
+    labels: list[list[str]]  # uniform or not, per trial
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
 def _none_if_nan(value) -> float | None:
     return None if value is None or pd.isna(value) else float(value)
 
@@ -119,6 +134,21 @@ def method_bars(df: pd.DataFrame, metric: str = "acc_mean") -> MethodBars:
         metric,
         "geometric mean" if geometric else "mean",
     )
+
+
+def speed_quality_data(table: pd.DataFrame, model: str) -> SpeedQuality:
+    """From `stats.speed_quality`'s table of one model."""
+    methods = sorted(table["pruning_method"].dropna().unique())
+    rows = [table[table["pruning_method"] == m] for m in methods]
+
+    def column(name):
+        return [[_none_if_nan(v) for v in r[name]] if name in r else [None] * len(r) for r in rows]
+
+    def label(uniform) -> str:  # a bool column iterates as numpy bools; a missing value is NaN or None
+        return "uniform" if isinstance(uniform, (bool, np.bool_)) and uniform else "free"
+
+    labels = [[label(u) for u in r.get("uniform", [None] * len(r))] for r in rows]
+    return SpeedQuality(model, methods, column("decode_speedup"), column("acc_mean"), column("ppl"), labels)
 
 
 def layer_profile(layers: list[dict], title: str) -> LayerProfile:
@@ -208,3 +238,23 @@ def render_layer_plots(data: LayerProfile, folder: Path) -> dict[str, Path]:
         ax.set_title(f"{data.title}: per-layer {name.replace('_', ' ')}")
         figure.savefig(paths[name], dpi=120)
     return paths
+
+
+def render_speed_quality(data: SpeedQuality, path: Path) -> None:
+    """acc_mean and ppl against the measured decode speedup; filled markers: uniform layout, open: free."""
+    figure, (left, right) = _figure(9, 3.6, ncols=2)
+    for k, method in enumerate(data.methods):
+        color = f"C{k}"
+        for ax, values in ((left, data.acc_mean[k]), (right, data.ppl[k])):
+            for x, y, label in zip(data.speedup[k], values, data.labels[k]):
+                if x is not None and y is not None:
+                    ax.scatter(x, y, color=color, facecolors=color if label == "uniform" else "none", s=30)
+        left.scatter([], [], color=color, label=method)  # one legend entry per method
+    for ax, label in ((left, "acc_mean (higher is better)"), (right, "ppl (lower is better)")):
+        ax.axvline(1.0, color="grey", lw=0.8, ls=":")
+        ax.set_xlabel("decode speedup against the unpruned model (batch 1)")
+        ax.set_ylabel(label)
+    right.set_yscale("log")
+    left.legend(fontsize=8)
+    figure.suptitle(f"{data.model}: quality against measured speed (filled: uniform layout)")
+    figure.savefig(path, dpi=120)

@@ -43,6 +43,7 @@ class ModelReport:
     seeds: dict
     heldout: dict
     importance: dict
+    speed: pd.DataFrame | None = None  # quality against measured speed, per trial (None: no trial measured it)
     objective: stats.Objective = stats.ACCURACY
 
 
@@ -85,7 +86,8 @@ def model_report(table: TrialTable, model: str, z: float = stats.Z95, seed: int 
         ppl=stats.correlation(valid, "ppl", "acc_mean"),
         best=best, best_stderr=None if best is None else stats.plain(best["acc_mean_stderr"]),
         lead=stats.lead_of_best(valid, tasks, z, objective), seeds=stats.seed_spread(valid, objective), heldout=heldout,
-        importance=stats.hyperparameter_importance(valid, seed=seed, objective=objective), objective=objective,
+        importance=stats.hyperparameter_importance(valid, seed=seed, objective=objective),
+        speed=stats.speed_quality(valid), objective=objective,
     )
 
 
@@ -244,6 +246,12 @@ def sections(report: Report) -> list[tuple[str, list]]:
                 ],
             )
         )
+        if m.speed is not None:
+            out.append(("9. Speed vs quality", [
+                "Measured on each trial's device against the unpruned model: speedups of prefill, decode at batch 1 "
+                "and at the larger batch (> 1 = faster), memory of weights and KV cache (< 1 = smaller).",
+                m.speed,
+            ]))
     out.append(("Cross-model comparison", _cross_blocks(report)))
     return out
 
@@ -509,6 +517,9 @@ def write_report(report: Report, output: str | Path) -> list[Path]:
             report.objective.metric, ascending=report.objective.ascending, na_position="last")
         rows.to_csv(folder / "all_methods_results.csv", index=False)
         written.append(folder / "all_methods_results.csv")
+        if m.speed is not None:
+            m.speed.to_csv(folder / "speed_quality.csv", index=False)
+            written.append(folder / "speed_quality.csv")
         if m.best is not None:
             written.append(_write_json(folder / "global_best_config.json", best_config_dict(m)))
             written.append(_write_json(folder / "method_comparison.json", method_comparison_dict(m)))
@@ -548,6 +559,12 @@ def write_report(report: Report, output: str | Path) -> list[Path]:
         written.append(_write_json(figures / f"heatmap_{folder_name(m.model)}.json", data.to_dict()))
         plots.render_heatmap(data, figures / f"heatmap_{folder_name(m.model)}.png")
         written.append(figures / f"heatmap_{folder_name(m.model)}.png")
+    for m in report.models.values():
+        if m.speed is not None:
+            data = plots.speed_quality_data(m.speed, m.model)
+            written.append(_write_json(figures / f"speed_quality_{folder_name(m.model)}.json", data.to_dict()))
+            plots.render_speed_quality(data, figures / f"speed_quality_{folder_name(m.model)}.png")
+            written.append(figures / f"speed_quality_{folder_name(m.model)}.png")
     if with_best:
         bars = plots.method_bars(valid, report.objective.metric)
         written.append(_write_json(figures / "methods_by_models.json", bars.to_dict()))

@@ -194,12 +194,14 @@ def load_pruned(
         raise ModelLoadError(
             f"model: {directory} is not a readable pruned model: {str(error).splitlines()[0]}"
         ) from None
-    if manifest.get("format") != 2 or not hasattr(config, "pruned_layout"):
+    uniform = manifest.get("uniform") is True  # a stock folder: the config's own class builds it
+    if manifest.get("format") != 2 or not (uniform or hasattr(config, "pruned_layout")):
         raise ModelLoadError(f"model: {directory} is a pruned folder of an older format ({PRUNED_MANIFEST} format "
                              f"{manifest.get('format')}); prune the model again")
     saved_dtype = getattr(torch, manifest["dtype"])
+    cls = AutoModelForCausalLM if uniform else PRUNED_CLASSES[config.model_type]
     try:
-        model = PRUNED_CLASSES[config.model_type].from_pretrained(directory, dtype=saved_dtype)
+        model = cls.from_pretrained(directory, dtype=saved_dtype)
     except (
         Exception
     ) as error:  # transformers and safetensors raise many kinds for a damaged folder; all mean "cannot load"

@@ -27,7 +27,7 @@ from pydantic import (
     model_validator,
 )
 
-from taylor_tune.config import METHODS, EvalSpec, PruneConfig, format_validation_error, read_config_file
+from taylor_tune.config import METHODS, EvalSpec, PruneConfig, SpeedSpec, format_validation_error, read_config_file
 from taylor_tune.errors import ConfigError
 from taylor_tune.schema import DIMENSIONS, objective_metrics
 from taylor_tune.sources.data import check_calibration, check_eval_sources
@@ -104,6 +104,10 @@ class Evaluation(EvalSpec):
         (None,), description="zero-shot item limits, cheapest first, each reported to Tune; null = every item"
     )
 
+    speed: SpeedSpec | None = Field(
+        SpeedSpec(), description="speed and memory against the unpruned model, measured in every trial; null = off"
+    )
+
     @field_validator("fidelities")
     @classmethod
     def _fidelities(cls, value: tuple) -> tuple:
@@ -122,7 +126,7 @@ class Evaluation(EvalSpec):
 
     def spec(self, limit: int | None) -> EvalSpec:
         """The EvalSpec of one zero-shot pass."""
-        return EvalSpec(**self.model_dump(exclude={"fidelities", "limit"}), limit=limit)
+        return EvalSpec(**self.model_dump(exclude={"fidelities", "limit", "speed"}), limit=limit)
 
 
 class Resources(BaseModel):
@@ -332,10 +336,18 @@ def _flat(value, prefix: str = "") -> dict:
     return {prefix.rstrip("."): value}
 
 
+def _added_defaults() -> dict:
+    """The flat default of every field of the sections with defaults: a record written before a newer taylor_tune
+    added one of them (evaluation.speed, say) lacks it, and its default there is no change."""
+    sections = {"evaluation": Evaluation(), "search": Search(), "resources": Resources()}
+    return _flat(json.loads(json.dumps({k: v.model_dump() for k, v in sections.items()}, default=str)))
+
+
 def check_unchanged(experiment: Experiment, folder: str) -> None:
     """A sweep resumes only with the settings it was started with: the first start records them in the experiment
     folder, a later one compares and names every field that differs (Tune's restore would silently keep the old
-    ones). Another name (`--name`) starts the edited experiment anew."""
+    ones); a field the record lacks that has its default is not a difference. Another name (`--name`) starts the
+    edited experiment anew."""
     if "://" in folder:
         return
     now = json.loads(json.dumps(experiment.model_dump(exclude={"storage_path"}), default=str))
@@ -349,8 +361,9 @@ def check_unchanged(experiment: Experiment, folder: str) -> None:
     except (OSError, ValueError, UnicodeDecodeError) as error:
         raise ConfigError(f"{saved_path}: unreadable ({type(error).__name__}); it records the settings the sweep "
                           "started with") from None
-    old, new = _flat(saved), _flat(now)
-    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    old, new, defaults = _flat(saved), _flat(now), _added_defaults()
+    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k)
+                     and not (k not in old and k in defaults and new[k] == defaults[k]))
     if changed:
         raise ConfigError(f"{folder} was started with other settings ({', '.join(changed)} differ); a resume runs the "
                           f"settings it started with: restore the file, or run the edited one under another --name")

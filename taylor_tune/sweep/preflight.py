@@ -18,7 +18,7 @@ from taylor_tune.pruning.groups import describe_layout
 from taylor_tune.pruning.importance import GRADIENT_CRITERIA
 from taylor_tune.pruning.methods import METHODS
 from taylor_tune.pruning.plan import GroupScores
-from taylor_tune.pruning.prune import plan_options
+from taylor_tune.pruning.prune import make_plan
 from taylor_tune.sources.calibration import load_calibration
 from taylor_tune.sources.data import resolve_text
 from taylor_tune.sources.models import load_model_config, load_tokenizer
@@ -40,7 +40,7 @@ def check_plans(experiment: Experiment) -> None:
             config = experiment.prune_config(model, method, min(experiment.search_space.taylor_seq_len.values),
                                              min(experiment.search_space.taylor_num_samples.values), 0)
             try:
-                METHODS[method].plan(scores, layout, plan_options(config)).validate(layout)
+                make_plan(config, scores, layout, loss=lambda plan: 0.0)  # feasibility only: no model here
             except PlanError as error:
                 raise ConfigError(
                     f"prune: {method} on {model} cannot be planned with these settings: {error}"
@@ -64,3 +64,17 @@ def check_calibration_sizes(experiment: Experiment) -> None:
         except CalibrationError as error:
             raise ConfigError(f"search_space: the largest draw of {model} ({most} x {longest} tokens) does not fit: "
                               f"{error}") from None
+
+
+def check_speed(experiment: Experiment) -> None:
+    """The speed measurement's sequences fit every model's context."""
+    speed = experiment.evaluation.speed
+    if speed is None:
+        return
+    longest = max(speed.prefill_len, speed.prompt_len + speed.new_tokens)
+    for model in experiment.models:
+        config = load_model_config(model, trust_remote_code=bool(experiment.prune.get("trust_remote_code")))
+        limit = getattr(config, "max_position_embeddings", None)
+        if limit is not None and longest > limit:
+            raise ConfigError(f"evaluation.speed: sequences of {longest} tokens (prefill_len, or prompt_len + "
+                              f"new_tokens) exceed the maximum context of {model} ({limit} tokens)")

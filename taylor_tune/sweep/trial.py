@@ -7,7 +7,9 @@ comes from the sweep's shared cache when one is given.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,14 +21,16 @@ from pydantic import BaseModel, ConfigDict
 from taylor_tune import schema
 from taylor_tune.config import PruneConfig
 from taylor_tune.evaluation.evaluate import Evaluator
+from taylor_tune.evaluation.speed import measure_speed, speed_ratios
 from taylor_tune.jsonio import json_safe, write_json
 from taylor_tune.pruning.artifacts import summary_dict
 from taylor_tune.pruning.importance import compute_importance
 from taylor_tune.pruning.prune import ProvidedImportance, prune
 from taylor_tune.sources.calibration import load_calibration
 from taylor_tune.sources.data import resolve_text
+from taylor_tune.sources.models import load_model, resolve_device, resolve_dtype
 from taylor_tune.sweep.experiment import Evaluation
-from taylor_tune.sweep.importance_cache import ImportanceCache
+from taylor_tune.sweep.importance_cache import ImportanceCache, cache_key
 
 
 class TrialConfig(BaseModel):
@@ -40,7 +44,7 @@ class TrialConfig(BaseModel):
 def trial_columns(config: PruneConfig) -> dict:
     """The configuration columns of the consolidated table (docs/specification.md §3), and the sparsity."""
     return schema.config_columns(config.model, config.method, config.seq_len, config.num_samples, config.seed) | {
-        "sparsity": config.sparsity}
+        "sparsity": config.sparsity, "uniform": config.uniform}
 
 
 def cached_importance(trial: TrialConfig):
@@ -101,6 +105,44 @@ def importance_fields(config: PruneConfig, *, dtype: torch.dtype, device: torch.
     }
 
 
+def unpruned_speed(trial: TrialConfig) -> dict:
+    """The unpruned model's speed (`measure_speed`) on this trial's device, measured once per model, dtype, device
+    and settings in a sweep: the first trial to ask measures under a file lock, the others read its result.
+    `unpruned_speed_s` says what measuring cost this trial (absent when read)."""
+    config, spec = trial.prune, trial.evaluation.speed
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+
+    def measure() -> dict:
+        start = time.perf_counter()
+        model = load_model(config.model, device=device, dtype=dtype, trust_remote_code=config.trust_remote_code,
+                           seed=config.seed)
+        measured = measure_speed(model, spec, seed=config.seed)
+        del model  # before the trial loads its own copy
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return measured | {"unpruned_speed_s": time.perf_counter() - start}
+
+    if trial.cache_dir is None:
+        return measure()
+    # the machine is part of the key: a sweep's nodes may differ (another GPU, another CPU)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu@{socket.gethostname()}"
+    fields = {"model": config.model, "dtype": str(dtype), "device": where, "speed": spec.model_dump()}
+    path = Path(trial.cache_dir).parent / "unpruned_speed" / f"{cache_key(**fields)}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when the process dies
+        try:
+            saved = json.loads(path.read_text())
+            if saved.get("fields") == json.loads(json.dumps(fields)):
+                return saved["measured"]  # no unpruned_speed_s: the stage did not run here
+        except (OSError, ValueError, AttributeError, KeyError):
+            pass  # none yet, or one that does not read back: measured (again)
+        measured = measure()
+        write_json(path, {"fields": fields, "measured": {k: v for k, v in measured.items() if k != "unpruned_speed_s"}})
+        return measured
+
+
 def layer_analysis(diagnostics: dict) -> list[dict]:
     grad_mean, grad_norm = diagnostics["layer_grad_mean"], diagnostics["layer_grad_norm"]
     return [
@@ -127,6 +169,7 @@ def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict]
     write_json(trial_dir / "config.json", trial.model_dump())
 
     on_gpu = torch.cuda.is_available() and config.device != "cpu"
+    unpruned = unpruned_speed(trial) if trial.evaluation.speed is not None else None
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     result = prune(config, importance_provider=cached_importance(trial))
@@ -142,6 +185,14 @@ def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict]
     if result.importance_cache is not None:
         metrics["importance_cache"] = result.importance_cache
     report(dict(metrics))
+
+    if unpruned is not None:
+        start = time.perf_counter()
+        measured = measure_speed(result.model, trial.evaluation.speed, seed=config.seed)
+        metrics |= measured | speed_ratios(measured, unpruned) | {"stage": "speed"}
+        metrics |= {k if k == "unpruned_speed_s" else f"unpruned_{k}": v for k, v in unpruned.items()}
+        metrics["speed_s"] = time.perf_counter() - start
+        report(dict(metrics))
 
     evaluation = trial.evaluation
     evaluator = Evaluator(result.model, result.tokenizer, evaluation.spec(None), model_name=config.model)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from taylor_tune.config import DEFAULT_BLOCKWISE_ATTENTION
 from taylor_tune.errors import PlanError
@@ -19,6 +19,9 @@ class PlanOptions:
     blockwise_attention: str = DEFAULT_BLOCKWISE_ATTENTION
     criterion: str = "taylor"
     seed: int = 0
+    # the calibration loss of the model pruned by a candidate plan (blockwise_attention measured_loss); the caller
+    # that holds the model provides it, so that planners stay pure
+    plan_loss: Callable[[PrunePlan], float] | None = field(default=None, compare=False)
 
 
 Planner = Callable[[GroupScores | None, ModelLayout, PlanOptions], PrunePlan]

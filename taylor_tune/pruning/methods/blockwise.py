@@ -5,12 +5,16 @@ attention block loses the same number k of its G attention groups; the MLP block
 needed to reach the target, spread evenly (counts differ by at most one channel between blocks, the
 granularity that lets the total stop within one group of the target). Inside each block the lowest-scored
 groups go. Which k, among the feasible ones, is the rule `blockwise_attention`:
-- `min_loss` (default): the k whose plan removes the least importance in total (Σ over removed groups of score ×
+- `measured_loss` (default): the k whose whole plan gives the lowest calibration loss, measured: the model with the
+  candidate plan's groups masked, forwarded on calibration sequences (`PlanOptions.plan_loss`, given by the caller
+  that holds the model). One forward pass per feasible k, at most G. The first-order sum that min_loss compares
+  misjudges a whole attention group at small calibrations (BENCHMARKS.md).
+- `min_loss`: the k whose plan removes the least importance in total (Σ over removed groups of score ×
   group size, i.e. the salience Σ|w·ḡ| removed for the default criterion; the scores as given for taylor_sum).
 - `closest_ratio`: the k whose attention ratio k/G is closest to the MLP ratio, so attention and MLP lose the same
   share as nearly as the group sizes allow (LLM-Pruner's one ratio for every block, as near as groups allow).
 - `mlp_only`: k = 0; the MLP blocks give the whole budget.
-min_loss is the default: the pruning-quality study in BENCHMARKS.md measured the rules against each other.
+BENCHMARKS.md compares the rules.
 """
 
 from __future__ import annotations
@@ -83,7 +87,7 @@ def removal_loss(
 
 
 def choose_block_counts(scores: GroupScores, layout: ModelLayout, layers: range, target: float,
-                        rule: str, criterion: str) -> tuple[int, int]:
+                        rule: str, criterion: str, plan_loss=None) -> tuple[int, int]:
     """(attention groups per block, MLP channels in all) by the attention rule (see the module docstring)."""
     feasible = feasible_block_counts(layout, layers, target)
     g, c, n = layout.attn_groups[layers.start], layout.mlp_channels[layers.start], len(layers)
@@ -95,14 +99,17 @@ def choose_block_counts(scores: GroupScores, layout: ModelLayout, layers: range,
         return feasible[0]
     if rule == "min_loss":
         return min(feasible, key=lambda kc: removal_loss(scores, layout, layers, *kc, criterion))
+    if rule == "measured_loss":
+        if plan_loss is None:
+            raise PlanError("blockwise: blockwise_attention measured_loss needs the model (PlanOptions.plan_loss)")
+        # ties: the smaller k (min keeps the first)
+        return min(feasible, key=lambda kc: plan_loss(block_plan(scores, layout, layers, *kc)))
     raise PlanError(f"blockwise: unknown blockwise_attention {rule!r}; allowed: {', '.join(ATTENTION_RULES)}")
 
 
-def plan_blockwise(scores: GroupScores, layout: ModelLayout, options: PlanOptions) -> PrunePlan:
-    scores.check_matches(layout)
-    layers = blockwise_range(layout, options)
-    attn_per_block, mlp_total = choose_block_counts(
-        scores, layout, layers, target_params(layout, options.sparsity), options.blockwise_attention, options.criterion)
+def block_plan(scores: GroupScores, layout: ModelLayout, layers: range, attn_per_block: int,
+               mlp_total: int) -> PrunePlan:
+    """The plan with `attn_per_block` groups out of every block and `mlp_total` channels spread: the lowest-scored."""
     attn = [set() for _ in range(layout.num_layers)]
     mlp = [set() for _ in range(layout.num_layers)]
     for layer, mlp_here in zip(layers, _per_block(mlp_total, layers)):
@@ -110,6 +117,14 @@ def plan_blockwise(scores: GroupScores, layout: ModelLayout, options: PlanOption
         attn[layer] = set(scores.attn[layer].argsort(kind="stable")[:attn_per_block].tolist())
         mlp[layer] = set(scores.mlp[layer].argsort(kind="stable")[:mlp_here].tolist())
     return plan_from_sets("blockwise", attn, mlp)
+
+
+def plan_blockwise(scores: GroupScores, layout: ModelLayout, options: PlanOptions) -> PrunePlan:
+    scores.check_matches(layout)
+    layers = blockwise_range(layout, options)
+    counts = choose_block_counts(scores, layout, layers, target_params(layout, options.sparsity),
+                                 options.blockwise_attention, options.criterion, options.plan_loss)
+    return block_plan(scores, layout, layers, *counts)
 
 
 METHOD = Method("blockwise", "criterion", plan_blockwise, "same ratio for every block in a layer range (LLM-Pruner)")

@@ -6,13 +6,15 @@ from taylor_tune.pruning.methods._base import Method, PlanOptions, plan_global
 from taylor_tune.pruning.plan import GroupScores, ModelLayout, PrunePlan
 
 
+def drawn_scores(layout: ModelLayout, seed: int) -> GroupScores:
+    """The seeded scores the random method ranks by (its uniform layout picks by them too)."""
+    rng = np.random.default_rng(seed)
+    return GroupScores(attn=tuple(rng.random(n) for n in layout.attn_groups),
+                       mlp=tuple(rng.random(n) for n in layout.mlp_channels))
+
+
 def plan_random(scores: GroupScores | None, layout: ModelLayout, options: PlanOptions) -> PrunePlan:
-    rng = np.random.default_rng(options.seed)
-    drawn = GroupScores(
-        attn=tuple(rng.random(n) for n in layout.attn_groups),
-        mlp=tuple(rng.random(n) for n in layout.mlp_channels),
-    )
-    return plan_global("random", drawn, layout, options.sparsity)
+    return plan_global("random", drawn_scores(layout, options.seed), layout, options.sparsity)
 
 
 METHOD = Method("random", "none", plan_random, "global ranking of seeded random scores")

@@ -37,7 +37,7 @@ from taylor_tune.sweep.experiment import (
     check_unchanged,
 )
 from taylor_tune.sweep.lock import driver_lock
-from taylor_tune.sweep.preflight import check_calibration_sizes, check_plans
+from taylor_tune.sweep.preflight import check_calibration_sizes, check_plans, check_speed
 from taylor_tune.sweep.tune.console import ConsoleCallback
 from taylor_tune.sweep.tune.metrics import SweepMetricsCallback
 from taylor_tune.sweep.tune.scheduler import FidelityASHA
@@ -66,6 +66,7 @@ def validate(experiment: Experiment) -> None:
     check_models(experiment)
     check_plans(experiment)
     check_calibration_sizes(experiment)
+    check_speed(experiment)
     gpu = experiment.resources.gpu
     local = not os.environ.get("RAY_ADDRESS")
     if local and experiment.resources.cpu > (os.cpu_count() or 1):
@@ -212,6 +213,7 @@ def sweep_status(path: str) -> dict:
                 "trial_id": trial["trial_id"],
                 "acc_mean": result["acc_mean"],
                 "ppl": result.get("ppl"),
+                **{k: result[k] for k in ("decode_speedup", "memory_ratio") if k in result},  # measured speed
                 objective.metric: result[objective.metric],
                 **{k: config.get(k) for k in CONFIG_COLUMNS[1:]},
             }

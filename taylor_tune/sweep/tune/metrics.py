@@ -65,7 +65,7 @@ class TrialMetrics:
     def observe(self, metrics: dict) -> None:
         m = _metrics()
         for stage, seconds in stage_seconds(metrics).items():
-            if stage not in self.seen:
+            if stage not in self.seen and seconds > 0:  # Ray's Counter takes positive increments only
                 self.seen.add(stage)
                 m["stage_seconds"].inc(float(seconds), tags={**self.tags, "stage": stage})
                 m["stage_runs"].inc(1, tags={**self.tags, "stage": stage})

@@ -1,0 +1,65 @@
+"""The calibration loss of a model as a plan would prune it, without pruning it: the plan's groups are masked in
+place (their output columns zeroed) for one forward pass, then restored.
+
+Zeroing the o_proj columns of a removed group's query heads and the down_proj columns of a removed MLP channel gives
+exactly the pruned model's function: attention is per head, so the other heads do not see the masked ones, and the
+masked outputs add nothing (the biases of o_proj and down_proj stay, as they do in the pruned model).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from taylor_tune.pruning.groups import decoder_layers, head_dim, q_per_kv
+from taylor_tune.pruning.plan import PrunePlan
+
+LOSS_SEQUENCES = 32  # calibration sequences per candidate: one forward each, at most G candidates per pruning
+
+
+@contextmanager
+def masked(model: torch.nn.Module, plan: PrunePlan):
+    """Inside, `model` computes what the plan's pruned model computes; its weights are restored on exit."""
+    saved = []
+    with torch.no_grad():
+        for layer, attn_removed, mlp_removed in zip(decoder_layers(model), plan.attn_removed, plan.mlp_removed):
+            attn = layer.self_attn
+            width = q_per_kv(attn) * head_dim(attn)
+            columns = [(layer.mlp.down_proj, list(mlp_removed))]
+            columns.append((attn.o_proj, [g * width + i for g in attn_removed for i in range(width)]))
+            for linear, index in columns:
+                if index:
+                    index = torch.tensor(index, device=linear.weight.device)
+                    saved.append((linear, index, linear.weight[:, index].clone()))
+                    linear.weight[:, index] = 0
+    try:
+        yield model
+    finally:
+        with torch.no_grad():
+            for linear, index, values in saved:
+                linear.weight[:, index] = values
+
+
+@torch.no_grad()
+def calibration_loss(model: torch.nn.Module, ids: torch.Tensor, micro_batch_size: int) -> float:
+    """Mean next-token cross-entropy over the sequences `ids` (every predicted token weighs the same)."""
+    device = next(model.parameters()).device
+    total, tokens = 0.0, 0
+    for batch in ids.split(micro_batch_size):
+        batch = batch.to(device)
+        logits = model(input_ids=batch).logits[:, :-1].float()
+        total += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum"))
+        tokens += batch[:, 1:].numel()
+    return total / tokens
+
+
+def plan_loss(model: torch.nn.Module, ids: torch.Tensor, micro_batch_size: int):
+    """`PlanOptions.plan_loss` for this model: a candidate plan's calibration loss on the first LOSS_SEQUENCES."""
+    ids = ids[:LOSS_SEQUENCES]
+
+    def loss(plan: PrunePlan) -> float:
+        with masked(model, plan):
+            return calibration_loss(model, ids, micro_batch_size)
+
+    return loss
