@@ -40,6 +40,17 @@ def ppl_of(model, tokenizer, name: str, windows: int) -> float:
     return Evaluator(model, tokenizer, spec, model_name=name).perplexity().ppl
 
 
+def table(results: dict) -> str:
+    """One row per (model, sparsity, method): the free layout and the uniform one side by side."""
+    lines = ["| model | sparsity | method | layout | reached | ppl | prefill speedup | decode speedup (b1) | "
+             "decode speedup (batch) | memory ratio |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results["trials"]:
+        lines.append(f"| {r['model']} | {r['sparsity']:.0%} | {r['method']} | {'uniform' if r['uniform'] else 'free'} "
+                     f"| {r['pruning_ratio']:.3f} | {r['ppl']:.1f} | {r['prefill_speedup']:.2f} | "
+                     f"{r['decode_speedup']:.2f} | {r['decode_batch_speedup']:.2f} | {r['memory_ratio']:.3f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="smollm2-135m,qwen2.5-0.5b")
@@ -50,7 +61,11 @@ def main() -> None:
     parser.add_argument("--ppl-windows", type=int, default=40)
     parser.add_argument("--speed", default="{}", help="SpeedSpec fields as a JSON object")
     parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--table", action="store_true", help="print the results in --json as Markdown, run nothing")
     args = parser.parse_args()
+    if args.table:
+        print(table(json.loads(args.json.read_text())))
+        return
     spec = SpeedSpec(**json.loads(args.speed))
     rows, unpruned_runs = [], {}
     for name in args.models.split(","):

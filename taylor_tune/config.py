@@ -159,7 +159,8 @@ class EvalSpec(BaseModel):
         None, gt=0, description="at most this many items per task (the fidelity knob); None = all"
     )
     batch_size: int | Literal["auto"] = Field(
-        "auto", description="lm-eval batch size; auto = lm-eval's search on CUDA, 16 on CPU"
+        "auto", description="lm-eval batch size; auto = on CUDA a token budget from the free memory and the widest "
+        "item (prefix scorer; hflm: lm-eval's own search), 16 on CPU"
     )
     scorer: Literal["prefix", "hflm"] = Field(
         "prefix",

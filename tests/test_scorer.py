@@ -183,3 +183,83 @@ def test_continuations_packed_after_one_prefix_see_the_prefix_and_themselves_onl
         got = make_lm(model, tokenizer, 4, scorer)._loglikelihood_tokens(requests, disable_tqdm=True)
         for (ll, greedy), (ref_ll, ref_greedy) in zip(got, expected, strict=True):
             assert abs(ll - ref_ll) <= 1e-4 and greedy == ref_greedy, scorer
+
+
+def test_a_bfloat16_model_is_scored_with_a_float32_log_softmax():
+    """Issue 30, point 3: both scorers take the log-softmax of a bfloat16 model's logits in float32, as the reference
+    (a plain forward pass, its logits cast to float32) does: equal to it; a bfloat16 log-softmax was 0.077 off over
+    these three-token continuations."""
+    model = load_model("tiny-llama-random", dtype=torch.bfloat16)
+    tokenizer = load_tokenizer("tiny-llama-random")
+    requests = [(("q", i), [40 + i, 41, 42, 43, 44], [50 + i, 51, 52]) for i in range(4)]
+    expected = [reference(model, ctx, cont, 512) for _, ctx, cont in requests]
+    for scorer in ("prefix", "hflm"):
+        lm = make_lm(model, tokenizer, 1, scorer)
+        assert lm.softmax_dtype == torch.float32
+        got = lm._loglikelihood_tokens(requests, disable_tqdm=True)
+        for (ll, greedy), (ref_ll, ref_greedy) in zip(got, expected, strict=True):
+            assert abs(ll - ref_ll) <= 1e-5 and greedy == ref_greedy, (scorer, ll, ref_ll)
+
+
+def _long_context_model():
+    """A tiny random Llama whose config claims a 32k context, as Qwen2's does: lm-eval's probe would size at that."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768)
+    return LlamaForCausalLM(config).eval()
+
+
+def _requests(count: int = 24):
+    return [(("q", i), [(5 * i + j) % 60 + 1 for j in range(3 + i % 9)], [(i + j) % 60 + 1 for j in range(1 + i % 4)])
+            for i in range(count)]
+
+
+def test_auto_batches_are_sized_from_the_data_and_a_budget_never_by_a_probe(monkeypatch):
+    """Issue 30, point 1: with batch_size auto, no forward pass is wider than the widest pack of the data or holds
+    more tokens than the budget (injected here; on CUDA it comes from the free memory), lm-eval's probe at the
+    config's 32k context is never called, and the answers are the fixed batch's."""
+    model, tokenizer = _long_context_model(), load_tokenizer("tiny-llama")
+    requests = _requests()
+    expected = make_lm(model, tokenizer, 4, "prefix")._loglikelihood_tokens(requests, disable_tqdm=True)
+    lm = make_lm(model, tokenizer, 4, "prefix")
+    lm.batch_size_per_gpu, lm.token_budget = "auto", 60
+    monkeypatch.setattr(lm, "_detect_batch_size", lambda *a, **k: pytest.fail("probed at the maximum context"))
+    shapes, forward = [], model.forward
+
+    def recording(*args, input_ids=None, **kwargs):
+        shapes.append(tuple(input_ids.shape))
+        return forward(*args, input_ids=input_ids, **kwargs)
+
+    monkeypatch.setattr(model, "forward", recording)
+    got = lm._loglikelihood_tokens(requests, disable_tqdm=True)
+    widest = max(pack.length for pack in plan_packs([(c, e) for _, c, e in requests], lm.max_length))
+    assert len(shapes) > 1 and all(width <= widest and (rows * width <= 60 or rows == 1) for rows, width in shapes)
+    for (ll, greedy), (ref_ll, ref_greedy) in zip(got, expected, strict=True):
+        assert abs(ll - ref_ll) <= 1e-5 and greedy == ref_greedy
+
+
+def test_out_of_memory_halves_the_budget_once_and_a_second_time_fails(monkeypatch):
+    model, tokenizer = _long_context_model(), load_tokenizer("tiny-llama")
+    requests = _requests()
+    expected = make_lm(model, tokenizer, 4, "prefix")._loglikelihood_tokens(requests, disable_tqdm=True)
+    lm = make_lm(model, tokenizer, 4, "prefix")
+    lm.batch_size_per_gpu, lm.token_budget = "auto", 80
+    shapes, forward = [], model.forward
+
+    def tight(*args, input_ids=None, **kwargs):  # a device that holds 40 tokens per pass
+        if input_ids.numel() > 40 and input_ids.shape[0] > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        shapes.append(tuple(input_ids.shape))
+        return forward(*args, input_ids=input_ids, **kwargs)
+
+    monkeypatch.setattr(model, "forward", tight)
+    got = lm._loglikelihood_tokens(requests, disable_tqdm=True)
+    assert all(rows * width <= 40 or rows == 1 for rows, width in shapes)
+    for (ll, greedy), (ref_ll, ref_greedy) in zip(got, expected, strict=True):
+        assert abs(ll - ref_ll) <= 1e-5 and greedy == ref_greedy
+    lm.token_budget = 200  # needs two halvings: the second failure is raised
+
+    with pytest.raises(torch.OutOfMemoryError):
+        lm._loglikelihood_tokens(requests, disable_tqdm=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 from taylor_tune.compat import missing
 
 TESTED = "0.4.13"
-HFLM_METHODS = ("_loglikelihood_tokens", "_model_call", "_detect_batch_size")
+HFLM_METHODS = ("_loglikelihood_tokens", "_model_call")
 HFLM_ATTRIBUTES = ("backend", "mixed_precision_dtype", "softmax_dtype", "cache_hook", "rank", "max_length", "device")
 ENVIRONMENT_RECORD = ("get_git_commit_hash", "add_env_info")  # names in lm_eval.evaluator
 

@@ -91,13 +91,36 @@ def plan_batches(packs: list[Pack], rows: int | None, budget: int | None = None)
     return batches + [batch] if batch else batches
 
 
+def token_budget(model, free_bytes: int, widest: int, dtype_bytes: int) -> int:
+    """Tokens per forward pass that fit in half of `free_bytes`, for a batch as wide as `widest`: per token the
+    hidden states and MLP activations of one layer at a time (inference frees each layer's), its row of the 4-D
+    additive mask (`widest` entries), and a float32 row of logits (the worst case: every position kept)."""
+    config = model.config
+    per_token = (dtype_bytes * (8 * config.hidden_size + 3 * config.intermediate_size + widest)
+                 + 4 * config.vocab_size)
+    return max(widest, free_bytes // 2 // per_token)
+
+
 class PrefixLM(_LibraryBarsFollowTqdmDisable):
     """HFLM whose `_loglikelihood_tokens` forwards each shared prefix once (see the module's docstring). `batch_size`
-    counts rows per forward pass, each row holding one or more items; with "auto" it is a token budget of HFLM's
-    detected batch × max_length."""
+    counts rows per forward pass, each row holding one or more items; with "auto" a forward pass holds up to a token
+    budget sized from the free GPU memory and the widest pack actually in the data (never lm-eval's probe at the
+    model's maximum context, which is 32k tokens for Qwen2); `token_budget` set on the instance overrides it. Out of
+    memory, the budget halves and the passes not done are planned again, once per call."""
 
     tokens_forwarded = 0  # padding included: what the accelerator pays for
     tokens_unpadded = 0
+    token_budget: int | None = None  # tokens per forward pass with batch_size "auto"; None: from the free memory
+
+    def _budget(self, packs: list[Pack]) -> int:
+        if self.token_budget is not None:
+            return self.token_budget
+        widest = packs[0].length if packs else 1
+        if self.device.type != "cuda":  # no allocator to ask: 16 rows of the widest pack, as a fixed batch would
+            return 16 * widest
+        free, _ = torch.cuda.mem_get_info(self.device)
+        dtype = self.mixed_precision_dtype or self.model.dtype
+        return token_budget(self.model, free, widest, torch.finfo(dtype).bits // 8)
 
     def _forward(self, batch: list[list[Pack]]) -> list[tuple[Pack, torch.Tensor]]:
         """Each pack with the logits of the positions that predict its continuations' tokens: its prefix's last
@@ -154,12 +177,25 @@ class PrefixLM(_LibraryBarsFollowTqdmDisable):
         pbar = bar(
             len(requests), "zero-shot", unit="req"
         )  # ours, so shown on a terminal even when library bars are off
-        if self.batch_size == "auto":
-            batches = plan_batches(packs, None, budget=self._detect_batch_size() * self.max_length)
-        else:
-            batches = plan_batches(packs, self.batch_size)
-        for batch in batches:
-            for pack, logits in self._forward(batch):
+        auto = self.batch_size == "auto"
+        budget = self._budget(packs) if auto else None
+        batches = plan_batches(packs, None if auto else self.batch_size, budget=budget)
+        done, retried = 0, False
+        while done < len(batches):
+            try:
+                forwarded = self._forward(batches[done])
+            except torch.OutOfMemoryError:
+                if not auto or retried:
+                    raise
+                retried, budget = True, max(1, budget // 2)  # once per call: a second failure is not transient
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                rest = sorted((pack for batch in batches[done:] for row in batch for pack in row),
+                              key=lambda pack: (-pack.length, pack.prefix))  # the planner's order: longest first
+                batches = batches[:done] + plan_batches(rest, None, budget=budget)
+                continue
+            done += 1
+            for pack, logits in forwarded:
                 offset = 1  # row 0: the prefix's last position
                 for index, cont in pack.members:
                     # the prefix's last position predicts the first token; the continuation's own positions the rest
@@ -180,12 +216,15 @@ class PrefixLM(_LibraryBarsFollowTqdmDisable):
 
 
 def make_lm(model, tokenizer, batch_size: int | str, scorer: str = "prefix") -> HFLM:
-    """The lm-eval LM for an in-memory model on its own device, in its own dtype."""
+    """The lm-eval LM for an in-memory model on its own device, in its own dtype; log-softmax in float32."""
     device = next(model.parameters()).device
     if batch_size == "auto" and device.type != "cuda":
         batch_size = 16  # lm-eval's auto search probes GPU memory; on CPU a fixed size is faster and predictable
     cls = {"prefix": PrefixLM, "hflm": CountingHFLM}[scorer]
-    lm = cls(pretrained=model, tokenizer=tokenizer, device=str(device), batch_size=batch_size)
+    # log-softmax in float32 whatever the model's dtype: in bfloat16 a log-probability is rounded to 8 bits of
+    # mantissa, and two scorers that forward other shapes then disagree by more than the rounding of the logits
+    lm = cls(pretrained=model, tokenizer=tokenizer, device=str(device), batch_size=batch_size,
+             softmax_dtype=torch.float32)
     check(lm)  # the HFLM internals PrefixLM relies on
     lm.scorer = scorer
     return lm

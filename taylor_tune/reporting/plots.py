@@ -254,7 +254,11 @@ def render_speed_quality(data: SpeedQuality, path: Path) -> None:
         ax.axvline(1.0, color="grey", lw=0.8, ls=":")
         ax.set_xlabel("decode speedup against the unpruned model (batch 1)")
         ax.set_ylabel(label)
-    right.set_yscale("log")
+    from matplotlib.ticker import FormatStrFormatter
+
+    right.set_yscale("log")  # plain numbers on the ticks: a narrow range shows only minor ones
+    for ticks in (right.yaxis.set_major_formatter, right.yaxis.set_minor_formatter):
+        ticks(FormatStrFormatter("%.4g"))
     left.legend(fontsize=8)
     figure.suptitle(f"{data.model}: quality against measured speed (filled: uniform layout)")
     figure.savefig(path, dpi=120)
