@@ -19,7 +19,7 @@ on 2 CPU cores: spread it over sessions).
 A variant is `field=value` of the prune config, e.g. `criterion=taylor_sum` or `blockwise_attention=mlp_only`;
 it applies to the methods it concerns (criterion: taylor, layerwise, blockwise, magnitude; blockwise_attention:
 blockwise), or to those named after `@` (`criterion=l2@blockwise`: LLM-Pruner's L2 baseline). The `blockwise` rows
-use blockwise_attention closest_ratio unless a variant sets it (the product's default is now min_loss).
+use blockwise_attention closest_ratio unless a variant sets it (the product's default is now measured_loss).
 """
 
 from __future__ import annotations
