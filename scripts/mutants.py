@@ -82,7 +82,7 @@ MUTANTS = (
       ('mlp[layer] = set(scores.mlp[layer].argsort(kind="stable")[:mlp_here]',
        'mlp[layer] = set((-scores.mlp[layer]).argsort(kind="stable")[:mlp_here]')),
     m("random-unseeded", "pruning/methods/random.py", "the random baseline ignores its seed",
-      ("np.random.default_rng(options.seed)", "np.random.default_rng()")),
+      ("np.random.default_rng(seed)", "np.random.default_rng()")),
     # apply
     m("apply-bias", "pruning/apply.py", "a sliced projection keeps the first bias entries, not the kept rows",
       ("b.index_select(0, keep.to(b.device)) if dim == 0 else b", "b[:out_features] if dim == 0 else b")),
