@@ -8,6 +8,7 @@ masked outputs add nothing (the biases of o_proj and down_proj stay, as they do 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -26,8 +27,8 @@ def masked(model: torch.nn.Module, plan: PrunePlan):
         for layer, attn_removed, mlp_removed in zip(decoder_layers(model), plan.attn_removed, plan.mlp_removed):
             attn = layer.self_attn
             width = q_per_kv(attn) * head_dim(attn)
-            columns = [(layer.mlp.down_proj, list(mlp_removed))]
-            columns.append((attn.o_proj, [g * width + i for g in attn_removed for i in range(width)]))
+            columns = ((layer.mlp.down_proj, list(mlp_removed)),
+                       (attn.o_proj, [g * width + i for g in attn_removed for i in range(width)]))
             for linear, index in columns:
                 if index:
                     index = torch.tensor(index, device=linear.weight.device)
@@ -54,12 +55,12 @@ def calibration_loss(model: torch.nn.Module, ids: torch.Tensor, micro_batch_size
     return total / tokens
 
 
-def plan_loss(model: torch.nn.Module, ids: torch.Tensor, micro_batch_size: int):
-    """`PlanOptions.plan_loss` for this model: a candidate plan's calibration loss on the first LOSS_SEQUENCES."""
-    ids = ids[:LOSS_SEQUENCES]
+def plan_loss(model: torch.nn.Module, ids: Callable[[], torch.Tensor], micro_batch_size: int):
+    """`PlanOptions.plan_loss` for this model: a candidate plan's calibration loss on the first LOSS_SEQUENCES of
+    `ids()`, called only when a planner measures (the calibration draw is not made otherwise)."""
 
     def loss(plan: PrunePlan) -> float:
         with masked(model, plan):
-            return calibration_loss(model, ids, micro_batch_size)
+            return calibration_loss(model, ids()[:LOSS_SEQUENCES], micro_batch_size)
 
     return loss

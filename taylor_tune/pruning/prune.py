@@ -157,13 +157,16 @@ def prune(config: PruneConfig, *, importance_provider: ImportanceProvider | None
         timings |= provided.timings  # the provider's own split of its time into calibration and importance
 
     start = time.perf_counter()
-    loss = None
-    if config.uniform or (config.method == "blockwise" and config.blockwise_attention == "measured_loss"):
-        if calibration_ids is None:  # a cache hit, or a method without gradients: the same draw, no gradients
-            calibration_ids = load_calibration(tokenizer, resolve_text(config.calibration, config.model),
-                                               seq_len=config.seq_len, num_samples=config.num_samples, seed=config.seed)
-        loss = plan_loss(model, calibration_ids, config.micro_batch_size)
-    plan = make_plan(config, scores, layout, loss)
+    drawn = {"ids": calibration_ids}
+
+    def ids() -> torch.Tensor:  # only when a plan is measured; a cache hit or a method without gradients drew none
+        if drawn["ids"] is None:
+            drawn["ids"] = load_calibration(tokenizer, resolve_text(config.calibration, config.model),
+                                            seq_len=config.seq_len, num_samples=config.num_samples, seed=config.seed)
+        return drawn["ids"]
+
+    plan = make_plan(config, scores, layout, plan_loss(model, ids, config.micro_batch_size))
+    calibration_ids = drawn["ids"]
     apply_plan(model, plan)
     timings["prune_s"] = time.perf_counter() - start
 

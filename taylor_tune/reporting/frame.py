@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from taylor_tune.errors import ReportError
-from taylor_tune.reporting.stats import ACCURACY, Objective
+from taylor_tune.reporting.stats import ACCURACY, SPEED_COLUMNS, Objective
 from taylor_tune.schema import CONFIG_COLUMNS, task_columns, task_key
 
 GRAD_COLUMNS = ("grad_mean_ratio", "grad_norm_ratio", "grad_mean_range", "grad_norm_range")
@@ -254,7 +254,8 @@ def consolidate(rows: pd.DataFrame, source: str = "DataFrame") -> TrialTable:
         for column in (task_key(task), task_key(task, "_stderr")):
             if column in rows:
                 rows[column] = pd.to_numeric(rows[column], errors="coerce")
-    for column in ("acc_mean", "ppl", *GRAD_COLUMNS, "extreme_pruning_layers", "params_count", "pruning_ratio"):
+    for column in ("acc_mean", "ppl", *GRAD_COLUMNS, "extreme_pruning_layers", "params_count", "pruning_ratio",
+                   *SPEED_COLUMNS):
         if column in rows:
             rows[column] = pd.to_numeric(rows[column], errors="coerce")
     if "trial_id" not in rows:

@@ -396,14 +396,10 @@ SPEED_COLUMNS = ("prefill_speedup", "decode_speedup", "decode_batch_speedup", "m
 
 
 def speed_quality(df: pd.DataFrame) -> pd.DataFrame | None:
-    """Each trial's quality beside its measured speed against the unpruned model, fastest decode first; None when
-    no trial measured its speed."""
-    if "decode_speedup" not in df or pd.to_numeric(df["decode_speedup"], errors="coerce").isna().all():
+    """Each trial's quality beside its measured speed against the unpruned model, fastest decode first (a
+    consolidated table: its numbers are numbers); None when no trial measured its speed."""
+    if "decode_speedup" not in df or df["decode_speedup"].isna().all():
         return None
     columns = [c for c in ("trial_id", "pruning_method", "uniform", "sparsity", "taylor_seq_len", "taylor_num_samples",
                            "acc_mean", "ppl", *SPEED_COLUMNS) if c in df]
-    table = df[columns].copy()
-    for column in ("acc_mean", "ppl", *SPEED_COLUMNS):
-        if column in table:
-            table[column] = pd.to_numeric(table[column], errors="coerce")
-    return table.sort_values(["decode_speedup", "trial_id"], ascending=[False, True]).reset_index(drop=True)
+    return df[columns].sort_values(["decode_speedup", "trial_id"], ascending=[False, True]).reset_index(drop=True)

@@ -252,12 +252,14 @@ def load_experiment(path: str | Path, **overrides: Any) -> Experiment:
 
 
 def check_models(experiment: Experiment) -> None:
-    """Each model resolves (built-in, folder or hub id) and its config allows the largest seq_len and the perplexity
-    window."""
+    """Each model resolves (built-in, folder or hub id) and its config allows the largest seq_len, the perplexity
+    window and the speed measurement's sequences."""
     from taylor_tune.sources.models import load_model_config  # torch: only here, not when the file is validated
 
     longest = max(experiment.search_space.taylor_seq_len.values)
     window = experiment.evaluation.ppl_window if experiment.evaluation.ppl is not None else None
+    speed = experiment.evaluation.speed
+    timed = None if speed is None else max(speed.prefill_len, speed.prompt_len + speed.new_tokens)
     for model in experiment.models:
         config = load_model_config(model, trust_remote_code=bool(experiment.prune.get("trust_remote_code")))
         limit = getattr(config, "max_position_embeddings", None)
@@ -269,6 +271,9 @@ def check_models(experiment: Experiment) -> None:
             raise ConfigError(
                 f"evaluation.ppl_window: {window} is longer than the maximum context ({limit}) of {model}"
             )
+        if limit is not None and timed is not None and timed > limit:
+            raise ConfigError(f"evaluation.speed: sequences of {timed} tokens (prefill_len, or prompt_len + "
+                              f"new_tokens) exceed the maximum context of {model} ({limit} tokens)")
 
 
 def check_sources(experiment: Experiment) -> None:

@@ -65,16 +65,3 @@ def check_calibration_sizes(experiment: Experiment) -> None:
             raise ConfigError(f"search_space: the largest draw of {model} ({most} x {longest} tokens) does not fit: "
                               f"{error}") from None
 
-
-def check_speed(experiment: Experiment) -> None:
-    """The speed measurement's sequences fit every model's context."""
-    speed = experiment.evaluation.speed
-    if speed is None:
-        return
-    longest = max(speed.prefill_len, speed.prompt_len + speed.new_tokens)
-    for model in experiment.models:
-        config = load_model_config(model, trust_remote_code=bool(experiment.prune.get("trust_remote_code")))
-        limit = getattr(config, "max_position_embeddings", None)
-        if limit is not None and longest > limit:
-            raise ConfigError(f"evaluation.speed: sequences of {longest} tokens (prefill_len, or prompt_len + "
-                              f"new_tokens) exceed the maximum context of {model} ({limit} tokens)")

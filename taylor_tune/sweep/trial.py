@@ -105,15 +105,15 @@ def importance_fields(config: PruneConfig, *, dtype: torch.dtype, device: torch.
     }
 
 
-def unpruned_speed(trial: TrialConfig) -> dict:
-    """The unpruned model's speed (`measure_speed`) on this trial's device, measured once per model, dtype, device
-    and settings in a sweep: the first trial to ask measures under a file lock, the others read its result.
-    `unpruned_speed_s` says what measuring cost this trial (absent when read)."""
+def unpruned_speed(trial: TrialConfig) -> tuple[dict, float | None]:
+    """The unpruned model's speed (`measure_speed`) on this trial's device, and the seconds measuring it cost this
+    trial (None when read). Measured once per model, dtype, device and settings in a sweep: the first trial to ask
+    measures under a file lock, the others read its result."""
     config, spec = trial.prune, trial.evaluation.speed
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
 
-    def measure() -> dict:
+    def measure() -> tuple[dict, float]:
         start = time.perf_counter()
         model = load_model(config.model, device=device, dtype=dtype, trust_remote_code=config.trust_remote_code,
                            seed=config.seed)
@@ -121,7 +121,7 @@ def unpruned_speed(trial: TrialConfig) -> dict:
         del model  # before the trial loads its own copy
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        return measured | {"unpruned_speed_s": time.perf_counter() - start}
+        return measured, time.perf_counter() - start
 
     if trial.cache_dir is None:
         return measure()
@@ -133,14 +133,12 @@ def unpruned_speed(trial: TrialConfig) -> dict:
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when the process dies
         try:
-            saved = json.loads(path.read_text())
-            if saved.get("fields") == json.loads(json.dumps(fields)):
-                return saved["measured"]  # no unpruned_speed_s: the stage did not run here
-        except (OSError, ValueError, AttributeError, KeyError):
+            return json.loads(path.read_text())["measured"], None
+        except (OSError, ValueError, TypeError, KeyError):
             pass  # none yet, or one that does not read back: measured (again)
-        measured = measure()
-        write_json(path, {"fields": fields, "measured": {k: v for k, v in measured.items() if k != "unpruned_speed_s"}})
-        return measured
+        measured, seconds = measure()
+        write_json(path, {"fields": fields, "measured": measured})
+        return measured, seconds
 
 
 def layer_analysis(diagnostics: dict) -> list[dict]:
@@ -169,7 +167,7 @@ def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict]
     write_json(trial_dir / "config.json", trial.model_dump())
 
     on_gpu = torch.cuda.is_available() and config.device != "cpu"
-    unpruned = unpruned_speed(trial) if trial.evaluation.speed is not None else None
+    unpruned, unpruned_s = unpruned_speed(trial) if trial.evaluation.speed is not None else (None, None)
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     result = prune(config, importance_provider=cached_importance(trial))
@@ -189,9 +187,10 @@ def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict]
     if unpruned is not None:
         start = time.perf_counter()
         measured = measure_speed(result.model, trial.evaluation.speed, seed=config.seed)
-        metrics |= measured | speed_ratios(measured, unpruned) | {"stage": "speed"}
-        metrics |= {k if k == "unpruned_speed_s" else f"unpruned_{k}": v for k, v in unpruned.items()}
-        metrics["speed_s"] = time.perf_counter() - start
+        metrics |= measured | speed_ratios(measured, unpruned) | {f"unpruned_{k}": v for k, v in unpruned.items()}
+        if unpruned_s is not None:  # this trial measured the unpruned model (absent: read from the sweep's record)
+            metrics["unpruned_speed_s"] = unpruned_s
+        metrics |= {"stage": "speed", "speed_s": time.perf_counter() - start}
         report(dict(metrics))
 
     evaluation = trial.evaluation

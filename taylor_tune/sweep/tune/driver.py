@@ -37,7 +37,7 @@ from taylor_tune.sweep.experiment import (
     check_unchanged,
 )
 from taylor_tune.sweep.lock import driver_lock
-from taylor_tune.sweep.preflight import check_calibration_sizes, check_plans, check_speed
+from taylor_tune.sweep.preflight import check_calibration_sizes, check_plans
 from taylor_tune.sweep.tune.console import ConsoleCallback
 from taylor_tune.sweep.tune.metrics import SweepMetricsCallback
 from taylor_tune.sweep.tune.scheduler import FidelityASHA
@@ -66,7 +66,6 @@ def validate(experiment: Experiment) -> None:
     check_models(experiment)
     check_plans(experiment)
     check_calibration_sizes(experiment)
-    check_speed(experiment)
     gpu = experiment.resources.gpu
     local = not os.environ.get("RAY_ADDRESS")
     if local and experiment.resources.cpu > (os.cpu_count() or 1):
