@@ -95,13 +95,15 @@ MUTANTS = (
     # scorer
     m("scorer-sees-earlier-continuations", "evaluation/scorer.py",
       "a packed continuation attends to the earlier continuations of its pack",
-      ("allowed[row, first : first + n, start : start + p] = True",
-       "allowed[row, first : first + n, start:first] = True")),
+      ("(seen == prefix_of[:, :, None])", "(seen >= prefix_of[:, :, None])")),
     m("scorer-positions-run-on", "evaluation/scorer.py",
       "a continuation's positions continue after the previous continuation, not after the prefix",
-      ("torch.arange(p if number else 0, (p if number else 0) + n)", "torch.arange(first - start, first - start + n)")),
-    m("scorer-rows-off-by-one", "evaluation/scorer.py", "a continuation scored from its own positions only",
-      ("rows = [0, *range(offset, offset + len(cont) - 1)]", "rows = [*range(offset, offset + len(cont))]")),
+      ("positions[row, column : column + n] = np.arange(p, p + n)",
+       "positions[row, column : column + n] = np.arange(column - start, column - start + n)")),
+    m("scorer-rows-off-by-one", "evaluation/scorer.py",
+      "a continuation's first token scored from its own first position, not the prefix's last",
+      ("at_column.append(np.concatenate(([start + p - 1], np.arange(column, column + n))))",
+       "at_column.append(np.concatenate(([column], np.arange(column, column + n))))")),
     # calibration
     m("calibration-not-nested", "sources/calibration.py", "the document order depends on the sample count",
       ("np.random.default_rng(seed).permutation", "np.random.default_rng(seed + num_samples).permutation")),
@@ -113,6 +115,12 @@ MUTANTS = (
       ("<= z * gap_se]", "<= gap_se]")),
     m("stats-acc-mean-se", "reporting/stats.py", "acc_mean's stderr divided by sqrt(tasks), not by tasks",
       ("/ len(columns)", "/ math.sqrt(len(columns))")),
+    # the Pareto front
+    m("pareto-weak-dominance", "reporting/pareto.py", "a point equal in every objective counted as dominating",
+      ("strictly = (better[:, None, :] > better[None, :, :]).any(axis=2)",
+       "strictly = (better[:, None, :] >= better[None, :, :]).any(axis=2)")),
+    m("pareto-mode-ignored", "reporting/pareto.py", "every objective maximized, a perplexity too",
+      ("better = np.where([o.ascending for o in objectives], -values, values)", "better = values")),
     # the importance cache
     m("cache-key-without-seq-len", "sweep/trial.py", "the importance-cache key ignores seq_len",
       ('"seq_len": config.seq_len,\n', "")),

@@ -259,6 +259,9 @@ def _add_report(subparsers) -> None:
     p.add_argument("--output", required=True, help="folder for the report's files")
     p.add_argument("--model", help="report on this model only")
     p.add_argument("--z", type=float, default=None, help="z of the confidence intervals and ties (default 1.96: 95%%)")
+    p.add_argument("--constraint", action="append", default=[], metavar="METRIC>=VALUE",
+                   help="also the best configuration (by the sweep's metric) whose mean meets this, e.g. "
+                   "\"decode_speedup>=1.3\"; repeat for several (all must hold)")
     p.set_defaults(handler=_run_report)
 
 
@@ -268,7 +271,7 @@ def _run_report(args: argparse.Namespace) -> int:
 
     if args.z is not None and not args.z > 0:
         raise ConfigError(f"--z: must be > 0, got {args.z}")
-    report = build_report(args.path, model=args.model, z=args.z or Z95)
+    report = build_report(args.path, model=args.model, z=args.z or Z95, constraints=tuple(args.constraint))
     written = write_report(report, args.output)
     table = report.table
     print(f"{len(table.trials)} trials ({len(table.valid)} valid, {len(table.invalid)} invalid); "
@@ -277,6 +280,16 @@ def _run_report(args: argparse.Namespace) -> int:
         ppl = f", ppl {best['best_ppl']:.3f}" if best.get("best_ppl") is not None else ""
         print(f"overall best by {report.objective.metric}: {best['model']} with {best['best_method']}, "
               f"acc_mean {best['best_acc']:.4f}{ppl}")
+    for model, m in sorted(report.models.items()):
+        if m.front is not None:
+            print(f"{model}: {int(m.front['on_front'].sum())} of {len(m.front)} configurations on the Pareto front of "
+                  f"{' and '.join(o.metric for o in m.front_objectives)}")
+        if (constrained := m.constrained) is not None:
+            chosen = constrained["best"]
+            metric = report.objective.metric
+            print(f"{model} under {', '.join(constrained['constraints'])}: " + (
+                f"{chosen['point']} with {metric} {chosen[metric]:.4f} ({constrained['satisfying']} of "
+                f"{constrained['of']} configurations qualify)" if chosen is not None else constrained["reason"]))
     return 0
 
 

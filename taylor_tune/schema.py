@@ -2,7 +2,8 @@
 
 A trial reports flat metrics to Tune (and writes them to `evaluation.json`); the driver, the Ray metrics, the
 console, `status` and the report read them back. The configuration columns (`model`, `pruning_method`,
-`taylor_seq_len`, `taylor_num_samples`, `seed`: the source tables' spelling), the stage names and their
+`taylor_seq_len`, `taylor_num_samples`, `seed`: the source tables' spelling; and every other search dimension),
+the stage names and their
 `<stage>_s` / `<stage>_tokens` timings, and the per-task `acc_<task>[_stderr|_n|_sel|_heldout]` columns are
 defined below. Pure: imports neither torch nor ray.
 """
@@ -11,8 +12,15 @@ from __future__ import annotations
 
 from taylor_tune.config import ZERO_SHOT_TASKS
 
-# Search dimensions (as the source tables spell them) and the PruneConfig fields they set.
-DIMENSIONS = {"taylor_seq_len": "seq_len", "taylor_num_samples": "num_samples", "pruning_method": "method"}
+# Search dimensions and the PruneConfig fields they set: the paper's three as the source tables spell them, every
+# other pruning setting a search may vary under its own name. Every trial reports all of them as columns.
+DIMENSIONS = {
+    "taylor_seq_len": "seq_len", "taylor_num_samples": "num_samples", "pruning_method": "method",
+    "sparsity": "sparsity", "layerwise_max_ratio": "layerwise_max_ratio",
+    "blockwise_layer_start": "blockwise_layer_start", "blockwise_layer_end": "blockwise_layer_end",
+    "blockwise_attention": "blockwise_attention", "criterion": "criterion", "calibration": "calibration",
+    "uniform": "uniform",
+}
 # What identifies a trial's configuration in every table.
 CONFIG_COLUMNS = ("model", "pruning_method", "taylor_seq_len", "taylor_num_samples", "seed")
 
@@ -78,6 +86,19 @@ def task_columns(columns) -> tuple[str, ...]:
     return tuple(t for t in ZERO_SHOT_TASKS if t in found) + tuple(sorted(found - set(ZERO_SHOT_TASKS)))
 
 
-def objective_metrics(tasks) -> list[str]:
-    """Every metric a sweep over `tasks` can rank by."""
-    return ["acc_mean", "ppl", *(task_key(t) for t in tasks)]
+# The measured-speed metrics a trial reports when its evaluation measures speed (> 1 = faster; memory < 1 = smaller).
+SPEED_METRICS = ("prefill_speedup", "decode_speedup", "decode_batch_speedup", "memory_ratio")
+# The direction in which each objective metric is better (an accuracy acc_<task>: max).
+BETTER = {"acc_mean": "max", "ppl": "min", "params_count": "min", "pruning_ratio": "max", "prefill_speedup": "max",
+          "decode_speedup": "max", "decode_batch_speedup": "max", "memory_ratio": "min"}
+
+
+def objective_metrics(tasks, speed: bool = False) -> list[str]:
+    """Every metric a sweep over `tasks` can rank by (with `speed`, the measured-speed ones too)."""
+    return ["acc_mean", "ppl", *(task_key(t) for t in tasks), "params_count", "pruning_ratio",
+            *(SPEED_METRICS if speed else ())]
+
+
+def better(metric: str) -> str:
+    """max or min: the direction in which `metric` improves."""
+    return BETTER.get(metric, "max")

@@ -50,6 +50,15 @@ def run_sweep(experiment: Path, *extra: str, timeout: float = 600, **faults: str
                           env=env(**faults), cwd=REPO)
 
 
+def run_sweep_to_end(experiment: Path) -> subprocess.CompletedProcess:
+    """Run a sweep that must finish (exit 0), then stop whatever Ray it started."""
+    started = time.time()
+    proc = run_sweep(experiment)
+    kill_ray_started_after(started)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc
+
+
 def trial_dirs(experiment_dir: Path) -> dict[str, Path]:
     """trial id -> folder, for every trial Tune made. A trial that started in the instant before a SIGKILL, before
     the saved state knew of it, gets a second folder (a new timestamp) when it runs again: the finished one wins."""

@@ -50,6 +50,9 @@ def test_the_tune_param_space_expands_to_the_grid():
     }
 
 
+UNFIXED = {k: v for k, v in SMALL["prune"].items() if k != "sparsity"}  # the fixed settings, sparsity left to search
+
+
 def bad(tmp_path, **changes):
     data = {"name": "bad", **SMALL, "storage_path": str(tmp_path / "s")}
     for key, value in changes.items():
@@ -106,6 +109,39 @@ CASES = [
     (dict(test_fault={"pruning_method": "taylor"}), "test_fault: unknown key"),
     (dict(prune={"calibration": "/no/such.txt"}), "calibration: '/no/such.txt' is neither a dataset"),
     (dict(evaluation={"tasks": "piqa", "task_data": "/no/such", "ppl": None}), "task_data: '/no/such' is neither"),
+] + [  # spaces over any pruning setting, and several objectives
+    (dict(search_space={"colour": {"grid": [1]}}), "search_space: unknown dimension 'colour'; a search may vary"),
+    (dict(search_space={"sparsity": {"grid": [0.1, 1.5]}}, prune=UNFIXED),
+     "search_space.sparsity: Input should be less than 1 (got 1.5)"),
+    (dict(search_space={"uniform": {"grid": [False, "yes"]}}), "search_space.uniform: Input should be a valid boolean"),
+    (dict(search_space={"blockwise_attention": {"grid": ["largest"]}}), "search_space.blockwise_attention: Input "
+     "should be 'closest_ratio', 'measured_loss', 'mlp_only' or 'min_loss' (got 'largest')"),
+    (dict(search_space={"sparsity": {"grid": [0.1, 0.1]}}, prune=UNFIXED), "a value is listed twice"),
+    (dict(search_space={"blockwise_layer_start": {"grid": [1, 3]}, "blockwise_layer_end": {"grid": [2, 4]}}),
+     "search_space: the combination (blockwise_layer_start 3, blockwise_layer_end 2) is not a valid pruning: "
+     "blockwise_layer_end (2) must be greater than blockwise_layer_start (3)"),
+    (dict(search_space={"blockwise_layer_end": {"grid": [2]}}, prune={**UNFIXED, "blockwise_layer_start": 2}),
+     "the combination (blockwise_layer_end 2) is not a valid pruning"),
+    (dict(search_space={"sparsity": {"grid": [0.1, 0.3]}}), "prune.sparsity is also searched (search_space.sparsity)"),
+    (dict(search_space={"pruning_method": {"grid": ["taylor"]}, "sparsity": {"grid": [0.2, 0.9]},
+                        "uniform": {"grid": [True]}}, prune=UNFIXED),
+     "prune: taylor on tiny-llama cannot be planned with these settings (sparsity 0.9, uniform True)"),
+    (dict(search_space={"blockwise_layer_end": {"grid": [3, 40]}, "pruning_method": {"grid": ["blockwise"]}}),
+     "(blockwise_layer_end 40): blockwise: layer range [1, 40) is empty or outside the model's 4 layers"),
+    (dict(search={"algorithm": "tpe", "num_trials": 1}, search_space={}), "tpe needs at least one dimension"),
+    (dict(objectives=[{"metric": "acc_mean"}, {"metric": "speed"}]), "objectives: 'speed' is not reported"),
+    (dict(objectives=[{"metric": "acc_mean"}, {"metric": "decode_speedup"}], evaluation={**SMALL["evaluation"],
+                                                                                        "speed": None}),
+     "objectives: 'decode_speedup' is not reported by these trials (speed metrics need evaluation.speed)"),
+    (dict(objectives=[{"metric": "acc_mean"}, {"metric": "memory_ratio", "mode": "max"}]),
+     "mode: 'max' would search for the worst memory_ratio; use mode: min"),
+    (dict(objectives=[{"metric": "acc_mean"}, {"metric": "acc_mean"}]), "objectives: acc_mean is listed twice"),
+    (dict(objectives=[{"metric": "acc_mean"}, {"metric": "decode_speedup"}], metric="acc_mean"),
+     "give objectives or metric and mode, not both"),
+    (dict(objectives=[{"metric": "acc_mean"}, {"metric": "decode_speedup"}],
+          search={"algorithm": "tpe", "num_trials": 3, "scheduler": "asha"},
+          evaluation={**SMALL["evaluation"], "fidelities": [5, 10]}),
+     "search.scheduler: asha stops trials by one metric and cannot rank several objectives"),
 ]
 
 

@@ -263,3 +263,46 @@ def test_out_of_memory_halves_the_budget_once_and_a_second_time_fails(monkeypatc
 
     with pytest.raises(torch.OutOfMemoryError):
         lm._loglikelihood_tokens(requests, disable_tqdm=True)
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Counts every way a tensor's values reach Python (item, tolist, float/int/bool/index: on CUDA each one waits
+    for the device and copies) while `counting` is set; the model's own forward switches it off."""
+
+    READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__float__, torch.Tensor.__int__,
+             torch.Tensor.__bool__, torch.Tensor.__index__}
+
+    def __init__(self):
+        super().__init__()
+        self.reads, self.counting = [], True
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.counting and func in self.READS:
+            self.reads.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_scoring_copies_to_the_host_once_per_batch():
+    """Issue 30, point 2: every continuation's log-likelihood and greedy check are computed on the device and come
+    back in one copy per forward pass (the model's own forward not counted); the answers are HFLM's definition."""
+    model, tokenizer = load_model("tiny-llama-random"), load_tokenizer("tiny-llama-random")
+    requests = _requests(40)
+    expected = [reference(model, ctx, cont, 512) for _, ctx, cont in requests]
+    lm = make_lm(model, tokenizer, 4, "prefix")
+    counter, forward, passes = HostReads(), model.forward, []
+
+    def uncounted(*args, **kwargs):
+        counter.counting = False
+        try:
+            passes.append(1)
+            return forward(*args, **kwargs)
+        finally:
+            counter.counting = True
+
+    model.forward = uncounted
+    with counter:
+        got = lm._loglikelihood_tokens(requests, disable_tqdm=True)
+    del model.forward
+    assert len(passes) > 3 and counter.reads == ["tolist"] * len(passes), counter.reads
+    for (ll, greedy), (ref_ll, ref_greedy) in zip(got, expected, strict=True):
+        assert abs(ll - ref_ll) <= 1e-4 and greedy == ref_greedy

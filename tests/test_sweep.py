@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pandas as pd
 import psutil
 import pytest
 import requests
@@ -26,6 +27,7 @@ from tests.sweep_helpers import (
     finished,
     kill_ray_started_after,
     run_sweep,
+    run_sweep_to_end,
     scrape,
     screenshot,
     sweep_command,
@@ -442,6 +444,57 @@ def test_tpe_with_asha_runs_one_study_per_model(tmp_path):
     assert len(table.invalid) == len(stopped) and all(
         "stopped early by the scheduler" in r for r in table.invalid["reason"]
     )
+
+
+def test_a_multi_objective_tpe_sweep_searches_any_setting_and_reports_the_front(tmp_path):
+    import pickle
+
+    from tests.test_pareto import brute_force
+
+    experiment = write_experiment(
+        tmp_path, "pareto",
+        search_space={"pruning_method": {"choice": ["taylor", "random"]}, "sparsity": {"choice": [0.1, 0.2, 0.3]},
+                      "uniform": {"choice": [False, True]}},
+        prune={k: v for k, v in SMALL["prune"].items() if k != "sparsity"},
+        search={"algorithm": "tpe", "num_trials": 5, "n_startup_trials": 2, "seed": 0},
+        objectives=[{"metric": "acc_mean"}, {"metric": "decode_speedup"}],
+        evaluation={**SMALL["evaluation"], "speed": {"prefill_batch": 1, "prefill_len": 16, "decode_batch": 2,
+                                                     "prompt_len": 8, "new_tokens": 4, "repeats": 1, "warmup": 0}},
+    )
+    proc = run_sweep_to_end(experiment)
+    folder = tmp_path / "sweeps" / "pareto"
+    rows = analysis_rows(folder)
+    keys = {(r["pruning_method"], r["sparsity"], r["uniform"]) for r in rows}
+    assert len(rows) == 5 and len(keys) == 5  # five distinct configurations of the space, each run once
+    assert all(r["taylor_seq_len"] == 64 and r["taylor_num_samples"] == 128 for r in rows)  # unsearched: defaults
+    assert all(r["decode_speedup"] > 0 and 0 <= r["acc_mean"] <= 1 for r in rows)
+    assert all(f"sparsity={r['sparsity']}" in proc.stdout for r in rows)  # the console names what was searched
+    # one multi-objective Optuna study per model, told both values of every trial
+    with open(sorted(folder.glob("searcher-state-*.pkl"))[-1], "rb") as f:
+        study = pickle.load(f)["studies"]["tiny-llama"].study  # our own sweep's file, written by this test
+    assert len(study.directions) == 2
+    told = {tuple(t.params[k] for k in ("pruning_method", "sparsity", "uniform")): t.values for t in study.trials
+            if t.state.name == "COMPLETE"}
+    reported = {(r["pruning_method"], r["sparsity"], r["uniform"]): [r["acc_mean"], r["decode_speedup"]] for r in rows}
+    assert {k: told[k] for k in keys} == {k: pytest.approx(v, rel=1e-9) for k, v in reported.items()}
+    # the report: the front of the kept results equals a brute-force filter of them; the best under a constraint
+    out = tmp_path / "report"
+    report = subprocess.run([*sweep_command(folder)[:3], "report", str(folder), "--output", str(out),
+                             "--constraint", "decode_speedup>=0.5"], capture_output=True, text=True, env=env())
+    assert report.returncode == 0, report.stderr
+    kept = pd.read_csv(out / "consolidated_tiny-llama" / "all_methods_results.csv")
+    front = pd.read_csv(out / "consolidated_tiny-llama" / "pareto_front.csv")
+    expected, dominators = brute_force(kept, [("acc_mean", "max"), ("decode_speedup", "max")])
+    assert set(front.loc[front["on_front"], "point"]) == expected and "Pareto front" in report.stdout
+    assert {p: sorted(str(d).split(";")) if isinstance(d, str) else [] for p, d in
+            zip(front["point"], front["dominated_by"])} == dominators
+    best = json.loads((out / "consolidated_tiny-llama" / "best_under_constraints.json").read_text())
+    meeting = kept[kept["decode_speedup"] >= 0.5].sort_values(["acc_mean", "trial_id"], ascending=[False, True])
+    assert best["best"]["point"] == meeting["trial_id"].iloc[0] and best["satisfying"] == len(meeting)
+    assert (out / "figures" / "pareto_tiny-llama.png").is_file()
+    refused = subprocess.run([*sweep_command(folder)[:3], "report", str(folder), "--output", str(out),
+                              "--constraint", "speed>=1"], capture_output=True, text=True, env=env())
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "'speed' is not a column" in refused.stderr
 
 
 def test_a_sweep_for_the_lowest_perplexity_is_ranked_by_it_in_tune_status_and_report(tmp_path):

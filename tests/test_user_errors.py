@@ -164,12 +164,17 @@ def test_an_edited_experiment_is_not_silently_resumed_with_its_old_settings(caps
     # a record written before a newer taylor_tune added a field (evaluation.speed) resumes where the field has its
     # default, and not where the file sets another value
     saved = json.loads((folder / SAVED_EXPERIMENT).read_text())
-    del saved["evaluation"]["speed"]
+    del saved["evaluation"]["speed"], saved["objectives"]  # and the dimensions added with the wider search space
+    saved["search_space"] = {k: v for k, v in saved["search_space"].items() if k in SMALL["search_space"]}
     (folder / SAVED_EXPERIMENT).write_text(json.dumps(saved))
     check_unchanged(load_experiment(experiment(tmp_path)), str(folder))  # the original file again
     faster = experiment(tmp_path, evaluation={**SMALL["evaluation"], "speed": {"repeats": 5}})
     with pytest.raises(ConfigError, match=r"evaluation\.speed\.repeats differ"):
         check_unchanged(load_experiment(faster), str(folder))
+    wider = experiment(tmp_path, search_space={**SMALL["search_space"], "uniform": {"grid": [False, True]}},
+                       objectives=[{"metric": "acc_mean"}, {"metric": "decode_speedup"}])
+    with pytest.raises(ConfigError, match=r"objectives, search_space\.uniform\.grid differ"):
+        check_unchanged(load_experiment(wider), str(folder))
 
 
 def test_report_follows_no_symbolic_link_out_of_a_trial_or_into_the_output(capsys, tmp_path):

@@ -12,6 +12,12 @@ What is scored is HFLM's definition exactly, because PrefixLM is an HFLM: lm-eva
 to `max_length + 1` tokens, the log-probabilities of the continuation tokens summed, and is_greedy. Only the
 forward pass is shared. Both scorers count the token positions they forward, padding included (what the
 accelerator pays for), as `tokens_forwarded`.
+
+PrefixLM keeps the accelerator busy: a batch's token ids, position ids and segment numbers are laid out on the host
+with one step per pack and per request (never per token) and go to the device in one copy; the block-causal mask is
+built there from the segments; every continuation's log-likelihood and greedy check are computed there (one
+log-softmax over the kept positions, in chunks, one gather, sums by `index_add_`); and the answers come back in one
+copy per batch, queued behind the batch's work while the host prepares the next batch.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from lm_eval.models.huggingface import HFLM
@@ -94,11 +101,29 @@ def plan_batches(packs: list[Pack], rows: int | None, budget: int | None = None)
 def token_budget(model, free_bytes: int, widest: int, dtype_bytes: int) -> int:
     """Tokens per forward pass that fit in half of `free_bytes`, for a batch as wide as `widest`: per token the
     hidden states and MLP activations of one layer at a time (inference frees each layer's), its row of the 4-D
-    additive mask (`widest` entries), and a float32 row of logits (the worst case: every position kept)."""
+    additive mask (`widest` entries) and of the boolean tensors it is built from (three bytes an entry), and a float32
+    row of logits (the worst case: every position kept)."""
     config = model.config
-    per_token = (dtype_bytes * (8 * config.hidden_size + 3 * config.intermediate_size + widest)
+    per_token = (dtype_bytes * (8 * config.hidden_size + 3 * config.intermediate_size) + (dtype_bytes + 3) * widest
                  + 4 * config.vocab_size)
     return max(widest, free_bytes // 2 // per_token)
+
+
+@dataclass
+class Prepared:
+    """One forward pass, built on the host: `inputs` [5, rows, width] (token ids, position ids, segment of each
+    position, the segment it also sees, kept or not) and `scored` [3, entries] (kept row, target token, request slot
+    of every scored token, sorted by kept row); `requests` maps a slot to its request's index."""
+
+    inputs: torch.Tensor
+    scored: torch.Tensor
+    requests: list[int]
+    kept: int
+    unpadded: int
+
+
+# elements of one float32 log-softmax chunk over the vocabulary (64 MiB): bounds the scoring's memory
+SOFTMAX_ELEMENTS = 1 << 24
 
 
 class PrefixLM(_LibraryBarsFollowTqdmDisable):
@@ -122,50 +147,92 @@ class PrefixLM(_LibraryBarsFollowTqdmDisable):
         dtype = self.mixed_precision_dtype or self.model.dtype
         return token_budget(self.model, free, widest, torch.finfo(dtype).bits // 8)
 
-    def _forward(self, batch: list[list[Pack]]) -> list[tuple[Pack, torch.Tensor]]:
-        """Each pack with the logits of the positions that predict its continuations' tokens: its prefix's last
-        position, then every continuation position, [pack length - len(prefix) + 1, vocab].
-
-        Only those rows go through the output layer (transformers' boolean `logits_to_keep`): with a 150k-word
-        vocabulary the full [rows, width, vocab] logits of a batch are gigabytes, and most of them are context."""
-        width = sum(pack.length for pack in batch[0])
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        positions = torch.zeros(len(batch), width, dtype=torch.long)
-        allowed = torch.eye(width, dtype=torch.bool).repeat(len(batch), 1, 1)  # padding attends to itself: no NaN rows
-        keep = torch.zeros(len(batch), width, dtype=torch.bool)
-        placed = []
+    def _prepare(self, batch: list[list[Pack]]) -> Prepared:
+        """A batch's inputs and scoring indices, built on the host with one Python step per pack and per request
+        (never per token), ready to go to the device in two copies."""
+        rows, width = len(batch), sum(pack.length for pack in batch[0])
+        ids = np.zeros((rows, width), dtype=np.int64)
+        positions = np.zeros((rows, width), dtype=np.int64)
+        segment = -1 - np.arange(rows * width, dtype=np.int64).reshape(rows, width)  # padding: a segment of its own
+        prefix_of = segment.copy()  # the segment a position sees besides its own (its pack's prefix)
+        keep = np.zeros((rows, width), dtype=bool)
+        at_row, at_column, targets, owners, requests = [], [], [], [], []
+        number = 0
         for row, packs in enumerate(batch):
             start = 0
             for pack in packs:
-                placed.append((pack, row, start))
                 p = len(pack.prefix)
+                ids[row, start : start + p] = pack.prefix
+                positions[row, start : start + p] = np.arange(p)
+                segment[row, start : start + p] = prefix_of[row, start : start + p] = prefix = number
+                number += 1
                 keep[row, start + p - 1 : start + pack.length] = True
-                segments = [(list(pack.prefix), start)]  # (tokens, first column); positions restart at each pack
                 column = start + p
-                for _, cont in pack.members:
-                    segments.append((cont[:-1], column))
-                    column += len(cont) - 1
-                for number, (tokens, first) in enumerate(segments):
-                    n = len(tokens)
-                    ids[row, first : first + n] = torch.tensor(tokens, dtype=torch.long)
-                    positions[row, first : first + n] = torch.arange(p if number else 0, (p if number else 0) + n)
-                    allowed[row, first : first + n, first : first + n] = torch.ones(n, n, dtype=torch.bool).tril()
-                    if number:  # a continuation sees its pack's prefix
-                        allowed[row, first : first + n, start : start + p] = True
+                for index, cont in pack.members:
+                    n = len(cont) - 1  # its last token is predicted, never forwarded
+                    ids[row, column : column + n] = cont[:-1]
+                    positions[row, column : column + n] = np.arange(p, p + n)  # continuing from the prefix
+                    segment[row, column : column + n], prefix_of[row, column : column + n] = number, prefix
+                    number += 1
+                    # the prefix's last position predicts the first token, the continuation's own positions the rest
+                    at_column.append(np.concatenate(([start + p - 1], np.arange(column, column + n))))
+                    at_row.append(np.full(n + 1, row))
+                    targets.append(cont)
+                    owners.append(np.full(n + 1, len(requests)))
+                    requests.append(index)
+                    column += n
                 start = column
+        kept_row = np.cumsum(keep.ravel()).reshape(rows, width) - 1  # a kept position's row in the kept logits
+        scored = np.stack([kept_row[np.concatenate(at_row), np.concatenate(at_column)],
+                           np.concatenate(targets), np.concatenate(owners)])
+        scored = scored[:, np.argsort(scored[0], kind="stable")]  # by kept row: each chunk of rows is one slice
+        inputs = torch.from_numpy(np.stack([ids, positions, segment, prefix_of, keep.astype(np.int64)]))
+        return Prepared(inputs, torch.from_numpy(scored), requests, int(keep.sum()),
+                        sum(pack.length for packs in batch for pack in packs))
+
+    def _forward(self, prepared: Prepared) -> torch.Tensor:
+        """Forward one prepared batch and score it on the device: [2, requests] float64, each request's summed
+        log-likelihood and its count of tokens that are not the greedy choice. Nothing is read back here.
+
+        Only the positions that predict a continuation token go through the output layer (transformers' boolean
+        `logits_to_keep`): with a 150k-word vocabulary the full [rows, width, vocab] logits are gigabytes."""
+        on_cuda = self.device.type == "cuda"  # pinned host memory: the copies do not wait for the device
+        inputs, scored = (t.pin_memory().to(self.device, non_blocking=True) if on_cuda else t
+                          for t in (prepared.inputs, prepared.scored))
+        ids, positions, segment, prefix_of, keep = inputs
+        keep = keep.bool()
+        # the block-causal mask, built on the device: a position sees the earlier positions of its own segment and of
+        # its pack's prefix (padding only itself, so no row is all -inf)
+        column = torch.arange(ids.shape[1], device=self.device)
+        earlier = column[None, :] <= column[:, None]
+        seen = segment[:, None, :]
+        allowed = earlier & ((seen == segment[:, :, None]) | (seen == prefix_of[:, :, None]))
         dtype = self.mixed_precision_dtype or self.model.dtype
         # additive float mask: what both the eager and the SDPA attention of transformers accept as a custom 4-D mask
-        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min).unsqueeze(1)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill_(
+            ~allowed, torch.finfo(dtype).min).unsqueeze(1)
         self.tokens_forwarded += ids.numel()
-        self.tokens_unpadded += sum(pack.length for packs in batch for pack in packs)
+        self.tokens_unpadded += prepared.unpadded
         with torch.no_grad(), torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
                                              enabled=self.mixed_precision_dtype is not None):
-            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                position_ids=positions.to(self.device), use_cache=False,
-                                logits_to_keep=keep.to(self.device)).logits  # [kept positions, vocab], row-major
-        first_kept = (keep.flatten().cumsum(0) - 1).view_as(keep)  # a kept position's row in `logits`
-        return [(pack, logits[first_kept[row, start + len(pack.prefix) - 1] :][: pack.length - len(pack.prefix) + 1])
-                for pack, row, start in placed]
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
+                                logits_to_keep=keep).logits  # [kept positions, vocab], row-major
+            kept_row, target, owner = scored
+            logprob = torch.empty(target.shape, dtype=torch.float64, device=self.device)
+            greedy = torch.empty(target.shape, dtype=torch.bool, device=self.device)
+            # the log-softmax a few thousand rows at a time: [kept, vocab] in float32 at once can be gigabytes
+            step = max(1, SOFTMAX_ELEMENTS // logits.shape[-1])
+            bounds = np.searchsorted(prepared.scored[0].numpy(), np.arange(0, prepared.kept + step, step))
+            for chunk, first in enumerate(range(0, prepared.kept, step)):
+                a, b = int(bounds[chunk]), int(bounds[chunk + 1])
+                rows = F.log_softmax(logits[first : first + step], dim=-1, dtype=self.softmax_dtype)
+                local = kept_row[a:b] - first
+                logprob[a:b] = rows[local, target[a:b]].double()
+                greedy[a:b] = rows.argmax(-1)[local] == target[a:b]
+            per_request = torch.zeros(2, len(prepared.requests), dtype=torch.float64, device=self.device)
+            per_request[0].index_add_(0, owner, logprob)
+            per_request[1].index_add_(0, owner, (~greedy).double())
+        return per_request
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
         if self.backend != "causal":
@@ -180,10 +247,25 @@ class PrefixLM(_LibraryBarsFollowTqdmDisable):
         auto = self.batch_size == "auto"
         budget = self._budget(packs) if auto else None
         batches = plan_batches(packs, None if auto else self.batch_size, budget=budget)
-        done, retried = 0, False
+
+        def collect(pending: tuple[Prepared, torch.Tensor, object]) -> None:
+            """Read one batch's answers: its one copy to the host (waited for only now)."""
+            prepared, host, ready = pending
+            if ready is not None:
+                ready.synchronize()
+            sums, misses = host.tolist()
+            for slot, index in enumerate(prepared.requests):
+                answer = (sums[slot], misses[slot] == 0)
+                results[index] = answer
+                if requests[index][0] is not None:  # None: a rolling window, cached per document by the caller
+                    self.cache_hook.add_partial("loglikelihood", requests[index][0], answer)
+            pbar.update(len(prepared.requests))
+
+        done, retried, pending = 0, False, None
+        prepared = self._prepare(batches[0]) if batches else None
         while done < len(batches):
             try:
-                forwarded = self._forward(batches[done])
+                scored = self._forward(prepared)
             except torch.OutOfMemoryError:
                 if not auto or retried:
                     raise
@@ -193,24 +275,20 @@ class PrefixLM(_LibraryBarsFollowTqdmDisable):
                 rest = sorted((pack for batch in batches[done:] for row in batch for pack in row),
                               key=lambda pack: (-pack.length, pack.prefix))  # the planner's order: longest first
                 batches = batches[:done] + plan_batches(rest, None, budget=budget)
+                prepared = self._prepare(batches[done])
                 continue
-            done += 1
-            for pack, logits in forwarded:
-                offset = 1  # row 0: the prefix's last position
-                for index, cont in pack.members:
-                    # the prefix's last position predicts the first token; the continuation's own positions the rest
-                    rows = [0, *range(offset, offset + len(cont) - 1)]
-                    offset += len(cont) - 1
-                    logprobs = F.log_softmax(logits[rows], dim=-1, dtype=self.softmax_dtype)
-                    target = torch.tensor(cont, dtype=torch.long, device=logprobs.device)
-                    answer = (
-                        float(logprobs.gather(1, target[:, None]).sum()),
-                        bool((logprobs.argmax(-1) == target).all()),
-                    )
-                    results[index] = answer
-                    if requests[index][0] is not None:  # None: a rolling window, cached per document by the caller
-                        self.cache_hook.add_partial("loglikelihood", requests[index][0], answer)
-                    pbar.update(1)
+            # the copy to the host is queued behind the batch's work; the next batch is prepared while it runs
+            host = torch.empty(scored.shape, dtype=scored.dtype, pin_memory=self.device.type == "cuda")
+            host.copy_(scored, non_blocking=self.device.type == "cuda")
+            ready = torch.cuda.Event() if self.device.type == "cuda" else None
+            if ready is not None:
+                ready.record()
+            if pending is not None:
+                collect(pending)
+            pending, done = (prepared, host, ready), done + 1
+            prepared = self._prepare(batches[done]) if done < len(batches) else None
+        if pending is not None:
+            collect(pending)
         pbar.close()
         return results
 

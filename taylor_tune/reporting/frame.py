@@ -66,6 +66,19 @@ class TrialTable:
             )
         return Objective(*pairs.iloc[0]) if len(pairs) else ACCURACY
 
+    @property
+    def objectives(self) -> tuple[Objective, ...]:
+        """Every objective of the search, the primary (`objective`) first; one unless it searched several."""
+        if "objectives" not in self.trials:
+            return (self.objective,)
+        found = self.trials["objectives"].dropna().unique()
+        if len(found) > 1:
+            raise ReportError(f"{self.source}: the trials searched different objectives ({'; '.join(found)}); "
+                              "report one sweep at a time")
+        if not len(found):
+            return (self.objective,)
+        return tuple(Objective(*item.split(":")) for item in found[0].split(","))
+
     def for_model(self, model: str) -> TrialTable:
         if model not in self.models:
             raise ReportError(f"--model {model!r}: not in the experiment; models: {', '.join(self.models) or 'none'}")
@@ -149,6 +162,9 @@ def read_trial(filesystem, trial_dir: str) -> dict:
     objective = ((config or {}).get("fixed") or {}).get("objective") or {}
     if objective:
         row["objective_metric"], row["objective_mode"] = objective.get("metric"), objective.get("mode")
+    objectives = ((config or {}).get("fixed") or {}).get("objectives") or []
+    if len(objectives) > 1:  # a multi-objective search: `metric:mode` of each, the primary first
+        row["objectives"] = ",".join(f"{o.get('metric')}:{o.get('mode')}" for o in objectives)
     error = read_text(filesystem, posixpath.join(trial_dir, "error.txt"))
     if error:
         row["error"] = _last_failure(error)

@@ -80,6 +80,31 @@ class SpeedQuality:
         return asdict(self)
 
 
+@dataclass
+class ParetoData:
+    """The first two objectives of a Pareto front: every configuration with its uncertainty, the front marked."""
+
+    model: str
+    x_metric: str  # the second objective (e.g. decode_speedup)
+    y_metric: str  # the first (the sweep's metric)
+    y_log: bool
+    y_lower_better: bool
+    x_lower_better: bool
+    methods: list[str]
+    x: list[list[float]]  # [method index][point]
+    y: list[list[float]]
+    x_se: list[list[float | None]]
+    y_se: list[list[float | None]]
+    on_front: list[list[bool]]
+    labels: list[list[str]]  # uniform or free
+    points: list[list[str]]
+    front_x: list[float]  # the front in order of x, for its line
+    front_y: list[float]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
 def _none_if_nan(value) -> float | None:
     return None if value is None or pd.isna(value) else float(value)
 
@@ -144,11 +169,30 @@ def speed_quality_data(table: pd.DataFrame, model: str) -> SpeedQuality:
     def column(name):
         return [[_none_if_nan(v) for v in r[name]] if name in r else [None] * len(r) for r in rows]
 
-    def label(uniform) -> str:  # a bool column iterates as numpy bools; a missing value is NaN or None
-        return "uniform" if isinstance(uniform, (bool, np.bool_)) and uniform else "free"
-
-    labels = [[label(u) for u in r.get("uniform", [None] * len(r))] for r in rows]
+    labels = [[_uniform_label(u) for u in r.get("uniform", [None] * len(r))] for r in rows]
     return SpeedQuality(model, methods, column("decode_speedup"), column("acc_mean"), column("ppl"), labels)
+
+
+def _uniform_label(uniform) -> str:  # a bool column iterates as numpy bools; a missing value is NaN or None
+    return "uniform" if isinstance(uniform, (bool, np.bool_)) and uniform else "free"
+
+
+def pareto_data(front: pd.DataFrame, model: str, objectives) -> ParetoData:
+    """From `pareto.pareto_front`'s table of one model (its first two objectives)."""
+    y, x = objectives[0].metric, objectives[1].metric
+    methods = sorted(front["pruning_method"].dropna().astype(str).unique()) if "pruning_method" in front else ["all"]
+    rows = [front[front["pruning_method"] == m] if "pruning_method" in front else front for m in methods]
+    line = front[front["on_front"]].sort_values(x)
+    return ParetoData(
+        model, x, y, multiplicative(y), objectives[0].ascending, objectives[1].ascending, methods,
+        [[float(v) for v in r[x]] for r in rows], [[float(v) for v in r[y]] for r in rows],
+        [[_none_if_nan(v) for v in r[f"{x}_se"]] for r in rows],
+        [[_none_if_nan(v) for v in r[f"{y}_se"]] for r in rows],
+        [[bool(v) for v in r["on_front"]] for r in rows],
+        [[_uniform_label(u) for u in r.get("uniform", [None] * len(r))] for r in rows],
+        [[str(v) for v in r["point"]] for r in rows],
+        [float(v) for v in line[x]], [float(v) for v in line[y]],
+    )
 
 
 def layer_profile(layers: list[dict], title: str) -> LayerProfile:
@@ -261,4 +305,36 @@ def render_speed_quality(data: SpeedQuality, path: Path) -> None:
         ticks(FormatStrFormatter("%.4g"))
     left.legend(fontsize=8)
     figure.suptitle(f"{data.model}: quality against measured speed (filled: uniform layout)")
+    figure.savefig(path, dpi=120)
+
+
+def render_pareto(data: ParetoData, path: Path) -> None:
+    """Every configuration (filled: uniform layout, open: free), error bars where an uncertainty was measured,
+    the front as a step line through its points, larger markers on the front."""
+    figure, (ax,) = _figure(6.4, 4.2)
+    for k, method in enumerate(data.methods):
+        color = f"C{k}"
+        for x, y, xs, ys, front, label in zip(data.x[k], data.y[k], data.x_se[k], data.y_se[k], data.on_front[k],
+                                              data.labels[k]):
+            if xs is not None or ys is not None:
+                ax.errorbar(x, y, xerr=xs, yerr=ys, color=color, lw=0.8, capsize=2)
+            ax.scatter(x, y, color=color, facecolors=color if label == "uniform" else "none", s=50 if front else 20,
+                       zorder=3)
+        ax.scatter([], [], color=color, label=method)
+    # the edge of what the front dominates: between two front points it runs at the level of the one further along x
+    # when x is better higher, of the one before when x is better lower
+    ax.step(data.front_x, data.front_y, where="post" if data.x_lower_better else "pre", color="black", lw=0.9,
+            ls="--", label="front")
+    if data.y_log:
+        from matplotlib.ticker import FormatStrFormatter, NullFormatter
+
+        ax.set_yscale("log")
+        values = [v for row in data.y for v in row if v > 0]
+        narrow = bool(values) and max(values) / min(values) < 10  # within a decade only minor ticks fall inside
+        ax.yaxis.set_major_formatter(FormatStrFormatter("%.4g"))
+        ax.yaxis.set_minor_formatter(FormatStrFormatter("%.4g") if narrow else NullFormatter())
+    ax.set_xlabel(data.x_metric)
+    ax.set_ylabel(f"{data.y_metric} ({'lower' if data.y_lower_better else 'higher'} is better)")
+    ax.legend(fontsize=8)
+    figure.suptitle(f"{data.model}: Pareto front (filled: uniform layout; large: on the front)")
     figure.savefig(path, dpi=120)

@@ -3,7 +3,8 @@
 
 The sections follow the source tools' report (reference/004) for each model, then the cross-model
 comparison, plus what they lacked: stderr and confidence intervals, whether the best lead is real,
-seed spread, held-out selection, fANOVA importance and the value of a per-model search.
+seed spread, held-out selection, fANOVA importance, the value of a per-model search, quality against measured speed,
+the Pareto front of the objectives (`pareto`) and the best configuration under constraints.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pandas as pd
 
 from taylor_tune.errors import ReportError
 from taylor_tune.jsonio import write_json
-from taylor_tune.reporting import latex, plots, stats
+from taylor_tune.reporting import latex, pareto, plots, stats
 from taylor_tune.reporting.frame import ARTIFACTS, GRAD_COLUMNS, TrialTable, load_trials, open_filesystem, read_text
 from taylor_tune.schema import CONFIG_COLUMNS, task_columns
 
@@ -45,6 +46,9 @@ class ModelReport:
     importance: dict
     speed: pd.DataFrame | None = None  # quality against measured speed, per trial (None: no trial measured it)
     objective: stats.Objective = stats.ACCURACY
+    front_objectives: tuple[stats.Objective, ...] = ()  # what the Pareto front trades off (empty: no front)
+    front: pd.DataFrame | None = None  # pareto.pareto_front: every configuration, the front first
+    constrained: dict | None = None  # pareto.best_under, when constraints were asked for
 
 
 @dataclass
@@ -64,8 +68,21 @@ class Report:
         return None if self.cross.empty else self.cross.iloc[0].to_dict()
 
 
+def front_objectives(objectives: tuple[stats.Objective, ...], valid: pd.DataFrame) -> tuple[stats.Objective, ...]:
+    """The sweep's objectives when it searched several; else its metric against the measured decode speedup when
+    its trials measured speed (the trade-off a user asks about); else none."""
+    if len(objectives) > 1:
+        return objectives
+    speed = stats.Objective("decode_speedup", "max")
+    if objectives[0] != speed and "decode_speedup" in valid and valid["decode_speedup"].notna().any():
+        return (objectives[0], speed)
+    return ()
+
+
 def model_report(table: TrialTable, model: str, z: float = stats.Z95, seed: int = 0,
-                 objective: stats.Objective | None = None) -> ModelReport:
+                 objective: stats.Objective | None = None, constraints: tuple[pareto.Constraint, ...] = ()
+                 ) -> ModelReport:
+    """Everything the report says about one model; `constraints`: also the best configuration meeting them all."""
     objective = objective or table.objective
     trials = table.trials[table.trials["model"] == model]
     valid = trials[trials["valid"]].copy()
@@ -75,6 +92,12 @@ def model_report(table: TrialTable, model: str, z: float = stats.Z95, seed: int 
     metric = objective.metric
     heldout = stats.heldout_selection(valid, tasks) if metric == "acc_mean" else {
         "reason": f"the sweep ranks by {metric}; the held-out halves are of the zero-shot accuracies"}
+    objectives = table.objectives if table.objectives[0] == objective else (objective,)
+    front_of = front_objectives(objectives, valid)
+    try:
+        constrained = pareto.best_under(valid, constraints, objective) if constraints else None
+    except ValueError as error:
+        raise ReportError(f"--constraint: {error}") from None
     return ModelReport(
         model=model, trials=len(trials), valid=valid, invalid=trials.loc[~trials["valid"]], tasks=tasks,
         methods=stats.method_comparison(valid, objective),
@@ -87,17 +110,24 @@ def model_report(table: TrialTable, model: str, z: float = stats.Z95, seed: int 
         best=best, best_stderr=None if best is None else stats.plain(best["acc_mean_stderr"]),
         lead=stats.lead_of_best(valid, tasks, z, objective), seeds=stats.seed_spread(valid, objective), heldout=heldout,
         importance=stats.hyperparameter_importance(valid, seed=seed, objective=objective),
-        speed=stats.speed_quality(valid), objective=objective,
+        speed=stats.speed_quality(valid), objective=objective, front_objectives=front_of,
+        front=pareto.pareto_front(valid, front_of) if front_of and len(valid) else None, constrained=constrained,
     )
 
 
-def build_report(source, model: str | None = None, z: float = stats.Z95, seed: int = 0) -> Report:
-    """Everything the report says, from any input `load_trials` accepts; restricted to one model if given."""
+def build_report(source, model: str | None = None, z: float = stats.Z95, seed: int = 0,
+                 constraints: tuple[pareto.Constraint | str, ...] = ()) -> Report:
+    """Everything the report says, from any input `load_trials` accepts; restricted to one model if given;
+    `constraints` ("decode_speedup>=1.3" or pareto.Constraint): also each model's best configuration meeting them."""
+    try:
+        constraints = tuple(c if isinstance(c, pareto.Constraint) else pareto.parse_constraint(c) for c in constraints)
+    except ValueError as error:
+        raise ReportError(f"--constraint: {error}") from None
     table = load_trials(source)
     if model is not None:
         table = table.for_model(model)
     objective = table.objective
-    models = {m: model_report(table, m, z, seed, objective) for m in table.models}
+    models = {m: model_report(table, m, z, seed, objective, constraints) for m in table.models}
     valid = table.valid
     invalid_counts = table.invalid.groupby("model").size().to_dict() if len(table.invalid) else {}
     notes = []
@@ -252,8 +282,54 @@ def sections(report: Report) -> list[tuple[str, list]]:
                 "and at the larger batch (> 1 = faster), memory of weights and KV cache (< 1 = smaller).",
                 m.speed,
             ]))
+        if m.front is not None:
+            out.append(("10. Pareto front", _front_blocks(m)))
+        if m.constrained is not None:
+            out.append(("11. Best under constraints", _constrained_blocks(m)))
     out.append(("Cross-model comparison", _cross_blocks(report)))
     return out
+
+
+def _varied(table: pd.DataFrame) -> list[str]:
+    """The search dimensions that take more than one value in `table`."""
+    return [c for c in stats.searched(table) if table[c].astype(str).nunique() > 1]
+
+
+def _front_blocks(m: ModelReport) -> list:
+    table, objectives = m.front, m.front_objectives
+    metrics = [o.metric for o in objectives]
+    shown = ["point", *_varied(table), *(c for metric in metrics for c in (metric, f"{metric}_se")), "seeds"]
+    front, dominated = table[table["on_front"]], table[~table["on_front"]]
+    left_out = table.attrs.get("left_out", 0)
+    return [
+        "Objectives: " + ", ".join(f"{o.metric} ({'lower' if o.ascending else 'higher'} is better)" for o in objectives)
+        + ". A point is a configuration (its first trial's id): the mean over its calibration seeds, and its "
+        "uncertainty (_se: the seeds' spread and lm-eval's item stderr in quadrature; NaN where neither was measured).",
+        f"On the front: {len(front)} of {len(table)} configurations"
+        + (f" ({left_out} left out: an objective not reported)" if left_out else ""),
+        front[shown].reset_index(drop=True),
+        "Dominated configurations, the number of points that dominate each and the first of them (every one in "
+        "pareto_front.csv):" if len(dominated) else "No point is dominated.",
+        *([dominated[shown[:-1]].assign(
+            dominated_by=[_first(ids.split(";")) for ids in dominated["dominated_by"]]).reset_index(drop=True)]
+          if len(dominated) else []),
+    ]
+
+
+def _first(ids: list[str], shown: int = 2) -> str:
+    """`n: a, b, ...`: how many, and the first `shown` of them."""
+    return f"{len(ids)}: {', '.join(ids[:shown])}{', ...' if len(ids) > shown else ''}"
+
+
+def _constrained_blocks(m: ModelReport) -> list:
+    c = m.constrained
+    head = f"Constraints: {', '.join(c['constraints'])} (on each configuration's mean over its seeds)"
+    if c["best"] is None:
+        return [head, f"None: {c['reason']} ({c['satisfying']} of {c['of']} configurations meet them)."]
+    best = c["best"]
+    config = ", ".join(f"{k} {stats.plain(best[k])}" for k in _varied(m.valid))  # what the search varied
+    return [head, f"{c['satisfying']} of {c['of']} configurations meet them; the best by {m.objective.metric}: "
+            f"{best['point']} ({config}) with {m.objective.metric} {_fmt(best[m.objective.metric])}"]
 
 
 def _best_blocks(m: ModelReport, z: float) -> list:
@@ -406,7 +482,7 @@ def best_config_dict(m: ModelReport) -> dict:
         "trial_id": b["trial_id"],
         "objective": {"metric": m.objective.metric, "mode": m.objective.mode},
         "acc_mean_stderr": m.best_stderr,
-        "config": {k: b.get(k) for k in CONFIG_COLUMNS},
+        "config": {k: b.get(k) for k in ("model", *stats.searched(b.to_frame().T), "seed")},
         "metrics": {k: b[k] for k in keep},
         "lead": m.lead.to_dict(),
     }
@@ -520,6 +596,11 @@ def write_report(report: Report, output: str | Path) -> list[Path]:
         if m.speed is not None:
             m.speed.to_csv(folder / "speed_quality.csv", index=False)
             written.append(folder / "speed_quality.csv")
+        if m.front is not None:
+            m.front.to_csv(folder / "pareto_front.csv", index=False)
+            written.append(folder / "pareto_front.csv")
+        if m.constrained is not None:
+            written.append(_write_json(folder / "best_under_constraints.json", m.constrained))
         if m.best is not None:
             written.append(_write_json(folder / "global_best_config.json", best_config_dict(m)))
             written.append(_write_json(folder / "method_comparison.json", method_comparison_dict(m)))
@@ -565,6 +646,11 @@ def write_report(report: Report, output: str | Path) -> list[Path]:
             written.append(_write_json(figures / f"speed_quality_{folder_name(m.model)}.json", data.to_dict()))
             plots.render_speed_quality(data, figures / f"speed_quality_{folder_name(m.model)}.png")
             written.append(figures / f"speed_quality_{folder_name(m.model)}.png")
+        if m.front is not None and len(m.front):
+            data = plots.pareto_data(m.front, m.model, m.front_objectives)
+            written.append(_write_json(figures / f"pareto_{folder_name(m.model)}.json", data.to_dict()))
+            plots.render_pareto(data, figures / f"pareto_{folder_name(m.model)}.png")
+            written.append(figures / f"pareto_{folder_name(m.model)}.png")
     if with_best:
         bars = plots.method_bars(valid, report.objective.metric)
         written.append(_write_json(figures / "methods_by_models.json", bars.to_dict()))

@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from taylor_tune.schema import CONFIG_COLUMNS
+from taylor_tune.schema import CONFIG_COLUMNS, DIMENSIONS, SPEED_METRICS
 
 Z95 = float(stats.norm.ppf(0.975))
 CONFIG = CONFIG_COLUMNS[1:4]  # pruning_method, taylor_seq_len, taylor_num_samples
@@ -258,7 +258,7 @@ def seed_spread(df: pd.DataFrame, objective: Objective = ACCURACY) -> dict:
     """With calibration-seed repeats: the objective metric across seeds for each configuration."""
     if "seed" not in df or df.empty:
         return {"table": None, "reason": "no seed column"}
-    table = df.groupby(list(CONFIG))[objective.metric].agg(["mean", "std", "min", "max", "count"])
+    table = df.groupby(searched(df), dropna=False)[objective.metric].agg(["mean", "std", "min", "max", "count"])
     table = table[table["count"] > 1]
     if table.empty:
         return {
@@ -282,7 +282,7 @@ def heldout_selection(df: pd.DataFrame, tasks: tuple[str, ...]) -> dict:
     return {
         "reason": None,
         "chosen": chosen["trial_id"],
-        "config": {k: plain(chosen[k]) for k in CONFIG},
+        "config": {k: plain(chosen[k]) for k in searched(df)},
         "selection_acc": float(scores.loc[chosen.name, "sel"]),
         "heldout_acc": float(scores.loc[chosen.name, "heldout"]),
         "optimism": float(scores.loc[chosen.name, "sel"] - scores.loc[chosen.name, "heldout"]),
@@ -290,16 +290,24 @@ def heldout_selection(df: pd.DataFrame, tasks: tuple[str, ...]) -> dict:
     }
 
 
-def hyperparameter_importance(df: pd.DataFrame, params: tuple[str, ...] = CONFIG, seed: int = 0,
+def searched(df: pd.DataFrame) -> list[str]:
+    """The configuration's columns: every search dimension the table has (trials that differ only in them are
+    the same configuration at another calibration seed)."""
+    return list(dict.fromkeys(c for c in (*CONFIG, *DIMENSIONS) if c in df))  # the source tables' three first
+
+
+def hyperparameter_importance(df: pd.DataFrame, params: tuple[str, ...] | None = None, seed: int = 0,
                               objective: Objective = ACCURACY) -> dict:
-    """Optuna's fANOVA importance of each searched parameter for the objective metric (sums to 1 over the varied
-    ones). A perplexity enters as log(ppl): its variance is otherwise that of its few largest values."""
+    """Optuna's fANOVA importance of each searched parameter (default: every search dimension the table has) for
+    the objective metric (sums to 1 over the varied ones). A perplexity enters as log(ppl): its variance is
+    otherwise that of its few largest values."""
     metric = objective.metric
+    params = tuple(searched(df)) if params is None else params
     import optuna
     from optuna.distributions import CategoricalDistribution
     from optuna.importance import FanovaImportanceEvaluator, get_param_importances
 
-    varied = [p for p in params if p in df and df[p].nunique() > 1]
+    varied = [p for p in params if p in df and df[p].astype(str).nunique() > 1]
     if len(df) < 2 or not varied:
         return {"importances": {}, "reason": "fewer than two trials or no parameter takes two values"}
     if df[metric].nunique() < 2:
@@ -337,9 +345,10 @@ def value_of_search(df: pd.DataFrame, objective: Objective = ACCURACY) -> pd.Dat
     metric = objective.metric
     best = {m: best_trial(g, objective) for m, g in df.groupby("model")}
     for source, source_best in best.items():
-        config = {k: source_best[k] for k in CONFIG}
+        config = {k: source_best[k] for k in searched(df)}
         for target, target_best in best.items():
-            same = df[(df["model"] == target) & np.logical_and.reduce([df[k] == v for k, v in config.items()])]
+            same = df[(df["model"] == target) & np.logical_and.reduce(
+                [(df[k] == v) | (df[k].isna() & pd.isna(v)) for k, v in config.items()])]
             value = float(same[metric].mean()) if len(same) else float("nan")
             rows.append({"config_of": source, "applied_to": target, **{k: plain(v) for k, v in config.items()},
                          metric: value, f"own_best_{metric}": float(target_best[metric]),
@@ -392,7 +401,7 @@ def plain(value):
     return value
 
 
-SPEED_COLUMNS = ("prefill_speedup", "decode_speedup", "decode_batch_speedup", "memory_ratio")
+SPEED_COLUMNS = SPEED_METRICS
 
 
 def speed_quality(df: pd.DataFrame) -> pd.DataFrame | None:

@@ -20,17 +20,22 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
+    StrictFloat,
     StrictInt,
     StrictStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
-from taylor_tune.config import METHODS, EvalSpec, PruneConfig, SpeedSpec, format_validation_error, read_config_file
+from taylor_tune.config import EvalSpec, PruneConfig, SpeedSpec, format_validation_error, read_config_file
 from taylor_tune.errors import ConfigError
-from taylor_tune.schema import DIMENSIONS, objective_metrics
+from taylor_tune.schema import DIMENSIONS, SPEED_METRICS, better, objective_metrics
 from taylor_tune.sources.data import check_calibration, check_eval_sources
+
+Value = StrictBool | StrictInt | StrictFloat | StrictStr | None
 
 
 class Domain(BaseModel):
@@ -38,8 +43,8 @@ class Domain(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     # strict: YAML's `true` is not the integer 1, nor "1" a number
-    grid: tuple[StrictInt | StrictStr, ...] | None = None
-    choice: tuple[StrictInt | StrictStr, ...] | None = None
+    grid: tuple[Value, ...] | None = None
+    choice: tuple[Value, ...] | None = None
 
     @model_validator(mode="after")
     def _one_kind(self) -> Domain:
@@ -47,6 +52,8 @@ class Domain(BaseModel):
             raise ValueError("give exactly one of grid or choice")
         if not self.values:
             raise ValueError("empty list of values")
+        if len(set(map(repr, self.values))) < len(self.values):
+            raise ValueError(f"a value is listed twice: {list(self.values)}")
         return self
 
     @property
@@ -55,28 +62,45 @@ class Domain(BaseModel):
 
 
 class SearchSpace(BaseModel):
+    """Any pruning setting may be a dimension (`DIMENSIONS`: the paper's three under the source tables' names, the
+    rest under PruneConfig's); a setting not searched is fixed by `prune` or keeps its default. Each value is checked
+    as that PruneConfig field (strictly: no coercion), every combination of them with `prune` as a whole config."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
-    taylor_seq_len: Domain
-    taylor_num_samples: Domain
-    pruning_method: Domain
+    taylor_seq_len: Domain | None = None
+    taylor_num_samples: Domain | None = None
+    pruning_method: Domain | None = None
+    sparsity: Domain | None = None
+    layerwise_max_ratio: Domain | None = None
+    blockwise_layer_start: Domain | None = None
+    blockwise_layer_end: Domain | None = None
+    blockwise_attention: Domain | None = None
+    criterion: Domain | None = None
+    calibration: Domain | None = None
+    uniform: Domain | None = None
 
-    @field_validator("taylor_seq_len", "taylor_num_samples")
+    @model_validator(mode="before")
     @classmethod
-    def _positive(cls, domain: Domain) -> Domain:
-        if any(not isinstance(v, int) or v <= 0 for v in domain.values):
-            raise ValueError(f"values must be positive integers, got {list(domain.values)}")
-        return domain
+    def _known(cls, data):
+        if isinstance(data, dict):
+            unknown = [k for k in data if k not in DIMENSIONS]
+            if unknown:
+                raise ValueError(f"unknown dimension {unknown[0]!r}; a search may vary {', '.join(DIMENSIONS)}")
+        return data
 
-    @field_validator("pruning_method")
+    @field_validator(*DIMENSIONS)
     @classmethod
-    def _methods(cls, domain: Domain) -> Domain:
-        unknown = [v for v in domain.values if v not in METHODS]
-        if unknown:
-            raise ValueError(f"unknown method {unknown[0]!r}; allowed: {', '.join(sorted(METHODS))}")
+    def _values(cls, domain: Domain | None, info: ValidationInfo) -> Domain | None:
+        for value in () if domain is None else domain.values:
+            try:  # alone: the field's own type and range; combinations are the experiment's check
+                PruneConfig.model_validate({"model": "tiny-llama", DIMENSIONS[info.field_name]: value}, strict=True)
+            except ValidationError as error:
+                raise ValueError(f"{error.errors()[0]['msg'].removeprefix('Value error, ')} (got {value!r})") from None
         return domain
 
     def domains(self) -> dict[str, Domain]:
-        return {name: getattr(self, name) for name in DIMENSIONS}
+        """The searched dimensions, in DIMENSIONS' order."""
+        return {name: getattr(self, name) for name in DIMENSIONS if getattr(self, name) is not None}
 
 
 class Search(BaseModel):
@@ -135,6 +159,26 @@ class Resources(BaseModel):
     gpu: float | Literal["auto"] = Field("auto", description="per trial; auto = 1 where the cluster has GPUs, else 0")
 
 
+class ObjectiveSpec(BaseModel):
+    """One objective of a multi-objective search: a reported metric and the direction in which it is better
+    (default: its natural one, max for accuracies and speedups, min for ppl and memory_ratio)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    metric: str
+    mode: Literal["max", "min"]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _natural_mode(cls, data):
+        if isinstance(data, dict) and "mode" not in data and isinstance(data.get("metric"), str):
+            data = {**data, "mode": better(data["metric"])}
+        return data
+
+
+# A whole space is checked combination by combination before Ray starts; beyond this many per model, refused.
+MAX_SPACE = 100_000
+
+
 class Experiment(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     # one path component under storage_path: not "." or "..", no separator
@@ -147,30 +191,86 @@ class Experiment(BaseModel):
     resources: Resources = Resources()
     max_failures: int = Field(1, ge=0)
     metric: str = Field(
-        "acc_mean", description="what the search optimizes and the report ranks by: acc_mean, ppl or acc_<task>"
+        "acc_mean", description="what the search optimizes and the report ranks by: acc_mean, ppl, acc_<task>, "
+        "params_count, pruning_ratio, or with evaluation.speed a speedup or memory_ratio"
     )
-    mode: Literal["max", "min"] = Field("max", description="max for accuracies, min for ppl")
+    mode: Literal["max", "min"] = Field("max", description="the metric's better direction: max for accuracies and "
+                                        "speedups, min for ppl, params_count and memory_ratio")
+    objectives: tuple[ObjectiveSpec, ...] | None = Field(
+        None, min_length=1, description="several objectives at once, e.g. [{metric: acc_mean}, {metric: "
+        "decode_speedup}]: a multi-objective search (TPE per model, or the grid) and the Pareto front in the report; "
+        "the first is the one `metric` names (given instead of metric/mode)",
+    )
     storage_path: str = "runs/sweeps"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _primary(cls, data):
+        """With `objectives`, `metric` and `mode` are the first one's (Tune, status and single-metric statistics
+        rank by it)."""
+        if isinstance(data, dict) and data.get("objectives") is not None:
+            if "metric" in data or "mode" in data:
+                raise ValueError("give objectives or metric and mode, not both (the first objective is the metric)")
+            listed = data["objectives"]
+            first = listed[0] if isinstance(listed, (list, tuple)) and listed else {}
+            if isinstance(first, dict) and isinstance(first.get("metric"), str):
+                data = {**data, "metric": first["metric"], "mode": first.get("mode", better(first["metric"]))}
+        return data
 
     @field_validator("prune")
     @classmethod
     def _prune(cls, values: dict) -> dict:
-        reserved = {"model", "method", "seq_len", "num_samples", "seed"} & set(values)
+        reserved = {"model", "seed"} & set(values)
         if reserved:
-            raise ValueError(f"{sorted(reserved)[0]!r} is set by the search, not in prune")
+            raise ValueError(f"{sorted(reserved)[0]!r} is set by the sweep (models, search.repeats), not in prune")
         PruneConfig(model="tiny-llama", **values)
         return values
 
+    @property
+    def objective_list(self) -> tuple[tuple[str, str], ...]:
+        """(metric, mode) of every objective, the primary first."""
+        if self.objectives:
+            return tuple((o.metric, o.mode) for o in self.objectives)
+        return ((self.metric, self.mode),)
+
     @model_validator(mode="after")
     def _objective(self) -> Experiment:
-        allowed = objective_metrics(self.evaluation.tasks)
-        if self.metric not in allowed:
-            raise ValueError(f"metric: {self.metric!r} is not reported by these trials; one of {', '.join(allowed)}")
-        if self.metric == "ppl" and self.evaluation.ppl is None:
-            raise ValueError("metric: ppl needs evaluation.ppl (a perplexity text such as wiki or wikitext2)")
-        if self.mode != ("min" if self.metric == "ppl" else "max"):
-            raise ValueError(f"mode: {self.mode!r} would search for the worst {self.metric}; "
-                             f"use mode: {'min' if self.metric == 'ppl' else 'max'}")
+        speed = self.evaluation.speed is not None
+        allowed = objective_metrics(self.evaluation.tasks, speed=speed)
+        field = "objectives" if self.objectives else "metric"
+        metrics = [metric for metric, _ in self.objective_list]
+        for metric, mode in self.objective_list:
+            if metric not in allowed:
+                why = " (speed metrics need evaluation.speed)" if metric in SPEED_METRICS and not speed else ""
+                raise ValueError(f"{field}: {metric!r} is not reported by these trials{why}; "
+                                 f"one of {', '.join(allowed)}")
+            if metric == "ppl" and self.evaluation.ppl is None:
+                raise ValueError(f"{field}: ppl needs evaluation.ppl (a perplexity text such as wiki or wikitext2)")
+            if mode != better(metric):
+                raise ValueError(f"mode: {mode!r} would search for the worst {metric}; use mode: {better(metric)}")
+            if metrics.count(metric) > 1:
+                raise ValueError(f"objectives: {metric} is listed twice")
+        if len(metrics) > 1 and self.search.scheduler == "asha":
+            raise ValueError("search.scheduler: asha stops trials by one metric and cannot rank several objectives; "
+                             "use scheduler: none with objectives (or one metric with asha)")
+        return self
+
+    @model_validator(mode="after")
+    def _space(self) -> Experiment:
+        """Each setting is either searched or fixed, and every combination of the space is a valid pruning."""
+        for name in self.search_space.domains():
+            if DIMENSIONS[name] in self.prune:
+                raise ValueError(f"prune.{DIMENSIONS[name]} is also searched (search_space.{name}): fix it in prune "
+                                 "or search it, not both")
+        if self.space_size() > MAX_SPACE:
+            raise ValueError(f"search_space: {self.space_size()} configurations per model; at most {MAX_SPACE}")
+        for point in self.space_points():
+            try:
+                self.prune_config("tiny-llama", point)
+            except ValidationError as error:
+                message = error.errors()[0]["msg"].removeprefix("Value error, ")
+                named = ", ".join(f"{k} {v!r}" for k, v in point.items())
+                raise ValueError(f"search_space: the combination ({named}) is not a valid pruning: {message}") from None
         return self
 
     @model_validator(mode="after")
@@ -184,6 +284,8 @@ class Experiment(BaseModel):
             )
         if self.search.algorithm == "grid" and any(d.grid is None for d in self.search_space.domains().values()):
             raise ValueError("search.algorithm grid needs grid domains in the search space (choice is for tpe)")
+        if self.search.algorithm == "tpe" and not self.search_space.domains():
+            raise ValueError("search.algorithm tpe needs at least one dimension in search_space")
         if self.search.algorithm == "tpe" and self.search.num_trials > self.space_size():
             raise ValueError(
                 f"search.num_trials: {self.search.num_trials} is more than the {self.space_size()} configurations "
@@ -191,14 +293,26 @@ class Experiment(BaseModel):
             )
         return self
 
-    def prune_config(self, model: str, method: str, seq_len: int, num_samples: int, seed: int) -> PruneConfig:
-        return PruneConfig(
-            model=model, method=method, seq_len=seq_len, num_samples=num_samples, seed=seed, **self.prune
-        )
+    def prune_config(self, model: str, point: dict, seed: int = 0) -> PruneConfig:
+        """The PruneConfig of one point of the space ({dimension: value}) for `model`."""
+        return PruneConfig(model=model, seed=seed, **self.prune, **{DIMENSIONS[k]: v for k, v in point.items()})
+
+    def values_of(self, dimension: str) -> tuple:
+        """Every value the sweep gives a dimension: the searched ones, or the one fixed in prune (or the default)."""
+        domains = self.search_space.domains()
+        if dimension in domains:
+            return domains[dimension].values
+        field = DIMENSIONS[dimension]
+        return (self.prune[field],) if field in self.prune else (PruneConfig.model_fields[field].default,)
 
     def space_size(self) -> int:
         """Configurations per model in the search space."""
         return math.prod(len(domain.values) for domain in self.search_space.domains().values())
+
+    def space_points(self) -> list[dict]:
+        """Every configuration of the space per model: {dimension: value} of the searched dimensions."""
+        domains = self.search_space.domains()
+        return [dict(zip(domains, combo)) for combo in product(*(d.values for d in domains.values()))]
 
     def grid_size(self) -> int:
         if self.search.algorithm == "grid":
@@ -207,16 +321,12 @@ class Experiment(BaseModel):
 
     def sample_counts(self) -> tuple[int, ...]:
         """Every num_samples the search can ask for: one importance pass serves them all (nested)."""
-        return tuple(sorted(set(self.search_space.taylor_num_samples.values)))
+        return tuple(sorted(set(self.values_of("taylor_num_samples"))))
 
     def grid_points(self) -> list[dict]:
         """Every configuration of a grid search (for checks and benchmarks; Tune expands its own)."""
-        names = list(DIMENSIONS)
-        values = [self.search_space.domains()[n].values for n in names]
-        return [
-            {"model": m, "seed": s, **dict(zip(names, combo))}
-            for m in self.models for s in range(self.search.repeats) for combo in product(*values)
-        ]
+        return [{"model": m, "seed": s, **point}
+                for m in self.models for s in range(self.search.repeats) for point in self.space_points()]
 
 
 def _resolve_space(data: dict, base: Path) -> dict:
@@ -256,7 +366,7 @@ def check_models(experiment: Experiment) -> None:
     window and the speed measurement's sequences."""
     from taylor_tune.sources.models import load_model_config  # torch: only here, not when the file is validated
 
-    longest = max(experiment.search_space.taylor_seq_len.values)
+    longest = max(experiment.values_of("taylor_seq_len"))
     window = experiment.evaluation.ppl_window if experiment.evaluation.ppl is not None else None
     speed = experiment.evaluation.speed
     timed = None if speed is None else max(speed.prefill_len, speed.prompt_len + speed.new_tokens)
@@ -264,8 +374,10 @@ def check_models(experiment: Experiment) -> None:
         config = load_model_config(model, trust_remote_code=bool(experiment.prune.get("trust_remote_code")))
         limit = getattr(config, "max_position_embeddings", None)
         if limit is not None and longest > limit:
+            where = ("search_space.taylor_seq_len" if "taylor_seq_len" in experiment.search_space.domains()
+                     else "prune.seq_len")
             raise ConfigError(
-                f"search_space.taylor_seq_len: {longest} exceeds the maximum context ({limit}) of {model}"
+                f"{where}: {longest} exceeds the maximum context ({limit}) of {model}"
             )
         if limit is not None and window is not None and window > limit:
             raise ConfigError(
@@ -278,7 +390,8 @@ def check_models(experiment: Experiment) -> None:
 
 def check_sources(experiment: Experiment) -> None:
     """What the fixed settings name exists: the calibration text and the evaluation's text and task files."""
-    check_calibration(experiment.prune.get("calibration", "auto"))
+    for calibration in experiment.values_of("calibration"):
+        check_calibration(calibration)
     check_eval_sources(experiment.evaluation)
 
 
@@ -343,7 +456,8 @@ def _flat(value, prefix: str = "") -> dict:
 
 def _added_defaults() -> dict:
     """The flat default of every field of the sections with defaults: a record written before a newer taylor_tune
-    added one of them (evaluation.speed, say) lacks it, and its default there is no change."""
+    added one of them (evaluation.speed, say) lacks it, and its default there is no change (an added field whose
+    default is None, such as objectives or search_space.sparsity, reads as None from the record either way)."""
     sections = {"evaluation": Evaluation(), "search": Search(), "resources": Resources()}
     return _flat(json.loads(json.dumps({k: v.model_dump() for k, v in sections.items()}, default=str)))
 

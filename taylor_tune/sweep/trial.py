@@ -42,9 +42,10 @@ class TrialConfig(BaseModel):
 
 
 def trial_columns(config: PruneConfig) -> dict:
-    """The configuration columns of the consolidated table (docs/specification.md §3), and the sparsity."""
-    return schema.config_columns(config.model, config.method, config.seq_len, config.num_samples, config.seed) | {
-        "sparsity": config.sparsity, "uniform": config.uniform}
+    """The configuration columns of the consolidated table (docs/specification.md §3) and every other setting a
+    search may vary (schema.DIMENSIONS), whether this sweep varied it or not."""
+    columns = schema.config_columns(config.model, config.method, config.seq_len, config.num_samples, config.seed)
+    return columns | {name: getattr(config, field) for name, field in schema.DIMENSIONS.items() if name not in columns}
 
 
 def cached_importance(trial: TrialConfig):

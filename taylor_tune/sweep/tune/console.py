@@ -11,11 +11,19 @@ from typing import TextIO
 
 from ray.tune import Callback
 
+from taylor_tune.schema import DIMENSIONS
+
+# how the console names the paper's three dimensions; any other searched one goes by its own name
+_SHORT = {"taylor_seq_len": "seq_len", "taylor_num_samples": "samples"}
+
 
 def trial_name(config: dict) -> str:
+    """The model and the trial's searched settings: `tiny-llama taylor seq_len=16 samples=8 sparsity=0.3`."""
+    method = f" {config['pruning_method']}" if "pruning_method" in config else ""
+    searched = " ".join(f"{_SHORT.get(name, name)}={config[name]}" for name in DIMENSIONS
+                        if name in config and name != "pruning_method")
     seed = f" seed={config['seed']}" if config.get("seed") else ""
-    return (f"{config.get('model')} {config.get('pruning_method')} seq_len={config.get('taylor_seq_len')} "
-            f"samples={config.get('taylor_num_samples')}{seed}")
+    return f"{config.get('model')}{method}{' ' + searched if searched else ''}{seed}"
 
 
 def trial_line(config: dict, result: dict, final_stage: str) -> str:

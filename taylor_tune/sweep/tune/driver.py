@@ -141,6 +141,7 @@ def _fit(experiment: Experiment, verbose: bool):
                 fixed_settings(experiment, cache_dir),
                 metric=experiment.metric,
                 mode=experiment.mode,
+                objectives=experiment.objective_list,
                 seed=experiment.search.seed,
                 n_startup_trials=experiment.search.n_startup_trials,
             )
@@ -214,7 +215,7 @@ def sweep_status(path: str) -> dict:
                 "ppl": result.get("ppl"),
                 **{k: result[k] for k in ("decode_speedup", "memory_ratio") if k in result},  # measured speed
                 objective.metric: result[objective.metric],
-                **{k: config.get(k) for k in CONFIG_COLUMNS[1:]},
+                **{k: result.get(k, config.get(k)) for k in CONFIG_COLUMNS[1:]},  # the trial reports them all
             }
         )
     # ranked and tied as the report ranks them, so that both name the same trial

@@ -1,5 +1,8 @@
 """TPE for the sweep: one Optuna TPE study per model, behind one Tune searcher.
 
+With several objectives (`objectives` in the experiment) each study is multi-objective: Optuna's TPESampler then
+models the trials' Pareto ranks (MOTPE), and the report draws the front.
+
 The best configuration differs per model, so each model gets its own study (sharing one would let TPE
 spend the budget on whichever model scores highest). The searcher hands out trials to the models in turn,
 `num_trials` each, and routes every result back to the study that proposed it. Its state pickles, so
@@ -41,8 +44,10 @@ class ModelStudy:
     """One model's TPE study over a finite space; `ask` returns each configuration at most once."""
 
     def __init__(
-        self, domains: dict[str, list], *, seed: int, mode: str, n_startup_trials: int = 10, patience: int = 10
+        self, domains: dict[str, list], *, seed: int, mode: str | tuple[str, ...], n_startup_trials: int = 10,
+        patience: int = 10,
     ):
+        """`mode`: max or min, or one per objective (a multi-objective study, told a tuple of values)."""
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -51,10 +56,12 @@ class ModelStudy:
         self.size = math.prod(len(values) for values in self.domains.values())
         # constant_liar: with concurrent trials, TPE treats running ones as bad and looks elsewhere
         sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=n_startup_trials, constant_liar=True)
-        self.study = optuna.create_study(direction="maximize" if mode == "max" else "minimize", sampler=sampler)
+        modes = (mode,) if isinstance(mode, str) else tuple(mode)
+        self.study = optuna.create_study(directions=["maximize" if m == "max" else "minimize" for m in modes],
+                                         sampler=sampler)
         self.rng = random.Random(seed)
         self.patience = patience
-        self.results: dict[tuple, float | None] = {}  # configuration -> its result (None: it failed)
+        self.results: dict[tuple, float | tuple | None] = {}  # configuration -> its result(s) (None: it failed)
         self.running: set[tuple] = set()  # handed out, result not back yet
         self.numbers: dict[tuple, int] = {}  # configuration -> the Optuna trial that runs it
         self.repeats_answered = 0
@@ -86,8 +93,9 @@ class ModelStudy:
                 self.study.tell(trial, self.results[key])
         return None
 
-    def tell(self, params: dict, value: float | None) -> None:
-        """The result of a configuration `ask` handed out; None when it failed or reported no metric."""
+    def tell(self, params: dict, value: float | tuple[float, ...] | None) -> None:
+        """The result of a configuration `ask` handed out (one value per objective); None when it failed or reported
+        no metric."""
         from optuna.trial import TrialState
 
         key = tuple(params[name] for name in self.domains)
@@ -101,13 +109,16 @@ class ModelStudy:
 
 class PerModelSearcher(Searcher):
     def __init__(self, models, domains: dict[str, list], trials_per_model: int, fixed: dict, *, metric: str, mode: str,
-                 seed: int = 0, n_startup_trials: int = 10):
+                 seed: int = 0, n_startup_trials: int = 10, objectives: tuple[tuple[str, str], ...] | None = None):
+        """`objectives`: (metric, mode) of each objective when there are several; `metric`/`mode` are the first."""
         super().__init__(metric=metric, mode=mode)
+        self.objectives = tuple(objectives or ((metric, mode),))
+        modes = tuple(m for _, m in self.objectives) if len(self.objectives) > 1 else mode
         self.models = list(models)
         self.trials_per_model = trials_per_model
         self.fixed = fixed
         self.studies = {
-            model: ModelStudy(domains, seed=seed + i, mode=mode, n_startup_trials=n_startup_trials)
+            model: ModelStudy(domains, seed=seed + i, mode=modes, n_startup_trials=n_startup_trials)
             for i, model in enumerate(self.models)
         }
         self.proposed = {model: 0 for model in self.models}
@@ -135,8 +146,10 @@ class PerModelSearcher(Searcher):
         if trial_id not in self.owner:
             return
         model, params = self.owner.pop(trial_id)
-        usable = not error and result is not None and self.metric in result
-        self.studies[model].tell(params, float(result[self.metric]) if usable else None)
+        metrics = [m for m, _ in getattr(self, "objectives", ((self.metric, self.mode),))]  # restored older state
+        usable = not error and result is not None and all(isinstance(result.get(m), (int, float)) for m in metrics)
+        values = tuple(float(result[m]) for m in metrics) if usable else None
+        self.studies[model].tell(params, values[0] if values and len(values) == 1 else values)
 
     def save(self, checkpoint_path: str) -> None:
         with open(checkpoint_path, "wb") as f:

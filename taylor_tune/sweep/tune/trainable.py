@@ -12,7 +12,7 @@ from ray import tune
 
 from taylor_tune.compat.ray import trial_storage
 from taylor_tune.config import PruneConfig
-from taylor_tune.schema import zero_shot_stage
+from taylor_tune.schema import DIMENSIONS, zero_shot_stage
 from taylor_tune.sweep.experiment import Evaluation
 from taylor_tune.sweep.trial import FINISHED_ARTIFACTS, TrialConfig, completed_metrics, run_trial
 from taylor_tune.sweep.tune.metrics import TrialMetrics
@@ -20,8 +20,8 @@ from taylor_tune.sweep.tune.metrics import TrialMetrics
 
 def trial_config(config: dict) -> TrialConfig:
     fixed = config["fixed"]
-    prune = PruneConfig(model=config["model"], method=config["pruning_method"], seq_len=config["taylor_seq_len"],
-                        num_samples=config["taylor_num_samples"], seed=config["seed"], **fixed["prune"])
+    searched = {DIMENSIONS[name]: config[name] for name in DIMENSIONS if name in config}
+    prune = PruneConfig(model=config["model"], seed=config["seed"], **fixed["prune"], **searched)
     return TrialConfig(
         prune=prune,
         evaluation=Evaluation(**fixed["evaluation"]),

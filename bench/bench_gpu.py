@@ -1,0 +1,205 @@
+"""A trial and the seven-task evaluation at the seed models' published shapes, on the GPU they are for.
+
+Each shape (LLaMA-3-8B, Qwen2-7B, Mistral-7B-v0.3: their published configs, random weights, bfloat16, no download)
+is built from its config on the device and saved as a model folder (safetensors) with a tokenizer of its family
+that the offline world has (Qwen2.5's for Qwen2, whose tokenizer it is; SmolLM2's for the other two, whose own are
+gated: its token counts are close to, not equal to, theirs). Then, per shape:
+
+- `run_trial` as a sweep runs it (taylor importance at each --importance SAMPLESxSEQ_LEN, prune, speed against the
+  unpruned model, perplexity on the held-out Wikipedia text, the full zero-shot evaluation of the seven real tasks
+  with the default settings): seconds per stage, the trial's wall time and its peak GPU memory;
+- the evaluation alone on the unpruned model with both scorers (prefix, then lm-eval's HFLM) in the same run:
+  seconds, token positions forwarded, tokens/s and the achieved TFLOP/s (2 x parameters x tokens / seconds).
+
+Written as JSON (`--json`); `--table` prints its Markdown tables. The folder of each shape is deleted after it.
+
+    python bench/bench_gpu.py --json bench/gpu.json                  # one H100 or H200: the three 8B shapes
+    python bench/bench_gpu.py --small --json /tmp/gpu_small.json     # a tiny shape on CPU (the tests run this)
+    python bench/bench_gpu.py --table bench/gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+from taylor_tune import schema
+from taylor_tune.config import EvalSpec, PruneConfig, SpeedSpec
+from taylor_tune.evaluation.evaluate import Evaluator
+from taylor_tune.jsonio import write_json
+from taylor_tune.sources.models import load_tokenizer
+from taylor_tune.sweep.experiment import Evaluation
+from taylor_tune.sweep.trial import TrialConfig, run_trial
+
+# The published configs (config.json on the hub), as the classes' keyword arguments.
+SHAPES = {
+    "llama-3-8b": (LlamaConfig, dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                     num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                                     rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
+                   "smollm2-135m"),
+    "qwen2-7b": (Qwen2Config, dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                   num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+                                   rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
+                 "qwen2.5-0.5b"),
+    "mistral-7b": (MistralConfig, dict(vocab_size=32768, hidden_size=4096, intermediate_size=14336,
+                                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                       max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-5,
+                                       sliding_window=None, tie_word_embeddings=False),
+                   "smollm2-135m"),
+}
+# SmolLM2's tokenizer needs 49,152 embeddings: wide MLPs and tied embeddings leave 20% of the parameters to prune
+SMALL = {"tiny-llama-shape": (LlamaConfig, dict(vocab_size=49152, hidden_size=128, intermediate_size=2048,
+                                                num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                                                max_position_embeddings=2048, tie_word_embeddings=True),
+                              "smollm2-135m")}
+
+
+def build_folder(name: str, shape: tuple, folder: Path, device: torch.device, dtype: torch.dtype) -> int:
+    """The shape with random weights (seed 0) saved as a model folder; returns its parameter count."""
+    config_class, fields, tokenizer_of = shape
+    tokenizer = load_tokenizer(tokenizer_of)
+    config = config_class(**fields, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    del model
+    return params
+
+
+def _peak(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def _reset(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def trial(folder: Path, params: int, samples: int, seq_len: int, args, device: torch.device) -> dict:
+    """One `run_trial` at samples x seq_len with the product's defaults (speed, perplexity, full evaluation); the
+    importance pass's TFLOP/s counts forward and backward as 6 x parameters x tokens."""
+    config = PruneConfig(model=str(folder), method="taylor", sparsity=0.2, seq_len=seq_len, num_samples=samples,
+                         calibration="wiki", micro_batch_size=args.micro_batch_size, device=args.device,
+                         dtype=args.dtype)
+    evaluation = Evaluation(tasks="all", task_data="real", ppl="wiki", ppl_max_windows=args.ppl_windows,
+                            fidelities=(args.limit,), speed=SpeedSpec(**args.speed))
+    _reset(device)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as trial_dir:
+        metrics = run_trial(TrialConfig(prune=config, evaluation=evaluation), trial_dir)
+    final, stages = schema.zero_shot_stage(args.limit), schema.stage_seconds(metrics)
+    return {"samples": samples, "seq_len": seq_len, "wall_s": time.perf_counter() - start, "stages_s": stages,
+            "importance_tflops": 6 * params * samples * seq_len / stages["importance"] / 1e12,
+            "zero_shot_tokens": metrics.get(schema.tokens_key(final)),
+            "ppl": metrics.get("ppl"), "acc_mean": metrics.get("acc_mean"), "peak_gib": _peak(device)}
+
+
+def evaluation(folder: Path, params: int, args, device: torch.device, dtype: torch.dtype) -> dict:
+    """The full evaluation of the unpruned model, prefix scorer then HFLM, with the default batch sizing."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map={"": device}).eval()
+    tokenizer = load_tokenizer(str(folder))
+    out = {}
+    for scorer in ("prefix", "hflm"):
+        _reset(device)
+        spec = EvalSpec(tasks="all", task_data="real", ppl=None, scorer=scorer)
+        shots = Evaluator(model, tokenizer, spec, model_name=str(folder)).zero_shot(args.limit)
+        out[scorer] = {"seconds": shots.seconds, "tokens": shots.tokens, "tokens_per_s": shots.tokens / shots.seconds,
+                       "tflops": 2 * params * shots.tokens / shots.seconds / 1e12, "acc_mean": shots.acc_mean,
+                       "items": sum(e["n"] for e in shots.tasks.values()), "peak_gib": _peak(device)}
+    del model
+    return out
+
+
+def _gib(value: float | None) -> str:
+    return "–" if value is None else f"{value:.1f}"
+
+
+def table(data: dict) -> str:
+    lines = [f"{data['machine']['device']} · torch {data['machine']['torch']} · {data['date']}", "",
+             "| shape | parameters | scorer | items | seconds | tokens | tokens/s | TFLOP/s | peak GiB |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for name, shape in data["shapes"].items():
+        for scorer, e in shape.get("evaluation", {}).items():
+            lines.append(f"| {name} | {shape['params'] / 1e9:.2f}B | {scorer} | {e['items']} | {e['seconds']:.1f} | "
+                         f"{e['tokens']:,} | {e['tokens_per_s']:,.0f} | {e['tflops']:.1f} | "
+                         f"{_gib(e['peak_gib'])} |")
+    lines += ["", "| shape | samples × seq_len | trial s | unpruned speed | load | importance (TFLOP/s) | prune | "
+              "speed | ppl | zero-shot | peak GiB |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, shape in data["shapes"].items():
+        for t in shape.get("trials", []):
+            s = t["stages_s"]
+            shot = next((v for k, v in s.items() if k.startswith("zero_shot_")), 0)
+            lines.append(f"| {name} | {t['samples']} × {t['seq_len']} | {t['wall_s']:.1f} | "
+                         f"{s.get('unpruned_speed', 0):.1f} | {s.get('load', 0):.1f} | {s.get('importance', 0):.1f} "
+                         f"({t['importance_tflops']:.1f}) | {s.get('prune', 0):.1f} | {s.get('speed', 0):.1f} | "
+                         f"{s.get('ppl', 0):.1f} | {shot:.1f} | {_gib(t['peak_gib'])} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="where the results go")
+    parser.add_argument("--table", type=Path, help="print the Markdown tables of an earlier --json and exit")
+    parser.add_argument("--small", action="store_true", help="a tiny shape on CPU, few items: the tests' mode")
+    parser.add_argument("--shapes", default=None, help="comma-separated subset of the shapes")
+    parser.add_argument("--importance", default=None, help="SAMPLESxSEQ_LEN,... (default 128x512,256x512)")
+    parser.add_argument("--limit", type=int, default=None, help="items per task (default every item)")
+    parser.add_argument("--ppl-windows", type=int, default=None, help="perplexity windows (default every one)")
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    args = parser.parse_args()
+    if args.table:
+        print(table(json.loads(args.table.read_text())))
+        return
+    if args.json is None:
+        parser.error("--json is required (or --table)")
+    shapes = SMALL if args.small else SHAPES
+    if args.shapes:
+        shapes = {k: shapes[k] for k in args.shapes.split(",")}
+    runs = [tuple(int(v) for v in pair.split("x")) for pair in (args.importance or (
+        "8x32" if args.small else "128x512,256x512")).split(",")]
+    if args.small:
+        args.limit, args.ppl_windows = args.limit or 3, args.ppl_windows or 4
+        args.device, args.dtype = "cpu", "float32"
+        args.speed = {"prefill_batch": 1, "prefill_len": 16, "decode_batch": 2, "prompt_len": 8, "new_tokens": 4,
+                      "repeats": 1, "warmup": 0}
+    else:
+        args.device, args.dtype, args.speed = "cuda", "bfloat16", {}
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    data = {"machine": {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                        "cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+            "date": time.strftime("%Y-%m-%d %H:%M"), "limit": args.limit, "ppl_windows": args.ppl_windows,
+            "shapes": {}}
+    for name, shape in shapes.items():
+        folder = Path(tempfile.mkdtemp(prefix=f"{name}-"))
+        try:
+            start = time.perf_counter()
+            params = build_folder(name, shape, folder, device, dtype)
+            entry = data["shapes"][name] = {"params": params, "build_s": time.perf_counter() - start, "trials": []}
+            entry["evaluation"] = evaluation(folder, params, args, device, dtype)
+            write_json(args.json, data)
+            for samples, seq_len in runs:
+                entry["trials"].append(trial(folder, params, samples, seq_len, args, device))
+                write_json(args.json, data)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    write_json(args.json, data)
+    print(table(data))
+
+
+if __name__ == "__main__":
+    main()

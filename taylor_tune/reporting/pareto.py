@@ -1,0 +1,140 @@
+"""Several objectives at once: configurations, their Pareto front, who dominates whom, the best under constraints.
+
+Pure (pandas / numpy), no files, no plots. A point is a configuration: the trials that share every search dimension
+(`stats.searched`) and differ only in the calibration seed. Its value in each metric is the mean over those seeds
+(a perplexity's the geometric mean, as everywhere in the report), and its uncertainty `<metric>_se` combines
+
+- the spread over seeds, std / sqrt(seeds), where a configuration ran with more than one seed, and
+- for accuracies, the item-sampling standard error lm-eval gives (`acc_mean_stderr`, `acc_<task>_stderr`), the mean
+  over seeds of its square (every seed answers the same items, so it does not shrink with more seeds),
+
+added in quadrature; NaN where neither was measured (one seed of a perplexity or a speed).
+
+A point dominates another when it is at least as good in every objective and better in one (each objective in its
+own direction); the front is the points no other point dominates, computed on the means.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from taylor_tune.reporting.stats import Objective, multiplicative, searched
+
+_OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
+_NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+_CONSTRAINT = re.compile(rf"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(>=|<=|>|<)\s*({_NUMBER})\s*$")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """`metric op value`, e.g. decode_speedup >= 1.3; it holds for a configuration's mean over its seeds."""
+
+    metric: str
+    op: str
+    value: float
+
+    def __str__(self) -> str:
+        return f"{self.metric}{self.op}{self.value:g}"
+
+    def holds(self, values: pd.Series) -> pd.Series:
+        return _OPS[self.op](pd.to_numeric(values, errors="coerce"), self.value).fillna(False).astype(bool)
+
+
+def parse_constraint(text: str) -> Constraint:
+    """"decode_speedup>=1.3" -> Constraint; ValueError naming what is allowed otherwise."""
+    match = _CONSTRAINT.match(text)
+    if not match:
+        raise ValueError(f"{text!r} is not a constraint; write METRIC OP NUMBER with OP one of >=, <=, >, < "
+                         "(e.g. \"decode_speedup>=1.3\")")
+    return Constraint(match[1], match[2], float(match[3]))
+
+
+def _item_stderr(group: pd.DataFrame, metric: str) -> float:
+    column = "acc_mean_stderr" if metric == "acc_mean" else f"{metric}_stderr"
+    if not metric.startswith("acc_") or column not in group:
+        return math.nan
+    se = pd.to_numeric(group[column], errors="coerce").to_numpy(dtype=float)
+    return float(np.sqrt(np.mean(se**2))) if np.isfinite(se).all() else math.nan
+
+
+def configurations(df: pd.DataFrame, metrics: list[str]) -> pd.DataFrame:
+    """One row per configuration of `df` (one model's valid trials): `point` (its first trial's id), `trials`
+    (every trial id, ';'-joined), `seeds`, the search dimensions, and per metric its mean and `<metric>_se`."""
+    columns = searched(df)
+    rows = []
+    for key, group in df.groupby(columns, dropna=False, sort=False) if columns else [((), df)]:
+        ids = sorted(group["trial_id"].astype(str))
+        row = {"point": ids[0], "trials": ";".join(ids), "seeds": len(group),
+               **dict(zip(columns, key if isinstance(key, tuple) else (key,)))}
+        for metric in metrics:
+            values = pd.to_numeric(group[metric], errors="coerce").to_numpy(dtype=float) if metric in group \
+                else np.array([math.nan])
+            if multiplicative(metric) and np.all(values > 0):
+                row[metric] = float(np.exp(np.mean(np.log(values))))
+            else:
+                row[metric] = float(np.mean(values))
+            seed_se = float(np.std(values, ddof=1) / math.sqrt(len(values))) if len(values) > 1 else math.nan
+            parts = [p for p in (seed_se, _item_stderr(group, metric)) if not math.isnan(p)]
+            row[f"{metric}_se"] = float(math.sqrt(sum(p * p for p in parts))) if parts else math.nan
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def dominance(values: np.ndarray, objectives: tuple[Objective, ...]) -> np.ndarray:
+    """dom[i, j]: point i dominates point j (values: points x objectives, in the objectives' order)."""
+    better = np.where([o.ascending for o in objectives], -values, values)  # higher is better in every column
+    at_least = (better[:, None, :] >= better[None, :, :]).all(axis=2)
+    strictly = (better[:, None, :] > better[None, :, :]).any(axis=2)
+    return at_least & strictly
+
+
+def pareto_front(df: pd.DataFrame, objectives: tuple[Objective, ...]) -> pd.DataFrame:
+    """Every configuration of one model's valid trials with its objectives' means and uncertainties, `on_front`,
+    and `dominated_by` (the points that dominate it, ';'-joined; '' on the front). The front comes first, ordered by
+    the first objective, best first. A configuration missing an objective is left out (`left_out` in attrs)."""
+    metrics = [o.metric for o in objectives]
+    table = configurations(df, metrics)
+    if table.empty:
+        table = table.assign(on_front=pd.Series(dtype=bool), dominated_by=pd.Series(dtype=object))
+        table.attrs["left_out"] = 0
+        return table
+    complete = np.isfinite(table[metrics].to_numpy(dtype=float)).all(axis=1)
+    left_out = int((~complete).sum())
+    table = table[complete].reset_index(drop=True)
+    dom = dominance(table[metrics].to_numpy(dtype=float), objectives)
+    points = table["point"].to_numpy()
+    table["on_front"] = ~dom.any(axis=0)
+    table["dominated_by"] = [";".join(sorted(points[dom[:, j]])) for j in range(len(table))]
+    first = objectives[0]
+    table = table.sort_values(["on_front", first.metric, "point"], ascending=[False, first.ascending, True],
+                              kind="stable").reset_index(drop=True)
+    table.attrs["left_out"] = left_out
+    return table
+
+
+def best_under(df: pd.DataFrame, constraints: tuple[Constraint, ...], objective: Objective) -> dict:
+    """The configuration with the best `objective` among those whose means meet every constraint (ties: the
+    smaller point id), or why there is none. A metric no trial reports raises ValueError."""
+    for constraint in constraints:
+        if constraint.metric not in df:
+            raise ValueError(f"constraint {constraint}: {constraint.metric!r} is not a column of these trials")
+    metrics = list(dict.fromkeys([objective.metric, *(c.metric for c in constraints)]))
+    table = configurations(df, metrics)
+    if table.empty:
+        return {"constraints": [str(c) for c in constraints], "satisfying": 0, "of": 0, "best": None,
+                "reason": "no valid trials"}
+    keep = np.logical_and.reduce([c.holds(table[c.metric]) for c in constraints]) if constraints else \
+        np.ones(len(table), dtype=bool)
+    meeting = table[keep & table[objective.metric].notna().to_numpy()]
+    out = {"constraints": [str(c) for c in constraints], "satisfying": len(meeting), "of": len(table),
+           "objective": {"metric": objective.metric, "mode": objective.mode}}
+    if meeting.empty:
+        return out | {"best": None, "reason": "no configuration meets every constraint"}
+    best = meeting.sort_values([objective.metric, "point"], ascending=[objective.ascending, True], kind="stable")
+    return out | {"best": best.iloc[0].to_dict(), "reason": None}

@@ -1,0 +1,35 @@
+"""bench/bench_gpu.py's CPU mode: the GPU benchmark's whole path (a shape built from its config and saved, a trial as
+a sweep runs it, the evaluation with both scorers) on a tiny shape, and its numbers consistent with each other."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+@pytest.mark.real
+def test_the_gpu_benchmark_runs_its_small_mode_on_cpu(tmp_path):
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "bench_gpu.py"), "--small", "--json", str(out)],
+                          capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    (shape,) = data["shapes"].values()
+    assert data["machine"]["device"] == "cpu" and shape["params"] > 0
+    prefix, hflm = shape["evaluation"]["prefix"], shape["evaluation"]["hflm"]
+    assert prefix["items"] == hflm["items"] == 7 * 3  # the seven real tasks at the small mode's 3 items
+    assert prefix["acc_mean"] == pytest.approx(hflm["acc_mean"], abs=1e-9)  # the same answers
+    assert 0 < prefix["tokens"] < hflm["tokens"]  # each context forwarded once
+    for e in (prefix, hflm):
+        assert e["tokens_per_s"] == pytest.approx(e["tokens"] / e["seconds"])
+        assert e["tflops"] == pytest.approx(2 * shape["params"] * e["tokens"] / e["seconds"] / 1e12)
+    (trial,) = shape["trials"]
+    stages = trial["stages_s"]
+    assert {"load", "importance", "prune", "speed", "ppl", "zero_shot_3"} <= set(stages)
+    assert sum(stages.values()) <= trial["wall_s"] and trial["acc_mean"] is not None and trial["ppl"] > 1
+    assert "| tiny-llama-shape |" in proc.stdout  # the Markdown tables
