@@ -53,8 +53,10 @@ def test_the_real_grid_report_is_ranked_by_perplexity_and_its_best_is_the_lowest
     best = rows.loc[rows["ppl"].idxmin()]
     written_best = json.loads((out / "consolidated_smollm2-135m" / "global_best_config.json").read_text())
     assert written_best["metrics"]["ppl"] == pytest.approx(best["ppl"])
+    # the configuration: the model, every search dimension the trials report (these older ones: the paper's three and
+    # the sparsity), the seed
     assert written_best["config"] == {
-        k: best[k] for k in ("model", "pruning_method", "taylor_seq_len", "taylor_num_samples", "seed")
+        k: best[k] for k in ("model", "pruning_method", "taylor_seq_len", "taylor_num_samples", "sparsity", "seed")
     }
     cross = json.loads((out / "cross_model_comparison.json").read_text())
     assert (
