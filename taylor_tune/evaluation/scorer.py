@@ -262,6 +262,7 @@ class PrefixLM(_LibraryBarsFollowTqdmDisable):
             pbar.update(len(prepared.requests))
 
         done, retried, pending = 0, False, None
+        on_cuda = self.device.type == "cuda"
         prepared = self._prepare(batches[0]) if batches else None
         while done < len(batches):
             try:
@@ -270,7 +271,7 @@ class PrefixLM(_LibraryBarsFollowTqdmDisable):
                 if not auto or retried:
                     raise
                 retried, budget = True, max(1, budget // 2)  # once per call: a second failure is not transient
-                if self.device.type == "cuda":
+                if on_cuda:
                     torch.cuda.empty_cache()
                 rest = sorted((pack for batch in batches[done:] for row in batch for pack in row),
                               key=lambda pack: (-pack.length, pack.prefix))  # the planner's order: longest first
@@ -278,9 +279,9 @@ class PrefixLM(_LibraryBarsFollowTqdmDisable):
                 prepared = self._prepare(batches[done])
                 continue
             # the copy to the host is queued behind the batch's work; the next batch is prepared while it runs
-            host = torch.empty(scored.shape, dtype=scored.dtype, pin_memory=self.device.type == "cuda")
-            host.copy_(scored, non_blocking=self.device.type == "cuda")
-            ready = torch.cuda.Event() if self.device.type == "cuda" else None
+            host = torch.empty(scored.shape, dtype=scored.dtype, pin_memory=on_cuda)
+            host.copy_(scored, non_blocking=on_cuda)
+            ready = torch.cuda.Event() if on_cuda else None
             if ready is not None:
                 ready.record()
             if pending is not None:

@@ -18,8 +18,8 @@ from pathlib import Path
 import pandas as pd
 
 from taylor_tune.errors import ReportError
-from taylor_tune.reporting.stats import ACCURACY, SPEED_COLUMNS, Objective
-from taylor_tune.schema import CONFIG_COLUMNS, task_columns, task_key
+from taylor_tune.reporting.stats import ACCURACY, Objective
+from taylor_tune.schema import CONFIG_COLUMNS, SPEED_METRICS, task_columns, task_key
 
 GRAD_COLUMNS = ("grad_mean_ratio", "grad_norm_ratio", "grad_mean_range", "grad_norm_range")
 SPEC_COLUMNS = ("output_dir", "ppl", "acc_mean", "params_count", "pruning_ratio", *GRAD_COLUMNS,
@@ -271,7 +271,7 @@ def consolidate(rows: pd.DataFrame, source: str = "DataFrame") -> TrialTable:
             if column in rows:
                 rows[column] = pd.to_numeric(rows[column], errors="coerce")
     for column in ("acc_mean", "ppl", *GRAD_COLUMNS, "extreme_pruning_layers", "params_count", "pruning_ratio",
-                   *SPEED_COLUMNS):
+                   *SPEED_METRICS):
         if column in rows:
             rows[column] = pd.to_numeric(rows[column], errors="coerce")
     if "trial_id" not in rows:

@@ -92,7 +92,8 @@ def model_report(table: TrialTable, model: str, z: float = stats.Z95, seed: int 
     metric = objective.metric
     heldout = stats.heldout_selection(valid, tasks) if metric == "acc_mean" else {
         "reason": f"the sweep ranks by {metric}; the held-out halves are of the zero-shot accuracies"}
-    objectives = table.objectives if table.objectives[0] == objective else (objective,)
+    objectives = table.objectives
+    objectives = objectives if objectives[0] == objective else (objective,)
     front_of = front_objectives(objectives, valid)
     try:
         constrained = pareto.best_under(valid, constraints, objective) if constraints else None

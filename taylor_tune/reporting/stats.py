@@ -401,7 +401,6 @@ def plain(value):
     return value
 
 
-SPEED_COLUMNS = SPEED_METRICS
 
 
 def speed_quality(df: pd.DataFrame) -> pd.DataFrame | None:
@@ -410,5 +409,5 @@ def speed_quality(df: pd.DataFrame) -> pd.DataFrame | None:
     if "decode_speedup" not in df or df["decode_speedup"].isna().all():
         return None
     columns = [c for c in ("trial_id", "pruning_method", "uniform", "sparsity", "taylor_seq_len", "taylor_num_samples",
-                           "acc_mean", "ppl", *SPEED_COLUMNS) if c in df]
+                           "acc_mean", "ppl", *SPEED_METRICS) if c in df]
     return df[columns].sort_values(["decode_speedup", "trial_id"], ascending=[False, True]).reset_index(drop=True)

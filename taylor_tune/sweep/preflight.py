@@ -75,9 +75,10 @@ def check_calibration_sizes(experiment: Experiment) -> None:
     trust = bool(experiment.prune.get("trust_remote_code"))
     longest = max(experiment.values_of("taylor_seq_len"))
     most = max(experiment.values_of("taylor_num_samples"))
+    points = _distinct(experiment, DRAW_FIELDS)
     for model in experiment.models:
         texts = {}
-        for point in _distinct(experiment, DRAW_FIELDS):
+        for point in points:
             config = experiment.prune_config(model, point)
             if draws_calibration(config):
                 texts.setdefault(resolve_text(config.calibration, model), config.calibration)

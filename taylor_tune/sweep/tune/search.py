@@ -113,7 +113,7 @@ class PerModelSearcher(Searcher):
         """`objectives`: (metric, mode) of each objective when there are several; `metric`/`mode` are the first."""
         super().__init__(metric=metric, mode=mode)
         self.objectives = tuple(objectives or ((metric, mode),))
-        modes = tuple(m for _, m in self.objectives) if len(self.objectives) > 1 else mode
+        modes = tuple(m for _, m in self.objectives)  # one objective: a study with one direction, as before
         self.models = list(models)
         self.trials_per_model = trials_per_model
         self.fixed = fixed
@@ -148,8 +148,7 @@ class PerModelSearcher(Searcher):
         model, params = self.owner.pop(trial_id)
         metrics = [m for m, _ in getattr(self, "objectives", ((self.metric, self.mode),))]  # restored older state
         usable = not error and result is not None and all(isinstance(result.get(m), (int, float)) for m in metrics)
-        values = tuple(float(result[m]) for m in metrics) if usable else None
-        self.studies[model].tell(params, values[0] if values and len(values) == 1 else values)
+        self.studies[model].tell(params, tuple(float(result[m]) for m in metrics) if usable else None)
 
     def save(self, checkpoint_path: str) -> None:
         with open(checkpoint_path, "wb") as f:
