@@ -5,11 +5,14 @@ is built from its config on the device and saved as a model folder (safetensors)
 that the offline world has (Qwen2.5's for Qwen2, whose tokenizer it is; SmolLM2's for the other two, whose own are
 gated: its token counts are close to, not equal to, theirs). Then, per shape:
 
-- `run_trial` as a sweep runs it (taylor importance at each --importance SAMPLESxSEQ_LEN, prune, speed against the
-  unpruned model, perplexity on the held-out Wikipedia text, the full zero-shot evaluation of the seven real tasks
-  with the default settings): seconds per stage, the trial's wall time and its peak GPU memory;
 - the evaluation alone on the unpruned model with both scorers (prefix, then lm-eval's HFLM) in the same run:
-  seconds, token positions forwarded, tokens/s and the achieved TFLOP/s (2 x parameters x tokens / seconds).
+  seconds, of which building and tokenizing the requests, token positions forwarded, tokens/s and the achieved
+  TFLOP/s (2 x parameters x tokens / seconds). The prefix pass stores its requests in a sweep's request cache, as a
+  model's first trial does;
+- `run_trial` as a sweep runs it, with that cache (its requests read back, as in every later trial of the model):
+  taylor importance at each --importance SAMPLESxSEQ_LEN, prune, speed against the unpruned model, perplexity on the
+  held-out Wikipedia text, the full zero-shot evaluation of the seven real tasks with the default settings; seconds
+  per stage, the trial's wall time and its peak GPU memory.
 
 Written as JSON (`--json`); `--table` prints its Markdown tables. The folder of each shape is deleted after it.
 
@@ -36,6 +39,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 from taylor_tune import schema
 from taylor_tune.config import EvalSpec, PruneConfig, SpeedSpec
 from taylor_tune.evaluation.evaluate import Evaluator
+from taylor_tune.evaluation.requests import RequestCache
 from taylor_tune.jsonio import write_json
 from taylor_tune.sources.models import load_tokenizer
 from taylor_tune.sweep.experiment import Evaluation
@@ -90,9 +94,10 @@ def _reset(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def trial(folder: Path, params: int, samples: int, seq_len: int, args, device: torch.device) -> dict:
-    """One `run_trial` at samples x seq_len with the product's defaults (speed, perplexity, full evaluation); the
-    importance pass's TFLOP/s counts forward and backward as 6 x parameters x tokens."""
+def trial(folder: Path, params: int, samples: int, seq_len: int, args, device: torch.device, cache: Path) -> dict:
+    """One `run_trial` at samples x seq_len with the product's defaults (speed, perplexity, full evaluation) and a
+    sweep's caches under `cache`; the importance pass's TFLOP/s counts forward and backward as 6 x parameters x
+    tokens."""
     config = PruneConfig(model=str(folder), method="taylor", sparsity=0.2, seq_len=seq_len, num_samples=samples,
                          calibration="wiki", micro_batch_size=args.micro_batch_size, device=args.device,
                          dtype=args.dtype)
@@ -101,24 +106,31 @@ def trial(folder: Path, params: int, samples: int, seq_len: int, args, device: t
     _reset(device)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as trial_dir:
-        metrics = run_trial(TrialConfig(prune=config, evaluation=evaluation), trial_dir)
+        metrics = run_trial(TrialConfig(prune=config, evaluation=evaluation, cache_dir=str(cache / "importance_cache")),
+                            trial_dir)
     final, stages = schema.zero_shot_stage(args.limit), schema.stage_seconds(metrics)
     return {"samples": samples, "seq_len": seq_len, "wall_s": time.perf_counter() - start, "stages_s": stages,
+            "requests_s": metrics[schema.requests_key(final)],
+            "requests_built": metrics[schema.requests_key(final, "_built")],
             "importance_tflops": 6 * params * samples * seq_len / stages["importance"] / 1e12,
             "zero_shot_tokens": metrics.get(schema.tokens_key(final)),
             "ppl": metrics.get("ppl"), "acc_mean": metrics.get("acc_mean"), "peak_gib": _peak(device)}
 
 
-def evaluation(folder: Path, params: int, args, device: torch.device, dtype: torch.dtype) -> dict:
-    """The full evaluation of the unpruned model, prefix scorer then HFLM, with the default batch sizing."""
+def evaluation(folder: Path, params: int, args, device: torch.device, dtype: torch.dtype, cache: Path) -> dict:
+    """The full evaluation of the unpruned model, prefix scorer then HFLM, with the default batch sizing; the
+    prefix pass stores its requests in the request cache of a sweep under `cache`."""
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map={"": device}).eval()
     tokenizer = load_tokenizer(str(folder))
     out = {}
     for scorer in ("prefix", "hflm"):
         _reset(device)
         spec = EvalSpec(tasks="all", task_data="real", ppl=None, scorer=scorer)
-        shots = Evaluator(model, tokenizer, spec, model_name=str(folder)).zero_shot(args.limit)
-        out[scorer] = {"seconds": shots.seconds, "tokens": shots.tokens, "tokens_per_s": shots.tokens / shots.seconds,
+        requests = RequestCache(cache / "requests") if scorer == "prefix" else None
+        shots = Evaluator(model, tokenizer, spec, model_name=str(folder), request_cache=requests).zero_shot(args.limit)
+        out[scorer] = {"seconds": shots.seconds, "requests_s": shots.requests_seconds,
+                       "requests_built": shots.requests_built, "tokens": shots.tokens,
+                       "tokens_per_s": shots.tokens / shots.seconds,
                        "tflops": 2 * params * shots.tokens / shots.seconds / 1e12, "acc_mean": shots.acc_mean,
                        "items": sum(e["n"] for e in shots.tasks.values()), "peak_gib": _peak(device)}
     del model
@@ -131,15 +143,16 @@ def _gib(value: float | None) -> str:
 
 def table(data: dict) -> str:
     lines = [f"{data['machine']['device']} · torch {data['machine']['torch']} · {data['date']}", "",
-             "| shape | parameters | scorer | items | seconds | tokens | tokens/s | TFLOP/s | peak GiB |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "| shape | parameters | scorer | items | seconds | of which requests | tokens | tokens/s | TFLOP/s | "
+             "peak GiB |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, shape in data["shapes"].items():
         for scorer, e in shape.get("evaluation", {}).items():
             lines.append(f"| {name} | {shape['params'] / 1e9:.2f}B | {scorer} | {e['items']} | {e['seconds']:.1f} | "
-                         f"{e['tokens']:,} | {e['tokens_per_s']:,.0f} | {e['tflops']:.1f} | "
+                         f"{e['requests_s']:.1f} | {e['tokens']:,} | {e['tokens_per_s']:,.0f} | {e['tflops']:.1f} | "
                          f"{_gib(e['peak_gib'])} |")
     lines += ["", "| shape | samples × seq_len | trial s | unpruned speed | load | importance (TFLOP/s) | prune | "
-              "speed | ppl | zero-shot | peak GiB |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "speed | ppl | zero-shot (requests) | peak GiB |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, shape in data["shapes"].items():
         for t in shape.get("trials", []):
             s = t["stages_s"]
@@ -147,7 +160,7 @@ def table(data: dict) -> str:
             lines.append(f"| {name} | {t['samples']} × {t['seq_len']} | {t['wall_s']:.1f} | "
                          f"{s.get('unpruned_speed', 0):.1f} | {s.get('load', 0):.1f} | {s.get('importance', 0):.1f} "
                          f"({t['importance_tflops']:.1f}) | {s.get('prune', 0):.1f} | {s.get('speed', 0):.1f} | "
-                         f"{s.get('ppl', 0):.1f} | {shot:.1f} | {_gib(t['peak_gib'])} |")
+                         f"{s.get('ppl', 0):.1f} | {shot:.1f} ({t['requests_s']:.1f}) | {_gib(t['peak_gib'])} |")
     return "\n".join(lines)
 
 
@@ -186,17 +199,19 @@ def main() -> None:
             "shapes": {}}
     for name, shape in shapes.items():
         folder = Path(tempfile.mkdtemp(prefix=f"{name}-"))
+        cache = Path(tempfile.mkdtemp(prefix=f"{name}-sweep-"))  # the caches a sweep of this model would share
         try:
             start = time.perf_counter()
             params = build_folder(name, shape, folder, device, dtype)
             entry = data["shapes"][name] = {"params": params, "build_s": time.perf_counter() - start, "trials": []}
-            entry["evaluation"] = evaluation(folder, params, args, device, dtype)
+            entry["evaluation"] = evaluation(folder, params, args, device, dtype, cache)
             write_json(args.json, data)
             for samples, seq_len in runs:
-                entry["trials"].append(trial(folder, params, samples, seq_len, args, device))
+                entry["trials"].append(trial(folder, params, samples, seq_len, args, device, cache))
                 write_json(args.json, data)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+            shutil.rmtree(cache, ignore_errors=True)
     write_json(args.json, data)
     print(table(data))
 

@@ -27,11 +27,16 @@ def json_safe(value):
     return value
 
 
-def write_json(path: str | Path, data) -> Path:
+def write_text(path: str | Path, text: str) -> Path:
     """Written whole or not at all (a temporary file renamed into place): a reader never sees half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(json_safe(data), indent=2, allow_nan=False) + "\n")
+    tmp.write_text(text)
     os.replace(tmp, path)
     return path
+
+
+def write_json(path: str | Path, data) -> Path:
+    """`data` as indented JSON (json_safe), written whole or not at all."""
+    return write_text(path, json.dumps(json_safe(data), indent=2, allow_nan=False) + "\n")

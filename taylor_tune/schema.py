@@ -29,6 +29,7 @@ CONFIG_COLUMNS = ("model", "pruning_method", "taylor_seq_len", "taylor_num_sampl
 STAGES = ("unpruned_speed", "load", "calibration", "importance", "prune", "speed", "ppl")
 SECONDS_SUFFIX, TOKENS_SUFFIX = "_s", "_tokens"
 _ZERO_SHOT = "zero_shot_"
+_REQUESTS = "_requests"
 # Per-task columns beside acc_<task>: its stderr, the items scored, and the two halves of held-out selection.
 TASK_SUFFIXES = ("_stderr", "_n", "_sel", "_heldout")
 
@@ -52,6 +53,13 @@ def tokens_key(stage: str) -> str:
     return stage + TOKENS_SUFFIX
 
 
+def requests_key(stage: str, part: str = SECONDS_SUFFIX) -> str:
+    """Of a zero-shot pass: `<stage>_requests_s`, the seconds it spent building (or reading) and tokenizing its
+    requests, a part of its `<stage>_s`; `<stage>_requests_built` (part "_built"), the tasks whose requests it built
+    (0: every task's read from the sweep's request cache)."""
+    return stage + _REQUESTS + part
+
+
 def stage_seconds(metrics: dict) -> dict[str, float]:
     """{stage: seconds} of the stages a cumulative report holds (its `<stage>_s` numbers)."""
     out = {}
@@ -59,7 +67,7 @@ def stage_seconds(metrics: dict) -> dict[str, float]:
         if not key.endswith(SECONDS_SUFFIX) or not isinstance(value, (int, float)) or isinstance(value, bool):
             continue
         stage = key[: -len(SECONDS_SUFFIX)]
-        if stage in STAGES or stage.startswith(_ZERO_SHOT):
+        if stage in STAGES or (stage.startswith(_ZERO_SHOT) and not stage.endswith(_REQUESTS)):
             out[stage] = value
     return out
 

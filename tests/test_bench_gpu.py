@@ -11,6 +11,10 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+def stages_of(trial: dict) -> float:
+    return next(v for k, v in trial["stages_s"].items() if k.startswith("zero_shot_"))
+
+
 @pytest.mark.slow
 @pytest.mark.real
 def test_the_gpu_benchmark_runs_its_small_mode_on_cpu(tmp_path):
@@ -28,7 +32,9 @@ def test_the_gpu_benchmark_runs_its_small_mode_on_cpu(tmp_path):
     for e in (prefix, hflm):
         assert e["tokens_per_s"] == pytest.approx(e["tokens"] / e["seconds"])
         assert e["tflops"] == pytest.approx(2 * shape["params"] * e["tokens"] / e["seconds"] / 1e12)
+    assert prefix["requests_built"] == 7 and 0 < prefix["requests_s"] < prefix["seconds"]  # the first pass builds
     (trial,) = shape["trials"]
+    assert trial["requests_built"] == 0 and trial["requests_s"] < stages_of(trial)  # and the trial reads them
     stages = trial["stages_s"]
     assert {"load", "importance", "prune", "speed", "ppl", "zero_shot_3"} <= set(stages)
     assert sum(stages.values()) <= trial["wall_s"] and trial["acc_mean"] is not None and trial["ppl"] > 1

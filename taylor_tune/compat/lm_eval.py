@@ -1,10 +1,13 @@
 """lm-eval 0.4.13's private names: the task YAML loader, the HFLM internals the prefix scorer builds on (it
-overrides `_loglikelihood_tokens` and reads the attributes HFLM's own version reads), and the environment record
-`simple_evaluate` adds to every result."""
+overrides `_loglikelihood_tokens` and reads the attributes HFLM's own version reads), the environment record
+`simple_evaluate` adds to every result, the Jinja prompt templates, and the building of a task's requests (which the
+request cache stands in for)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import lru_cache
 from importlib.metadata import version
 from pathlib import Path
 
@@ -12,8 +15,13 @@ from taylor_tune.compat import missing
 
 TESTED = "0.4.13"
 HFLM_METHODS = ("_loglikelihood_tokens", "_model_call")
-HFLM_ATTRIBUTES = ("backend", "mixed_precision_dtype", "softmax_dtype", "cache_hook", "rank", "max_length", "device")
+HFLM_ATTRIBUTES = ("backend", "mixed_precision_dtype", "softmax_dtype", "cache_hook", "rank", "max_length", "device",
+                   "tokenizer", "add_bos_token", "prefix_token_id")
 ENVIRONMENT_RECORD = ("get_git_commit_hash", "add_env_info")  # names in lm_eval.evaluator
+TEMPLATE_NAMES = ("apply_template", "env")  # names in lm_eval.utils
+# build_all_requests' arguments in a plain zero-shot pass: what the request cache stands in for, and nothing else
+# (fewshot_as_multiturn, True by simple_evaluate's default, acts only with a chat template)
+PLAIN_BUILD = {"samples": None, "rank": 0, "world_size": 1, "system_instruction": None, "apply_chat_template": False}
 
 
 def _versions_only(results: dict) -> None:
@@ -37,6 +45,84 @@ def without_environment_record():
             setattr(evaluator, name, value)
 
 
+@contextmanager
+def compiled_templates() -> Iterator[None]:
+    """Inside, lm-eval compiles each Jinja prompt template once. Its `apply_template` compiles the template string
+    again for every document and field (`env.from_string`), in building the requests and again in scoring the answers
+    (doc_to_choice, doc_to_target): most of a pass's time outside the model. Rendering is unchanged."""
+    from lm_eval import utils
+
+    saved = utils.apply_template
+    compiled = lru_cache(maxsize=None)(utils.env.from_string)
+    utils.apply_template = lambda template, doc: compiled(template).render(**doc)
+    try:
+        yield
+    finally:
+        utils.apply_template = saved
+
+
+@contextmanager
+def building_requests(build: Callable) -> Iterator[None]:
+    """Inside, a plain zero-shot pass's `Task.build_all_requests(limit=...)` (no chat template, no system instruction,
+    one process, no sample list) sets the task's instances to `build(task, limit, lm_eval_build)`, where
+    `lm_eval_build()` builds and returns them as lm-eval does. Any other call is lm-eval's own."""
+    from lm_eval.api.task import Task
+
+    saved = Task.build_all_requests
+
+    def patched(self, *, limit=None, **arguments):
+        def lm_eval_build():
+            saved(self, limit=limit, **arguments)
+            return self._instances
+
+        if any(arguments.get(name, value) != value for name, value in PLAIN_BUILD.items()) \
+                or arguments.get("cache_requests"):
+            return saved(self, limit=limit, **arguments)
+        self._instances = build(self, limit, lm_eval_build)
+
+    Task.build_all_requests = patched
+    try:
+        yield
+    finally:
+        Task.build_all_requests = saved
+
+
+def task_documents(task, limit: int | None) -> list[tuple[int, dict]]:
+    """(doc_id, document) of every document a plain pass at `limit` scores, as build_all_requests iterates them."""
+    return list(task.doc_iterator(rank=0, limit=limit, world_size=1))
+
+
+def task_definition(task) -> dict:
+    """A task's configuration as lm-eval records it (functions as their source code), without its data source:
+    what its requests depend on besides the documents."""
+    config = task.config.to_dict()
+    for name in ("dataset_path", "dataset_name", "dataset_kwargs", "metadata"):
+        config.pop(name, None)
+    return config
+
+
+def encode_requests(lm, instances) -> list[tuple[list[int], list[int]]]:
+    """lm-eval's tokenization of each (context, continuation) request, as `TemplateLM.loglikelihood` does it before
+    scoring (trailing whitespace moved to the continuation, the prefix token for an empty context): its own code,
+    run with the scoring replaced by a recorder."""
+    from lm_eval.api.model import TemplateLM
+
+    recorded = []
+    lm._loglikelihood_tokens = lambda requests, **_: recorded.extend(requests) or []
+    try:
+        TemplateLM.loglikelihood(lm, instances, disable_tqdm=True)
+    finally:
+        del lm._loglikelihood_tokens
+    return [(context, continuation) for _, context, continuation in recorded]
+
+
+def make_instance(request_type: str, doc: dict, arguments: tuple, idx: int, task: str, doc_id: int, repeats: int):
+    from lm_eval.api.instance import Instance
+
+    return Instance(request_type=request_type, doc=doc, arguments=arguments, idx=idx,
+                    metadata=(task, doc_id, repeats))
+
+
 def load_task_yaml(path: Path) -> dict:
     """A registered task's YAML with its `!function` entries resolved, as lm-eval's TaskManager reads it."""
     from lm_eval.tasks._yaml_loader import load_yaml
@@ -46,11 +132,16 @@ def load_task_yaml(path: Path) -> dict:
 
 def check(lm=None) -> None:
     """Raise CompatError if a fenced name is gone; `lm`: an HFLM instance, to check its attributes too."""
-    from lm_eval import evaluator
+    from lm_eval import evaluator, utils
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.api.task import Task
     from lm_eval.models.huggingface import HFLM
 
     gone = [f"HFLM.{name}" for name in HFLM_METHODS if not callable(vars(HFLM).get(name))]  # HFLM's own, not a base's
     gone += [f"lm_eval.evaluator.{name}" for name in ENVIRONMENT_RECORD if not callable(getattr(evaluator, name, None))]
+    gone += [f"lm_eval.utils.{name}" for name in TEMPLATE_NAMES if not hasattr(utils, name)]
+    methods = ((Task, "build_all_requests"), (Task, "doc_iterator"), (TemplateLM, "loglikelihood"))
+    gone += [f"{cls.__name__}.{name}" for cls, name in methods if not callable(getattr(cls, name, None))]
     try:
         from lm_eval.tasks._yaml_loader import load_yaml  # noqa: F401
     except ImportError:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from taylor_tune import schema
 from taylor_tune.config import EvalSpec
 from taylor_tune.evaluation.perplexity import check_window, perplexity
+from taylor_tune.evaluation.requests import PassRequests, RequestCache
 from taylor_tune.evaluation.scorer import make_lm
 from taylor_tune.evaluation.zero_shot import zero_shot
 from taylor_tune.sources.data import load_ppl_text, resolve_task_data, resolve_text
@@ -44,6 +45,8 @@ class ZeroShotResult:
     scorer: str
     tokens: int  # positions forwarded by this pass, padding included
     seconds: float
+    requests_seconds: float  # of `seconds`: building (or reading) and tokenizing the requests
+    requests_built: int  # tasks whose requests this pass built (the others': read from the request cache)
 
     @property
     def stage(self) -> str:
@@ -63,6 +66,8 @@ class ZeroShotResult:
                 out[schema.task_key(task, f"_{half}")] = entry[f"score_{half}"]
         return out | {"acc_mean": self.acc_mean, "fidelity": self.limit or 0, "task_data": self.task_data,
                       "scorer": self.scorer, schema.seconds_key(self.stage): self.seconds,
+                      schema.requests_key(self.stage): self.requests_seconds,
+                      schema.requests_key(self.stage, "_built"): self.requests_built,
                       schema.tokens_key(self.stage): self.tokens}
 
 
@@ -77,12 +82,15 @@ def _eval_mode(model):
 
 
 class Evaluator:
-    """Evaluates one in-memory model as `spec` says; `model_name` is what `auto` data names resolve against."""
+    """Evaluates one in-memory model as `spec` says; `model_name` is what `auto` data names resolve against;
+    `request_cache`: where zero-shot requests built once are kept for every later pass (a sweep's trials)."""
 
-    def __init__(self, model, tokenizer, spec: EvalSpec, *, model_name: str | None = None):
+    def __init__(self, model, tokenizer, spec: EvalSpec, *, model_name: str | None = None,
+                 request_cache: RequestCache | None = None):
         if spec.ppl is not None:
             check_window(spec.ppl_window, model.config)
         self.model, self.tokenizer, self.spec, self.model_name = model, tokenizer, spec, model_name
+        self.request_cache = request_cache
         self.task_data = resolve_task_data(spec.task_data, model_name)
         self._lm = None
 
@@ -101,11 +109,12 @@ class Evaluator:
         if self._lm is None:
             self._lm = make_lm(self.model, self.tokenizer, self.spec.batch_size, self.spec.scorer)
         before = self._lm.tokens_forwarded
+        requests = PassRequests(self._lm, self.request_cache)
         with _eval_mode(self.model):
-            tasks, seconds = zero_shot(self._lm, self.spec.model_copy(update={"limit": limit}), self.task_data)
-        return ZeroShotResult(
-            tasks, limit, self.task_data, self.spec.scorer, self._lm.tokens_forwarded - before, seconds
-        )
+            tasks, seconds = zero_shot(self._lm, self.spec.model_copy(update={"limit": limit}), self.task_data,
+                                       requests)
+        return ZeroShotResult(tasks, limit, self.task_data, self.spec.scorer, self._lm.tokens_forwarded - before,
+                              seconds, requests.seconds, requests.built)
 
 
 def flatten(ppl: PerplexityResult | None, shots: ZeroShotResult | None) -> dict:

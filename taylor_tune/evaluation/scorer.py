@@ -61,15 +61,24 @@ def plan_packs(requests: list[tuple[list[int], list[int]]], max_length: int) -> 
     return sorted(packs.values(), key=lambda pack: (-pack.length, pack.prefix))
 
 
-class _LibraryBarsFollowTqdmDisable(HFLM):
-    """lm-eval draws its "Tokenizing inputs" bar with disable=False whatever TQDM_DISABLE says (the CLI sets it to
-    keep library bars off); here that bar, and HFLM's own, follow the variable."""
+class _Scorer(HFLM):
+    """HFLM taking each request's tokens from `encoded` when the pass has them (`evaluation.requests`: lm-eval's own
+    tokenization, done once per pass or read from the sweep's cache) instead of tokenizing it again. lm-eval draws
+    its "Tokenizing inputs" bar with disable=False whatever TQDM_DISABLE says (the CLI sets it to keep library bars
+    off); here that bar, and HFLM's own, follow the variable."""
+
+    encoded: dict[tuple[str, str], tuple[list[int], list[int]]] | None = None  # (context, continuation) -> tokens
 
     def loglikelihood(self, requests, disable_tqdm: bool = False):
-        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or os.environ.get("TQDM_DISABLE") == "1")
+        disable_tqdm = disable_tqdm or os.environ.get("TQDM_DISABLE") == "1"
+        known = self.encoded
+        if known and all(request.args in known for request in requests):
+            return self._loglikelihood_tokens([(request.args, *known[request.args]) for request in requests],
+                                              disable_tqdm=disable_tqdm)
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
 
 
-class CountingHFLM(_LibraryBarsFollowTqdmDisable):
+class CountingHFLM(_Scorer):
     """lm-eval's HFLM, counting the token positions it forwards (padding included)."""
 
     tokens_forwarded = 0  # padding included
@@ -126,7 +135,7 @@ class Prepared:
 SOFTMAX_ELEMENTS = 1 << 24
 
 
-class PrefixLM(_LibraryBarsFollowTqdmDisable):
+class PrefixLM(_Scorer):
     """HFLM whose `_loglikelihood_tokens` forwards each shared prefix once (see the module's docstring). `batch_size`
     counts rows per forward pass, each row holding one or more items; with "auto" a forward pass holds up to a token
     budget sized from the free GPU memory and the widest pack actually in the data (never lm-eval's probe at the

@@ -19,9 +19,10 @@ import torch
 from lm_eval import simple_evaluate
 from lm_eval.tasks import TaskManager
 
-from taylor_tune.compat.lm_eval import load_task_yaml, without_environment_record
+from taylor_tune.compat.lm_eval import building_requests, compiled_templates, load_task_yaml, without_environment_record
 from taylor_tune.config import EvalSpec
 from taylor_tune.errors import EvaluationError
+from taylor_tune.evaluation.requests import PassRequests
 from taylor_tune.sources.data import task_file
 
 log = logging.getLogger(__name__)
@@ -84,8 +85,8 @@ def split_scores(samples: list[dict], metric: str) -> dict:
     return out
 
 
-def _simple_evaluate(lm, spec: EvalSpec, sources: list[tuple[str | dict, object]]) -> dict:
-    with without_environment_record():
+def _simple_evaluate(lm, spec: EvalSpec, sources: list[tuple[str | dict, object]], requests: PassRequests) -> dict:
+    with without_environment_record(), compiled_templates(), building_requests(requests), requests.scoring():
         return simple_evaluate(
             model=lm, tasks=[source for source, _ in sources], task_manager=sources[0][1], limit=spec.limit,
             bootstrap_iters=1000, log_samples=True, verbosity="ERROR",
@@ -97,20 +98,23 @@ def _failure(task: str | None, error: Exception) -> EvaluationError:
     return EvaluationError(f"{f'task {task}' if task else 'zero-shot'}: {type(error).__name__}: {first_line}")
 
 
-def zero_shot(lm, spec: EvalSpec, task_data: str) -> tuple[dict[str, dict], float]:
+def zero_shot(lm, spec: EvalSpec, task_data: str,
+              requests: PassRequests | None = None) -> tuple[dict[str, dict], float]:
     """Every task in one `simple_evaluate` call: lm-eval then pools the requests of all tasks into one sorted
     batch stream, and pays its per-call set-up once, not per task (it collects the environment by running pip).
-    A pass's time is reported as a whole: per-task times do not exist in one call."""
+    A pass's time is reported as a whole: per-task times do not exist in one call. `requests` builds the pass's
+    requests (with a cache, read from it) and counts their time; default: built and tokenized once, no cache."""
     sources = {task: task_source(task, task_data) for task in spec.tasks}
+    requests = PassRequests(lm) if requests is None else requests
     start = time.perf_counter()
     try:
-        result = _simple_evaluate(lm, spec, list(sources.values()))
+        result = _simple_evaluate(lm, spec, list(sources.values()), requests)
     except torch.cuda.OutOfMemoryError as error:  # the model's, not a task's: running tasks alone would only repeat it
         raise _failure(None, error) from None
     except Exception as error:  # lm-eval and datasets raise anything: find the task it came from by running each alone
         for task, source in sources.items():
             try:
-                _simple_evaluate(lm, spec, [source])
+                _simple_evaluate(lm, spec, [source], PassRequests(lm))
             except Exception as task_error:
                 raise _failure(task, task_error) from None
         raise _failure(None, error) from None

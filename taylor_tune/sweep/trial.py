@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict
 from taylor_tune import schema
 from taylor_tune.config import PruneConfig
 from taylor_tune.evaluation.evaluate import Evaluator
+from taylor_tune.evaluation.requests import RequestCache
 from taylor_tune.evaluation.speed import measure_speed, speed_ratios
 from taylor_tune.jsonio import json_safe, write_json
 from taylor_tune.pruning.artifacts import summary_dict
@@ -195,7 +196,10 @@ def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict]
         report(dict(metrics))
 
     evaluation = trial.evaluation
-    evaluator = Evaluator(result.model, result.tokenizer, evaluation.spec(None), model_name=config.model)
+    # the zero-shot requests: built by the model's first trial, read by the others (beside the importance cache)
+    requests = None if trial.cache_dir is None else RequestCache(Path(trial.cache_dir).parent / "requests")
+    evaluator = Evaluator(result.model, result.tokenizer, evaluation.spec(None), model_name=config.model,
+                          request_cache=requests)
     if evaluation.ppl is not None:
         metrics |= evaluator.perplexity().metrics() | {"stage": "ppl"}
         report(dict(metrics))

@@ -1,0 +1,136 @@
+"""A zero-shot pass's requests: built by lm-eval and tokenized once per pass, and with a `RequestCache` once per sweep.
+
+lm-eval builds a task's requests in every pass (`Task.build_all_requests`: its prompt templates rendered for every
+document) and HFLM tokenizes every (context, continuation) pair, although in a sweep a model's requests are the same
+in every trial. `PassRequests` stands in for that building during one pass: lm-eval builds the requests as always
+(or the cache has them), lm-eval's own tokenization of each is computed once and handed to the scorer, and the time
+it all takes is counted apart from the scoring. lm-eval still scores the answers (filters, process_results,
+aggregation) as always.
+
+A `RequestCache` entry holds one task's requests and their tokens as JSON data, keyed by all they depend on: the
+documents lm-eval scores (sha256 of them after its own processing, within the limit), the task's definition (its
+templates and functions' source) and lm-eval's version, the tokenizer (sha256 of its serialized state) and HFLM's
+tokenization settings, the limit and the scorer. lm-eval's own request cache is not used: it keys by the task's name
+only (not its data) and stores pickles, and nothing read from disk here may run code.
+
+Safe when trials ask at once: the first to ask builds under a file lock while the others wait, then read. An entry is
+written whole under a temporary name; one that does not read back is built again.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from importlib.metadata import version
+from pathlib import Path
+
+from taylor_tune.compat.lm_eval import encode_requests, make_instance, task_definition, task_documents
+from taylor_tune.jsonio import write_text
+
+log = logging.getLogger(__name__)
+
+
+def digest(value) -> str:
+    """sha256 of `value` as canonical JSON (keys sorted; anything JSON cannot hold as its str)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def tokenizer_digest(lm) -> str:
+    """What lm-eval's tokenization of a request depends on: the tokenizer's whole serialized state (vocabulary,
+    merges, normalizer, pre- and post-processing, special tokens) and HFLM's settings around it."""
+    tokenizer = lm.tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    state = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    return digest([type(tokenizer).__name__, state, str(tokenizer.special_tokens_map), lm.add_bos_token,
+                   lm.prefix_token_id, lm.backend])
+
+
+class RequestCache:
+    """Entries of JSON rows under a folder, each built once across all processes that share the folder."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def get_or_build(self, fields: dict, build: Callable[[], list], read: Callable[[list], object]):
+        """(read(rows), built): the rows stored under `fields`; on a miss, or when `read` cannot take the stored rows
+        (a damaged entry), `build()`'s rows, stored first. The first process to ask builds; the others wait for it."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        fields = json.loads(json.dumps(fields))  # as it reads back
+        key = digest(fields)[:24]
+        path = self.root / f"{key}.json"
+        with open(self.root / f"{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when the process dies
+            try:
+                entry = json.loads(path.read_text())
+                if entry["fields"] != fields:
+                    raise ValueError("another entry's fields")
+                return read(entry["rows"]), False
+            except FileNotFoundError:
+                pass
+            except Exception as error:  # anything a damaged entry makes the reader raise: built again
+                log.warning("request cache: entry %s does not read back (%s: %s); building it again", path.name,
+                            type(error).__name__, error)
+            rows = build()
+            write_text(path, json.dumps({"fields": fields, "rows": rows}, separators=(",", ":")))
+            return read(rows), True
+
+
+class PassRequests:
+    """The requests of one zero-shot pass (see the module's docstring): called by `compat.building_requests` for each
+    task; `seconds` spent building, reading and tokenizing them, `built`: tasks whose requests lm-eval built."""
+
+    def __init__(self, lm, cache: RequestCache | None = None):
+        self.lm, self.cache = lm, cache
+        self.seconds, self.built = 0.0, 0
+        self._tokenizer = tokenizer_digest(lm) if cache is not None else None
+
+    @contextmanager
+    def scoring(self) -> Iterator[None]:
+        """Inside, the scorer takes each request's tokens from this pass (`encoded`) instead of tokenizing it."""
+        self.lm.encoded = {}
+        try:
+            yield
+        finally:
+            self.lm.encoded = None
+
+    def __call__(self, task, limit: int | None, lm_eval_build: Callable[[], list]) -> list:
+        start = time.perf_counter()
+        try:
+            if self.cache is None:
+                self.built += 1
+                instances = lm_eval_build()
+                for (*_, context, continuation, context_ids, continuation_ids) in self._rows(instances):
+                    self.lm.encoded[(context, continuation)] = (context_ids, continuation_ids)
+                return instances
+            docs = dict(task_documents(task, limit))
+            fields = {"task": task.config.task, "docs": digest(list(docs.items())),
+                      "definition": digest(task_definition(task)), "lm_eval": version("lm_eval"),
+                      "tokenizer": self._tokenizer, "limit": limit, "scorer": getattr(self.lm, "scorer", None)}
+            instances, built = self.cache.get_or_build(
+                fields, lambda: self._rows(lm_eval_build()), lambda rows: self._rows_to_instances(task, docs, rows))
+            self.built += built
+            return instances
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def _rows(self, instances: list) -> list:
+        """Each request as a JSON row: doc_id, idx, request type, repeats, context, continuation and lm-eval's tokens
+        of the two."""
+        tokens = encode_requests(self.lm, instances)
+        return [[i.doc_id, i.idx, i.request_type, i.repeats, *i.arguments, *encoded]
+                for i, encoded in zip(instances, tokens, strict=True)]
+
+    def _rows_to_instances(self, task, docs: dict, rows: list) -> list:
+        instances = []
+        for doc_id, idx, request_type, repeats, context, continuation, context_ids, continuation_ids in rows:
+            if not (isinstance(context, str) and isinstance(continuation, str)):
+                raise TypeError(f"document {doc_id}: a request's arguments are not two strings")
+            instances.append(make_instance(request_type, docs[doc_id], (context, continuation), idx, task.config.task,
+                                           doc_id, repeats))
+            self.lm.encoded[(context, continuation)] = (context_ids, continuation_ids)
+        return instances

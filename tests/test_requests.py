@@ -1,0 +1,165 @@
+"""A zero-shot pass's requests built once (issue 30, point 4): equal to lm-eval's own, reused by a model's later trials,
+never by another tokenizer or limit, built once when processes ask at once, built again when damaged."""
+
+import json
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+import pytest
+from lm_eval import simple_evaluate
+
+from taylor_tune.compat.lm_eval import without_environment_record
+from taylor_tune.config import EvalSpec, PruneConfig
+from taylor_tune.evaluation import zero_shot as zero_shot_module
+from taylor_tune.evaluation.requests import PassRequests, RequestCache, tokenizer_digest
+from taylor_tune.evaluation.scorer import PrefixLM
+from taylor_tune.sources.models import load_tokenizer
+from taylor_tune.sweep.experiment import Evaluation
+from taylor_tune.sweep.trial import TrialConfig, run_trial
+from tests.helpers import tiny
+from tests.test_real_world import assets  # noqa: F401  (a fixture)
+
+
+class Recording(PrefixLM):
+    """Records what lm-eval hands the scorer (the requests and their tokens) and answers from the tokens alone."""
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm=False, override_bs=None):
+        self.seen.extend(requests)
+        return [(-len(context) - sum(continuation) / 1e4, len(continuation) % 2 == 0)
+                for _, context, continuation in requests]
+
+
+def recording_lm(tokenizer) -> Recording:
+    lm = Recording(pretrained=tiny("tiny-llama-random"), tokenizer=tokenizer, device="cpu", batch_size=16)
+    lm.scorer, lm.seen = "prefix", []
+    return lm
+
+
+@pytest.mark.real
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["smollm2-135m", "qwen2.5-0.5b"])
+def test_requests_built_once_and_read_back_equal_lm_evals_own(assets, model, tmp_path):  # noqa: F811
+    """The seven real tasks at 25 items each, with each real model's tokenizer: what the scorer receives (every
+    request's strings and tokens, in order) and lm-eval's results and per-item samples (documents, arguments, answers,
+    metrics, hashes) are the same from lm-eval's stock simple_evaluate, from a pass that builds and stores the requests
+    (templates compiled once, tokenized once), and from a pass that reads them back (lm-eval builds none)."""
+    spec = EvalSpec(task_data="real", limit=25, ppl=None)
+    sources = [zero_shot_module.task_source(task, "real") for task in spec.tasks]
+    lm = recording_lm(load_tokenizer(model))
+    with without_environment_record():
+        stock = simple_evaluate(model=lm, tasks=[s for s, _ in sources], task_manager=sources[0][1], limit=spec.limit,
+                                bootstrap_iters=1000, log_samples=True, verbosity="ERROR")
+    stock_seen, lm.seen = lm.seen, []
+    cache, passes = RequestCache(tmp_path / "requests"), []
+    for _ in range(2):
+        requests = PassRequests(lm, cache)
+        result = zero_shot_module._simple_evaluate(lm, spec, sources, requests)
+        passes.append((requests.built, lm.seen, result))
+        lm.seen = []
+    assert [built for built, _, _ in passes] == [7, 0]
+    assert len(stock_seen) > 7 * 25 * 2
+    for _, seen, result in passes:
+        assert seen == stock_seen
+        assert result["results"] == stock["results"]
+        assert result["samples"] == stock["samples"]
+    assert lm.encoded is None  # the pass's tokens are dropped with it
+
+
+def trial(model: str, limit: int, cache_dir) -> TrialConfig:
+    return TrialConfig(
+        prune=PruneConfig(model=model, method="taylor", seq_len=32, num_samples=8, calibration="world", device="cpu",
+                          dtype="float32"),
+        evaluation=Evaluation(tasks="piqa,hellaswag,arc_easy", task_data="world", ppl=None, batch_size=16,
+                              fidelities=[limit]),
+        cache_dir=str(cache_dir),
+    )
+
+
+@pytest.mark.slow
+def test_a_models_second_trial_reuses_its_requests_and_another_tokenizer_or_limit_does_not(tmp_path, monkeypatch):
+    """Must show 3: through `run_trial` with a sweep's cache folder. The model's first trial builds its three tasks'
+    requests; the second (the same model, tokenizer and limit) builds none: lm-eval constructs no request and the
+    tokenizer encodes nothing for the scorer, and its answers are the first trial's. Another limit, and another
+    tokenizer (tiny-llama-random's byte tokenizer instead of the world's), build their own."""
+    from lm_eval.api.task import ConfigurableTask
+    from lm_eval.models.huggingface import HFLM
+
+    calls = {"construct_requests": 0, "tok_encode": 0}
+
+    def counting(name, original):
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return original(*args, **kwargs)
+        return counted
+
+    for cls, name in ((ConfigurableTask, "construct_requests"), (HFLM, "tok_encode")):
+        monkeypatch.setattr(cls, name, counting(name, getattr(cls, name)))
+
+    cache_dir, runs = tmp_path / "importance_cache", []
+    for index, (model, limit) in enumerate([("tiny-llama", 6), ("tiny-llama", 6), ("tiny-llama", 8),
+                                            ("tiny-llama-random", 6), ("tiny-llama-random", 6)]):
+        calls.update(construct_requests=0, tok_encode=0)
+        metrics = run_trial(trial(model, limit, cache_dir), tmp_path / f"t{index}")
+        runs.append((metrics[f"zero_shot_{limit}_requests_built"], dict(calls), metrics))
+    built = [b for b, _, _ in runs]
+    assert built == [3, 0, 3, 3, 0]
+    assert runs[0][1]["construct_requests"] > 0 and runs[0][1]["tok_encode"] > 0
+    assert runs[1][1] == {"construct_requests": 0, "tok_encode": 0}
+    assert runs[4][1] == {"construct_requests": 0, "tok_encode": 0}
+    scores = lambda m: {k: v for k, v in m.items() if k.startswith("acc_")}
+    assert scores(runs[0][2]) == scores(runs[1][2]) and scores(runs[3][2]) == scores(runs[4][2])
+    assert 0 < runs[1][2]["zero_shot_6_requests_s"] < runs[1][2]["zero_shot_6_s"]
+    assert len(list((tmp_path / "requests").glob("*.json"))) == 9  # 3 tasks × (2 limits + 1 more tokenizer)
+
+
+def test_the_tokenizer_digest_follows_what_tokenizes(tmp_path):
+    """Equal for a saved and reloaded copy; different when one token is added, and when HFLM's settings differ."""
+    world = load_tokenizer("tiny-llama")
+    lm = recording_lm(world)
+    world.save_pretrained(tmp_path / "copy")
+    assert tokenizer_digest(lm) == tokenizer_digest(recording_lm(load_tokenizer(str(tmp_path / "copy"))))
+    grown = load_tokenizer(str(tmp_path / "copy"))
+    grown.add_tokens(["zyzzyva"])
+    assert tokenizer_digest(recording_lm(grown)) != tokenizer_digest(lm)
+    with_bos = recording_lm(world)
+    with_bos.add_bos_token = not lm.add_bos_token
+    assert tokenizer_digest(with_bos) != tokenizer_digest(lm)
+    assert tokenizer_digest(recording_lm(load_tokenizer("tiny-llama-random"))) != tokenizer_digest(lm)
+
+
+def _ask(root: str) -> tuple[list, bool]:
+    def build():
+        with open(Path(root) / "builds", "a") as f:
+            f.write(f"{os.getpid()}\n")
+        time.sleep(1.0)
+        return [[0, 1, "loglikelihood", 1, "a", " b", [1], [2]]]
+
+    return RequestCache(root).get_or_build({"task": "t", "limit": 3}, build, lambda rows: rows)
+
+
+def test_two_processes_asking_at_once_build_once_and_both_get_the_requests(tmp_path):
+    with ProcessPoolExecutor(2, mp_context=get_context("spawn")) as pool:
+        answers = list(pool.map(_ask, [str(tmp_path)] * 2))
+    assert sorted(built for _, built in answers) == [False, True]
+    assert answers[0][0] == answers[1][0] == [[0, 1, "loglikelihood", 1, "a", " b", [1], [2]]]
+    assert len((tmp_path / "builds").read_text().split()) == 1
+
+
+def test_an_entry_that_does_not_read_back_is_built_again(tmp_path, caplog):
+    cache, fields = RequestCache(tmp_path), {"task": "t", "limit": 3}
+    rows = [[0, 1, "loglikelihood", 1, "a", " b", [1], [2]]]
+    assert cache.get_or_build(fields, lambda: rows, lambda r: r) == (rows, True)
+    (entry,) = tmp_path.glob("*.json")
+    assert cache.get_or_build(fields, lambda: pytest.fail("built again"), lambda r: r) == (rows, False)
+    for damage in (entry.read_text()[:20], json.dumps({"fields": {"task": "u"}, "rows": rows}), "[]"):
+        entry.write_text(damage)
+        assert cache.get_or_build(fields, lambda: rows, lambda r: r) == (rows, True)
+        assert json.loads(entry.read_text()) == {"fields": fields, "rows": rows}
+    # rows the reader cannot take (a document that is not there) are built again too
+    entry.write_text(json.dumps({"fields": fields, "rows": [[99]]}))
+    read = lambda r: [{0: "doc"}[row[0]] for row in r]
+    assert cache.get_or_build(fields, lambda: [[0]], read) == (["doc"], True)
+    assert "does not read back" in caplog.text
