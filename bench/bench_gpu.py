@@ -8,7 +8,8 @@ gated: its token counts are close to, not equal to, theirs). Then, per shape:
 - the evaluation alone on the unpruned model with both scorers (prefix, then lm-eval's HFLM) in the same run:
   seconds, of which building and tokenizing the requests, token positions forwarded, tokens/s and the achieved
   TFLOP/s (2 x parameters x tokens / seconds). The prefix pass stores its requests in a sweep's request cache, as a
-  model's first trial does;
+  model's first trial does. `--passes` picks the passes; `prefix_flex` is the prefix scorer with FlexAttention's
+  block mask instead of SDPA's additive mask (issue 30, point 5: the two side by side);
 - `run_trial` as a sweep runs it, with that cache (its requests read back, as in every later trial of the model):
   taylor importance at each --importance SAMPLESxSEQ_LEN, prune, speed against the unpruned model, perplexity on the
   held-out Wikipedia text, the full zero-shot evaluation of the seven real tasks with the default settings; seconds
@@ -19,6 +20,7 @@ Written as JSON (`--json`); `--table` prints its Markdown tables. The folder of 
     python bench/bench_gpu.py --json bench/gpu.json                  # one H100 or H200: the three 8B shapes
     python bench/bench_gpu.py --small --json /tmp/gpu_small.json     # a tiny shape on CPU (the tests run this)
     python bench/bench_gpu.py --table bench/gpu.json
+    python bench/bench_gpu.py --shapes llama-3-8b --passes prefix,prefix_flex --importance none --json /tmp/attn.json
 """
 
 from __future__ import annotations
@@ -123,12 +125,15 @@ def evaluation(folder: Path, params: int, args, device: torch.device, dtype: tor
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map={"": device}).eval()
     tokenizer = load_tokenizer(str(folder))
     out = {}
-    for scorer in ("prefix", "hflm"):
+    for name in args.passes:
         _reset(device)
-        spec = EvalSpec(tasks="all", task_data="real", ppl=None, scorer=scorer)
-        requests = RequestCache(cache / "requests") if scorer == "prefix" else None
-        shots = Evaluator(model, tokenizer, spec, model_name=str(folder), request_cache=requests).zero_shot(args.limit)
-        out[scorer] = {"seconds": shots.seconds, "requests_s": shots.requests_seconds,
+        spec = EvalSpec(tasks="all", task_data="real", ppl=None, scorer="hflm" if name == "hflm" else "prefix")
+        requests = RequestCache(cache / "requests") if name == "prefix" else None
+        evaluator = Evaluator(model, tokenizer, spec, model_name=str(folder), request_cache=requests)
+        if name == "prefix_flex":
+            evaluator.lm.attention = "flex"
+        shots = evaluator.zero_shot(args.limit)
+        out[name] = {"seconds": shots.seconds, "requests_s": shots.requests_seconds,
                        "requests_built": shots.requests_built, "tokens": shots.tokens,
                        "tokens_per_s": shots.tokens / shots.seconds,
                        "tflops": 2 * params * shots.tokens / shots.seconds / 1e12, "acc_mean": shots.acc_mean,
@@ -143,7 +148,7 @@ def _gib(value: float | None) -> str:
 
 def table(data: dict) -> str:
     lines = [f"{data['machine']['device']} · torch {data['machine']['torch']} · {data['date']}", "",
-             "| shape | parameters | scorer | items | seconds | of which requests | tokens | tokens/s | TFLOP/s | "
+             "| shape | parameters | pass | items | seconds | of which requests | tokens | tokens/s | TFLOP/s | "
              "peak GiB |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, shape in data["shapes"].items():
         for scorer, e in shape.get("evaluation", {}).items():
@@ -170,7 +175,9 @@ def main() -> None:
     parser.add_argument("--table", type=Path, help="print the Markdown tables of an earlier --json and exit")
     parser.add_argument("--small", action="store_true", help="a tiny shape on CPU, few items: the tests' mode")
     parser.add_argument("--shapes", default=None, help="comma-separated subset of the shapes")
-    parser.add_argument("--importance", default=None, help="SAMPLESxSEQ_LEN,... (default 128x512,256x512)")
+    parser.add_argument("--importance", default=None, help="SAMPLESxSEQ_LEN,... (default 128x512,256x512); none: "
+                        "no trial")
+    parser.add_argument("--passes", default="prefix,hflm", help="evaluation passes, any of prefix, prefix_flex, hflm")
     parser.add_argument("--limit", type=int, default=None, help="items per task (default every item)")
     parser.add_argument("--ppl-windows", type=int, default=None, help="perplexity windows (default every one)")
     parser.add_argument("--micro-batch-size", type=int, default=4)
@@ -184,7 +191,10 @@ def main() -> None:
     if args.shapes:
         shapes = {k: shapes[k] for k in args.shapes.split(",")}
     runs = [tuple(int(v) for v in pair.split("x")) for pair in (args.importance or (
-        "8x32" if args.small else "128x512,256x512")).split(",")]
+        "8x32" if args.small else "128x512,256x512")).split(",") if pair != "none"]
+    args.passes = args.passes.split(",")
+    if not set(args.passes) <= {"prefix", "prefix_flex", "hflm"}:
+        parser.error(f"--passes: any of prefix, prefix_flex, hflm, not {','.join(args.passes)}")
     if args.small:
         args.limit, args.ppl_windows = args.limit or 3, args.ppl_windows or 4
         args.device, args.dtype = "cpu", "float32"

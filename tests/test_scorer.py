@@ -306,3 +306,43 @@ def test_scoring_copies_to_the_host_once_per_batch():
     assert len(passes) > 3 and counter.reads == ["tolist"] * len(passes), counter.reads
     for (ll, greedy), (ref_ll, ref_greedy) in zip(got, expected, strict=True):
         assert abs(ll - ref_ll) <= 1e-4 and greedy == ref_greedy
+
+
+def test_the_flex_block_mask_is_the_additive_masks_pattern():
+    """Issue 30, point 5: the FlexAttention block mask built from a batch's segments allows exactly the positions the
+    additive mask leaves at 0 (rows of several packs and continuations, padding at the end of one)."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    from taylor_tune.evaluation.scorer import additive_mask, block_mask
+
+    lm = make_lm(load_model("tiny-llama-random"), load_tokenizer("tiny-llama-random"), 2, "prefix")
+    packs = plan_packs([([1, 2, 3, 4], [5, 6]), ([1, 2, 3, 4], [7, 8, 9]), ([10, 11], [12]), ([10, 11], [13, 14]),
+                        ([20, 21], [23, 24])], 512)
+    batch = plan_batches(packs, 2)[0]
+    _, _, segment, prefix_of, keep = lm._prepare(batch).inputs
+    rows, width = segment.shape
+    assert rows == 2 and sum(len(row) for row in batch) > rows and not bool(keep.all())  # packs share rows; padding
+    additive = additive_mask(segment, prefix_of, torch.float32)[:, 0] == 0
+    flex = create_mask(block_mask(segment, prefix_of).mask_mod, rows, None, width, width, device="cpu")[:, 0]
+    assert torch.equal(flex, additive)
+    assert 0 < int(additive.sum()) < rows * width * (width + 1) // 2  # block-causal: less than causal
+
+
+@pytest.mark.slow
+def test_flex_attention_scores_every_request_as_sdpa_does():
+    """Issue 30, point 5: the prefix scorer with FlexAttention (the block mask from the pack layout, the model switched
+    to transformers' flex_attention for the call) gives SDPA's answers on the seven tasks, request by request (fp32,
+    1e-4), and leaves the model's attention as it was."""
+    model, tokenizer = load_model("tiny-llama"), load_tokenizer("tiny-llama")
+    model.eval()
+    sdpa, sdpa_scores = responses(model, tokenizer, "prefix", batch_size=4, limit=6)
+    from taylor_tune.evaluation.scorer import PrefixLM
+
+    try:
+        PrefixLM.attention = "flex"
+        flex, flex_scores = responses(model, tokenizer, "prefix", batch_size=4, limit=6)
+    finally:
+        PrefixLM.attention = "sdpa"
+    assert_same_answers(flex, sdpa)
+    assert flex_scores == sdpa_scores
+    assert model.config._attn_implementation == "sdpa"

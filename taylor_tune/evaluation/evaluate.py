@@ -104,17 +104,22 @@ class Evaluator:
         return PerplexityResult(out["ppl"], out["ppl_window"], out["ppl_windows"], out["ppl_tokens"], out["ppl_curve"],
                                 source, time.perf_counter() - start)
 
-    def zero_shot(self, limit: int | None) -> ZeroShotResult:
-        """One pass over the spec's tasks at `limit` items per task (the spec's own limit is not used)."""
+    @property
+    def lm(self):
+        """The lm-eval scorer of the zero-shot passes, made on first use and kept for the later passes."""
         if self._lm is None:
             self._lm = make_lm(self.model, self.tokenizer, self.spec.batch_size, self.spec.scorer)
-        before = self._lm.tokens_forwarded
-        requests = PassRequests(self._lm, self.request_cache)
+        return self._lm
+
+    def zero_shot(self, limit: int | None) -> ZeroShotResult:
+        """One pass over the spec's tasks at `limit` items per task (the spec's own limit is not used)."""
+        lm = self.lm
+        before = lm.tokens_forwarded
+        requests = PassRequests(lm, self.request_cache)
         with _eval_mode(self.model):
-            tasks, seconds = zero_shot(self._lm, self.spec.model_copy(update={"limit": limit}), self.task_data,
-                                       requests)
-        return ZeroShotResult(tasks, limit, self.task_data, self.spec.scorer, self._lm.tokens_forwarded - before,
-                              seconds, requests.seconds, requests.built)
+            tasks, seconds = zero_shot(lm, self.spec.model_copy(update={"limit": limit}), self.task_data, requests)
+        return ZeroShotResult(tasks, limit, self.task_data, self.spec.scorer, lm.tokens_forwarded - before, seconds,
+                              requests.seconds, requests.built)
 
 
 def flatten(ppl: PerplexityResult | None, shots: ZeroShotResult | None) -> dict:

@@ -15,14 +15,17 @@ accelerator pays for), as `tokens_forwarded`.
 
 PrefixLM keeps the accelerator busy: a batch's token ids, position ids and segment numbers are laid out on the host
 with one step per pack and per request (never per token) and go to the device in one copy; the block-causal mask is
-built there from the segments; every continuation's log-likelihood and greedy check are computed there (one
-log-softmax over the kept positions, in chunks, one gather, sums by `index_add_`); and the answers come back in one
-copy per batch, queued behind the batch's work while the host prepares the next batch.
+built there from the segments (`attention`: "sdpa", an additive [rows, 1, width, width] mask for transformers' SDPA
+attention; or "flex", a FlexAttention block mask computed from the same segments, with the model's attention switched
+to transformers' flex_attention for the call); every continuation's log-likelihood and greedy check are computed there
+(one log-softmax over the kept positions, in chunks, one gather, sums by `index_add_`); and the answers come back in
+one copy per batch, queued behind the batch's work while the host prepares the next batch.
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -131,6 +134,41 @@ class Prepared:
     unpadded: int
 
 
+def additive_mask(segment: torch.Tensor, prefix_of: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The block-causal mask of a packed batch, on the segments' device: a position sees the earlier positions of its
+    own segment and of its pack's prefix (padding, a segment of its own, only itself, so no row is all -inf). As the
+    additive [rows, 1, width, width] float mask that transformers' eager and SDPA attention accept."""
+    column = torch.arange(segment.shape[1], device=segment.device)
+    seen = segment[:, None, :]
+    allowed = (column[None, :] <= column[:, None]) & ((seen == segment[:, :, None]) | (seen == prefix_of[:, :, None]))
+    return torch.zeros(allowed.shape, dtype=dtype, device=segment.device).masked_fill_(
+        ~allowed, torch.finfo(dtype).min).unsqueeze(1)
+
+
+def block_mask(segment: torch.Tensor, prefix_of: torch.Tensor):
+    """The same mask as a FlexAttention BlockMask: computed block by block from the segments, never materialized as
+    [rows, width, width]; the kernel skips the blocks in which no query sees any key."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(row, head, query, key):
+        seen = segment[row, key]
+        return (key <= query) & ((seen == segment[row, query]) | (seen == prefix_of[row, query]))
+
+    rows, width = segment.shape
+    return create_block_mask(mask_mod, B=rows, H=None, Q_LEN=width, KV_LEN=width, device=segment.device)
+
+
+@contextmanager
+def attention_implementation(model, name: str):
+    """The model's attention switched to transformers' `name` implementation for the duration."""
+    before = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
+
+
 # elements of one float32 log-softmax chunk over the vocabulary (64 MiB): bounds the scoring's memory
 SOFTMAX_ELEMENTS = 1 << 24
 
@@ -145,6 +183,7 @@ class PrefixLM(_Scorer):
     tokens_forwarded = 0  # padding included: what the accelerator pays for
     tokens_unpadded = 0
     token_budget: int | None = None  # tokens per forward pass with batch_size "auto"; None: from the free memory
+    attention: str = "sdpa"  # or "flex": the packed mask as a FlexAttention block mask (see the module's docstring)
 
     def _budget(self, packs: list[Pack]) -> int:
         if self.token_budget is not None:
@@ -210,16 +249,10 @@ class PrefixLM(_Scorer):
                           for t in (prepared.inputs, prepared.scored))
         ids, positions, segment, prefix_of, keep = inputs
         keep = keep.bool()
-        # the block-causal mask, built on the device: a position sees the earlier positions of its own segment and of
-        # its pack's prefix (padding only itself, so no row is all -inf)
-        column = torch.arange(ids.shape[1], device=self.device)
-        earlier = column[None, :] <= column[:, None]
-        seen = segment[:, None, :]
-        allowed = earlier & ((seen == segment[:, :, None]) | (seen == prefix_of[:, :, None]))
-        dtype = self.mixed_precision_dtype or self.model.dtype
-        # additive float mask: what both the eager and the SDPA attention of transformers accept as a custom 4-D mask
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill_(
-            ~allowed, torch.finfo(dtype).min).unsqueeze(1)
+        if self.attention == "flex":
+            mask = block_mask(segment, prefix_of)
+        else:
+            mask = additive_mask(segment, prefix_of, self.mixed_precision_dtype or self.model.dtype)
         self.tokens_forwarded += ids.numel()
         self.tokens_unpadded += prepared.unpadded
         with torch.no_grad(), torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
@@ -273,32 +306,33 @@ class PrefixLM(_Scorer):
         done, retried, pending = 0, False, None
         on_cuda = self.device.type == "cuda"
         prepared = self._prepare(batches[0]) if batches else None
-        while done < len(batches):
-            try:
-                scored = self._forward(prepared)
-            except torch.OutOfMemoryError:
-                if not auto or retried:
-                    raise
-                retried, budget = True, max(1, budget // 2)  # once per call: a second failure is not transient
-                if on_cuda:
-                    torch.cuda.empty_cache()
-                rest = sorted((pack for batch in batches[done:] for row in batch for pack in row),
-                              key=lambda pack: (-pack.length, pack.prefix))  # the planner's order: longest first
-                batches = batches[:done] + plan_batches(rest, None, budget=budget)
-                prepared = self._prepare(batches[done])
-                continue
-            # the copy to the host is queued behind the batch's work; the next batch is prepared while it runs
-            host = torch.empty(scored.shape, dtype=scored.dtype, pin_memory=on_cuda)
-            host.copy_(scored, non_blocking=on_cuda)
-            ready = torch.cuda.Event() if on_cuda else None
-            if ready is not None:
-                ready.record()
+        with attention_implementation(self.model, "flex_attention") if self.attention == "flex" else nullcontext():
+            while done < len(batches):
+                try:
+                    scored = self._forward(prepared)
+                except torch.OutOfMemoryError:
+                    if not auto or retried:
+                        raise
+                    retried, budget = True, max(1, budget // 2)  # once per call: a second failure is not transient
+                    if on_cuda:
+                        torch.cuda.empty_cache()
+                    rest = sorted((pack for batch in batches[done:] for row in batch for pack in row),
+                                  key=lambda pack: (-pack.length, pack.prefix))  # the planner's order: longest first
+                    batches = batches[:done] + plan_batches(rest, None, budget=budget)
+                    prepared = self._prepare(batches[done])
+                    continue
+                # the copy to the host is queued behind the batch's work; the next batch is prepared while it runs
+                host = torch.empty(scored.shape, dtype=scored.dtype, pin_memory=on_cuda)
+                host.copy_(scored, non_blocking=on_cuda)
+                ready = torch.cuda.Event() if on_cuda else None
+                if ready is not None:
+                    ready.record()
+                if pending is not None:
+                    collect(pending)
+                pending, done = (prepared, host, ready), done + 1
+                prepared = self._prepare(batches[done]) if done < len(batches) else None
             if pending is not None:
                 collect(pending)
-            pending, done = (prepared, host, ready), done + 1
-            prepared = self._prepare(batches[done]) if done < len(batches) else None
-        if pending is not None:
-            collect(pending)
         pbar.close()
         return results
 
