@@ -21,6 +21,9 @@ Written as JSON (`--json`); `--table` prints its Markdown tables. The folder of 
     python bench/bench_gpu.py --small --json /tmp/gpu_small.json     # a tiny shape on CPU (the tests run this)
     python bench/bench_gpu.py --table bench/gpu.json
     python bench/bench_gpu.py --shapes llama-3-8b --passes prefix,prefix_flex --importance none --json /tmp/attn.json
+
+A machine without the offline world's model assets (a bare GPU machine) gets the tokenizers as a small archive:
+`--pack-tokenizers .device/tokenizers.tgz` here, then there `--tokenizers DIR` with the archive unpacked in DIR.
 """
 
 from __future__ import annotations
@@ -31,18 +34,20 @@ import json
 import os
 import platform
 import shutil
+import tarfile
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
 
 from taylor_tune import schema
 from taylor_tune.config import EvalSpec, PruneConfig, SpeedSpec
 from taylor_tune.evaluation.evaluate import Evaluator
 from taylor_tune.evaluation.requests import RequestCache
 from taylor_tune.jsonio import write_json
+from taylor_tune.sources.assets import require
 from taylor_tune.sources.models import load_tokenizer
 from taylor_tune.sweep.experiment import Evaluation
 from taylor_tune.sweep.trial import TrialConfig, run_trial
@@ -70,10 +75,28 @@ SMALL = {"tiny-llama-shape": (LlamaConfig, dict(vocab_size=49152, hidden_size=12
                               "smollm2-135m")}
 
 
-def build_folder(name: str, shape: tuple, folder: Path, device: torch.device, dtype: torch.dtype) -> int:
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def pack_tokenizers(out: Path) -> None:
+    """The tokenizer files of every shape's family, from the asset cache, as a .tgz of <asset>/<file>."""
+    with tarfile.open(out, "w:gz") as archive:
+        for name in sorted({tokenizer_of for _, _, tokenizer_of in SHAPES.values()}):
+            for file in TOKENIZER_FILES:
+                archive.add(require(name) / file, arcname=f"{name}/{file}")
+
+
+def family_tokenizer(name: str, tokenizers: Path | None):
+    """The offline world's tokenizer `name`: from `tokenizers`/name when given (pack_tokenizers' files), else from
+    the asset cache."""
+    return load_tokenizer(name) if tokenizers is None else AutoTokenizer.from_pretrained(tokenizers / name)
+
+
+def build_folder(shape: tuple, folder: Path, device: torch.device, dtype: torch.dtype,
+                 tokenizers: Path | None = None) -> int:
     """The shape with random weights (seed 0) saved as a model folder; returns its parameter count."""
     config_class, fields, tokenizer_of = shape
-    tokenizer = load_tokenizer(tokenizer_of)
+    tokenizer = family_tokenizer(tokenizer_of, tokenizers)
     config = config_class(**fields, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)
     with torch.device(device):
@@ -181,7 +204,14 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=None, help="items per task (default every item)")
     parser.add_argument("--ppl-windows", type=int, default=None, help="perplexity windows (default every one)")
     parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--tokenizers", type=Path, help="a folder of <asset>/tokenizer files (--pack-tokenizers'), "
+                        "for a machine without the asset cache")
+    parser.add_argument("--pack-tokenizers", type=Path, metavar="OUT.tgz", help="write the shapes' tokenizers as an "
+                        "archive for --tokenizers and exit")
     args = parser.parse_args()
+    if args.pack_tokenizers:
+        pack_tokenizers(args.pack_tokenizers)
+        return
     if args.table:
         print(table(json.loads(args.table.read_text())))
         return
@@ -212,7 +242,7 @@ def main() -> None:
         cache = Path(tempfile.mkdtemp(prefix=f"{name}-sweep-"))  # the caches a sweep of this model would share
         try:
             start = time.perf_counter()
-            params = build_folder(name, shape, folder, device, dtype)
+            params = build_folder(shape, folder, device, dtype, args.tokenizers)
             entry = data["shapes"][name] = {"params": params, "build_s": time.perf_counter() - start, "trials": []}
             entry["evaluation"] = evaluation(folder, params, args, device, dtype, cache)
             write_json(args.json, data)
