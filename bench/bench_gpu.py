@@ -200,7 +200,8 @@ def main() -> None:
     parser.add_argument("--shapes", default=None, help="comma-separated subset of the shapes")
     parser.add_argument("--importance", default=None, help="SAMPLESxSEQ_LEN,... (default 128x512,256x512); none: "
                         "no trial")
-    parser.add_argument("--passes", default="prefix,hflm", help="evaluation passes, any of prefix, prefix_flex, hflm")
+    parser.add_argument("--passes", default="prefix,hflm", help="evaluation passes, any of prefix, prefix_flex, hflm; "
+                        "none: only the trials")
     parser.add_argument("--limit", type=int, default=None, help="items per task (default every item)")
     parser.add_argument("--ppl-windows", type=int, default=None, help="perplexity windows (default every one)")
     parser.add_argument("--micro-batch-size", type=int, default=4)
@@ -222,9 +223,9 @@ def main() -> None:
         shapes = {k: shapes[k] for k in args.shapes.split(",")}
     runs = [tuple(int(v) for v in pair.split("x")) for pair in (args.importance or (
         "8x32" if args.small else "128x512,256x512")).split(",") if pair != "none"]
-    args.passes = args.passes.split(",")
+    args.passes = [name for name in args.passes.split(",") if name != "none"]
     if not set(args.passes) <= {"prefix", "prefix_flex", "hflm"}:
-        parser.error(f"--passes: any of prefix, prefix_flex, hflm, not {','.join(args.passes)}")
+        parser.error(f"--passes: any of prefix, prefix_flex, hflm (or none), not {','.join(args.passes)}")
     if args.small:
         args.limit, args.ppl_windows = args.limit or 3, args.ppl_windows or 4
         args.device, args.dtype = "cpu", "float32"
@@ -244,7 +245,8 @@ def main() -> None:
             start = time.perf_counter()
             params = build_folder(shape, folder, device, dtype, args.tokenizers)
             entry = data["shapes"][name] = {"params": params, "build_s": time.perf_counter() - start, "trials": []}
-            entry["evaluation"] = evaluation(folder, params, args, device, dtype, cache)
+            if args.passes:
+                entry["evaluation"] = evaluation(folder, params, args, device, dtype, cache)
             write_json(args.json, data)
             for samples, seq_len in runs:
                 entry["trials"].append(trial(folder, params, samples, seq_len, args, device, cache))
