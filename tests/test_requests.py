@@ -130,6 +130,41 @@ def test_the_tokenizer_digest_follows_what_tokenizes(tmp_path):
     assert tokenizer_digest(recording_lm(load_tokenizer("tiny-llama-random"))) != tokenizer_digest(lm)
 
 
+KEY_FIELDS = """
+import json
+from lm_eval.tasks import get_task_dict
+from taylor_tune.config import ZERO_SHOT_TASKS
+from taylor_tune.evaluation.requests import PassRequests
+from taylor_tune.evaluation.zero_shot import task_source
+from taylor_tune.sources.models import load_tokenizer
+from tests.test_requests import recording_lm
+
+requests = PassRequests(recording_lm(load_tokenizer("tiny-llama")))
+out = {}
+for name in ZERO_SHOT_TASKS:
+    source, manager = task_source(name, "world")
+    (task,) = get_task_dict([source], manager).values()
+    out[name] = requests.fields(task, 5)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_every_tasks_key_is_the_same_in_another_process():
+    """A sweep's trials run in separate processes: the key must hold nothing a process makes up (a function's repr
+    holds its address: WinoGrande's and HellaSwag's fewshot_config put two trials of one model in two entries, which
+    `make demo` showed). Two fresh processes (each its own hash seed) give the same fields for each of the seven tasks,
+    and the tasks' keys all differ."""
+    import subprocess
+    import sys
+
+    runs = [subprocess.run([sys.executable, "-c", KEY_FIELDS], capture_output=True, text=True, timeout=300,
+                           cwd=Path(__file__).resolve().parent.parent, check=True) for _ in range(2)]
+    first, second = (json.loads(run.stdout.strip().splitlines()[-1]) for run in runs)
+    assert first == second
+    assert len({json.dumps(fields, sort_keys=True) for fields in first.values()}) == 7
+
+
 def _ask(root: str) -> tuple[list, bool]:
     def build():
         with open(Path(root) / "builds", "a") as f:

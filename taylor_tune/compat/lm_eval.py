@@ -5,6 +5,7 @@ request cache stands in for)."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import lru_cache
@@ -92,10 +93,27 @@ def task_documents(task, limit: int | None) -> list[tuple[int, dict]]:
     return list(task.doc_iterator(rank=0, limit=limit, world_size=1))
 
 
+def _canonical(value):
+    """`value` as the same JSON in every process: a function (at any depth, e.g. in fewshot_config) as its source
+    code, never as its repr, which holds its memory address."""
+    if isinstance(value, dict):
+        return {str(key): _canonical(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(item) for item in value]
+    if callable(value):
+        try:
+            return inspect.getsource(value)
+        except (OSError, TypeError):  # a builtin or a C function: its name is all there is
+            return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', type(value).__name__)}"
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
 def task_definition(task) -> dict:
-    """A task's configuration as lm-eval records it (functions as their source code), without its data source:
-    what its requests depend on besides the documents."""
-    config = task.config.to_dict()
+    """A task's configuration (functions as their source code) without its data source: what its requests depend on
+    besides the documents, the same in every process."""
+    config = _canonical(task.config.to_dict(keep_callable=True))
     for name in ("dataset_path", "dataset_name", "dataset_kwargs", "metadata"):
         config.pop(name, None)
     return config

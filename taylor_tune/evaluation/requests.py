@@ -108,15 +108,22 @@ class PassRequests:
                     self.lm.encoded[(context, continuation)] = (context_ids, continuation_ids)
                 return instances
             docs = dict(task_documents(task, limit))
-            fields = {"task": task.config.task, "docs": digest(list(docs.items())),
-                      "definition": digest(task_definition(task)), "lm_eval": version("lm_eval"),
-                      "tokenizer": self._tokenizer, "limit": limit, "scorer": getattr(self.lm, "scorer", None)}
             instances, built = self.cache.get_or_build(
-                fields, lambda: self._rows(lm_eval_build()), lambda rows: self._rows_to_instances(task, docs, rows))
+                self.fields(task, limit, docs), lambda: self._rows(lm_eval_build()),
+                lambda rows: self._rows_to_instances(task, docs, rows))
             self.built += built
             return instances
         finally:
             self.seconds += time.perf_counter() - start
+
+    def fields(self, task, limit: int | None, docs: dict | None = None) -> dict:
+        """The cache key's fields of `task` at `limit`: the same in every process that would build the same requests
+        (a sweep's trials run in several)."""
+        docs = dict(task_documents(task, limit)) if docs is None else docs
+        return {"task": task.config.task, "docs": digest(list(docs.items())),
+                "definition": digest(task_definition(task)), "lm_eval": version("lm_eval"),
+                "tokenizer": self._tokenizer or tokenizer_digest(self.lm), "limit": limit,
+                "scorer": getattr(self.lm, "scorer", None)}
 
     def _rows(self, instances: list) -> list:
         """Each request as a JSON row: doc_id, idx, request type, repeats, context, continuation and lm-eval's tokens
