@@ -19,25 +19,16 @@ written whole under a temporary name; one that does not read back is built again
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import json
-import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import cached_property
 from importlib.metadata import version
 from pathlib import Path
 
 from taylor_tune.compat.lm_eval import encode_requests, make_instance, task_definition, task_documents
-from taylor_tune.jsonio import write_text
-
-log = logging.getLogger(__name__)
-
-
-def digest(value) -> str:
-    """sha256 of `value` as canonical JSON (keys sorted; anything JSON cannot hold as its str)."""
-    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+from taylor_tune.jsonio import built_once, digest
 
 
 def tokenizer_digest(lm) -> str:
@@ -58,26 +49,8 @@ class RequestCache:
 
     def get_or_build(self, fields: dict, build: Callable[[], list], read: Callable[[list], object]):
         """(read(rows), built): the rows stored under `fields`; on a miss, or when `read` cannot take the stored rows
-        (a damaged entry), `build()`'s rows, stored first. The first process to ask builds; the others wait for it."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        fields = json.loads(json.dumps(fields))  # as it reads back
-        key = digest(fields)[:24]
-        path = self.root / f"{key}.json"
-        with open(self.root / f"{key}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when the process dies
-            try:
-                entry = json.loads(path.read_text())
-                if entry["fields"] != fields:
-                    raise ValueError("another entry's fields")
-                return read(entry["rows"]), False
-            except FileNotFoundError:
-                pass
-            except Exception as error:  # anything a damaged entry makes the reader raise: built again
-                log.warning("request cache: entry %s does not read back (%s: %s); building it again", path.name,
-                            type(error).__name__, error)
-            rows = build()
-            write_text(path, json.dumps({"fields": fields, "rows": rows}, separators=(",", ":")))
-            return read(rows), True
+        (a damaged entry), `build()`'s rows, stored first (`jsonio.built_once`)."""
+        return built_once(self.root / f"{digest(fields)[:24]}.json", fields, build, read, part="rows")
 
 
 class PassRequests:
@@ -87,7 +60,11 @@ class PassRequests:
     def __init__(self, lm, cache: RequestCache | None = None):
         self.lm, self.cache = lm, cache
         self.seconds, self.built = 0.0, 0
-        self._tokenizer = tokenizer_digest(lm) if cache is not None else None
+
+    @cached_property
+    def tokenizer(self) -> str:
+        """`tokenizer_digest` of the scorer (once per pass)."""
+        return tokenizer_digest(self.lm)
 
     @contextmanager
     def scoring(self) -> Iterator[None]:
@@ -122,7 +99,7 @@ class PassRequests:
         docs = dict(task_documents(task, limit)) if docs is None else docs
         return {"task": task.config.task, "docs": digest(list(docs.items())),
                 "definition": digest(task_definition(task)), "lm_eval": version("lm_eval"),
-                "tokenizer": self._tokenizer or tokenizer_digest(self.lm), "limit": limit,
+                "tokenizer": self.tokenizer, "limit": limit,
                 "scorer": getattr(self.lm, "scorer", None)}
 
     def _rows(self, instances: list) -> list:

@@ -14,7 +14,6 @@ Every hit and every computed pass is appended to `events.jsonl`: the cache's own
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -28,6 +27,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from taylor_tune.jsonio import digest
 from taylor_tune.pruning.importance import Importance
 from taylor_tune.pruning.plan import GroupScores
 
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 
 def cache_key(**fields) -> str:
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24]
+    return digest(fields)[:24]
 
 
 def _to_tensors(results: dict[int, Importance]) -> dict[str, torch.Tensor]:

@@ -7,7 +7,6 @@ comes from the sweep's shared cache when one is given.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import socket
 import time
@@ -23,7 +22,7 @@ from taylor_tune.config import PruneConfig
 from taylor_tune.evaluation.evaluate import Evaluator
 from taylor_tune.evaluation.requests import RequestCache
 from taylor_tune.evaluation.speed import measure_speed, speed_ratios
-from taylor_tune.jsonio import json_safe, write_json
+from taylor_tune.jsonio import built_once, json_safe, write_json
 from taylor_tune.pruning.artifacts import summary_dict
 from taylor_tune.pruning.importance import compute_importance
 from taylor_tune.pruning.prune import ProvidedImportance, prune
@@ -131,16 +130,14 @@ def unpruned_speed(trial: TrialConfig) -> tuple[dict, float | None]:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu@{socket.gethostname()}"
     fields = {"model": config.model, "dtype": str(dtype), "device": where, "speed": spec.model_dump()}
     path = Path(trial.cache_dir).parent / "unpruned_speed" / f"{cache_key(**fields)}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when the process dies
-        try:
-            return json.loads(path.read_text())["measured"], None
-        except (OSError, ValueError, TypeError, KeyError):
-            pass  # none yet, or one that does not read back: measured (again)
-        measured, seconds = measure()
-        write_json(path, {"fields": fields, "measured": measured})
-        return measured, seconds
+    spent = {}
+
+    def build() -> dict:
+        measured, spent["seconds"] = measure()
+        return measured
+
+    measured, _ = built_once(path, fields, build, dict, part="measured")
+    return measured, spent.get("seconds")
 
 
 def layer_analysis(diagnostics: dict) -> list[dict]:
