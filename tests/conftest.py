@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny models of the three architectures, calibration tokens, and the gpu marker."""
+"""Shared fixtures: the real offline world's assets, the three tiny architectures, and the gpu marker."""
 
 import os
 
@@ -10,6 +10,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 
+from taylor_tune.sources.assets import ASSETS, fetch, require
 from tests.helpers import ARCHS
 
 
@@ -25,3 +26,12 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(params=ARCHS)
 def arch(request) -> str:
     return request.param
+
+
+@pytest.fixture(scope="session")
+def assets() -> dict:
+    """The real offline world (every asset of `ASSETS`), fetched into $TAYLOR_TUNE_HOME when missing: the one way a
+    test gets a fetched asset, so no test depends on another having fetched it first (CI runs from an empty home)."""
+    for name in ASSETS:
+        fetch(name, log=lambda line: None)
+    return {name: require(name) for name in ASSETS}

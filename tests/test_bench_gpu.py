@@ -18,7 +18,7 @@ def stages_of(trial: dict) -> float:
 
 @pytest.mark.slow
 @pytest.mark.real
-def test_the_gpu_benchmark_runs_its_small_mode_on_cpu(tmp_path):
+def test_the_gpu_benchmark_runs_its_small_mode_on_cpu(assets, tmp_path):
     out, bench = tmp_path / "gpu.json", str(REPO / "bench" / "bench_gpu.py")
     # the tokenizers as a bare GPU machine gets them: an archive of their files, unpacked there
     subprocess.run([sys.executable, bench, "--pack-tokenizers", str(tmp_path / "tok.tgz")], check=True, cwd=REPO)

@@ -23,20 +23,13 @@ from taylor_tune.pruning.apply import save_pruned
 from taylor_tune.pruning.groups import describe_layout
 from taylor_tune.pruning.importance import compute_importance
 from taylor_tune.pruning.prune import prune
-from taylor_tune.sources.assets import ASSETS, TASK_COUNTS, fetch, require
+from taylor_tune.sources.assets import TASK_COUNTS
 from taylor_tune.sources.models import load_model, load_pruned, load_tokenizer
 from tests.helpers import mask_groups
 from tests.test_importance import brute_force
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 REAL_MODELS = ["smollm2-135m", "qwen2.5-0.5b"]
-
-
-@pytest.fixture(scope="session")
-def assets():
-    for name in ASSETS:
-        fetch(name, log=lambda line: None)
-    return {name: require(name) for name in ASSETS}
 
 
 def logits(model, ids):
