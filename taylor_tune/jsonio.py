@@ -1,9 +1,11 @@
 """The one place where numbers become JSON. In memory a ratio may be inf and a missing value NaN (floats stay
 floats, so Tune and pandas compare them); JSON has neither, so a file gets "inf" / "-inf" and null. Also the
-digests that name cache entries, and the JSON entry that processes sharing a folder build once."""
+digests that name cache entries, the JSON entry that processes sharing a folder build once, and opening the files
+of a shared folder without following a link planted there."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -14,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 
 def json_safe(value):
@@ -32,13 +36,40 @@ def json_safe(value):
     return value
 
 
+def open_own(path: Path, flags: int) -> int:
+    """`os.open(path, flags | O_CREAT)` of a file of ours in a shared folder, never through a link: a symlink or a
+    hard-linked file found at `path` (something else's file, which a write or a truncation would change) is removed
+    (the link only; what it points at is untouched), logged, and a file of our own is created in its place."""
+    for _ in range(3):
+        try:
+            fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as error:
+            if error.errno != errno.ELOOP:  # O_NOFOLLOW's answer for a symlink
+                raise
+        else:
+            info = os.fstat(fd)
+            if info.st_nlink <= 1:
+                return fd
+            os.close(fd)
+        log.warning("%s is a link to another file, not a file of ours: the link is removed", path)
+        path.unlink(missing_ok=True)
+    raise OSError(errno.ELOOP, f"{path} is replaced by a link again and again; refused")
+
+
 def write_text(path: str | Path, text: str) -> Path:
-    """Written whole or not at all (a temporary file renamed into place): a reader never sees half a file."""
+    """Written whole or not at all (a temporary file renamed into place): a reader never sees half a file, and a
+    write that fails (a full disk) leaves the previous file as it was and no temporary file behind."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    tmp.unlink(missing_ok=True)  # a leftover, or a link planted under the name
+    try:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 
@@ -52,26 +83,49 @@ def digest(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def entry_text(fields: dict, part: str, value) -> str:
+    """A cache entry: one header line ({"fields", "part", "sha256"}: what it is and the sha256 of its payload), then
+    the payload `value` as JSON."""
+    payload = json.dumps(value, separators=(",", ":"), allow_nan=False)
+    header = json.dumps({"fields": fields, "part": part, "sha256": sha256_text(payload)}, separators=(",", ":"))
+    return f"{header}\n{payload}"
+
+
+def read_entry(text: str, fields: dict, part: str):
+    """The payload of an entry written by `entry_text` for these `fields`; ValueError when the entry is another
+    one's, or its payload is not what its checksum says (cut short, edited)."""
+    line, _, payload = text.partition("\n")
+    header = json.loads(line)
+    if not isinstance(header, dict) or header.get("fields") != fields or header.get("part") != part:
+        raise ValueError("the entry is another one's (its fields differ)")
+    if header.get("sha256") != sha256_text(payload):
+        raise ValueError("its payload does not match its checksum (cut short or changed)")
+    return json.loads(payload)
+
+
 def built_once(path: Path, fields: dict, build: Callable[[], object], read: Callable[[object], object],
                part: str = "value") -> tuple[object, bool]:
-    """(read(stored), built): the JSON `path` holds under `part`, written with `fields`; when there is none, or its
-    fields differ, or `read` cannot take it (a damaged entry), `build()`'s value, stored first. The first of the
-    processes sharing the folder builds under a file lock (released when the file closes, also when the process
-    dies); the others wait for it, then read."""
+    """(read(stored), built): the payload the entry at `path` holds for `fields` (`entry_text`), taken by `read`,
+    which checks what it means and raises on anything it cannot use. An entry that is missing, another one's, not
+    what its checksum says, or refused by `read` is logged, removed and built again, once (`build()`'s value, stored
+    first): a damaged entry is never used. The first of the processes sharing the folder builds under a file lock
+    (released when the file closes, also when the process dies); the others wait for it, then read."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fields = json.loads(json.dumps(fields))  # as it reads back
-    with open(path.with_suffix(".lock"), "w") as lock:
+    with os.fdopen(open_own(path.with_suffix(".lock"), os.O_WRONLY), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            entry = json.loads(path.read_text())
-            if entry["fields"] != fields:
-                raise ValueError("another entry's fields")
-            return read(entry[part]), False
+            return read(read_entry(path.read_text(), fields, part)), False
         except FileNotFoundError:
             pass
-        except Exception as error:  # anything a damaged entry makes the reader raise: built again
-            logging.getLogger(__name__).warning("%s does not read back (%s: %s); building it again", path.name,
-                                                type(error).__name__, error)
+        except Exception as error:  # anything a damaged entry makes the reader raise: removed, built again
+            log.warning("cache entry %s is refused (%s: %s); removed, building it again", path,
+                        type(error).__name__, str(error)[:200])
+            path.unlink(missing_ok=True)
         value = build()
-        write_text(path, json.dumps({"fields": fields, part: value}, separators=(",", ":")))
+        write_text(path, entry_text(fields, part, value))
         return read(value), True

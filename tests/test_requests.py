@@ -16,11 +16,11 @@ from taylor_tune.config import EvalSpec, PruneConfig
 from taylor_tune.evaluation import zero_shot as zero_shot_module
 from taylor_tune.evaluation.requests import PassRequests, RequestCache, tokenizer_digest
 from taylor_tune.evaluation.scorer import PrefixLM
+from taylor_tune.jsonio import entry_text, read_entry
 from taylor_tune.sources.models import load_tokenizer
 from taylor_tune.sweep.experiment import Evaluation
 from taylor_tune.sweep.trial import TrialConfig, run_trial
 from tests.helpers import tiny
-from tests.test_real_world import assets  # noqa: F401  (a fixture)
 
 
 class Recording(PrefixLM):
@@ -41,7 +41,7 @@ def recording_lm(tokenizer) -> Recording:
 @pytest.mark.real
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["smollm2-135m", "qwen2.5-0.5b"])
-def test_requests_built_once_and_read_back_equal_lm_evals_own(assets, model, tmp_path):  # noqa: F811
+def test_requests_built_once_and_read_back_equal_lm_evals_own(assets, model, tmp_path):
     """The seven real tasks at 25 items each, with each real model's tokenizer: what the scorer receives (every
     request's strings and tokens, in order) and lm-eval's results and per-item samples (documents, arguments, answers,
     metrics, hashes) are the same from lm-eval's stock simple_evaluate, from a pass that builds and stores the requests
@@ -82,10 +82,16 @@ def trial(model: str, limit: int, cache_dir) -> TrialConfig:
 def test_a_models_second_trial_reuses_its_requests_and_another_tokenizer_or_limit_does_not(tmp_path, monkeypatch):
     """Must show 3: through `run_trial` with a sweep's cache folder. The model's first trial builds its three tasks'
     requests; the second (the same model, tokenizer and limit) builds none: lm-eval constructs no request and the
-    tokenizer encodes nothing for the scorer, and its answers are the first trial's. Another limit, and another
-    tokenizer (tiny-llama-random's byte tokenizer instead of the world's), build their own."""
+    tokenizer encodes only the sample of each task's requests that the entry's check tokenizes again (RETOKENIZED, set
+    to 4 here: 2 encodings per request, context and context+continuation), and its answers are the first trial's.
+    Another limit, and another tokenizer (tiny-llama-random's byte tokenizer instead of the world's), build their
+    own."""
     from lm_eval.api.task import ConfigurableTask
     from lm_eval.models.huggingface import HFLM
+
+    from taylor_tune.evaluation import requests
+
+    monkeypatch.setattr(requests, "RETOKENIZED", 4)
 
     calls = {"construct_requests": 0, "tok_encode": 0}
 
@@ -107,8 +113,8 @@ def test_a_models_second_trial_reuses_its_requests_and_another_tokenizer_or_limi
     built = [b for b, _, _ in runs]
     assert built == [3, 0, 3, 3, 0]
     assert runs[0][1]["construct_requests"] > 0 and runs[0][1]["tok_encode"] > 0
-    assert runs[1][1] == {"construct_requests": 0, "tok_encode": 0}
-    assert runs[4][1] == {"construct_requests": 0, "tok_encode": 0}
+    assert runs[1][1] == {"construct_requests": 0, "tok_encode": 3 * 4 * 2}
+    assert runs[4][1] == {"construct_requests": 0, "tok_encode": 3 * 4 * 2}
     scores = lambda m: {k: v for k, v in m.items() if k.startswith("acc_")}
     assert scores(runs[0][2]) == scores(runs[1][2]) and scores(runs[3][2]) == scores(runs[4][2])
     assert 0 < runs[1][2]["zero_shot_6_requests_s"] < runs[1][2]["zero_shot_6_s"]
@@ -188,13 +194,17 @@ def test_an_entry_that_does_not_read_back_is_built_again(tmp_path, caplog):
     rows = [[0, 1, "loglikelihood", 1, "a", " b", [1], [2]]]
     assert cache.get_or_build(fields, lambda: rows, lambda r: r) == (rows, True)
     (entry,) = tmp_path.glob("*.json")
+    written = entry.read_text()
+    assert read_entry(written, fields, "rows") == rows
     assert cache.get_or_build(fields, lambda: pytest.fail("built again"), lambda r: r) == (rows, False)
-    for damage in (entry.read_text()[:20], json.dumps({"fields": {"task": "u"}, "rows": rows}), "[]"):
+    edited = written.replace('" b"', '" c"')  # the payload changed, its checksum not
+    for damage in (written[:20], written[:-3], edited, entry_text({"task": "u"}, "rows", rows), "[]",
+                   json.dumps({"fields": fields, "rows": rows})):  # the format before checksums
         entry.write_text(damage)
         assert cache.get_or_build(fields, lambda: rows, lambda r: r) == (rows, True)
-        assert json.loads(entry.read_text()) == {"fields": fields, "rows": rows}
+        assert entry.read_text() == written
     # rows the reader cannot take (a document that is not there) are built again too
-    entry.write_text(json.dumps({"fields": fields, "rows": [[99]]}))
+    entry.write_text(entry_text(fields, "rows", [[99]]))
     read = lambda r: [{0: "doc"}[row[0]] for row in r]
     assert cache.get_or_build(fields, lambda: [[0]], read) == (["doc"], True)
-    assert "does not read back" in caplog.text
+    assert "is refused" in caplog.text and "does not match its checksum" in caplog.text

@@ -14,12 +14,15 @@ tokenization settings, the limit and the scorer. lm-eval's own request cache is 
 only (not its data) and stores pickles, and nothing read from disk here may run code.
 
 Safe when trials ask at once: the first to ask builds under a file lock while the others wait, then read. An entry is
-written whole under a temporary name; one that does not read back is built again.
+written whole under a temporary name with the sha256 of its rows; before use it is checked (`checked_rows`): the
+checksum, every document's requests present and well-formed, and a sample of them tokenized again equal to the stored
+tokens. An entry that fails is removed and built again.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -29,6 +32,10 @@ from pathlib import Path
 
 from taylor_tune.compat.lm_eval import encode_requests, make_instance, task_definition, task_documents
 from taylor_tune.jsonio import built_once, digest
+
+# requests of each task tokenized again when its entry is read (a few milliseconds)
+RETOKENIZED = 64
+ROW_TYPES = (int, int, str, int, str, str, list, list)
 
 
 def tokenizer_digest(lm) -> str:
@@ -110,11 +117,42 @@ class PassRequests:
                 for i, encoded in zip(instances, tokens, strict=True)]
 
     def _rows_to_instances(self, task, docs: dict, rows: list) -> list:
-        instances = []
-        for doc_id, idx, request_type, repeats, context, continuation, context_ids, continuation_ids in rows:
-            if not (isinstance(context, str) and isinstance(continuation, str)):
-                raise TypeError(f"document {doc_id}: a request's arguments are not two strings")
-            instances.append(make_instance(request_type, docs[doc_id], (context, continuation), idx, task.config.task,
-                                           doc_id, repeats))
+        name = task.config.task
+        instances = [make_instance(request_type, docs[doc_id], (context, continuation), idx, name, doc_id, repeats)
+                     for doc_id, idx, request_type, repeats, context, continuation, *_
+                     in checked_rows(task, docs, rows)]
+        sample = random.sample(range(len(rows)), min(RETOKENIZED, len(rows)))
+        for i, tokens in zip(sample, encode_requests(self.lm, [instances[i] for i in sample]), strict=True):
+            if [list(t) for t in tokens] != [list(t) for t in rows[i][6:]]:
+                raise ValueError(f"{task.config.task}: document {rows[i][0]}'s request {rows[i][1]} holds other "
+                                 "tokens than the tokenizer gives")
+        for *_, context, continuation, context_ids, continuation_ids in rows:
             self.lm.encoded[(context, continuation)] = (context_ids, continuation_ids)
         return instances
+
+
+def checked_rows(task, docs: dict, rows: object) -> list:
+    """A stored entry's rows, checked to be every request of the pass: each row of the stored shape and types, every
+    document's requests numbered 0..k-1, no document missing or foreign, and as many as its choices for a
+    multiple-choice task (ValueError naming the task and document)."""
+    name = task.config.task
+    if not isinstance(rows, list):
+        raise ValueError(f"{name}: the entry holds no list of requests")
+    per_doc: dict[int, list[int]] = {}
+    for row in rows:
+        if not (isinstance(row, list) and len(row) == len(ROW_TYPES)
+                and all(isinstance(v, t) and not isinstance(v, bool) for v, t in zip(row, ROW_TYPES))
+                and all(isinstance(t, int) for t in row[6] + row[7])):
+            raise ValueError(f"{name}: a request row is not (doc_id, idx, type, repeats, context, continuation, "
+                             "tokens, tokens)")
+        per_doc.setdefault(row[0], []).append(row[1])
+    if set(per_doc) != set(docs):
+        missing, foreign = sorted(set(docs) - set(per_doc)), sorted(set(per_doc) - set(docs))
+        raise ValueError(f"{name}: the entry's requests miss documents {missing[:5]} / name unknown ones "
+                         f"{foreign[:5]}")
+    multiple_choice = getattr(task, "OUTPUT_TYPE", None) == "multiple_choice"
+    for doc_id, idxs in per_doc.items():
+        expected = len(task.doc_to_choice(docs[doc_id])) if multiple_choice else len(idxs)
+        if sorted(idxs) != list(range(expected)):
+            raise ValueError(f"{name}: document {doc_id} has requests {sorted(idxs)[:8]}, expected 0..{expected - 1}")
+    return rows

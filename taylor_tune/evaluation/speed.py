@@ -8,6 +8,7 @@ dynamic cache holds it: 2 (keys, values) x the key/value rows of every layer x t
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -47,6 +48,22 @@ def kv_cache_bytes(model: torch.nn.Module, tokens: int) -> int:
     rows = sum(layer.self_attn.k_proj.out_features + layer.self_attn.v_proj.out_features
                for layer in model.model.layers)  # Llama, Qwen2, Mistral; pruned or not
     return rows * size * tokens
+
+
+SPEED_FIELDS = ("prefill_tokens_per_s", "decode_tokens_per_s", "decode_batch_tokens_per_s", "weight_bytes",
+                "kv_cache_bytes")
+
+
+def checked_speed(record: object) -> dict[str, float]:
+    """A stored `measure_speed` result, checked before it is used as a baseline: every field present, a finite
+    positive number (ValueError naming the first that is not)."""
+    if not isinstance(record, dict):
+        raise ValueError(f"a speed record is a mapping, not {type(record).__name__}")
+    for field in SPEED_FIELDS:
+        value = record.get(field)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"speed record: {field} is {str(value)[:40]!r}, not a finite positive number")
+    return {field: record[field] for field in SPEED_FIELDS}
 
 
 @torch.no_grad()

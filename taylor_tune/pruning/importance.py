@@ -34,6 +34,25 @@ class Importance:
     grad_norm: np.ndarray  # per layer: L2 norm of ḡ over its prunable parameters
 
 
+def check_importance(importance: Importance, layout: ModelLayout) -> None:
+    """Gradient importance as it must be to rank this model's groups (checked before stored scores are used): one
+    score per group of the layout, per-layer statistics for every layer, all finite and non-negative (each is a mean
+    of absolute values or a norm). ValueError naming what is not."""
+    importance.scores.check_matches(layout)
+    layers = layout.num_layers
+    parts = {"attention scores": importance.scores.attn, "MLP scores": importance.scores.mlp,
+             "layer_grad_mean": (importance.grad_mean,), "layer_grad_norm": (importance.grad_norm,)}
+    if len(importance.grad_mean) != layers or len(importance.grad_norm) != layers:
+        raise ValueError(f"importance at {importance.num_samples} samples: gradient statistics for "
+                         f"{len(importance.grad_mean)}/{len(importance.grad_norm)} layers, the model has {layers}")
+    for what, arrays in parts.items():
+        for array in arrays:
+            array = np.asarray(array, dtype=np.float64)
+            if not np.isfinite(array).all() or (array < 0).any():
+                raise ValueError(f"importance at {importance.num_samples} samples: {what} hold a negative or "
+                                 "non-finite value (they are means of absolute values)")
+
+
 def _to_scores(attn: list[torch.Tensor], mlp: list[torch.Tensor], layout: ModelLayout) -> GroupScores:
     return GroupScores(
         attn=tuple((a / layout.attn_group_params).double().cpu().numpy() for a in attn),

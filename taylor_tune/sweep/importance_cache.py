@@ -7,13 +7,16 @@ every sample count of the search (one nested pass gives them all), so methods an
 Concurrency: the first trial to ask creates `<key>.lock` with O_EXCL and computes; the others wait for the
 entry to appear. The owner refreshes the lock's mtime while it works (a heartbeat), so a lock left by a
 killed owner goes stale and another trial takes over. Entries are written to a temporary name and renamed
-into place, so a kill never leaves a partial entry that a later trial would read; an entry that does not read back
-all the same (a damaged disk, a copy cut short) is removed and computed again once, logged as a `damaged` event.
-Every hit and every computed pass is appended to `events.jsonl`: the cache's own counters.
+into place, so a kill never leaves a partial entry that a later trial would read. Each entry carries the sha256 of
+its tensors in its metadata; an entry that does not read back, does not match its checksum, or fails the caller's
+check (the scores' shapes for the model, finite, non-negative) is removed and computed again once, logged as a
+`damaged` event: never used. Every hit and every computed pass is appended to `events.jsonl` (opened without
+following a link): the cache's own counters.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -25,9 +28,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
-from taylor_tune.jsonio import digest
+from taylor_tune.jsonio import digest, open_own
 from taylor_tune.pruning.importance import Importance
 from taylor_tune.pruning.plan import GroupScores
 
@@ -36,6 +40,30 @@ log = logging.getLogger(__name__)
 
 def cache_key(**fields) -> str:
     return digest(fields)[:24]
+
+
+CHECKSUM = "taylor_tune_sha256"
+
+
+def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 of every tensor's name, dtype, shape and bytes, in name order."""
+    digest_ = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        digest_.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest_.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest_.hexdigest()
+
+
+def read_checked(entry: Path) -> dict[str, torch.Tensor]:
+    """The tensors of an entry whose checksum matches them (ValueError otherwise: cut short, changed, or written
+    without one)."""
+    with safe_open(str(entry), framework="pt") as handle:
+        recorded = (handle.metadata() or {}).get(CHECKSUM)
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    if recorded != tensors_sha256(tensors):
+        raise ValueError("its tensors do not match their checksum" if recorded else "it carries no checksum")
+    return tensors
 
 
 def _to_tensors(results: dict[int, Importance]) -> dict[str, torch.Tensor]:
@@ -73,8 +101,8 @@ class ImportanceCache:
         self.last_event = event
         line = json.dumps({"event": event, "key": key, "time": time.time(), "host": socket.gethostname(),
                            "pid": os.getpid(), **extra}) + "\n"
-        with open(self.root / "events.jsonl", "a") as f:  # one short O_APPEND write per event
-            f.write(line)
+        with os.fdopen(open_own(self.root / "events.jsonl", os.O_WRONLY | os.O_APPEND), "a") as f:
+            f.write(line)  # one short O_APPEND write per event
 
     def counters(self) -> dict[str, int]:
         path = self.root / "events.jsonl"
@@ -86,8 +114,10 @@ class ImportanceCache:
         }
 
     def get_or_compute(self, fields: dict, counts: list[int], compute: Callable[[], dict[int, Importance]],
-                       extra_tensors: Callable[[], dict[str, torch.Tensor]] | None = None) -> dict[int, Importance]:
-        """The scores at every count in `counts`, computed at most once per key across all processes."""
+                       extra_tensors: Callable[[], dict[str, torch.Tensor]] | None = None,
+                       check: Callable[[Importance], None] = lambda importance: None) -> dict[int, Importance]:
+        """The scores at every count in `counts`, computed at most once per key across all processes; a stored
+        entry is used only when `check` (raising on what the caller cannot use) passes at every count."""
         self.root.mkdir(parents=True, exist_ok=True)
         key = cache_key(**fields, counts=sorted(counts))
         entry, lock = self.root / f"{key}.safetensors", self.root / f"{key}.lock"
@@ -95,8 +125,10 @@ class ImportanceCache:
         while True:
             if entry.is_file():
                 try:
-                    results = _from_tensors(load_file(entry), counts)
-                except Exception as error:  # truncated or damaged: safetensors, OSError, a missing tensor (KeyError)
+                    results = _from_tensors(read_checked(entry), counts)
+                    for importance in results.values():
+                        check(importance)
+                except Exception as error:  # damaged: safetensors, OSError, a missing tensor, checksum, check
                     # removed and computed again, once: a second damaged entry is not a state to loop on
                     if damaged:
                         raise
@@ -144,7 +176,9 @@ class ImportanceCache:
             results = compute()
             tensors = _to_tensors(results) | (extra_tensors() if extra_tensors else {})
             tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
-            save_file(tensors, str(tmp), metadata={k: str(v) for k, v in fields.items()})
+            tmp.unlink(missing_ok=True)  # a leftover, or a link planted under the name
+            save_file(tensors, str(tmp), metadata={**{k: str(v) for k, v in fields.items()},
+                                                   CHECKSUM: tensors_sha256(tensors)})
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, entry)  # atomic: readers see no entry or a whole one

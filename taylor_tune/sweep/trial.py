@@ -21,10 +21,10 @@ from taylor_tune import schema
 from taylor_tune.config import PruneConfig
 from taylor_tune.evaluation.evaluate import Evaluator
 from taylor_tune.evaluation.requests import RequestCache
-from taylor_tune.evaluation.speed import measure_speed, speed_ratios
+from taylor_tune.evaluation.speed import checked_speed, measure_speed, speed_ratios
 from taylor_tune.jsonio import built_once, json_safe, write_json
 from taylor_tune.pruning.artifacts import summary_dict
-from taylor_tune.pruning.importance import compute_importance
+from taylor_tune.pruning.importance import check_importance, compute_importance
 from taylor_tune.pruning.prune import ProvidedImportance, prune
 from taylor_tune.sources.calibration import load_calibration
 from taylor_tune.sources.data import resolve_text
@@ -79,7 +79,7 @@ def cached_importance(trial: TrialConfig):
             )
 
         start = time.perf_counter()
-        results = cache.get_or_compute(fields, counts, compute)
+        results = cache.get_or_compute(fields, counts, compute, check=lambda imp: check_importance(imp, layout))
         seconds, ids = time.perf_counter() - start, drawn.get("ids")
         # on a miss the draw happened inside: a stage of its own, as in a trial without the cache
         timings = (
@@ -136,7 +136,7 @@ def unpruned_speed(trial: TrialConfig) -> tuple[dict, float | None]:
         measured, spent["seconds"] = measure()
         return measured
 
-    measured, _ = built_once(path, fields, build, dict, part="measured")
+    measured, _ = built_once(path, fields, build, checked_speed, part="measured")
     return measured, spent.get("seconds")
 
 

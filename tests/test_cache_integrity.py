@@ -1,0 +1,200 @@
+"""A sweep's caches (importance, zero-shot requests, unpruned speed) check what an entry holds before a trial uses it.
+
+Each test seeds a new experiment folder with a clean sweep's cache folders, damages one entry the way issue 37's
+adversarial run did (well-formed but altered, or parsable but incomplete; with its checksum left stale and with it
+recomputed), and runs a trial there: the entry is refused, removed and built again, and the trial's results are the
+clean trial's. On 1faffce the altered entries were used (PIQA 0.0, ppl 6.12 for 1.50, decode_speedup 0.002x) and the
+incomplete ones made every trial error.
+"""
+
+import json
+import os
+import shutil
+
+import pytest
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from taylor_tune.config import PruneConfig, SpeedSpec
+from taylor_tune.jsonio import entry_text
+from taylor_tune.sweep.experiment import Evaluation
+from taylor_tune.sweep.importance_cache import CHECKSUM, tensors_sha256
+from taylor_tune.sweep.trial import TrialConfig, run_trial
+
+pytestmark = pytest.mark.slow
+CACHES = ("importance_cache", "requests", "unpruned_speed")
+SPEED = SpeedSpec(prefill_batch=1, prefill_len=16, decode_batch=2, prompt_len=8, new_tokens=2, context=64, repeats=1,
+                  warmup=0)
+
+
+def trial(experiment) -> TrialConfig:
+    return TrialConfig(
+        prune=PruneConfig(model="tiny-llama", method="taylor", seq_len=32, num_samples=8, calibration="world",
+                          device="cpu", dtype="float32"),
+        evaluation=Evaluation(tasks="piqa,hellaswag", task_data="world", ppl="world", batch_size=16, fidelities=[6],
+                              speed=SPEED),
+        cache_dir=str(experiment / "importance_cache"),
+    )
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    """A clean sweep's experiment folder after one trial, and that trial's metrics and removed groups."""
+    experiment = tmp_path_factory.mktemp("clean")
+    metrics = run_trial(trial(experiment), experiment / "trial")
+    return experiment, metrics, removed(experiment / "trial")
+
+
+def removed(trial_dir):
+    return json.loads((trial_dir / "pruning_summary.json").read_text())["removed_groups"]
+
+
+def seeded(clean_folder, tmp_path):
+    experiment = tmp_path / "seeded"
+    for name in CACHES:
+        shutil.copytree(clean_folder / name, experiment / name, ignore=shutil.ignore_patterns("*.lock", "events.jsonl"))
+    return experiment
+
+
+def json_entry(folder, **header_fields):
+    """(path, header, payload) of the one JSON entry whose fields include `header_fields`."""
+    for path in sorted(folder.glob("*.json")):
+        line, _, payload = path.read_text().partition("\n")
+        header = json.loads(line)
+        if all(header["fields"].get(k) == v for k, v in header_fields.items()):
+            return path, header, json.loads(payload)
+    raise AssertionError(f"no entry with {header_fields} in {folder}")
+
+
+def rewrite(path, header, payload, *, checksum: bool):
+    """The entry with `payload`: its checksum recomputed (`checksum`), or the old one left in place."""
+    if checksum:
+        path.write_text(entry_text(header["fields"], header["part"], payload))
+    else:
+        path.write_text(json.dumps(header, separators=(",", ":")) + "\n" + json.dumps(payload, separators=(",", ":")))
+
+
+def importance_entry(experiment):
+    """(path, metadata, tensors) of the one importance entry."""
+    (entry,) = (experiment / "importance_cache").glob("*.safetensors")
+    with safe_open(str(entry), framework="pt") as handle:
+        return entry, handle.metadata(), {name: handle.get_tensor(name) for name in handle.keys()}
+
+
+def scores(metrics):
+    return {k: v for k, v in metrics.items() if k.startswith("acc_")}
+
+
+@pytest.mark.parametrize("checksum", [False, True], ids=["stale-checksum", "recomputed-checksum"])
+def test_a_request_entry_with_two_choices_tokens_swapped_is_rebuilt(clean, tmp_path, checksum):
+    clean_folder, clean_metrics, _ = clean
+    experiment = seeded(clean_folder, tmp_path)
+    path, header, rows = json_entry(experiment / "requests", task="piqa_offline")
+    first, second = (i for i, row in enumerate(rows) if row[0] == rows[0][0])  # one document's two choices
+    rows[first][7], rows[second][7] = rows[second][7], rows[first][7]
+    rewrite(path, header, rows, checksum=checksum)
+    metrics = run_trial(trial(experiment), experiment / "trial")
+    assert metrics["zero_shot_6_requests_built"] == 1  # PIQA's entry, refused and built again; HellaSwag's read
+    assert scores(metrics) == scores(clean_metrics)
+    assert path.read_text() == (clean_folder / "requests" / path.name).read_text()
+
+
+def test_a_request_entry_missing_rows_is_rebuilt_not_an_error(clean, tmp_path):
+    """Finding 3: a parsable entry (its checksum recomputed) without one document's requests."""
+    clean_folder, clean_metrics, _ = clean
+    experiment = seeded(clean_folder, tmp_path)
+    path, header, rows = json_entry(experiment / "requests", task="hellaswag_offline")
+    rewrite(path, header, [row for row in rows if row[0] != rows[-1][0]], checksum=True)
+    metrics = run_trial(trial(experiment), experiment / "trial")
+    assert metrics["zero_shot_6_requests_built"] == 1 and scores(metrics) == scores(clean_metrics)
+
+
+@pytest.mark.parametrize("damage", ["times-100-stale-checksum", "empty-recomputed-checksum",
+                                    "negative-recomputed-checksum"])
+def test_an_unpruned_speed_record_that_is_altered_or_incomplete_is_measured_again(clean, tmp_path, damage):
+    """Finding 2 (a record x100) and 3 (`"measured": {}`, every trial errored with KeyError): measured again."""
+    clean_folder, _, _ = clean
+    experiment = seeded(clean_folder, tmp_path)
+    path, header, measured = json_entry(experiment / "unpruned_speed")
+    if damage.startswith("times-100"):
+        rewrite(path, header, {k: v * 100 for k, v in measured.items()}, checksum=False)
+    elif damage.startswith("empty"):
+        rewrite(path, header, {}, checksum=True)
+    else:
+        rewrite(path, header, measured | {"decode_tokens_per_s": -measured["decode_tokens_per_s"]}, checksum=True)
+    metrics = run_trial(trial(experiment), experiment / "trial")
+    assert metrics["unpruned_speed_s"] > 0  # this trial measured the unpruned model again
+    _, _, stored = json_entry(experiment / "unpruned_speed")
+    assert metrics["unpruned_decode_tokens_per_s"] == stored["decode_tokens_per_s"] > 0
+    assert stored["weight_bytes"] == measured["weight_bytes"]  # bytes are exact: the same model measured
+    assert 0 < metrics["memory_ratio"] < 1
+
+
+@pytest.mark.parametrize("checksum", [False, True], ids=["stale-checksum", "recomputed-checksum"])
+def test_negated_importance_scores_are_computed_again(clean, tmp_path, checksum):
+    clean_folder, clean_metrics, clean_removed = clean
+    experiment = seeded(clean_folder, tmp_path)
+    entry, metadata, tensors = importance_entry(experiment)
+    tensors = {name: -t if "scores" in name else t for name, t in tensors.items()}
+    if checksum:
+        metadata[CHECKSUM] = tensors_sha256(tensors)
+    save_file(tensors, str(entry), metadata=metadata)
+    metrics = run_trial(trial(experiment), experiment / "trial")
+    assert metrics["importance_cache"] == "computed"
+    assert metrics["ppl"] == clean_metrics["ppl"] and removed(experiment / "trial") == clean_removed
+    events = [json.loads(line) for line in (experiment / "importance_cache" / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["damaged", "computed"]
+    assert ("non-finite" in events[0]["error"]) == checksum  # the check; else the checksum caught it first
+
+
+def test_scores_of_another_shape_are_computed_again(clean, tmp_path):
+    """An entry holding one layer's scores cut short (its checksum recomputed): not the model's layout."""
+    clean_folder, _, clean_removed = clean
+    experiment = seeded(clean_folder, tmp_path)
+    entry, metadata, tensors = importance_entry(experiment)
+    name = next(n for n in sorted(tensors) if n.endswith("mlp_scores"))
+    tensors[name] = tensors[name][:-1].clone()
+    metadata[CHECKSUM] = tensors_sha256(tensors)
+    save_file(tensors, str(entry), metadata=metadata)
+    metrics = run_trial(trial(experiment), experiment / "trial")
+    assert metrics["importance_cache"] == "computed" and removed(experiment / "trial") == clean_removed
+
+
+# ---------------------------------------------------------------- finding 1: links in cache folders
+
+@pytest.mark.parametrize("cache", ["requests", "unpruned_speed", "importance_cache"])
+def test_a_lock_or_log_file_that_is_a_link_does_not_write_through_it(clean, tmp_path, cache):
+    """Finding 1: `ln -sf OUTSIDE <exp>/<cache>/<key>.lock` (and events.jsonl, and a hard link): OUTSIDE is left as
+    it was (on 1faffce it was truncated to 0 bytes, or appended to), and the trial runs."""
+    clean_folder, clean_metrics, _ = clean
+    experiment = seeded(clean_folder, tmp_path)
+    outside, hard = tmp_path / "OUTSIDE", tmp_path / "HARD"
+    outside.write_text("precious\n")
+    hard.write_text("precious too\n")
+    folder = experiment / cache
+    if cache == "importance_cache":
+        for path in sorted(folder.glob("*.safetensors")):
+            path.unlink()  # computed again: the lock is taken and events are logged
+        (folder / "events.jsonl").symlink_to(outside)
+        targets = []
+    else:
+        targets = [p.with_suffix(".lock") for p in sorted(folder.glob("*.json"))]
+        for path in targets[1:]:
+            path.symlink_to(outside)
+        os.link(hard, targets[0])
+    metrics = run_trial(trial(experiment), experiment / "trial")
+    assert outside.read_text() == "precious\n" and hard.read_text() == "precious too\n"
+    assert scores(metrics) == scores(clean_metrics)
+    for path in targets + [folder / "events.jsonl"] * (cache == "importance_cache"):
+        assert not path.is_symlink() and path.stat().st_nlink == 1
+
+
+def test_a_lock_of_the_entry_being_built_that_is_a_link_is_replaced(tmp_path):
+    from taylor_tune.jsonio import built_once
+
+    outside = tmp_path / "OUTSIDE"
+    outside.write_text("precious\n")
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "k.lock").symlink_to(outside)
+    value, built = built_once(tmp_path / "cache" / "k.json", {"a": 1}, lambda: [1, 2], list)
+    assert (value, built) == ([1, 2], True) and outside.read_text() == "precious\n"
