@@ -8,6 +8,7 @@ before torch, transformers or Ray load (seconds), and `--help` loads none of the
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
@@ -26,6 +27,7 @@ from taylor_tune.jsonio import write_json
 # `taylor-tune sweep`'s exit codes besides 0 (every trial finished), 2 (bad input, nothing ran) and 130 (interrupted)
 EXIT_ERRORED = 3  # the sweep ran to its end, and some trials errored (after their retries)
 EXIT_NOT_DONE = 4  # the sweep stopped with trials not run or not finished (stopped, killed): run it again to resume
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 PRUNE_EXAMPLE = """\
 example (a tiny model on the shipped sample text, CPU, a few seconds):
@@ -89,7 +91,22 @@ def _add_prune(subparsers) -> None:
     p.set_defaults(handler=_run_prune)
 
 
+def check_output(path: str, *, folder: bool) -> None:
+    """`--output` can be written (a folder when `folder`, else a file), checked before any work: not a file where a
+    folder goes or the other way round, under a folder (not a file) that this user can write."""
+    target = Path(path)
+    if target.exists() and target.is_dir() != folder:
+        raise ConfigError(f"--output: {path} is a {'file' if folder else 'folder'}; give "
+                          f"{'a folder' if folder else 'a file'}'s path")
+    existing = next(p for p in (target if target.exists() else target.parent, *target.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"--output: {existing} is a file, so {path} cannot be created under it")
+    if not os.access(existing, os.W_OK):
+        raise ConfigError(f"--output: {existing} is not writable")
+
+
 def _run_prune(args: argparse.Namespace) -> int:
+    check_output(args.output, folder=True)
     values = read_config_file(args.config) if args.config else {}
     values |= {k: v for k, v in vars(args).items() if k in PruneConfig.model_fields and v is not None}
     config = build_prune_config(values)
@@ -138,6 +155,7 @@ def _add_evaluate(subparsers) -> None:
 def _run_evaluate(args: argparse.Namespace) -> int:
     from taylor_tune.sources.data import check_eval_sources  # reads files only, no torch
 
+    check_output(args.output, folder=False)
     values = {k: v for k, v in vars(args).items() if k in EvalSpec.model_fields and v is not None}
     spec = build_eval_spec(values)
     check_eval_sources(spec)
@@ -198,10 +216,23 @@ def _run_sweep(args: argparse.Namespace) -> int:
 
     experiment = load_experiment(args.experiment, storage_path=args.storage, name=args.name)
     # Ray: once the file is valid
+    from taylor_tune.sweep.experiment import storage_full
     from taylor_tune.sweep.tune.console import error_summary, trial_name
     from taylor_tune.sweep.tune.driver import experiment_path, run_sweep, sweep_status
 
-    results = run_sweep(experiment, verbose=args.verbose)
+    try:
+        results = run_sweep(experiment, verbose=args.verbose)
+    except TaylorTuneError:
+        raise
+    except Exception:  # Tune fails in many ways when its storage fills up (OSError, EOFError reading a cut file)
+        if storage_full(experiment.storage_path) is None:
+            raise
+    # a storage that filled up during the sweep: its state and trials could not all be written (checked first, since
+    # the state may be cut short); the next run resumes from an intact state or starts afresh reusing finished trials
+    if (full := storage_full(experiment.storage_path)) is not None:
+        print(f"taylor-tune: error: {full}: the sweep could not write all of its results; free space there and run "
+              "the same command again (finished trials are kept)", file=sys.stderr)
+        return EXIT_NOT_DONE
     status = sweep_status(experiment_path(experiment))
     not_done = status["pending"] + status["running"] + status["paused"]
     print(f"{experiment.name}: {status['finished']} finished, {status['errored']} errored, "
@@ -271,6 +302,7 @@ def _run_report(args: argparse.Namespace) -> int:
 
     if args.z is not None and not args.z > 0:
         raise ConfigError(f"--z: must be > 0, got {args.z}")
+    check_output(args.output, folder=True)
     report = build_report(args.path, model=args.model, z=args.z or Z95, constraints=tuple(args.constraint))
     written = write_report(report, args.output)
     table = report.table
@@ -365,6 +397,12 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     except TaylorTuneError as error:
         print(f"taylor-tune: error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # a full disk is the user's to fix; any other OSError is a bug, with its traceback
+        if error.errno not in DISK_FULL:
+            raise
+        print(f"taylor-tune: error: no space left writing {error.filename or 'a file'}: free space and run again",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("taylor-tune: interrupted", file=sys.stderr)

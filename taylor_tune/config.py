@@ -16,7 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from taylor_tune.errors import ConfigError
+from taylor_tune.errors import ConfigError, shown
 
 # The pruning methods (each a planner in pruning/methods/; a test checks the registry against this list).
 METHODS = ("taylor", "layerwise", "blockwise", "magnitude", "random")
@@ -100,14 +100,14 @@ class PruneConfig(BaseModel):
     @classmethod
     def _known_method(cls, value: str) -> str:
         if value not in METHODS:
-            raise ValueError(f"unknown method {value!r}; allowed: {', '.join(sorted(METHODS))}")
+            raise ValueError(f"unknown method {shown(value)}; allowed: {', '.join(sorted(METHODS))}")
         return value
 
     @field_validator("device")
     @classmethod
     def _known_device(cls, value: str) -> str:
         if not _DEVICE.match(value):
-            raise ValueError(f"unknown device {value!r}; allowed: auto, cpu, cuda, cuda:N, mps")
+            raise ValueError(f"unknown device {shown(value)}; allowed: auto, cpu, cuda, cuda:N, mps")
         return value
 
     @model_validator(mode="after")
@@ -189,7 +189,7 @@ class EvalSpec(BaseModel):
             value = ZERO_SHOT_TASKS if value == "all" else tuple(t.strip() for t in value.split(",") if t.strip())
         unknown = [t for t in value if t not in ZERO_SHOT_TASKS]
         if unknown:
-            raise ValueError(f"unknown task {unknown[0]!r}; allowed: all or any of {', '.join(ZERO_SHOT_TASKS)}")
+            raise ValueError(f"unknown task {shown(unknown[0])}; allowed: all or any of {', '.join(ZERO_SHOT_TASKS)}")
         return tuple(value)
 
     @field_validator("ppl")
@@ -202,7 +202,7 @@ class EvalSpec(BaseModel):
     def _metric_tasks(cls, value: dict) -> dict:
         unknown = [t for t in value if t not in ZERO_SHOT_TASKS]
         if unknown:
-            raise ValueError(f"unknown task {unknown[0]!r}; allowed: {', '.join(ZERO_SHOT_TASKS)}")
+            raise ValueError(f"unknown task {shown(unknown[0])}; allowed: {', '.join(ZERO_SHOT_TASKS)}")
         return value
 
     def metric(self, task: str) -> str:
@@ -225,7 +225,7 @@ def format_validation_error(error: ValidationError) -> str:
         if item["type"] == "extra_forbidden":
             message = "unknown key"
         elif "input" in item and item["type"] not in ("missing",) and not isinstance(item["input"], dict):
-            message += f" (got {item['input']!r})"
+            message += f" (got {shown(item['input'])})"
         parts.append(f"{field}: {message}")
     return "; ".join(parts)
 
@@ -238,17 +238,43 @@ def build_prune_config(values: dict[str, Any]) -> PruneConfig:
         raise ConfigError(format_validation_error(error)) from None
 
 
+class StrictLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses aliases (`*name`: a kilobyte of them expands to gigabytes, the "billion laughs")
+    and a key given twice in one mapping (YAML keeps the last silently)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.composer.ComposerError(None, None, "aliases (*name) are not allowed; write the value out",
+                                              self.peek_event().start_mark)
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode):
+                if (key_node.tag, key_node.value) in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"the key {shown(key_node.value)} is given "
+                                                            "twice", key_node.start_mark)
+                seen.add((key_node.tag, key_node.value))
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str):
+    """A YAML document through `StrictLoader` (safe types only, no aliases, no duplicate keys)."""
+    return yaml.load(text, Loader=StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
 def read_config_file(path: str | Path, what: str = "config") -> dict[str, Any]:
-    """A YAML mapping (safe_load only), not yet validated."""
+    """A YAML mapping (`load_yaml`), not yet validated."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = load_yaml(path.read_text(encoding="utf-8"))
     except OSError as error:
         raise ConfigError(f"cannot read {what} file {path}: {error.strerror}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a UTF-8 text file") from None
     except yaml.YAMLError as error:
-        raise ConfigError(f"{path} is not valid YAML: {' '.join(str(error).split())}") from None
+        raise ConfigError(f"{path} is not valid YAML: {' '.join(str(error).split())[:500]}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of {what} keys, got {type(data).__name__}")
     return data

@@ -1,6 +1,15 @@
 """Errors that are the user's to fix. The CLI prints them as one line and exits 2; anything else is a bug."""
 
 
+SHOWN = 200  # characters of a bad value an error message echoes at most
+
+
+def shown(value: object) -> str:
+    """`repr(value)`, cut to SHOWN characters (a 50 MB value in a config file is not echoed whole)."""
+    text = repr(value)
+    return text if len(text) <= SHOWN else f"{text[:SHOWN]}... ({len(text)} characters)"
+
+
 class TaylorTuneError(Exception):
     """Base of every error caused by input (config, files, models), never by our own code."""
 

@@ -153,6 +153,7 @@ def test_an_edited_experiment_is_not_silently_resumed_with_its_old_settings(caps
     folder = tmp_path / "sweeps" / "exp"
     check_unchanged(load_experiment(path), str(folder))  # the first start records its settings
     assert (folder / SAVED_EXPERIMENT).is_file()
+    (folder / "experiment_state-2026-01-01_00-00-00.json").write_text('{"trial_data": []}')  # Tune saved its state
     check_unchanged(load_experiment(path), str(folder))  # the same file resumes
     space = {**SMALL["search_space"], "pruning_method": {"grid": ["taylor", "blockwise", "layerwise"]}}
     edited = experiment(tmp_path, search_space=space, prune={**SMALL["prune"], "sparsity": 0.3})

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import operator
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -27,8 +27,10 @@ import pandas as pd
 from taylor_tune.reporting.stats import Objective, multiplicative, searched
 
 _OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
-_NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
-_CONSTRAINT = re.compile(rf"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(>=|<=|>|<)\s*({_NUMBER})\s*$")
+# unambiguous (each digit can match one way only), so a long non-number fails in linear time
+_NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
+_CONSTRAINT = re.compile(rf"\s*([A-Za-z_][A-Za-z0-9_]*)\s*(>=|<=|>|<)\s*({_NUMBER})\s*")
+MAX_CONSTRAINT = 200  # characters
 
 
 @dataclass(frozen=True)
@@ -38,21 +40,25 @@ class Constraint:
     metric: str
     op: str
     value: float
+    number: str = field(default="", compare=False)  # the value as it was written, kept as given
 
     def __str__(self) -> str:
-        return f"{self.metric}{self.op}{self.value:g}"
+        return f"{self.metric}{self.op}{self.number or repr(self.value)}"
 
     def holds(self, values: pd.Series) -> pd.Series:
         return _OPS[self.op](pd.to_numeric(values, errors="coerce"), self.value).fillna(False).astype(bool)
 
 
 def parse_constraint(text: str) -> Constraint:
-    """"decode_speedup>=1.3" -> Constraint; ValueError naming what is allowed otherwise."""
-    match = _CONSTRAINT.match(text)
-    if not match:
-        raise ValueError(f"{text!r} is not a constraint; write METRIC OP NUMBER with OP one of >=, <=, >, < "
-                         "(e.g. \"decode_speedup>=1.3\")")
-    return Constraint(match[1], match[2], float(match[3]))
+    """"decode_speedup>=1.3" -> Constraint; ValueError naming what is allowed otherwise (a finite number, at most
+    MAX_CONSTRAINT characters in all)."""
+    match = _CONSTRAINT.fullmatch(text) if len(text) <= MAX_CONSTRAINT else None
+    value = float(match[3]) if match else math.nan
+    if not math.isfinite(value):
+        shown = repr(text) if len(text) <= 60 else f"{text[:60]!r}... ({len(text)} characters)"
+        raise ValueError(f"{shown} is not a constraint; write METRIC OP NUMBER with OP one of >=, <=, >, < and a "
+                         f"finite number, at most {MAX_CONSTRAINT} characters (e.g. \"decode_speedup>=1.3\")")
+    return Constraint(match[1], match[2], value, match[3])
 
 
 def _item_stderr(group: pd.DataFrame, metric: str) -> float:

@@ -163,6 +163,22 @@ def home() -> Path:
     return Path(os.environ.get("TAYLOR_TUNE_HOME") or Path.home() / ".cache" / "taylor_tune")
 
 
+def check_home() -> Path:
+    """The asset home, usable: a folder (or creatable under one) that this process can write (checked by writing a
+    probe, which also catches a read-only file system); AssetError naming it and TAYLOR_TUNE_HOME otherwise."""
+    root = home()
+    existing = next(p for p in (root, *root.parents) if p.exists())
+    if not existing.is_dir():
+        raise AssetError(f"asset home {root}: {existing} is a file, not a folder; set TAYLOR_TUNE_HOME to a folder")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=root).close()
+    except OSError as error:
+        raise AssetError(f"asset home {root} is not writable ({error.strerror}); set TAYLOR_TUNE_HOME to a writable "
+                         "folder") from None
+    return root
+
+
 def asset_dir(name: str) -> Path:
     return home() / name
 
@@ -431,7 +447,7 @@ def fetch(name: str, *, log: Callable[[str], None] = print) -> dict:
         return {"name": name, "downloaded": False, "seconds": {}}
     if target.exists():  # no manifest: left by something that is not a finished fetch
         raise AssetError(f"{target} exists but holds no finished asset; remove it and run {fetch_command(name)}")
-    home().mkdir(parents=True, exist_ok=True)
+    check_home()
     # every write goes to a temporary folder next to the target, renamed into place only when complete
     with tempfile.TemporaryDirectory(dir=home(), prefix=f".fetch-{name}-") as tmp:
         work = Path(tmp)

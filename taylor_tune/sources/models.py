@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
-from taylor_tune.errors import ModelLoadError
-from taylor_tune.sources.assets import MANIFEST, MODEL_ASSETS, file_sha256, home
+from taylor_tune.errors import ModelLoadError, shown
+from taylor_tune.sources.assets import MANIFEST, MODEL_ASSETS, check_home, file_sha256, home
 from taylor_tune.sources.assets import require as require_asset
 from taylor_tune.sources.data import PRUNED_MANIFEST, TINY_MODELS, TRAINED_MODELS
 from taylor_tune.sources.gguf import convert_gguf
@@ -93,6 +93,7 @@ def gguf_folder(path: Path) -> Path:
     target = home() / "gguf" / file_sha256(path)[:16]
     if (target / MANIFEST).is_file():
         return target
+    check_home()
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".convert-") as tmp:
         out = convert_gguf(path, Path(tmp) / "out")
@@ -107,16 +108,20 @@ def _source(spec: str) -> tuple[str, str]:
         return "tiny", spec
     if spec in MODEL_ASSETS:
         return "folder", str(require_asset(spec))
-    if spec.endswith(".gguf") and Path(spec).is_file():
-        return "folder", str(gguf_folder(Path(spec)))
     path = builtin_path(spec) or Path(spec)
-    if path.is_dir():
+    try:
+        is_file, is_dir = path.is_file(), path.is_dir()
+    except OSError:  # a name too long for a path, say: no such file or folder
+        is_file = is_dir = False
+    if spec.endswith(".gguf") and is_file:
+        return "folder", str(gguf_folder(path))
+    if is_dir:
         return ("pruned" if (path / PRUNED_MANIFEST).is_file() else "folder"), str(path)
     if _HUB_ID.match(spec) and not spec.startswith((".", "/")):
         return "hub", spec
     names = ", ".join(MODEL_ASSETS + TRAINED_MODELS + tuple(TINY_MODELS))
     raise ModelLoadError(
-        f"model: {spec!r} is not a built-in model ({names}), an existing folder, or a hub id (org/name)"
+        f"model: {shown(spec)} is not a built-in model ({names}), an existing folder, or a hub id (org/name)"
     )
 
 
@@ -168,9 +173,11 @@ def load_model(
     elif source == "pruned":
         model = load_pruned(location, device=device, dtype=dtype)
     else:
-        try:
+        if source == "folder":
+            check_safetensors(Path(location), spec)
+        try:  # safetensors only: pickled weights (pytorch_model.bin) are never read, from a folder or the hub
             model = AutoModelForCausalLM.from_pretrained(
-                location, dtype=dtype, trust_remote_code=trust_remote_code
+                location, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=True
             ).to(device)
         except Exception as error:  # transformers and safetensors raise many kinds for a damaged folder
             first = str(error).splitlines()[0] if str(error) else ""
@@ -178,6 +185,16 @@ def load_model(
                 f"model: cannot load the weights of {spec!r}: {type(error).__name__}: {first}"
             ) from None
     return model.eval()
+
+
+def check_safetensors(folder: Path, spec: str) -> None:
+    """A model folder holds its weights as safetensors; ModelLoadError otherwise (pickle-based weights such as
+    pytorch_model.bin can run code when read, and are never loaded)."""
+    if not any(folder.glob("*.safetensors")):
+        pickled = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
+        found = f" (it has {', '.join(pickled[:3])}: pickled weights, never loaded)" if pickled else ""
+        raise ModelLoadError(f"model: {spec!r} holds no safetensors weights{found}; save the model with "
+                             "save_pretrained(..., safe_serialization=True) or convert it to safetensors")
 
 
 def load_pruned(
@@ -200,8 +217,9 @@ def load_pruned(
                              f"{manifest.get('format')}); prune the model again")
     saved_dtype = getattr(torch, manifest["dtype"])
     cls = AutoModelForCausalLM if uniform else PRUNED_CLASSES[config.model_type]
+    check_safetensors(directory, str(directory))
     try:
-        model = cls.from_pretrained(directory, dtype=saved_dtype)
+        model = cls.from_pretrained(directory, dtype=saved_dtype, use_safetensors=True)
     except (
         Exception
     ) as error:  # transformers and safetensors raise many kinds for a damaged folder; all mean "cannot load"

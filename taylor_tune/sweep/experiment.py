@@ -8,8 +8,10 @@ exists. The search space may be inline or a file under search_spaces/ (see searc
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import shutil
 import tempfile
 from itertools import product
 from pathlib import Path
@@ -30,8 +32,9 @@ from pydantic import (
     model_validator,
 )
 
-from taylor_tune.config import EvalSpec, PruneConfig, SpeedSpec, format_validation_error, read_config_file
-from taylor_tune.errors import ConfigError
+from taylor_tune.config import EvalSpec, PruneConfig, SpeedSpec, format_validation_error, load_yaml, read_config_file
+from taylor_tune.errors import ConfigError, shown
+from taylor_tune.jsonio import write_text
 from taylor_tune.schema import DIMENSIONS, SPEED_METRICS, better, objective_metrics
 from taylor_tune.sources.data import check_calibration, check_eval_sources
 
@@ -85,7 +88,7 @@ class SearchSpace(BaseModel):
         if isinstance(data, dict):
             unknown = [k for k in data if k not in DIMENSIONS]
             if unknown:
-                raise ValueError(f"unknown dimension {unknown[0]!r}; a search may vary {', '.join(DIMENSIONS)}")
+                raise ValueError(f"unknown dimension {shown(unknown[0])}; a search may vary {', '.join(DIMENSIONS)}")
         return data
 
     @field_validator(*DIMENSIONS)
@@ -95,7 +98,8 @@ class SearchSpace(BaseModel):
             try:  # alone: the field's own type and range; combinations are the experiment's check
                 PruneConfig.model_validate({"model": "tiny-llama", DIMENSIONS[info.field_name]: value}, strict=True)
             except ValidationError as error:
-                raise ValueError(f"{error.errors()[0]['msg'].removeprefix('Value error, ')} (got {value!r})") from None
+                raise ValueError(f"{error.errors()[0]['msg'].removeprefix('Value error, ')} (got {shown(value)})") \
+                    from None
         return domain
 
     def domains(self) -> dict[str, Domain]:
@@ -116,7 +120,8 @@ class Search(BaseModel):
     )
     reduction_factor: float = Field(
         2,
-        gt=1,
+        ge=2,
+        allow_inf_nan=False,
         description="asha: each cheap zero-shot pass lets the best 1/reduction_factor of the trials seen there go on",
     )
 
@@ -139,6 +144,12 @@ class Evaluation(EvalSpec):
             raise ValueError("at least one fidelity (null = every item)")
         if any(v is not None and v <= 0 for v in value):
             raise ValueError("limits must be positive (or null for every item)")
+        if None in value[:-1]:
+            raise ValueError("null (every item) is the most expensive pass and can only be the last")
+        limits = [v for v in value if v is not None]
+        if any(b <= a for a, b in zip(limits, limits[1:])):
+            raise ValueError(f"limits must increase strictly, cheapest first (the last pass is the one ranked); "
+                             f"got {list(value)}")
         return value
 
     @field_validator("limit")
@@ -153,10 +164,21 @@ class Evaluation(EvalSpec):
         return EvalSpec(**self.model_dump(exclude={"fidelities", "limit", "speed"}), limit=limit)
 
 
+# The smallest share of a CPU or GPU a trial may ask for: Ray keeps resource amounts to 4 decimals and refuses less.
+MIN_RESOURCE = 0.01
+
+
 class Resources(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    cpu: float = Field(1, gt=0)
+    cpu: float = Field(1, ge=MIN_RESOURCE, allow_inf_nan=False, description=f"per trial, at least {MIN_RESOURCE}")
     gpu: float | Literal["auto"] = Field("auto", description="per trial; auto = 1 where the cluster has GPUs, else 0")
+
+    @field_validator("gpu")
+    @classmethod
+    def _gpu(cls, value):
+        if value != "auto" and not (value == 0 or MIN_RESOURCE <= value < math.inf):
+            raise ValueError(f"auto, 0, or a finite share of at least {MIN_RESOURCE}")
+        return value
 
 
 class ObjectiveSpec(BaseModel):
@@ -182,7 +204,7 @@ MAX_SPACE = 100_000
 class Experiment(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     # one path component under storage_path: not "." or "..", no separator
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=100)
     models: tuple[str, ...] = Field(min_length=1)
     search_space: SearchSpace
     search: Search = Search()
@@ -217,6 +239,14 @@ class Experiment(BaseModel):
                 data = {**data, "metric": first["metric"], "mode": first.get("mode", better(first["metric"]))}
         return data
 
+    @field_validator("models")
+    @classmethod
+    def _distinct(cls, models: tuple[str, ...]) -> tuple[str, ...]:
+        twice = [m for i, m in enumerate(models) if m in models[:i]]
+        if twice:  # its trials would run twice and read as two seeds of one configuration
+            raise ValueError(f"{shown(twice[0])} is listed twice; list each model once (search.repeats gives seeds)")
+        return models
+
     @field_validator("prune")
     @classmethod
     def _prune(cls, values: dict) -> dict:
@@ -242,7 +272,7 @@ class Experiment(BaseModel):
         for metric, mode in self.objective_list:
             if metric not in allowed:
                 why = " (speed metrics need evaluation.speed)" if metric in SPEED_METRICS and not speed else ""
-                raise ValueError(f"{field}: {metric!r} is not reported by these trials{why}; "
+                raise ValueError(f"{field}: {shown(metric)} is not reported by these trials{why}; "
                                  f"one of {', '.join(allowed)}")
             if metric == "ppl" and self.evaluation.ppl is None:
                 raise ValueError(f"{field}: ppl needs evaluation.ppl (a perplexity text such as wiki or wikitext2)")
@@ -264,6 +294,9 @@ class Experiment(BaseModel):
                                  "or search it, not both")
         if self.space_size() > MAX_SPACE:
             raise ValueError(f"search_space: {self.space_size()} configurations per model; at most {MAX_SPACE}")
+        if self.space_size() * self.search.repeats > MAX_SPACE:
+            raise ValueError(f"search.repeats: {self.search.repeats} seeds x {self.space_size()} configurations = "
+                             f"{self.space_size() * self.search.repeats} trials per model; at most {MAX_SPACE}")
         for point in self.space_points():
             try:
                 self.prune_config("tiny-llama", point)
@@ -336,13 +369,14 @@ def _resolve_space(data: dict, base: Path) -> dict:
         if not path.is_file():
             path = Path(space)
         try:
-            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+            loaded = load_yaml(path.read_text(encoding="utf-8"))
         except OSError as error:
             raise ConfigError(f"search_space: cannot read {space}: {error.strerror}") from None
         except UnicodeDecodeError:
             raise ConfigError(f"search_space: {space} is not a UTF-8 text file") from None
         except yaml.YAMLError as error:  # a syntax error, or a tag such as !!python/object that safe_load refuses
-            raise ConfigError(f"search_space: {space} is not valid YAML: {' '.join(str(error).split())}") from None
+            raise ConfigError(f"search_space: {space} is not valid YAML: {' '.join(str(error).split())[:500]}") \
+                from None
         if not isinstance(loaded, dict):  # never echo the file: it may be anything the user pointed at
             raise ConfigError(f"search_space: {space} does not hold a mapping of dimensions "
                               f"(it holds a {type(loaded).__name__})")
@@ -422,20 +456,41 @@ def check_resume_trust(folder: str) -> None:
 
 
 def check_state_intact(folder: str) -> None:
-    """The experiment state a resume would start from parses. Ray restores from the newest `experiment_state-*.json`;
-    a damaged one made it log a warning and start an empty sweep over the finished one (every result gone from its
-    state). Read as JSON only: nothing is unpickled here."""
+    """The experiment state a resume would start from parses, or none does. Ray restores from the newest
+    `experiment_state-*.json`; a damaged one made it log a warning and start an empty sweep over the finished one
+    (every result gone from its state). With an intact older state, refused: the user moves the damaged one aside
+    to resume from it. With none intact (a state cut short by a full disk before any whole one was written) the
+    sweep starts afresh (`set_aside_damaged_state`), reusing every finished trial from its folder. Read as JSON only:
+    nothing is unpickled here."""
     root = Path(folder)
     if "://" in folder or not root.is_dir():
         return
     states = sorted(root.glob("experiment_state-*.json"))
-    if not states:
-        return
-    if not _parses(states[-1]):
-        older = f"; the previous state {states[-2].name} is intact" if len(states) > 1 and _parses(states[-2]) else ""
+    if states and not _parses(states[-1]) and any(_parses(state) for state in states[:-1]):
+        intact = next(state for state in reversed(states) if _parses(state))
         raise ConfigError(f"{states[-1]}: the experiment state is damaged, and resuming from it would start the sweep "
-                          f"afresh over its finished trials{older}: move the damaged file aside to resume from the "
-                          "previous one (the trials' folders hold every finished result)")
+                          f"afresh over its finished trials; the previous state {intact.name} is intact: move the "
+                          "damaged file aside to resume from it (the trials' folders hold every finished result)")
+
+
+def has_state(folder: str) -> bool:
+    """Whether the folder holds an experiment state to resume from (the newest parses)."""
+    states = sorted(Path(folder).glob("experiment_state-*.json")) if "://" not in folder else []
+    return "://" in folder or bool(states) and _parses(states[-1])
+
+
+def set_aside_damaged_state(folder: str) -> list[Path]:
+    """Every experiment state file in a folder where none is intact, renamed to `<name>.damaged` (kept, never read
+    again): the sweep then starts afresh rather than resuming from a state cut short. Call with the driver lock."""
+    root = Path(folder)
+    if "://" in folder or not root.is_dir() or has_state(folder):
+        return []
+    states = sorted(root.glob("experiment_state-*.json"))
+    if states:
+        logging.getLogger(__name__).warning(
+            "%s: no intact experiment state (%s set aside as .damaged); the sweep starts afresh and reuses every "
+            "finished trial from its folder", folder, ", ".join(p.name for p in states))
+    return [state.rename(state.with_name(state.name + ".damaged")) for state in states]
 
 
 def _parses(path: Path) -> bool:
@@ -466,16 +521,19 @@ def check_unchanged(experiment: Experiment, folder: str) -> None:
     """A sweep resumes only with the settings it was started with: the first start records them in the experiment
     folder, a later one compares and names every field that differs (Tune's restore would silently keep the old
     ones); a field the record lacks that has its default is not a difference. Another name (`--name`) starts the
-    edited experiment anew."""
+    edited experiment anew. The record binds only once Tune has saved the sweep's state: a run refused or stopped
+    before any state was saved leaves nothing to resume, and its name is free for other settings."""
     if "://" in folder:
         return
     now = json.loads(json.dumps(experiment.model_dump(exclude={"storage_path"}), default=str))
     saved_path = Path(folder) / SAVED_EXPERIMENT
+    started = any(Path(folder).glob("experiment_state-*.json")) or (Path(folder) / "tuner.pkl").exists()
     try:
+        if not started:
+            raise FileNotFoundError
         saved = json.loads(saved_path.read_text())
     except FileNotFoundError:
-        saved_path.parent.mkdir(parents=True, exist_ok=True)
-        saved_path.write_text(json.dumps(now, indent=2, sort_keys=True) + "\n")
+        write_text(saved_path, json.dumps(now, indent=2, sort_keys=True) + "\n")
         return
     except (OSError, ValueError, UnicodeDecodeError) as error:
         raise ConfigError(f"{saved_path}: unreadable ({type(error).__name__}); it records the settings the sweep "
@@ -488,8 +546,34 @@ def check_unchanged(experiment: Experiment, folder: str) -> None:
                           f"settings it started with: restore the file, or run the edited one under another --name")
 
 
+# Free space a local sweep needs before it starts: its state (rewritten every second), trials' folders and caches.
+MIN_FREE_BYTES = 64 * 2**20
+
+
+def free_bytes(path: str) -> int | None:
+    """Free bytes on the file system of a local path (or of its nearest existing parent); None for a URI."""
+    if "://" in path:
+        return None
+    existing = next(p for p in (Path(path), *Path(path).parents) if p.exists())
+    return shutil.disk_usage(existing).free
+
+
+def megabytes(count: int) -> str:
+    return f"{count / 2**20:.1f} MB"
+
+
+def storage_full(storage_path: str) -> str | None:
+    """A one-line description of a local storage with less than MIN_FREE_BYTES free, else None."""
+    free = free_bytes(storage_path)
+    if free is None or free >= MIN_FREE_BYTES:
+        return None
+    return (f"storage_path: {storage_path} has {megabytes(free)} free, and a sweep needs at least "
+            f"{megabytes(MIN_FREE_BYTES)} there (its state, trial folders and caches)")
+
+
 def check_storage(storage_path: str) -> None:
-    """The storage path must be writable (local paths: by writing a probe; a URI such as s3:// is left to pyarrow)."""
+    """The storage path must be writable (local paths: by writing a probe; a URI such as s3:// is left to pyarrow),
+    with at least MIN_FREE_BYTES free."""
     if "://" in storage_path:
         return
     if Path(storage_path).exists() and not Path(storage_path).is_dir():
@@ -501,3 +585,5 @@ def check_storage(storage_path: str) -> None:
         os.unlink(probe)
     except OSError as error:
         raise ConfigError(f"storage_path: {storage_path} is not writable ({error.strerror})") from None
+    if (full := storage_full(storage_path)) is not None:
+        raise ConfigError(f"{full}; free space or choose another storage_path")
