@@ -3,7 +3,9 @@ Python process of the sweep (the driver and Ray's workers) runs this file at sta
 
 With TAYLOR_TUNE_TEST_FAULT='{"pruning_method": "blockwise", ...}' a trial whose configuration matches raises
 InjectedFault before it prunes. With TAYLOR_TUNE_TEST_PAUSE=<folder> a trial, once its final report is made, touches
-<folder>/<trial id> and sleeps: a window in which a test kills the sweep. Without either variable nothing happens.
+<folder>/<trial id> and sleeps: a window in which a test kills the sweep. With TAYLOR_TUNE_TEST_FILL=<file> the first
+trial to finish fills the disk that <file> is on (writes <file> until no space is left): the storage fills mid-sweep.
+Without any of them nothing happens.
 The product's modules are patched when they are first imported (nothing is imported here ahead of time).
 """
 
@@ -49,11 +51,32 @@ def _pause_after(trainable):
     return wrapper
 
 
+def _fill_disk_after(trainable):
+    filler = Path(os.environ["TAYLOR_TUNE_TEST_FILL"])
+
+    @functools.wraps(trainable)
+    def wrapper(config):
+        trainable(config)
+        try:
+            with open(filler, "xb") as handle:  # once: the first trial to finish
+                while True:
+                    handle.write(b"\0" * (1 << 20))
+                    handle.flush()
+        except FileExistsError:
+            pass
+        except OSError:  # no space left: the disk is full now
+            pass
+
+    return wrapper
+
+
 PATCHES = {}  # module -> (attribute, wrapper factory)
 if os.environ.get("TAYLOR_TUNE_TEST_FAULT"):
     PATCHES["taylor_tune.sweep.trial"] = ("run_trial", _fail_matching)
 if os.environ.get("TAYLOR_TUNE_TEST_PAUSE"):
     PATCHES["taylor_tune.sweep.tune.trainable"] = ("sweep_trainable", _pause_after)
+if os.environ.get("TAYLOR_TUNE_TEST_FILL"):
+    PATCHES["taylor_tune.sweep.tune.trainable"] = ("sweep_trainable", _fill_disk_after)
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):

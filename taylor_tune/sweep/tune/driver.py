@@ -35,6 +35,8 @@ from taylor_tune.sweep.experiment import (
     check_state_intact,
     check_storage,
     check_unchanged,
+    has_state,
+    set_aside_damaged_state,
 )
 from taylor_tune.sweep.lock import driver_lock
 from taylor_tune.sweep.preflight import check_calibration_sizes, check_plans
@@ -110,6 +112,7 @@ def run_sweep(experiment: Experiment, *, verbose: bool = False):
     validate(experiment)
     with driver_lock(experiment_path(experiment)):
         check_unchanged(experiment, experiment_path(experiment))
+        set_aside_damaged_state(experiment_path(experiment))
         return _fit(experiment, verbose)
 
 
@@ -122,7 +125,7 @@ def _fit(experiment: Experiment, verbose: bool):
     path = experiment_path(experiment)
     final_stage = zero_shot_stage(experiment.evaluation.fidelities[-1])
     trainable = tune.with_resources(sweep_trainable, _resources(experiment))
-    if tune.Tuner.can_restore(path):
+    if tune.Tuner.can_restore(path) and has_state(path):  # else afresh: finished trials are reused from their folders
         tuner = tune.Tuner.restore(path, trainable=trainable, resume_errored=True)
     else:
         scheduler = None

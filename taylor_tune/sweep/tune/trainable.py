@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import posixpath
 import shutil
 import tempfile
 from pathlib import Path
@@ -12,6 +14,7 @@ from ray import tune
 
 from taylor_tune.compat.ray import trial_storage
 from taylor_tune.config import PruneConfig
+from taylor_tune.jsonio import json_safe
 from taylor_tune.schema import DIMENSIONS, zero_shot_stage
 from taylor_tune.sweep.experiment import Evaluation
 from taylor_tune.sweep.trial import FINISHED_ARTIFACTS, TrialConfig, completed_metrics, run_trial
@@ -30,19 +33,47 @@ def trial_config(config: dict) -> TrialConfig:
     )
 
 
+def _copy_finished(filesystem, source: str, folder: Path) -> bool:
+    """The finished artifacts of the trial folder `source` in storage, copied into `folder`; False if it has not
+    all of them (a first run, or one that never reached its final report)."""
+    try:
+        for name in FINISHED_ARTIFACTS:
+            fs.copy_files(f"{source}/{name}", str(folder / name), source_filesystem=filesystem)
+    except (OSError, FileNotFoundError):
+        return False
+    return True
+
+
+def _same_configuration_elsewhere(storage, trial: TrialConfig) -> list[str]:
+    """The experiment's other trial folders whose config.json is this trial's configuration: an earlier run's, when
+    the sweep started afresh (its experiment state was lost) and Tune gave the configuration a new trial id."""
+    filesystem, own = storage.storage_filesystem, storage.trial_fs_path
+    wanted = json.loads(json.dumps(json_safe(trial.model_dump())))
+    found = []
+    for info in filesystem.get_file_info(fs.FileSelector(posixpath.dirname(own))):
+        if info.type != fs.FileType.Directory or info.path == own:
+            continue
+        try:
+            with filesystem.open_input_stream(f"{info.path}/config.json") as stream:
+                if json.loads(stream.read()) == wanted:
+                    found.append(info.path)
+        except (OSError, ValueError, UnicodeDecodeError):  # not a trial folder, or one without its configuration yet
+            continue
+    return found
+
+
 def _finished_before(checkpoint, storage, trial: TrialConfig, working: Path) -> dict | None:
-    """The final metrics of this trial's earlier run, from its checkpoint or else its storage folder, with its
-    artifacts copied into `working`; None when it did not finish (or finished another configuration)."""
+    """The final metrics of this trial's earlier run, from its checkpoint, else its storage folder, else another
+    trial folder of the experiment that finished this configuration, with its artifacts copied into `working`; None
+    when none finished it."""
     with tempfile.TemporaryDirectory() as tmp:
         if checkpoint is not None:
             folder = Path(checkpoint.to_directory(tmp))
         else:
             folder = Path(tmp)
-            try:
-                for name in FINISHED_ARTIFACTS:
-                    fs.copy_files(f"{storage.trial_fs_path}/{name}", str(folder / name),
-                                  source_filesystem=storage.storage_filesystem)
-            except (OSError, FileNotFoundError):  # a first run, or one that never reached its final report
+            sources = [storage.trial_fs_path, *_same_configuration_elsewhere(storage, trial)]
+            if not any(_copy_finished(storage.storage_filesystem, source, folder)
+                       and completed_metrics(folder, trial) is not None for source in sources):
                 return None
         done = completed_metrics(folder, trial)
         if done is not None:
