@@ -101,7 +101,7 @@ CASES = [
     ),
     (
         dict(search={"scheduler": "asha", "reduction_factor": 1}),
-        "search.reduction_factor: Input should be greater than 1",
+        "search.reduction_factor: Input should be greater than or equal to 2",
     ),
     (dict(metric="acc_foo"), "metric: 'acc_foo' is not reported by these trials; one of acc_mean, ppl, acc_piqa"),
     (dict(metric="ppl", mode="min"), "metric: ppl needs evaluation.ppl"),
