@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import posixpath
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from pyarrow import fs
@@ -44,22 +46,21 @@ def _copy_finished(filesystem, source: str, folder: Path) -> bool:
     return True
 
 
-def _same_configuration_elsewhere(storage, trial: TrialConfig) -> list[str]:
+def _same_configuration_elsewhere(storage, trial: TrialConfig) -> Iterator[str]:
     """The experiment's other trial folders whose config.json is this trial's configuration: an earlier run's, when
     the sweep started afresh (its experiment state was lost) and Tune gave the configuration a new trial id."""
     filesystem, own = storage.storage_filesystem, storage.trial_fs_path
     wanted = json.loads(json.dumps(json_safe(trial.model_dump())))
-    found = []
     for info in filesystem.get_file_info(fs.FileSelector(posixpath.dirname(own))):
         if info.type != fs.FileType.Directory or info.path == own:
             continue
         try:
             with filesystem.open_input_stream(f"{info.path}/config.json") as stream:
-                if json.loads(stream.read()) == wanted:
-                    found.append(info.path)
+                same = json.loads(stream.read()) == wanted
         except (OSError, ValueError, UnicodeDecodeError):  # not a trial folder, or one without its configuration yet
             continue
-    return found
+        if same:
+            yield info.path
 
 
 def _finished_before(checkpoint, storage, trial: TrialConfig, working: Path) -> dict | None:
@@ -71,7 +72,8 @@ def _finished_before(checkpoint, storage, trial: TrialConfig, working: Path) -> 
             folder = Path(checkpoint.to_directory(tmp))
         else:
             folder = Path(tmp)
-            sources = [storage.trial_fs_path, *_same_configuration_elsewhere(storage, trial)]
+            # the other folders are listed only when this trial's own holds no finished run
+            sources = itertools.chain([storage.trial_fs_path], _same_configuration_elsewhere(storage, trial))
             if not any(_copy_finished(storage.storage_filesystem, source, folder)
                        and completed_metrics(folder, trial) is not None for source in sources):
                 return None
