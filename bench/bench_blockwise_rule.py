@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,10 +23,7 @@ import torch
 from taylor_tune.config import BLOCKWISE_ATTENTION_RULES, EvalSpec, PruneConfig
 from taylor_tune.evaluation.evaluate import Evaluator
 from taylor_tune.jsonio import write_json
-from taylor_tune.pruning.importance import compute_importance
-from taylor_tune.pruning.prune import ProvidedImportance, prune
-from taylor_tune.sources.calibration import load_calibration
-from taylor_tune.sources.data import resolve_text
+from taylor_tune.pruning.prune import ImportanceCache, prune
 from taylor_tune.sources.models import load_model, load_tokenizer
 
 
@@ -48,21 +46,14 @@ def main() -> None:
         rows.append({"model": name, "rule": "unpruned", "ppl": ppl_of(load_model(name), load_tokenizer(name), name)})
         for calibration in args.calibrations.split(","):
             seq_len, num_samples = map(int, calibration.split("x"))
-            memo: dict = {}
-
-            def provide(model, layout, tok, name=name, memo=memo, seq_len=seq_len, num_samples=num_samples):
-                if "importance" not in memo:
-                    memo["ids"] = load_calibration(tok, resolve_text("wiki", name), seq_len=seq_len,
-                                                   num_samples=num_samples, seed=0)
-                    memo["importance"] = compute_importance(model, layout, memo["ids"], micro_batch_size=8)[num_samples]
-                return ProvidedImportance(memo["importance"], memo["ids"])
+            cache = ImportanceCache(tempfile.mkdtemp(prefix="bench_blockwise_importance_"))  # one pass per draw
 
             for rule in args.rules.split(","):
                 config = PruneConfig(model=name, method="blockwise", sparsity=args.sparsity, seq_len=seq_len,
                                      num_samples=num_samples, calibration="wiki", device="cpu", dtype="float32",
                                      blockwise_attention=rule)
                 start = time.perf_counter()
-                result = prune(config, importance_provider=provide)
+                result = prune(config, cache=cache)
                 seconds = time.perf_counter() - start
                 lost = sorted({len(a) for a in result.plan.attn_removed[1:-1]})
                 rows.append({"model": name, "rule": rule, "seq_len": seq_len, "num_samples": num_samples,

@@ -27,9 +27,8 @@ from taylor_tune.jsonio import write_json
 from taylor_tune.pruning.apply import apply_plan
 from taylor_tune.pruning.groups import describe_layout
 from taylor_tune.pruning.importance import magnitude_scores
-from taylor_tune.pruning.methods import METHODS
+from taylor_tune.pruning.methods import METHODS, PlanOptions
 from taylor_tune.pruning.plan import PrunePlan
-from taylor_tune.pruning.prune import plan_options
 from taylor_tune.sources.data import load_ppl_text
 from taylor_tune.sources.models import load_model, load_tokenizer
 
@@ -88,7 +87,7 @@ def main() -> None:
             dict(model=args.model, method=method, sparsity=args.sparsity, seed=0, device="cpu", dtype="float32")
         )
         scores = magnitude_scores(base, layout, p=2) if method == "magnitude" else None
-        plans[method] = METHODS[method].plan(scores, layout, plan_options(config))
+        plans[method] = METHODS[method].plan(scores, layout, PlanOptions.of(config))
 
     import json
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,7 +40,7 @@ from taylor_tune.evaluation.zero_shot import zero_shot
 from taylor_tune.jsonio import write_json
 from taylor_tune.pruning.groups import describe_layout
 from taylor_tune.pruning.importance import compute_importance
-from taylor_tune.pruning.prune import ProvidedImportance, prune
+from taylor_tune.pruning.prune import ImportanceCache, prune
 from taylor_tune.sources.calibration import load_calibration
 from taylor_tune.sources.data import load_ppl_text
 from taylor_tune.sources.models import load_model, load_tokenizer
@@ -212,6 +213,7 @@ def main() -> None:
     data["settings"] = settings
     data.setdefault("runs", {})
     importance: dict[str, object] = {}
+    cache_dir = tempfile.mkdtemp(prefix="bench_quality_importance_")
     for stage, model_name, sparsity, method, variant in runs(args):
         key = f"{model_name}|{sparsity}|{method}|{variant.partition('@')[0]}"
         entry = data["runs"].get(key, {})
@@ -243,9 +245,8 @@ def main() -> None:
                     ids,
                 )
                 del base
-            result = prune(
-                config, importance_provider=lambda model, layout, tokenizer: ProvidedImportance(*importance[model_name])
-            )
+            # the gradient methods' pass: one per model and calibration through the importance service's cache
+            result = prune(config, cache=ImportanceCache(cache_dir))
             model, tokenizer, d = result.model, result.tokenizer, result.diagnostics
             pruned = {
                 k: d[k]

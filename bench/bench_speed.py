@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,11 +28,8 @@ from taylor_tune.config import EvalSpec, PruneConfig, SpeedSpec
 from taylor_tune.evaluation.evaluate import Evaluator
 from taylor_tune.evaluation.speed import measure_speed, speed_ratios
 from taylor_tune.jsonio import write_json
-from taylor_tune.pruning.importance import compute_importance
 from taylor_tune.pruning.methods import METHODS
-from taylor_tune.pruning.prune import ProvidedImportance, prune
-from taylor_tune.sources.calibration import load_calibration
-from taylor_tune.sources.data import resolve_text
+from taylor_tune.pruning.prune import ImportanceCache, prune
 from taylor_tune.sources.models import load_model, load_tokenizer
 
 
@@ -74,24 +72,17 @@ def main() -> None:
         first = measure_speed(base, spec)
         unpruned_ppl = ppl_of(base, tokenizer, name, args.ppl_windows)
         del base
-        memo: dict = {}
+        cache = ImportanceCache(tempfile.mkdtemp(prefix="bench_speed_importance_"))  # one pass per model
 
-        def provide(model, layout, tok, name=name, memo=memo) -> ProvidedImportance:
-            if "importance" not in memo:
-                ids = load_calibration(tok, resolve_text("auto", name), seq_len=args.seq_len,
-                                       num_samples=args.num_samples, seed=0)
-                start = time.perf_counter()
-                memo["importance"] = compute_importance(model, layout, ids, micro_batch_size=8)[args.num_samples]
-                memo["seconds"] = time.perf_counter() - start
-            return ProvidedImportance(memo["importance"])
-
-        trials = []
+        trials, importance_s = [], None
         for sparsity in map(float, args.sparsities.split(",")):
             for method in args.methods.split(","):
                 for uniform in (False, True):
                     config = PruneConfig(model=name, method=method, sparsity=sparsity, seq_len=args.seq_len,
                                          num_samples=args.num_samples, device="cpu", dtype="float32", uniform=uniform)
-                    result = prune(config, importance_provider=provide)
+                    result = prune(config, cache=cache)
+                    if result.importance_cache == "computed":
+                        importance_s = result.timings["importance_s"]
                     measured = measure_speed(result.model, spec)
                     trials.append({
                         "model": name, "method": method, "sparsity": sparsity, "uniform": uniform,
@@ -108,7 +99,7 @@ def main() -> None:
         del base
         unpruned = {k: statistics.fmean([first[k], last[k]]) for k in first}
         unpruned_runs[name] = {"first": first, "last": last, "ppl": unpruned_ppl,
-                               "importance_s": memo.get("seconds")}
+                               "importance_s": importance_s}
         rows += [t | speed_ratios(t, unpruned) for t in trials]
         write_json(args.json, {
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,

@@ -28,10 +28,12 @@ import torch  # noqa: E402
 from taylor_tune.config import PruneConfig  # noqa: E402
 from taylor_tune.pruning.groups import describe_layout  # noqa: E402
 from taylor_tune.pruning.importance import compute_importance  # noqa: E402
+from taylor_tune.pruning.importance_cache import ImportanceCache  # noqa: E402
+from taylor_tune.pruning.scoring import Calibration, score_groups  # noqa: E402
 from taylor_tune.sources.calibration import load_calibration  # noqa: E402
 from taylor_tune.sources.models import load_model, load_tokenizer  # noqa: E402
-from taylor_tune.sweep.experiment import Evaluation, load_experiment  # noqa: E402
-from taylor_tune.sweep.trial import TrialConfig, cached_importance, run_trial  # noqa: E402
+from taylor_tune.sweep.experiment import load_experiment  # noqa: E402
+from taylor_tune.sweep.trial import run_trial  # noqa: E402
 
 SEQ_LENS, SAMPLES, METHODS = (16, 32, 64, 128, 256), (128, 256, 512), ("taylor", "layerwise", "blockwise")
 
@@ -52,13 +54,9 @@ def cache_benchmark(model_name: str) -> dict:
         for seq_len, n, method in trials:
             config = PruneConfig(model=model_name, method=method, seq_len=seq_len, num_samples=n, calibration="world",
                                  device="cpu", dtype="float32")
-            trial = TrialConfig(
-                prune=config, evaluation=Evaluation(ppl=None, tasks="piqa"), sample_counts=SAMPLES, cache_dir=cache_dir
-            )
-            cached_importance(trial)(model, layout, tokenizer)
+            score_groups(model, layout, Calibration(config, tokenizer), cache=ImportanceCache(cache_dir),
+                         sample_counts=SAMPLES)
         cached = time.perf_counter() - start
-        from taylor_tune.sweep.importance_cache import ImportanceCache
-
         counters = ImportanceCache(cache_dir).counters()
     return {"trials": len(trials), "uncached_s": uncached, "cached_s": cached, "speedup": uncached / cached, **counters}
 

@@ -122,9 +122,9 @@ MUTANTS = (
     m("pareto-mode-ignored", "reporting/pareto.py", "every objective maximized, a perplexity too",
       ("better = np.where([o.ascending for o in objectives], -values, values)", "better = values")),
     # the importance cache
-    m("cache-key-without-seq-len", "sweep/trial.py", "the importance-cache key ignores seq_len",
+    m("cache-key-without-seq-len", "pruning/scoring.py", "the importance-cache key ignores seq_len",
       ('"seq_len": config.seq_len,\n', "")),
-    m("cache-key-config-dtype", "sweep/trial.py", "the importance-cache key holds the config's dtype, not the model's",
+    m("cache-key-config-dtype", "pruning/scoring.py", "the importance-cache key holds the config's dtype, not the model's",
       ('"dtype": str(dtype).removeprefix("torch."),', '"dtype": config.dtype,')),
     # diagnostics
     m("diagnostics-threshold-inclusive", "pruning/diagnostics.py", "a layer at the threshold counted as extreme",

@@ -216,9 +216,10 @@ def _run_sweep(args: argparse.Namespace) -> int:
 
     experiment = load_experiment(args.experiment, storage_path=args.storage, name=args.name)
     # Ray: once the file is valid
-    from taylor_tune.sweep.experiment import storage_full
+    from taylor_tune.sweep.folder import storage_full
+    from taylor_tune.sweep.status import sweep_status
     from taylor_tune.sweep.tune.console import error_summary, trial_name
-    from taylor_tune.sweep.tune.driver import experiment_path, run_sweep, sweep_status
+    from taylor_tune.sweep.tune.driver import experiment_path, run_sweep
 
     try:
         results = run_sweep(experiment, verbose=args.verbose)
@@ -246,7 +247,7 @@ def _run_sweep(args: argparse.Namespace) -> int:
 
 
 def _run_status(args: argparse.Namespace) -> int:
-    from taylor_tune.sweep.tune.driver import sweep_status  # Ray
+    from taylor_tune.sweep.status import sweep_status  # pandas, pyarrow: only for this command
 
     status = sweep_status(args.path)
     # the counts are the driver's last saved state: a running sweep saves it every second, so an old one

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from taylor_tune.pruning.importance import Importance
+from taylor_tune.pruning.importance_cache import ImportanceCache
 from taylor_tune.pruning.plan import GroupScores
-from taylor_tune.sweep.importance_cache import ImportanceCache
 
 
 def fake_results() -> dict[int, Importance]:

@@ -180,13 +180,13 @@ def test_blockwise_measured_loss_keeps_the_plan_whose_pruned_model_has_the_lowes
     """Against enumeration: every feasible attention count's plan pruned physically, its calibration loss computed."""
     from taylor_tune.pruning.importance import taylor_criterion
     from taylor_tune.pruning.measured import LOSS_SEQUENCES, calibration_loss
+    from taylor_tune.pruning.methods import PlanOptions
     from taylor_tune.pruning.methods.blockwise import block_plan, blockwise_range, feasible_block_counts
     from taylor_tune.pruning.plan import target_params
-    from taylor_tune.pruning.prune import plan_options
 
     result = pruned("tiny-llama", "blockwise", 0.3, blockwise_attention="measured_loss")
     config = build_prune_config(dict(model="tiny-llama", method="blockwise", sparsity=0.3))
-    layers = blockwise_range(result.layout, plan_options(config))
+    layers = blockwise_range(result.layout, PlanOptions.of(config))
     scores = taylor_criterion(result.importance.scores, result.layout, "taylor")
     losses = {}
     for k, mlp_total in feasible_block_counts(result.layout, layers, target_params(result.layout, 0.3)):

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from taylor_tune.config import PruneConfig
 from taylor_tune.pruning.apply import apply_plan
 from taylor_tune.pruning.groups import describe_layout
 from taylor_tune.pruning.importance import compute_importance
@@ -33,7 +34,7 @@ def test_bf16_pass_ranks_like_fp32_and_prunes_on_cuda():
     ranks = [np.corrcoef(np.argsort(np.argsort(x)), np.argsort(np.argsort(y)))[0, 1] for x, y in zip(s32.mlp, s16.mlp)]
     assert min(ranks) > 0.9  # bf16 weights, fp32 accumulation: the ranking survives
     layout = describe_layout(bf16)
-    plan = METHODS["taylor"].plan(s16, layout, PlanOptions(sparsity=0.2))
+    plan = METHODS["taylor"].plan(s16, layout, PlanOptions.of(PruneConfig(model="tiny-qwen2-random")))
     model = apply_plan(bf16, plan)
     out = model.generate(ids[:1, :8].cuda(), max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 12)

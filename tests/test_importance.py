@@ -139,8 +139,8 @@ def test_magnitude_scores_are_mean_absolute_or_squared_weights(p):
 )
 def test_magnitude_criteria_plan_from_weights_without_calibration(method, criterion):
     from taylor_tune.config import build_prune_config
-    from taylor_tune.pruning.methods import METHODS
-    from taylor_tune.pruning.prune import plan_options, prune
+    from taylor_tune.pruning.methods import METHODS, PlanOptions
+    from taylor_tune.pruning.prune import prune
 
     # blockwise's default attention rule measures a calibration loss; min_loss keeps it weights-only
     config = build_prune_config(dict(model="tiny-llama", method=method, criterion=criterion, sparsity=0.3, device="cpu",
@@ -148,7 +148,7 @@ def test_magnitude_criteria_plan_from_weights_without_calibration(method, criter
     result = prune(config)
     assert result.importance is None and result.calibration_ids is None and "calibration_s" not in result.timings
     weights = magnitude_scores(tiny("tiny-llama"), result.layout, p=int(criterion[1]))
-    assert result.plan == METHODS[method].plan(weights, result.layout, plan_options(config))
+    assert result.plan == METHODS[method].plan(weights, result.layout, PlanOptions.of(config))
 
 
 def test_snapshot_outside_the_draw_is_rejected():
@@ -172,8 +172,8 @@ def test_taylor_sum_criterion_is_the_plain_group_sum(arch):
 def test_prune_ranks_by_the_configured_criterion():
     from taylor_tune.config import build_prune_config
     from taylor_tune.pruning.importance import taylor_criterion
-    from taylor_tune.pruning.methods import METHODS
-    from taylor_tune.pruning.prune import plan_options, prune
+    from taylor_tune.pruning.methods import METHODS, PlanOptions
+    from taylor_tune.pruning.prune import prune
 
     plans = {}
     for criterion in ("taylor", "taylor_sum"):
@@ -192,7 +192,7 @@ def test_prune_ranks_by_the_configured_criterion():
         )
         result = prune(config)
         expected = METHODS["taylor"].plan(taylor_criterion(result.importance.scores, result.layout, criterion),
-                                          result.layout, plan_options(config))
+                                          result.layout, PlanOptions.of(config))
         assert result.plan == expected
         plans[criterion] = result.plan
     # the sum favours the larger groups (attention groups), so here it removes none of them; the mean removes one

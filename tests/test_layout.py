@@ -1,9 +1,11 @@
 """The package's layout: one subpackage per stage, imports one way (docs/specification.md, "Layout").
 
 sweep -> pruning, evaluation, reporting -> sources -> the root modules; pruning and evaluation do not import each
-other; reporting imports the root modules only; the root modules import no stage (cli aside). `config`, `schema`
-and `reporting` import neither torch nor ray, not even through the modules they import. A module imports the
-project's own modules at its top, unless a comment on the line (or the one above) says why not.
+other; reporting imports the root modules only; the root modules import no stage (cli aside). The sweep reaches
+pruning through its stage module only: `taylor_tune.pruning.prune`, and of it only the names in its `__all__` (the
+stage functions and what they return), so that the trial composes pruning's stages instead of reaching into them.
+`config`, `schema` and `reporting` import neither torch nor ray, not even through the modules they import. A module
+imports the project's own modules at its top, unless a comment on the line (or the one above) says why not.
 The imports are read with `ast`, so nothing is imported to check them.
 """
 
@@ -25,6 +27,7 @@ ALLOWED = {
     "sweep": {"pruning", "evaluation", "reporting", "sources", "root"},
     "cli": {*STAGES, "root"},
 }
+STAGE_MODULE = "taylor_tune.pruning.prune"  # the one pruning module the sweep may import
 HEAVY = ("torch", "ray")  # what the instant parts (validation, statistics) must never load
 LIGHT = ("taylor_tune.config", "taylor_tune.schema", "taylor_tune.reporting")
 
@@ -88,16 +91,39 @@ def explained(lines: list[str], line: int) -> bool:
     return False
 
 
+def public_names(path: Path) -> set[str]:
+    """The names a module lists in its `__all__` (read with ast)."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+def stage_violation(module: str, name: str, target: str, public: set[str]) -> str | None:
+    """Why the sweep may not import `name` (resolved to `target`) of pruning, or None."""
+    if room(module) != "sweep" or room(target) != "pruning":
+        return None
+    if target != STAGE_MODULE:
+        return f"{module} imports {target}: the sweep imports pruning through {STAGE_MODULE} only"
+    attribute = name.removeprefix(target).lstrip(".")
+    if attribute and attribute not in public:
+        return f"{module} imports {name}: not in {STAGE_MODULE}.__all__"
+    return None
+
+
 def layout_violations(package: Path = PACKAGE) -> list[str]:
     files = project_files(package)
     graph = {module: imports(path, package) for module, path in files.items()}
     problems = []
+    public = public_names(files[STAGE_MODULE]) if STAGE_MODULE in files else set()
     for module, found in graph.items():
         lines = files[module].read_text().splitlines()
         for name, line, at_top in found:
             target = resolve(name, graph) if name.startswith("taylor_tune") else None
             if target is None:
                 continue
+            if (why := stage_violation(module, name, target, public)) is not None:
+                problems.append(f"{module}:{line}: {why}")
             if room(target) != room(module) and room(target) not in ALLOWED[room(module)]:
                 problems.append(f"{module}:{line} imports {target}: {room(module)} may not import {room(target)}")
             if not at_top and not explained(lines, line):
@@ -135,6 +161,10 @@ def test_every_module_sits_in_a_stage_or_is_a_named_root_module():
     ("config.py", "import torch\n", "taylor_tune.config must not load torch"),
     ("reporting/latex.py", "import ray.tune\n", "taylor_tune.reporting must not load ray"),
     ("reporting/frame.py", "def f():\n    from taylor_tune import jsonio\n", "inside a function without a comment"),
+    ("sweep/trial.py", "from taylor_tune.pruning.importance import compute_importance\n",
+     "the sweep imports pruning through taylor_tune.pruning.prune only"),
+    ("sweep/preflight.py", "from taylor_tune.pruning.prune import make_plan\n",
+     "not in taylor_tune.pruning.prune.__all__"),
 ])
 def test_a_planted_violation_is_caught(tmp_path, where, planted, expected):
     package = tmp_path / "taylor_tune"

@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
+from taylor_tune.config import PruneConfig
 from taylor_tune.errors import PlanError
-from taylor_tune.pruning.methods import METHODS, PlanOptions
+from taylor_tune.pruning.methods import METHODS, PlanOptions, Scoring
 from taylor_tune.pruning.methods.blockwise import plan_blockwise
 from taylor_tune.pruning.methods.layerwise import allocate_layer_ratios, layer_importance, plan_layerwise
 from taylor_tune.pruning.methods.taylor import plan_taylor
@@ -25,8 +26,12 @@ def random_scores(lay: ModelLayout, seed: int, layer_scale=None) -> GroupScores:
 
 
 def options(sparsity=0.2, **kw) -> PlanOptions:
-    kw.setdefault("blockwise_attention", "min_loss")  # the default rule measures a model; these tests have none
-    return PlanOptions(sparsity=sparsity, layerwise_max_ratio=kw.pop("cap", 0.4), **kw)
+    """The options of a PruneConfig (its defaults), but the blockwise rule that measures a model: these tests have
+    none."""
+    kw.setdefault("blockwise_attention", "min_loss")
+    loss = kw.pop("plan_loss", None)
+    return PlanOptions.of(PruneConfig(model="tiny-llama", sparsity=sparsity, layerwise_max_ratio=kw.pop("cap", 0.4),
+                                      **kw), plan_loss=loss)
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
@@ -211,7 +216,7 @@ def test_blockwise_min_loss_by_hand(attention_score, expected_k):
     assert [len(plan.attn_removed[l]) for l in range(1, 5)] == [expected_k] * 4
     assert sum(map(len, plan.mlp_removed)) == (13 if expected_k else 29)
     with pytest.raises(PlanError, match="measured_loss needs the model"):  # the default rule measures
-        plan_blockwise(scores, lay, PlanOptions(sparsity=0.2))
+        plan_blockwise(scores, lay, PlanOptions.of(PruneConfig(model="tiny-llama")))
     closest = plan_blockwise(
         scores, lay, options(0.2, blockwise_attention="closest_ratio")
     )  # |1/2 - 13/64| < |0 - 29/64|: half of every attention block
@@ -223,7 +228,7 @@ def test_the_registry_holds_the_methods_the_config_names():
     from taylor_tune.pruning.methods import METHODS
 
     assert tuple(METHODS) == config.METHODS
-    assert all(m.scored_by in ("criterion", "weights", "none") for m in METHODS.values())
+    assert all(isinstance(m.scored_by, Scoring) for m in METHODS.values())
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))

@@ -114,7 +114,8 @@ def test_a_refused_start_leaves_the_name_free_for_other_settings(capsys, tmp_pat
     folder = tmp_path / "sweeps" / "exp"
     folder.mkdir(parents=True)
     (folder / "taylor_tune_experiment.json").write_text(json.dumps({"name": "exp", "other": "settings"}))
-    from taylor_tune.sweep.experiment import check_unchanged, load_experiment
+    from taylor_tune.sweep.experiment import load_experiment
+    from taylor_tune.sweep.folder import check_unchanged
 
     exp = load_experiment(experiment(tmp_path))
     check_unchanged(exp, str(folder))  # no state saved: the record is rewritten, nothing refused

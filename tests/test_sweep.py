@@ -18,7 +18,7 @@ import requests
 from taylor_tune.errors import ConfigError
 from taylor_tune.reporting import build_report, load_trials
 from taylor_tune.reporting.stats import best_trial
-from taylor_tune.sweep.tune.driver import sweep_status
+from taylor_tune.sweep.status import sweep_status
 from tests.sweep_helpers import (
     REPO,
     SMALL,
@@ -174,6 +174,17 @@ def test_status_while_the_sweep_runs_counts_its_running_trials(smoke):
     assert [s["finished"] for s in polls] == sorted(s["finished"] for s in polls)  # never goes back
     final = sweep_status(str(smoke.path))
     assert (final["finished"], final["running"], final["pending"]) == (36, 0, 0)
+
+
+def test_status_of_a_finished_sweep_loads_neither_torch_nor_ray(smoke):
+    """`taylor-tune status` reads JSON: run in a fresh process, it leaves torch and ray out of sys.modules."""
+    import sys
+
+    code = ("import json, sys; from taylor_tune.cli import main; code = main(['status', sys.argv[1]]); "
+            "print(json.dumps([code, 'torch' in sys.modules, 'ray' in sys.modules]))")
+    done = subprocess.run([sys.executable, "-c", code, str(smoke.path)], capture_output=True, text=True, check=True)
+    assert "finished 36" in done.stdout
+    assert json.loads(done.stdout.splitlines()[-1]) == [0, False, False]
 
 
 def test_smoke_sweep_runs_end_to_end_under_ray_job_submit_and_analysis_has_every_column(smoke):

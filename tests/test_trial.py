@@ -63,20 +63,22 @@ def test_an_importance_entry_serves_only_the_dtype_and_device_it_was_computed_in
     import torch
 
     from taylor_tune.pruning.groups import describe_layout
+    from taylor_tune.pruning.importance_cache import ImportanceCache
+    from taylor_tune.pruning.scoring import Calibration, importance_fields, score_groups
     from taylor_tune.sources.models import load_tokenizer
-    from taylor_tune.sweep.importance_cache import ImportanceCache
-    from taylor_tune.sweep.trial import cached_importance, importance_fields
     from tests.helpers import tiny
 
     config = PruneConfig(model="tiny-llama-random", method="taylor", seq_len=16, num_samples=4, calibration="world",
                          device="cpu", dtype="auto")
     cache_dir = tmp_path / "cache"
-    provide = cached_importance(TrialConfig(prune=config, evaluation=Evaluation(tasks="piqa", ppl=None),
-                                            cache_dir=str(cache_dir)))
     model, tokenizer = tiny("tiny-llama-random"), load_tokenizer("tiny-llama-random")
     layout = describe_layout(model)
-    events = [provide(model, layout, tokenizer).cache_event for _ in range(2)]
-    events.append(provide(model.to(torch.bfloat16), layout, tokenizer).cache_event)
+
+    def event(model) -> str:
+        cache = ImportanceCache(cache_dir)
+        return score_groups(model, layout, Calibration(config, tokenizer), cache=cache).cache_event
+
+    events = [event(model) for _ in range(2)] + [event(model.to(torch.bfloat16))]
     assert events == ["computed", "hit", "computed"]
 
     cpu, cuda = (importance_fields(config, dtype=torch.float32, device=torch.device(d)) for d in ("cpu", "cuda:1"))
@@ -93,8 +95,8 @@ def test_an_importance_entry_serves_only_the_dtype_and_device_it_was_computed_in
 def test_the_importance_key_changes_with_each_field_the_pass_depends_on(changed):
     import torch
 
-    from taylor_tune.sweep.importance_cache import cache_key
-    from taylor_tune.sweep.trial import importance_fields
+    from taylor_tune.pruning.importance_cache import cache_key
+    from taylor_tune.pruning.scoring import importance_fields
 
     base = dict(model="tiny-llama", method="taylor", seq_len=32, num_samples=8, calibration="world", seed=0)
     runtime = dict(dtype=torch.float32, device=torch.device("cpu"))
@@ -111,8 +113,8 @@ def test_a_damaged_cache_entry_is_removed_and_computed_again_once(tmp_path):
     import numpy as np
 
     from taylor_tune.pruning.importance import Importance
+    from taylor_tune.pruning.importance_cache import ImportanceCache, cache_key
     from taylor_tune.pruning.plan import GroupScores
-    from taylor_tune.sweep.importance_cache import ImportanceCache, cache_key
 
     def compute():
         computed.append(1)

@@ -96,7 +96,7 @@ def test_report_refuses_a_folder_that_is_no_experiment_and_an_output_that_is_a_f
 def test_a_sweep_does_not_resume_from_a_folder_other_users_can_write(capsys, tmp_path, monkeypatch):
     """Resuming unpickles Ray's state: a folder (or state file) others can write is refused unless the user opts in."""
     from taylor_tune.errors import ConfigError
-    from taylor_tune.sweep.experiment import check_resume_trust
+    from taylor_tune.sweep.folder import check_resume_trust
 
     folder = tmp_path / "sweeps" / "exp"
     folder.mkdir(parents=True)
@@ -147,7 +147,8 @@ def test_an_edited_experiment_is_not_silently_resumed_with_its_old_settings(caps
     import json
 
     from taylor_tune.errors import ConfigError
-    from taylor_tune.sweep.experiment import SAVED_EXPERIMENT, check_unchanged, load_experiment
+    from taylor_tune.sweep.experiment import load_experiment
+    from taylor_tune.sweep.folder import SAVED_EXPERIMENT, check_unchanged
 
     path = experiment(tmp_path)
     folder = tmp_path / "sweeps" / "exp"

@@ -10,24 +10,7 @@ from safetensors.torch import save_file
 from taylor_tune.config import PruneConfig
 from taylor_tune.jsonio import write_json
 from taylor_tune.pruning.apply import save_pruned
-from taylor_tune.pruning.prune import PruneResult
-
-
-def summary_dict(config: PruneConfig, result: PruneResult) -> dict:
-    return {
-        "config": config.model_dump(),
-        "method": result.plan.method,
-        **result.diagnostics,
-        "removed_groups": [
-            {"layer": i, "attention_groups": list(a), "mlp_channels": list(m)}
-            for i, (a, m) in enumerate(zip(result.plan.attn_removed, result.plan.mlp_removed))
-        ],
-        "group_params": {
-            "attention_group": result.layout.attn_group_params,
-            "mlp_channel": result.layout.mlp_channel_params,
-        },
-        "timings_s": result.timings,
-    }
+from taylor_tune.pruning.prune import PruneResult, summary_dict
 
 
 def importance_tensors(result: PruneResult) -> dict[str, torch.Tensor]:

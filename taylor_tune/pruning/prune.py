@@ -1,92 +1,70 @@
-"""One pruning run, start to finish and without Ray: validate -> calibrate -> importance -> plan -> apply.
+"""One pruning, as its stages in order: load -> score -> plan -> apply. The sweep's trial runs the same stage
+functions between its own (speed, evaluation); `prune` runs them alone, for the CLI and notebooks.
 
-Every check that can fail on user input runs before the weights are loaded: the config (pydantic), the
-model's config (architecture, context length), the tokenizer and the calibration draw.
+Every check that can fail on user input runs before the weights are loaded: the config (pydantic), the model's
+config (architecture, context length), the tokenizer and, where the scores need it, the calibration draw. This
+module is pruning's public face: the sweep imports pruning through the names in `__all__` only.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+from transformers import AutoModelForCausalLM
 
 from taylor_tune.config import PruneConfig
 from taylor_tune.errors import ConfigError
 from taylor_tune.pruning.apply import apply_plan
 from taylor_tune.pruning.diagnostics import pruning_diagnostics
 from taylor_tune.pruning.groups import describe_layout
-from taylor_tune.pruning.importance import (
-    GRADIENT_CRITERIA,
-    Importance,
-    compute_importance,
-    magnitude_scores,
-    taylor_criterion,
-)
+from taylor_tune.pruning.importance import Importance
+from taylor_tune.pruning.importance_cache import ImportanceCache
 from taylor_tune.pruning.measured import plan_loss
 from taylor_tune.pruning.methods import METHODS, PlanOptions
 from taylor_tune.pruning.methods.random import drawn_scores
 from taylor_tune.pruning.plan import GroupScores, ModelLayout, PrunePlan
+from taylor_tune.pruning.scoring import Calibration, draw_calibration, draws_calibration, score_groups, uses_gradients
 from taylor_tune.pruning.uniform import uniform_plan
-from taylor_tune.sources.calibration import load_calibration
-from taylor_tune.sources.data import check_calibration, resolve_text
+from taylor_tune.sources.data import check_calibration
 from taylor_tune.sources.models import load_model, load_model_config, load_tokenizer, resolve_device, resolve_dtype
+
+__all__ = [
+    "ImportanceCache", "Pruning", "PruneResult", "apply", "check_plan", "draw_calibration", "draws_calibration",
+    "load", "meta_layout", "plan", "prune", "score", "start", "summary_dict",
+]
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class PruneResult:
-    model: torch.nn.Module  # pruned, in place
+class Pruning:
+    """What the stages of one pruning build, in order; each stage fills its part and adds its seconds."""
+
+    config: PruneConfig
     tokenizer: object
-    layout: ModelLayout  # of the model before pruning
-    plan: PrunePlan
-    importance: Importance | None  # None for methods that use no gradients
-    calibration_ids: torch.Tensor | None
-    diagnostics: dict
-    timings: dict[str, float]
-    importance_cache: str | None = None  # what a shared importance cache did (hit, miss, ...); None without one
-
-
-@dataclass(frozen=True)
-class ProvidedImportance:
-    """What an importance provider hands back: the importance at config.num_samples, the calibration tokens it
-    drew (None when a cache hit drew none), what its cache did, and its stage timings (importance_s, and
-    calibration_s when it drew calibration)."""
-
-    importance: Importance
-    calibration_ids: torch.Tensor | None = None
-    cache_event: str | None = None
+    calibration: Calibration
+    cache: ImportanceCache | None = None  # a sweep's shared gradient passes
+    sample_counts: tuple[int, ...] = ()  # every num_samples the cache's pass should serve
+    model: torch.nn.Module | None = None  # pruned in place by `apply`
+    layout: ModelLayout | None = None  # of the model before pruning
+    importance: Importance | None = None  # None for methods that use no gradients
+    scores: GroupScores | None = None
+    importance_cache: str | None = None  # what the shared cache did (hit, computed, ...); None without one
+    plan: PrunePlan | None = None
+    diagnostics: dict = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
 
-
-def plan_options(config: PruneConfig) -> PlanOptions:
-    return PlanOptions(
-        sparsity=config.sparsity,
-        layerwise_max_ratio=config.layerwise_cap,
-        blockwise_layer_start=config.blockwise_layer_start,
-        blockwise_layer_end=config.blockwise_layer_end,
-        blockwise_attention=config.blockwise_attention,
-        criterion=config.criterion,
-        seed=config.seed,
-    )
+    @property
+    def calibration_ids(self) -> torch.Tensor | None:
+        """The calibration rows this pruning used (None: a cache hit or a method without gradients drew none)."""
+        return self.calibration.used()
 
 
-def make_plan(config: PruneConfig, scores: GroupScores | None, layout: ModelLayout,
-              loss: Callable[[PrunePlan], float] | None = None) -> PrunePlan:
-    """The method's plan, made uniform if the config asks, validated (PlanError when it cannot be had). `loss`: a
-    candidate plan's measured calibration loss, for what measures (blockwise_attention measured_loss, the uniform
-    layout's attention count)."""
-    options = dataclasses.replace(plan_options(config), plan_loss=loss)
-    plan = METHODS[config.method].plan(scores, layout, options)
-    if config.uniform:
-        scores = drawn_scores(layout, config.seed) if scores is None else scores
-        plan = uniform_plan(plan, scores, layout, config.sparsity, config.uniform_multiple, loss)
-    plan.validate(layout)
-    return plan
+PruneResult = Pruning  # the name callers knew
 
 
 def check_against_model(config: PruneConfig) -> None:
@@ -103,77 +81,111 @@ def check_against_model(config: PruneConfig) -> None:
             raise ConfigError(f"{name}: {value} is beyond the model's {layers} layers")
 
 
-# Given the loaded model, its layout and tokenizer: the importance at config.num_samples, and how it was had.
-ImportanceProvider = Callable[[torch.nn.Module, ModelLayout, object], ProvidedImportance]
+def make_plan(config: PruneConfig, scores: GroupScores | None, layout: ModelLayout, loss=None) -> PrunePlan:
+    """The method's plan, made uniform if the config asks, validated (PlanError when it cannot be had). `loss`: a
+    candidate plan's measured calibration loss, for what measures (blockwise_attention measured_loss, the uniform
+    layout's attention count)."""
+    plan_ = METHODS[config.method].plan(scores, layout, PlanOptions.of(config, plan_loss=loss))
+    if config.uniform:
+        scores = drawn_scores(layout, config.seed) if scores is None else scores
+        plan_ = uniform_plan(plan_, scores, layout, config.sparsity, config.uniform_multiple, loss)
+    plan_.validate(layout)
+    return plan_
 
 
-def prune(config: PruneConfig, *, importance_provider: ImportanceProvider | None = None) -> PruneResult:
-    """Run one pruning as `config` says; nothing is written to disk (see artifacts.write_prune_artifacts).
+def meta_layout(model: str, *, trust_remote_code: bool = False) -> ModelLayout:
+    """A model's layout from its config alone, built on the meta device (no weights, no memory)."""
+    with torch.device("meta"):
+        return describe_layout(AutoModelForCausalLM.from_config(
+            load_model_config(model, trust_remote_code=trust_remote_code)))
 
-    `importance_provider` replaces the calibration draw and gradient pass (the sweep's shared cache uses it).
-    """
-    timings: dict[str, float] = {}
-    method = METHODS[config.method]
+
+def check_plan(config: PruneConfig, layout: ModelLayout) -> None:
+    """PlanError if no plan of `config` exists on `layout` whatever the scores (planned from equal scores, a
+    measured loss of 0)."""
+    scores = GroupScores(attn=tuple(np.ones(g) for g in layout.attn_groups),
+                         mlp=tuple(np.ones(c) for c in layout.mlp_channels))
+    make_plan(config, scores, layout, loss=lambda candidate: 0.0)
+
+
+def start(config: PruneConfig, *, cache: ImportanceCache | None = None, sample_counts=()) -> Pruning:
+    """Checks against the model's config and its tokenizer, before anything heavy."""
     check_against_model(config)
     tokenizer = load_tokenizer(config.model, trust_remote_code=config.trust_remote_code)
+    return Pruning(config, tokenizer, Calibration(config, tokenizer), cache, tuple(sample_counts))
+
+
+def load(pruning: Pruning) -> dict[str, float]:
+    """The weights, on the config's device and dtype; without a cache the gradient pass's calibration is drawn
+    first, so a draw that cannot be had fails before the weights are read."""
+    config, timings = pruning.config, {}
+    if uses_gradients(config) and pruning.cache is None:
+        pruning.calibration.ids()
+        timings["calibration_s"] = pruning.calibration.seconds
+    begin = time.perf_counter()
     device = resolve_device(config.device)
-    calibration_ids = None
-    uses_gradients = method.scored_by == "criterion" and config.criterion in GRADIENT_CRITERIA
-    if uses_gradients and importance_provider is None:
-        start = time.perf_counter()
-        calibration_ids = load_calibration(
-            tokenizer,
-            resolve_text(config.calibration, config.model),
-            seq_len=config.seq_len,
-            num_samples=config.num_samples,
-            seed=config.seed,
-        )
-        timings["calibration_s"] = time.perf_counter() - start
+    pruning.model = load_model(config.model, device=device, dtype=resolve_dtype(config.dtype, device),
+                               trust_remote_code=config.trust_remote_code, seed=config.seed)
+    pruning.layout = describe_layout(pruning.model)
+    log.info("loaded %s: %d parameters, %d layers on %s", config.model, pruning.layout.total_params,
+             pruning.layout.num_layers, device)
+    return timings | {"load_s": time.perf_counter() - begin}
 
-    start = time.perf_counter()
-    model = load_model(
-        config.model, device=device, dtype=resolve_dtype(config.dtype, device),
-        trust_remote_code=config.trust_remote_code, seed=config.seed,
-    )
-    layout = describe_layout(model)
-    timings["load_s"] = time.perf_counter() - start
-    log.info("loaded %s: %d parameters, %d layers on %s", config.model, layout.total_params, layout.num_layers, device)
 
-    importance, scores, provided = None, None, None
-    start = time.perf_counter()
-    if uses_gradients:
-        if importance_provider is not None:
-            provided = importance_provider(model, layout, tokenizer)
-            importance, calibration_ids = provided.importance, provided.calibration_ids
-        else:
-            importance = compute_importance(model, layout, calibration_ids, micro_batch_size=config.micro_batch_size)[
-                config.num_samples
-            ]
-        scores = taylor_criterion(importance.scores, layout, config.criterion)
-    elif method.scored_by in ("criterion", "weights"):  # a weight-magnitude criterion (l1/l2), or the magnitude method
-        scores = magnitude_scores(model, layout, p=1 if config.criterion == "l1" else 2)
-    timings["importance_s"] = time.perf_counter() - start
-    if provided is not None:
-        timings |= provided.timings  # the provider's own split of its time into calibration and importance
+def score(pruning: Pruning) -> dict[str, float]:
+    """What the method ranks, through the importance service (the shared cache when the pruning has one)."""
+    scored = score_groups(pruning.model, pruning.layout, pruning.calibration, cache=pruning.cache,
+                          sample_counts=pruning.sample_counts)
+    pruning.scores, pruning.importance, pruning.importance_cache = scored.scores, scored.importance, scored.cache_event
+    return scored.timings
 
-    start = time.perf_counter()
-    drawn = {"ids": calibration_ids}
 
-    def ids() -> torch.Tensor:  # only when a plan is measured; a cache hit or a method without gradients drew none
-        if drawn["ids"] is None:
-            drawn["ids"] = load_calibration(tokenizer, resolve_text(config.calibration, config.model),
-                                            seq_len=config.seq_len, num_samples=config.num_samples, seed=config.seed)
-        return drawn["ids"]
+def plan(pruning: Pruning) -> dict[str, float]:
+    """The plan (pure but for a measured loss, which masks the loaded model on the calibration rows)."""
+    begin, config = time.perf_counter(), pruning.config
+    loss = plan_loss(pruning.model, pruning.calibration.ids, config.micro_batch_size)
+    pruning.plan = make_plan(config, pruning.scores, pruning.layout, loss)
+    return {"plan_s": time.perf_counter() - begin}
 
-    plan = make_plan(config, scores, layout, plan_loss(model, ids, config.micro_batch_size))
-    calibration_ids = drawn["ids"]
-    apply_plan(model, plan)
-    timings["prune_s"] = time.perf_counter() - start
 
-    diagnostics = pruning_diagnostics(
-        layout, plan, sparsity=config.sparsity, extreme_threshold=config.extreme_threshold,
+def apply(pruning: Pruning) -> dict[str, float]:
+    """The plan applied to the model in place, and the diagnostics of what was removed."""
+    begin, config, importance = time.perf_counter(), pruning.config, pruning.importance
+    apply_plan(pruning.model, pruning.plan)
+    pruning.diagnostics = pruning_diagnostics(
+        pruning.layout, pruning.plan, sparsity=config.sparsity, extreme_threshold=config.extreme_threshold,
         grad_mean=None if importance is None else importance.grad_mean,
         grad_norm=None if importance is None else importance.grad_norm,
     )
-    return PruneResult(model, tokenizer, layout, plan, importance, calibration_ids, diagnostics, timings,
-                       None if provided is None else provided.cache_event)
+    seconds = time.perf_counter() - begin
+    # prune_s: planning and applying together, the column sweeps have always reported
+    return {"apply_s": seconds, "prune_s": pruning.timings.get("plan_s", 0.0) + seconds}
+
+
+STAGES = (load, score, plan, apply)
+
+
+def prune(config: PruneConfig, *, cache: ImportanceCache | None = None, sample_counts=()) -> Pruning:
+    """Run one pruning as `config` says; nothing is written to disk (see artifacts.write_prune_artifacts)."""
+    pruning = start(config, cache=cache, sample_counts=sample_counts)
+    for stage in STAGES:
+        pruning.timings |= stage(pruning)
+    return pruning
+
+
+def summary_dict(config: PruneConfig, result: Pruning) -> dict:
+    """pruning_summary.json: the config, the diagnostics, every removed group and the stages' seconds."""
+    return {
+        "config": config.model_dump(),
+        "method": result.plan.method,
+        **result.diagnostics,
+        "removed_groups": [
+            {"layer": i, "attention_groups": list(a), "mlp_channels": list(m)}
+            for i, (a, m) in enumerate(zip(result.plan.attn_removed, result.plan.mlp_removed))
+        ],
+        "group_params": {
+            "attention_group": result.layout.attn_group_params,
+            "mlp_channel": result.layout.mlp_channel_params,
+        },
+        "timings_s": result.timings,
+    }

@@ -1,4 +1,5 @@
-"""Reporting: Tune results -> tidy trial table -> statistics -> report files. Imports neither torch nor ray.
+"""Reporting: Tune results -> tidy trial table (frame) -> statistics (stats, pareto) -> a Report (build) -> text
+and Markdown (render) -> report files (write). Imports neither torch nor ray.
 
 The same functions serve a notebook and `taylor-tune report`:
 
@@ -11,9 +12,11 @@ constraints is `build_report(path, constraints=["decode_speedup>=1.3"])`, or on 
 `best_under(table.valid, [parse_constraint("decode_speedup>=1.3")], table.objective)`.
 """
 
+from taylor_tune.reporting.build import Report, build_report
 from taylor_tune.reporting.frame import TrialTable, consolidate, load_trials, read_experiment
 from taylor_tune.reporting.pareto import Constraint, best_under, pareto_front, parse_constraint
-from taylor_tune.reporting.report import Report, build_report, render_markdown, render_text, write_report
+from taylor_tune.reporting.render import render_markdown, render_text
+from taylor_tune.reporting.write import write_report
 
 __all__ = ["Constraint", "Report", "TrialTable", "best_under", "build_report", "consolidate", "load_trials",
            "pareto_front", "parse_constraint", "read_experiment", "render_markdown", "render_text", "write_report"]

@@ -9,19 +9,10 @@ calibration draw each model's tokenizer makes is drawn once.
 
 from __future__ import annotations
 
-import numpy as np
-import torch
-from transformers import AutoModelForCausalLM
-
 from taylor_tune.errors import CalibrationError, ConfigError, PlanError
-from taylor_tune.pruning.groups import describe_layout
-from taylor_tune.pruning.importance import GRADIENT_CRITERIA
-from taylor_tune.pruning.methods import METHODS
-from taylor_tune.pruning.plan import GroupScores
-from taylor_tune.pruning.prune import make_plan
-from taylor_tune.sources.calibration import load_calibration
+from taylor_tune.pruning.prune import check_plan, draw_calibration, draws_calibration, meta_layout
 from taylor_tune.sources.data import resolve_text
-from taylor_tune.sources.models import load_model_config, load_tokenizer
+from taylor_tune.sources.models import load_tokenizer
 from taylor_tune.sweep.experiment import Experiment
 
 # The dimensions a plan depends on (seq_len, num_samples and the calibration text change the scores, not whether a
@@ -45,29 +36,17 @@ def check_plans(experiment: Experiment) -> None:
     trust = bool(experiment.prune.get("trust_remote_code"))
     points = _distinct(experiment, PLAN_FIELDS)
     for model in experiment.models:
-        with torch.device("meta"):
-            layout = describe_layout(
-                AutoModelForCausalLM.from_config(load_model_config(model, trust_remote_code=trust))
-            )
-        scores = GroupScores(attn=tuple(np.ones(g) for g in layout.attn_groups),
-                             mlp=tuple(np.ones(c) for c in layout.mlp_channels))
+        layout = meta_layout(model, trust_remote_code=trust)
         for point in points:
             config = experiment.prune_config(model, point)
             try:
-                make_plan(config, scores, layout, loss=lambda plan: 0.0)  # feasibility only: no model here
+                check_plan(config, layout)
             except PlanError as error:
                 named = ", ".join(f"{k} {v}" for k, v in point.items() if k != "pruning_method")
                 raise ConfigError(
                     f"prune: {config.method} on {model} cannot be planned with these settings"
                     f"{f' ({named})' if named else ''}: {error}"
                 ) from None
-
-
-def draws_calibration(config) -> bool:
-    """Whether a pruning reads calibration text: gradient scores, or a plan chosen by measured loss."""
-    gradient = config.criterion in GRADIENT_CRITERIA and METHODS[config.method].scored_by == "criterion"
-    measured = config.uniform or (config.method == "blockwise" and config.blockwise_attention == "measured_loss")
-    return gradient or measured
 
 
 def check_calibration_sizes(experiment: Experiment) -> None:
@@ -77,15 +56,15 @@ def check_calibration_sizes(experiment: Experiment) -> None:
     most = max(experiment.values_of("taylor_num_samples"))
     points = _distinct(experiment, DRAW_FIELDS)
     for model in experiment.models:
-        texts = {}
+        largest = {}  # one draw per text a point reads
         for point in points:
             config = experiment.prune_config(model, point)
             if draws_calibration(config):
-                texts.setdefault(resolve_text(config.calibration, model), config.calibration)
-        for text in texts:
+                largest.setdefault(resolve_text(config.calibration, model),
+                                   config.model_copy(update={"seq_len": longest, "num_samples": most, "seed": 0}))
+        for config in largest.values():
             try:
-                load_calibration(load_tokenizer(model, trust_remote_code=trust), text,
-                                 seq_len=longest, num_samples=most, seed=0)
+                draw_calibration(config, load_tokenizer(model, trust_remote_code=trust))
             except CalibrationError as error:
                 raise ConfigError(f"search_space: the largest draw of {model} ({most} x {longest} tokens) does not "
                                   f"fit: {error}") from None

@@ -1,8 +1,9 @@
-"""One trial of a sweep, without Ray: prune -> perplexity -> zero-shot at each fidelity, reporting after each.
+"""One trial of a sweep, without Ray: the stages of `trial_stages`, in order, each adding its metrics and seconds.
 
-`report` is called with the cumulative metrics after every stage (the Ray trainable passes `tune.report`,
-so ASHA can stop a trial before its expensive evaluation); the artifacts go to `trial_dir`. The importance
-comes from the sweep's shared cache when one is given.
+unpruned speed -> load -> score -> plan -> apply (pruning's own stage functions) -> speed -> perplexity -> each
+zero-shot pass. `report` is called with the cumulative metrics after each stage that ends a step ASHA may stop at
+(the Ray trainable passes `tune.report`, so a trial can be stopped before its expensive evaluation); the artifacts
+go to `trial_dir`. The importance comes from the sweep's shared cache when one is given.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +24,11 @@ from taylor_tune.config import PruneConfig
 from taylor_tune.evaluation.evaluate import Evaluator
 from taylor_tune.evaluation.requests import RequestCache
 from taylor_tune.evaluation.speed import checked_speed, measure_speed, speed_ratios
-from taylor_tune.jsonio import built_once, json_safe, write_json
-from taylor_tune.pruning.artifacts import summary_dict
-from taylor_tune.pruning.importance import check_importance, compute_importance
-from taylor_tune.pruning.prune import ProvidedImportance, prune
-from taylor_tune.sources.calibration import load_calibration
-from taylor_tune.sources.data import resolve_text
+from taylor_tune.jsonio import built_once, digest, json_safe, write_json
+from taylor_tune.pruning import prune as stages
+from taylor_tune.pruning.prune import ImportanceCache, Pruning, summary_dict
 from taylor_tune.sources.models import load_model, resolve_device, resolve_dtype
 from taylor_tune.sweep.experiment import Evaluation
-from taylor_tune.sweep.importance_cache import ImportanceCache, cache_key
 
 
 class TrialConfig(BaseModel):
@@ -46,64 +44,6 @@ def trial_columns(config: PruneConfig) -> dict:
     search may vary (schema.DIMENSIONS), whether this sweep varied it or not."""
     columns = schema.config_columns(config.model, config.method, config.seq_len, config.num_samples, config.seed)
     return columns | {name: getattr(config, field) for name, field in schema.DIMENSIONS.items() if name not in columns}
-
-
-def cached_importance(trial: TrialConfig):
-    """An importance provider backed by the shared cache (None: compute inside the trial)."""
-    if trial.cache_dir is None:
-        return None
-    config = trial.prune
-    counts = sorted(set(trial.sample_counts) | {config.num_samples})
-    largest = counts[-1]
-    cache = ImportanceCache(trial.cache_dir)
-
-    def provide(model, layout, tokenizer) -> ProvidedImportance:
-        # keyed by the dtype and device the model was loaded in, not the config's `auto`: an entry computed on a CPU in
-        # float32 must not serve a GPU trial in bfloat16 (a sweep resumed on other hardware)
-        parameter = next(model.parameters())
-        fields = importance_fields(config, dtype=parameter.dtype, device=parameter.device)
-        drawn = {}
-
-        def compute():  # only on a miss: a hit needs neither the corpus nor the tokenizer's time
-            start = time.perf_counter()
-            drawn["ids"] = load_calibration(
-                tokenizer,
-                resolve_text(config.calibration, config.model),
-                seq_len=config.seq_len,
-                num_samples=largest,
-                seed=config.seed,
-            )
-            drawn["seconds"] = time.perf_counter() - start
-            return compute_importance(
-                model, layout, drawn["ids"], micro_batch_size=config.micro_batch_size, snapshots=counts
-            )
-
-        start = time.perf_counter()
-        results = cache.get_or_compute(fields, counts, compute, check=lambda imp: check_importance(imp, layout))
-        seconds, ids = time.perf_counter() - start, drawn.get("ids")
-        # on a miss the draw happened inside: a stage of its own, as in a trial without the cache
-        timings = (
-            {"importance_s": seconds - drawn["seconds"], "calibration_s": drawn["seconds"]}
-            if ids is not None
-            else {"importance_s": seconds}
-        )
-        return ProvidedImportance(results[config.num_samples], None if ids is None else ids[: config.num_samples],
-                                  cache.last_event, timings)
-
-    return provide
-
-
-def importance_fields(config: PruneConfig, *, dtype: torch.dtype, device: torch.device) -> dict:
-    """What an importance pass depends on: the cache key's fields, with the dtype and device type resolved."""
-    return {
-        "model": config.model,
-        "calibration": resolve_text(config.calibration, config.model),
-        "seq_len": config.seq_len,
-        "seed": config.seed,
-        "dtype": str(dtype).removeprefix("torch."),
-        "device": torch.device(device).type,
-        "micro_batch_size": config.micro_batch_size,
-    }
 
 
 def unpruned_speed(trial: TrialConfig) -> tuple[dict, float | None]:
@@ -129,7 +69,7 @@ def unpruned_speed(trial: TrialConfig) -> tuple[dict, float | None]:
     # the machine is part of the key: a sweep's nodes may differ (another GPU, another CPU)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu@{socket.gethostname()}"
     fields = {"model": config.model, "dtype": str(dtype), "device": where, "speed": spec.model_dump()}
-    path = Path(trial.cache_dir).parent / "unpruned_speed" / f"{cache_key(**fields)}.json"
+    path = Path(trial.cache_dir).parent / "unpruned_speed" / f"{digest(fields)[:24]}.json"
     spent = {}
 
     def build() -> dict:
@@ -156,58 +96,141 @@ def layer_analysis(diagnostics: dict) -> list[dict]:
     ]
 
 
+@dataclass
+class TrialRun:
+    """What a trial's stages share: its settings, the pruning they build, and the metrics so far."""
+
+    trial: TrialConfig
+    trial_dir: Path
+    metrics: dict[str, Any]
+    pruning: Pruning | None = None
+    unpruned: dict | None = None  # the unpruned model's speed, when the trial measures speed
+    evaluator: Evaluator | None = None
+    on_gpu: bool = False
+
+    @property
+    def config(self) -> PruneConfig:
+        return self.trial.prune
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step of a trial: `run` adds its metrics (and seconds) to the trial's; `reports`: Tune hears the metrics
+    after it (a step ASHA may stop the trial at)."""
+
+    name: str
+    run: Callable[[TrialRun], dict | None]
+    reports: bool = False
+
+
+def measure_unpruned(run: TrialRun) -> dict:
+    if run.trial.evaluation.speed is None:
+        return {}
+    run.unpruned, seconds = unpruned_speed(run.trial)
+    if run.on_gpu:
+        torch.cuda.reset_peak_memory_stats()
+    return {} if seconds is None else {"unpruned_speed_s": seconds}  # None: read from the sweep's record
+
+
+def start_pruning(run: TrialRun) -> dict:
+    """Checks against the model's config, the tokenizer, and the shared importance cache when the sweep has one."""
+    cache = None if run.trial.cache_dir is None else ImportanceCache(run.trial.cache_dir)
+    run.pruning = stages.start(run.config, cache=cache, sample_counts=run.trial.sample_counts)
+    return {}
+
+
+def pruning_stage(step: Callable[[Pruning], dict]) -> Callable[[TrialRun], dict]:
+    """A stage of pruning's own (load, score, plan, apply), its seconds kept in the pruning summary too."""
+
+    def run_step(run: TrialRun) -> dict:
+        timings = step(run.pruning)
+        run.pruning.timings |= timings
+        return timings
+
+    return run_step
+
+
+def write_pruned(run: TrialRun) -> dict:
+    """The pruning's files, and its columns: the configuration, what was removed, the importance cache's event."""
+    result, config = run.pruning, run.config
+    write_json(run.trial_dir / "pruning_summary.json", summary_dict(config, result))
+    write_json(run.trial_dir / "layer_analysis.json", layer_analysis(result.diagnostics))
+    metrics = {k: result.diagnostics[k] for k in ("params_count", "params_count_before", "pruning_ratio",
+                                                  "extreme_pruning_layers", "grad_mean_ratio", "grad_norm_ratio",
+                                                  "grad_mean_range", "grad_norm_range")}
+    cache = {} if result.importance_cache is None else {"importance_cache": result.importance_cache}
+    return metrics | cache | {"stage": "pruned"}
+
+
+def measure_pruned_speed(run: TrialRun) -> dict:
+    start = time.perf_counter()
+    measured = measure_speed(run.pruning.model, run.trial.evaluation.speed, seed=run.config.seed)
+    return (measured | speed_ratios(measured, run.unpruned) | {f"unpruned_{k}": v for k, v in run.unpruned.items()}
+            | {"stage": "speed", "speed_s": time.perf_counter() - start})
+
+
+def start_evaluation(run: TrialRun) -> dict:
+    # the zero-shot requests: built by the model's first trial, read by the others (beside the importance cache)
+    trial = run.trial
+    requests = None if trial.cache_dir is None else RequestCache(Path(trial.cache_dir).parent / "requests")
+    run.evaluator = Evaluator(run.pruning.model, run.pruning.tokenizer, trial.evaluation.spec(None),
+                              model_name=run.config.model, request_cache=requests)
+    return {}
+
+
+def perplexity(run: TrialRun) -> dict:
+    return run.evaluator.perplexity().metrics() | {"stage": "ppl"}
+
+
+def zero_shot_pass(index: int) -> Callable[[TrialRun], dict]:
+    """The zero-shot pass at the index-th fidelity; the last one writes evaluation.json (before its report, so a
+    checkpoint of it can carry the file)."""
+
+    def zero_shot(run: TrialRun) -> dict:
+        fidelities = run.trial.evaluation.fidelities
+        shots = run.evaluator.zero_shot(fidelities[index])
+        metrics = shots.metrics() | {"zero_shot_pass": index, "stage": shots.stage}
+        if run.on_gpu:  # the trial's peak so far; the last report carries the whole trial's (pruning + evaluation)
+            metrics["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated()
+        if index == len(fidelities) - 1:
+            write_json(run.trial_dir / "evaluation.json",
+                       {**run.metrics, **metrics, "tasks": shots.tasks, "limit": fidelities[index]})
+        return metrics
+
+    return zero_shot
+
+
+def trial_stages(trial: TrialConfig) -> list[Stage]:
+    """A trial's stages, in the order they run."""
+    evaluation = trial.evaluation
+    return [
+        Stage("unpruned_speed", measure_unpruned),
+        Stage("start", start_pruning),
+        Stage("load", pruning_stage(stages.load)),
+        Stage("score", pruning_stage(stages.score)),
+        Stage("plan", pruning_stage(stages.plan)),
+        Stage("apply", pruning_stage(stages.apply)),
+        Stage("pruned", write_pruned, reports=True),
+        *([Stage("speed", measure_pruned_speed, reports=True)] if evaluation.speed is not None else []),
+        Stage("evaluator", start_evaluation),
+        *([Stage("ppl", perplexity, reports=True)] if evaluation.ppl is not None else []),
+        *(Stage(f"zero_shot_{i}", zero_shot_pass(i), reports=True) for i in range(len(evaluation.fidelities))),
+    ]
+
+
 def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict], None] = lambda metrics: None,
               output_dir: str | None = None) -> dict:
-    """Run one trial, writing its artifacts to `trial_dir`; `output_dir` is where they will live for good
-    (the trial's folder in the sweep's storage), reported as the `output_dir` column; default `trial_dir`."""
+    """Run one trial's stages in order, writing its artifacts to `trial_dir`; `output_dir` is where they will live
+    for good (the trial's folder in the sweep's storage), reported as the `output_dir` column; default `trial_dir`."""
     trial_dir = Path(trial_dir)
     trial_dir.mkdir(parents=True, exist_ok=True)
-    config = trial.prune
     write_json(trial_dir / "config.json", trial.model_dump())
-
-    on_gpu = torch.cuda.is_available() and config.device != "cpu"
-    unpruned, unpruned_s = unpruned_speed(trial) if trial.evaluation.speed is not None else (None, None)
-    if on_gpu:
-        torch.cuda.reset_peak_memory_stats()
-    result = prune(config, importance_provider=cached_importance(trial))
-    diagnostics = result.diagnostics
-    write_json(trial_dir / "pruning_summary.json", summary_dict(config, result))
-    write_json(trial_dir / "layer_analysis.json", layer_analysis(diagnostics))
-    metrics: dict[str, Any] = {
-        **trial_columns(config), "output_dir": output_dir or str(trial_dir), "stage": "pruned",
-        **{k: diagnostics[k] for k in ("params_count", "params_count_before", "pruning_ratio", "extreme_pruning_layers",
-                                       "grad_mean_ratio", "grad_norm_ratio", "grad_mean_range", "grad_norm_range")},
-        **result.timings,
-    }
-    if result.importance_cache is not None:
-        metrics["importance_cache"] = result.importance_cache
-    report(dict(metrics))
-
-    if unpruned is not None:
-        start = time.perf_counter()
-        measured = measure_speed(result.model, trial.evaluation.speed, seed=config.seed)
-        metrics |= measured | speed_ratios(measured, unpruned) | {f"unpruned_{k}": v for k, v in unpruned.items()}
-        if unpruned_s is not None:  # this trial measured the unpruned model (absent: read from the sweep's record)
-            metrics["unpruned_speed_s"] = unpruned_s
-        metrics |= {"stage": "speed", "speed_s": time.perf_counter() - start}
-        report(dict(metrics))
-
-    evaluation = trial.evaluation
-    # the zero-shot requests: built by the model's first trial, read by the others (beside the importance cache)
-    requests = None if trial.cache_dir is None else RequestCache(Path(trial.cache_dir).parent / "requests")
-    evaluator = Evaluator(result.model, result.tokenizer, evaluation.spec(None), model_name=config.model,
-                          request_cache=requests)
-    if evaluation.ppl is not None:
-        metrics |= evaluator.perplexity().metrics() | {"stage": "ppl"}
-        report(dict(metrics))
-    for index, limit in enumerate(evaluation.fidelities):
-        shots = evaluator.zero_shot(limit)
-        metrics |= shots.metrics() | {"zero_shot_pass": index, "stage": shots.stage}
-        if on_gpu:  # the trial's peak so far; the last report carries the whole trial's (pruning + evaluation)
-            metrics["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated()
-        if index == len(evaluation.fidelities) - 1:  # before the final report, so a checkpoint of it can carry the file
-            write_json(trial_dir / "evaluation.json", {**metrics, "tasks": shots.tasks, "limit": limit})
-        report(dict(metrics))
+    metrics = {**trial_columns(trial.prune), "output_dir": output_dir or str(trial_dir)}
+    run = TrialRun(trial, trial_dir, metrics, on_gpu=torch.cuda.is_available() and trial.prune.device != "cpu")
+    for stage in trial_stages(trial):
+        metrics |= stage.run(run) or {}
+        if stage.reports:
+            report(dict(metrics))
     metrics["stage"] = "done"
     return metrics
 

@@ -1,11 +1,13 @@
-"""Registry of pruning methods. A method is one small file: a scoring criterion plus a pure planner.
+"""The registry of pruning methods, one small file each: what the method ranks (`Scoring`) and a pure planner.
 
-Planners take (scores, layout, options) and return a PrunePlan; they never touch a model.
+Planners take (scores, layout, options) and return a PrunePlan; they never touch a model. The names are
+`config.METHODS` (validated without importing a planner); a method is added here and there, and a test holds the
+two equal.
 """
 
 from taylor_tune.pruning.methods import blockwise, layerwise, magnitude, random, taylor
-from taylor_tune.pruning.methods._base import DEFAULT_BLOCKWISE_ATTENTION, Method, Planner, PlanOptions, plan_global
+from taylor_tune.pruning.methods._base import Method, Planner, PlanOptions, Scoring, plan_global
 
 METHODS: dict[str, Method] = {m.METHOD.name: m.METHOD for m in (taylor, layerwise, blockwise, magnitude, random)}
 
-__all__ = ["DEFAULT_BLOCKWISE_ATTENTION", "METHODS", "Method", "PlanOptions", "Planner", "plan_global"]
+__all__ = ["METHODS", "Method", "PlanOptions", "Planner", "Scoring", "plan_global"]

@@ -2,39 +2,55 @@
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from taylor_tune.config import DEFAULT_BLOCKWISE_ATTENTION
+from taylor_tune.config import PruneConfig
 from taylor_tune.errors import PlanError
 from taylor_tune.pruning.plan import GroupScores, ModelLayout, PrunePlan, plan_from_sets, ranked_groups, target_params
 
 
 @dataclass(frozen=True)
 class PlanOptions:
+    """What a planner reads of a PruneConfig (`PlanOptions.of`; the defaults are the config's), its defaults
+    resolved."""
+
     sparsity: float
-    layerwise_max_ratio: float = 0.4
-    blockwise_layer_start: int | None = None
-    blockwise_layer_end: int | None = None
-    blockwise_attention: str = DEFAULT_BLOCKWISE_ATTENTION
-    criterion: str = "taylor"
-    seed: int = 0
+    layerwise_max_ratio: float  # resolved: PruneConfig.layerwise_cap
+    blockwise_layer_start: int | None
+    blockwise_layer_end: int | None
+    blockwise_attention: str
+    criterion: str
+    seed: int
     # the calibration loss of the model pruned by a candidate plan (blockwise_attention measured_loss); the caller
     # that holds the model provides it, so that planners stay pure
     plan_loss: Callable[[PrunePlan], float] | None = field(default=None, compare=False)
+
+    @classmethod
+    def of(cls, config: PruneConfig, plan_loss: Callable[[PrunePlan], float] | None = None) -> PlanOptions:
+        return cls(sparsity=config.sparsity, layerwise_max_ratio=config.layerwise_cap,
+                   blockwise_layer_start=config.blockwise_layer_start, blockwise_layer_end=config.blockwise_layer_end,
+                   blockwise_attention=config.blockwise_attention, criterion=config.criterion, seed=config.seed,
+                   plan_loss=plan_loss)
 
 
 Planner = Callable[[GroupScores | None, ModelLayout, PlanOptions], PrunePlan]
 
 
+class Scoring(enum.Enum):
+    """What a method's planner ranks."""
+
+    CRITERION = "criterion"  # PruneConfig.criterion's scores: a gradient pass, or weight magnitude for l1/l2
+    WEIGHTS = "weights"  # weight magnitude whatever the criterion
+    NONE = "none"  # nothing: the planner draws its own
+
+
 @dataclass(frozen=True)
 class Method:
     name: str
-    # what the planner ranks: "criterion" (PruneConfig.criterion's scores: a gradient pass, or weights for l1/l2),
-    # "weights" (weight magnitude whatever the criterion) or "none" (draws its own)
-    scored_by: str
+    scored_by: Scoring
     plan: Planner
-    summary: str
 
 
 def plan_global(method: str, scores: GroupScores, layout: ModelLayout, sparsity: float) -> PrunePlan:

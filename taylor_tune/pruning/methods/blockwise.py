@@ -25,7 +25,7 @@ import numpy as np
 
 from taylor_tune.config import BLOCKWISE_ATTENTION_RULES
 from taylor_tune.errors import PlanError
-from taylor_tune.pruning.methods._base import Method, PlanOptions
+from taylor_tune.pruning.methods._base import Method, PlanOptions, Scoring
 from taylor_tune.pruning.plan import GroupScores, ModelLayout, PrunePlan, plan_from_sets, target_params
 
 
@@ -127,4 +127,4 @@ def plan_blockwise(scores: GroupScores, layout: ModelLayout, options: PlanOption
     return block_plan(scores, layout, layers, *counts)
 
 
-METHOD = Method("blockwise", "criterion", plan_blockwise, "same ratio for every block in a layer range (LLM-Pruner)")
+METHOD = Method("blockwise", Scoring.CRITERION, plan_blockwise)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from taylor_tune.errors import PlanError
-from taylor_tune.pruning.methods._base import Method, PlanOptions
+from taylor_tune.pruning.methods._base import Method, PlanOptions, Scoring
 from taylor_tune.pruning.plan import GroupScores, ModelLayout, PrunePlan, plan_from_sets, ranked_groups, target_params
 
 
@@ -82,4 +82,4 @@ def plan_layerwise(scores: GroupScores, layout: ModelLayout, options: PlanOption
     return plan_from_sets("layerwise", removed["attn"], removed["mlp"])
 
 
-METHOD = Method("layerwise", "criterion", plan_layerwise, "per-layer ratios from layer importance, capped")
+METHOD = Method("layerwise", Scoring.CRITERION, plan_layerwise)

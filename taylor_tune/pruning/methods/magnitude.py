@@ -1,6 +1,6 @@
 """magnitude (baseline): global ranking of each group's mean squared weight; no gradients, no calibration."""
 
-from taylor_tune.pruning.methods._base import Method, PlanOptions, plan_global
+from taylor_tune.pruning.methods._base import Method, PlanOptions, Scoring, plan_global
 from taylor_tune.pruning.plan import GroupScores, ModelLayout, PrunePlan
 
 
@@ -8,4 +8,4 @@ def plan_magnitude(scores: GroupScores, layout: ModelLayout, options: PlanOption
     return plan_global("magnitude", scores, layout, options.sparsity)
 
 
-METHOD = Method("magnitude", "weights", plan_magnitude, "global ranking of per-parameter L2 weight magnitude")
+METHOD = Method("magnitude", Scoring.WEIGHTS, plan_magnitude)

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from taylor_tune.pruning.methods._base import Method, PlanOptions, plan_global
+from taylor_tune.pruning.methods._base import Method, PlanOptions, Scoring, plan_global
 from taylor_tune.pruning.plan import GroupScores, ModelLayout, PrunePlan
 
 
@@ -17,4 +17,4 @@ def plan_random(scores: GroupScores | None, layout: ModelLayout, options: PlanOp
     return plan_global("random", drawn_scores(layout, options.seed), layout, options.sparsity)
 
 
-METHOD = Method("random", "none", plan_random, "global ranking of seeded random scores")
+METHOD = Method("random", Scoring.NONE, plan_random)

@@ -1,6 +1,6 @@
 """taylor: one global ranking of every group of every layer; per-layer ratios emerge freely."""
 
-from taylor_tune.pruning.methods._base import Method, PlanOptions, plan_global
+from taylor_tune.pruning.methods._base import Method, PlanOptions, Scoring, plan_global
 from taylor_tune.pruning.plan import GroupScores, ModelLayout, PrunePlan
 
 
@@ -8,4 +8,4 @@ def plan_taylor(scores: GroupScores, layout: ModelLayout, options: PlanOptions) 
     return plan_global("taylor", scores, layout, options.sparsity)
 
 
-METHOD = Method("taylor", "criterion", plan_taylor, "global ranking of group-normalized Taylor scores")
+METHOD = Method("taylor", Scoring.CRITERION, plan_taylor)

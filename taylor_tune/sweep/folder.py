@@ -1,0 +1,176 @@
+"""An experiment's folder (`<storage_path>/<name>`), guarded before a sweep starts or resumes in it: whose it is
+(resuming unpickles its state), whether its state is intact, whether it was started with other settings, and
+whether its storage has room. Reads JSON only; unpickles nothing. The experiment file's schema is `experiment`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from taylor_tune.errors import ConfigError
+from taylor_tune.jsonio import write_text
+from taylor_tune.sweep.experiment import Evaluation, Experiment, Resources, Search
+
+
+def check_experiment_folder(experiment: Experiment) -> None:
+    """`<storage_path>/<name>` is a folder or does not exist yet (a local path)."""
+    if "://" in experiment.storage_path:
+        return
+    folder = Path(experiment.storage_path) / experiment.name
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"name: {folder} is a file, not an experiment folder; choose another name or storage_path")
+
+
+def check_resume_trust(folder: str) -> None:
+    """Resuming is Ray's `Tuner.restore`, which unpickles the folder's state (`tuner.pkl`, `experiment_state-*.json`):
+    a local folder, or one of those files, that another user owns or every user can write is refused unless the user
+    opts in with TAYLOR_TUNE_TRUST_EXPERIMENT=1 (README: what is trusted in an experiment folder). Group-writable
+    is let through: with per-user groups (umask 002) it is every file a user writes."""
+    root = Path(folder)
+    if "://" in folder or not root.is_dir() or os.environ.get("TAYLOR_TUNE_TRUST_EXPERIMENT") == "1":
+        return
+    for path in (root, *sorted(root.glob("tuner.pkl")), *sorted(root.glob("*state*.json"))):
+        info = path.stat()
+        problem = ("is owned by another user" if info.st_uid != os.getuid()
+                   else "is writable by every user" if info.st_mode & 0o002 else None)
+        if problem:
+            raise ConfigError(f"{path} {problem}, and resuming the sweep would unpickle its state (running code it "
+                              "names); make it yours alone (chmod o-w) or set TAYLOR_TUNE_TRUST_EXPERIMENT=1")
+
+
+def check_state_intact(folder: str) -> None:
+    """The experiment state a resume would start from parses, or none does. Ray restores from the newest
+    `experiment_state-*.json`; a damaged one made it log a warning and start an empty sweep over the finished one
+    (every result gone from its state). With an intact older state, refused: the user moves the damaged one aside
+    to resume from it. With none intact (a state cut short by a full disk before any whole one was written) the
+    sweep starts afresh (`set_aside_damaged_state`), reusing every finished trial from its folder. Read as JSON only:
+    nothing is unpickled here."""
+    root = Path(folder)
+    if "://" in folder or not root.is_dir():
+        return
+    states = sorted(root.glob("experiment_state-*.json"))
+    if states and not _parses(states[-1]) and any(_parses(state) for state in states[:-1]):
+        intact = next(state for state in reversed(states) if _parses(state))
+        raise ConfigError(f"{states[-1]}: the experiment state is damaged, and resuming from it would start the sweep "
+                          f"afresh over its finished trials; the previous state {intact.name} is intact: move the "
+                          "damaged file aside to resume from it (the trials' folders hold every finished result)")
+
+
+def has_state(folder: str) -> bool:
+    """Whether the folder holds an experiment state to resume from (the newest parses)."""
+    states = sorted(Path(folder).glob("experiment_state-*.json")) if "://" not in folder else []
+    return "://" in folder or bool(states) and _parses(states[-1])
+
+
+def set_aside_damaged_state(folder: str) -> list[Path]:
+    """Every experiment state file in a folder where none is intact, renamed to `<name>.damaged` (kept, never read
+    again): the sweep then starts afresh rather than resuming from a state cut short. Call with the driver lock."""
+    root = Path(folder)
+    if "://" in folder or not root.is_dir() or has_state(folder):
+        return []
+    states = sorted(root.glob("experiment_state-*.json"))
+    if states:
+        logging.getLogger(__name__).warning(
+            "%s: no intact experiment state (%s set aside as .damaged); the sweep starts afresh and reuses every "
+            "finished trial from its folder", folder, ", ".join(p.name for p in states))
+    return [state.rename(state.with_name(state.name + ".damaged")) for state in states]
+
+
+def _parses(path: Path) -> bool:
+    try:
+        return isinstance(json.loads(path.read_text(encoding="utf-8")).get("trial_data"), list)
+    except (OSError, ValueError, UnicodeDecodeError, AttributeError):
+        return False
+
+
+SAVED_EXPERIMENT = "taylor_tune_experiment.json"
+
+
+def _flat(value, prefix: str = "") -> dict:
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in _flat(item, f"{prefix}{key}.").items()}
+    return {prefix.rstrip("."): value}
+
+
+def _added_defaults() -> dict:
+    """The flat default of every field of the sections with defaults: a record written before a newer taylor_tune
+    added one of them (evaluation.speed, say) lacks it, and its default there is no change (an added field whose
+    default is None, such as objectives or search_space.sparsity, reads as None from the record either way)."""
+    sections = {"evaluation": Evaluation(), "search": Search(), "resources": Resources()}
+    return _flat(json.loads(json.dumps({k: v.model_dump() for k, v in sections.items()}, default=str)))
+
+
+def check_unchanged(experiment: Experiment, folder: str) -> None:
+    """A sweep resumes only with the settings it was started with: the first start records them in the experiment
+    folder, a later one compares and names every field that differs (Tune's restore would silently keep the old
+    ones); a field the record lacks that has its default is not a difference. Another name (`--name`) starts the
+    edited experiment anew. The record binds only once Tune has saved the sweep's state: a run refused or stopped
+    before any state was saved leaves nothing to resume, and its name is free for other settings."""
+    if "://" in folder:
+        return
+    now = json.loads(json.dumps(experiment.model_dump(exclude={"storage_path"}), default=str))
+    saved_path = Path(folder) / SAVED_EXPERIMENT
+    started = any(Path(folder).glob("experiment_state-*.json")) or (Path(folder) / "tuner.pkl").exists()
+    try:
+        if not started:
+            raise FileNotFoundError
+        saved = json.loads(saved_path.read_text())
+    except FileNotFoundError:
+        write_text(saved_path, json.dumps(now, indent=2, sort_keys=True) + "\n")
+        return
+    except (OSError, ValueError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{saved_path}: unreadable ({type(error).__name__}); it records the settings the sweep "
+                          "started with") from None
+    old, new, defaults = _flat(saved), _flat(now), _added_defaults()
+    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k)
+                     and not (k not in old and k in defaults and new[k] == defaults[k]))
+    if changed:
+        raise ConfigError(f"{folder} was started with other settings ({', '.join(changed)} differ); a resume runs the "
+                          f"settings it started with: restore the file, or run the edited one under another --name")
+
+
+# Free space a local sweep needs before it starts: its state (rewritten every second), trials' folders and caches.
+MIN_FREE_BYTES = 64 * 2**20
+
+
+def free_bytes(path: str) -> int | None:
+    """Free bytes on the file system of a local path (or of its nearest existing parent); None for a URI."""
+    if "://" in path:
+        return None
+    existing = next(p for p in (Path(path), *Path(path).parents) if p.exists())
+    return shutil.disk_usage(existing).free
+
+
+def megabytes(count: int) -> str:
+    return f"{count / 2**20:.1f} MB"
+
+
+def storage_full(storage_path: str) -> str | None:
+    """A one-line description of a local storage with less than MIN_FREE_BYTES free, else None."""
+    free = free_bytes(storage_path)
+    if free is None or free >= MIN_FREE_BYTES:
+        return None
+    return (f"storage_path: {storage_path} has {megabytes(free)} free, and a sweep needs at least "
+            f"{megabytes(MIN_FREE_BYTES)} there (its state, trial folders and caches)")
+
+
+def check_storage(storage_path: str) -> None:
+    """The storage path must be writable (local paths: by writing a probe; a URI such as s3:// is left to pyarrow),
+    with at least MIN_FREE_BYTES free."""
+    if "://" in storage_path:
+        return
+    if Path(storage_path).exists() and not Path(storage_path).is_dir():
+        raise ConfigError(f"storage_path: {storage_path} is a file, not a folder")
+    try:
+        Path(storage_path).mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=storage_path, prefix=".write-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as error:
+        raise ConfigError(f"storage_path: {storage_path} is not writable ({error.strerror})") from None
+    if (full := storage_full(storage_path)) is not None:
+        raise ConfigError(f"{full}; free space or choose another storage_path")
