@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from scripts.world.generate import write_world_data  # noqa: E402
+from scripts.world.train import train_causal_lm, train_tokenizer  # noqa: E402
 from taylor_tune.sources.world import world_dir  # noqa: E402
-from taylor_tune.sources.world.generate import write_world_data  # noqa: E402
-from taylor_tune.sources.world.train import train_causal_lm, train_tokenizer  # noqa: E402
 
 ARCHITECTURES = {"tiny-llama": "llama", "tiny-qwen2": "qwen2", "tiny-mistral": "mistral"}
 # Small enough that pruning visibly costs accuracy; Llama-3-style GQA (4 query heads per key/value head).

@@ -124,7 +124,8 @@ MUTANTS = (
     # the importance cache
     m("cache-key-without-seq-len", "pruning/scoring.py", "the importance-cache key ignores seq_len",
       ('"seq_len": config.seq_len,\n', "")),
-    m("cache-key-config-dtype", "pruning/scoring.py", "the importance-cache key holds the config's dtype, not the model's",
+    m("cache-key-config-dtype", "pruning/scoring.py",
+      "the importance-cache key holds the config's dtype, not the model's",
       ('"dtype": str(dtype).removeprefix("torch."),', '"dtype": config.dtype,')),
     # diagnostics
     m("diagnostics-threshold-inclusive", "pruning/diagnostics.py", "a layer at the threshold counted as extreme",

@@ -2,8 +2,8 @@
 
 Validation here is syntactic: types, ranges, names from the lists below. It reads no file, so a config is valid
 or not wherever it is built (the driver, a Ray worker, a notebook). Whether what a config names exists (a fetched
-asset, a text file, a folder of task files) is checked by `check_prune_sources` / `check_eval_sources`, explicit
-steps run before any model loads; checks that need the model's config (seq_len against its context) happen in
+asset, a text file, a folder of task files) is checked by `sources.data.check_calibration` / `check_eval_sources`,
+explicit steps run before any model loads; checks that need the model's config (seq_len against its context) happen in
 `pruning/prune.py` before its weights are read. Must not import torch or ray, nor any stage of the pipeline.
 """
 

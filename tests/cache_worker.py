@@ -1,4 +1,4 @@
-"""One process's call into the importance cache, with a fake compute step (for tests/test_importance_cache.py).
+"""One process's call into the importance cache, with a fake compute step (for tests/pruning/test_importance_cache.py).
 
     python -m tests.cache_worker ROOT SECONDS OUT [--heartbeat-s H --stale-s S]
 The compute step appends this pid to ROOT/computes, sleeps SECONDS and returns fixed scores; OUT gets the event

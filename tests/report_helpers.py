@@ -1,10 +1,13 @@
 """Synthetic trial tables with answers built in, and Tune-format experiment folders written from them."""
 
 import json
+import math
+import statistics
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from scipy import stats as scipy_stats
 
 TASKS = ("boolq", "piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
 METHODS = ("taylor", "layerwise", "blockwise")
@@ -120,3 +123,19 @@ def latex_rows(tex: str) -> list[list[tuple[str, bool]]]:
         cells = [c.strip() for c in line.removesuffix("\\\\").split("&")]
         rows.append([(c.removeprefix("\\textbf{").removesuffix("}"), c.startswith("\\textbf{")) for c in cells])
     return rows
+
+
+def by_hand(df, key, value="acc_mean"):
+    """{group: (mean, stdev, min, max, n)} with the statistics module: no pandas."""
+    groups = {}
+    for k, v in zip(df[key], df[value]):
+        groups.setdefault(k, []).append(v)
+    return {k: (statistics.fmean(v), statistics.stdev(v) if len(v) > 1 else float("nan"), min(v), max(v), len(v))
+            for k, v in groups.items()}
+
+
+def pearson_by_hand(x, y):
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    r = float(np.corrcoef(x, y)[0, 1])
+    t = r * math.sqrt((len(x) - 2) / (1 - r * r))
+    return r, float(2 * scipy_stats.t.sf(abs(t), len(x) - 2))

@@ -64,7 +64,7 @@ def test_a_cuda_trial_reports_its_peak_gpu_memory(tmp_path):
 def test_prefix_scorer_on_cuda_agrees_with_hflm(dtype, tolerance):
     """fp32 on CUDA: HFLM's numbers within 1e-4. bf16: both scorers round differently (other matmul shapes), so the
     log-likelihoods are compared to 2%."""
-    from tests.test_scorer import responses
+    from tests.evaluation.test_scorer import responses
 
     model = load_model("tiny-llama", device="cuda", dtype=dtype).eval()
     tokenizer = load_tokenizer("tiny-llama")
@@ -75,7 +75,7 @@ def test_prefix_scorer_on_cuda_agrees_with_hflm(dtype, tolerance):
 
 def assert_agree(ours: dict, our_scores: dict, theirs: dict, their_scores: dict, exact: bool) -> None:
     """exact (fp32): every request within 1e-4 and the same accuracies; else (bf16) log-likelihoods within 2%."""
-    from tests.test_scorer import assert_same_answers
+    from tests.evaluation.test_scorer import assert_same_answers
 
     if exact:
         assert_same_answers(ours, theirs)
@@ -91,7 +91,7 @@ def test_flex_attention_scores_like_sdpa_on_cuda(dtype):
     """Issue 30, point 5 on the device it is for: the prefix scorer with FlexAttention's block mask gives SDPA's
     answers (fp32: within 1e-4, the same accuracies; bf16: the kernels round differently, log-likelihoods within 2%)."""
     from taylor_tune.evaluation.scorer import PrefixLM
-    from tests.test_scorer import responses
+    from tests.evaluation.test_scorer import responses
 
     model = load_model("tiny-llama", device="cuda", dtype=dtype).eval()
     tokenizer = load_tokenizer("tiny-llama")

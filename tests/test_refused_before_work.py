@@ -67,6 +67,7 @@ def test_a_yaml_alias_bomb_is_refused_at_once(capsys, tmp_path):
     nothing_started(tmp_path)
 
 
+@pytest.mark.slow  # megabytes of YAML parsed twice: seconds
 def test_a_huge_value_is_not_echoed_whole(capsys, tmp_path):
     code, _, err = run(capsys, "sweep", experiment(tmp_path, name="x" * 5_000_000))
     one_line(code, err, "name: String should have at most 100 characters", "(5000002 characters)")

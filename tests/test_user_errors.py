@@ -179,6 +179,7 @@ def test_an_edited_experiment_is_not_silently_resumed_with_its_old_settings(caps
         check_unchanged(load_experiment(wider), str(folder))
 
 
+@pytest.mark.slow  # writes whole reports: seconds
 def test_report_follows_no_symbolic_link_out_of_a_trial_or_into_the_output(capsys, tmp_path):
     from tests.report_helpers import synthetic_trials, write_tune_folder
 
@@ -205,8 +206,9 @@ def test_report_follows_no_symbolic_link_out_of_a_trial_or_into_the_output(capsy
 
 @pytest.mark.parametrize("changes, expected", [
     (dict(prune={**SMALL["prune"], "sparsity": 0.99}), "prune: taylor on tiny-llama cannot be planned"),
-    (dict(search_space={**SMALL["search_space"], "taylor_num_samples": {"grid": [8, 100000]}}),
-     "search_space: the largest draw of tiny-llama (100000 x 48 tokens) does not fit"),
+    pytest.param(dict(search_space={**SMALL["search_space"], "taylor_num_samples": {"grid": [8, 100000]}}),
+                 "search_space: the largest draw of tiny-llama (100000 x 48 tokens) does not fit",
+                 marks=pytest.mark.slow),  # tokenizes the whole corpus: seconds
     (dict(evaluation={**SMALL["evaluation"], "ppl": "world", "ppl_window": 100000}),
      "evaluation.ppl_window: 100000 is longer than the maximum context"),
     (dict(resources={"cpu": 1000, "gpu": 0}), "resources.cpu: 1000 CPUs per trial requested, but this machine has"),

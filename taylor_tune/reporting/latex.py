@@ -1,4 +1,4 @@
-"""The paper's LaTeX tables (reference/001 Tables 1-4) as booktabs strings, from report data; pure.
+"""The paper's LaTeX tables (Tables 1-4 of the source study) as booktabs strings, from report data; pure.
 
 Only `booktabs` is needed (no multirow): a model's name stands on the first row of its block. The tables follow the
 sweep's objective: ranked by an accuracy they are the paper's (means, highest in bold); ranked by perplexity they

@@ -4,9 +4,8 @@ Every function takes the DataFrame of one model's valid trials (or all models' f
 and returns plain data. Where a statistic cannot be computed it says why instead of returning nan.
 
 Correlation strength words, by |r|: below 0.3 "negligible", 0.3 to 0.5 "weak", 0.5 to 0.7 "moderate",
-0.7 and above "strong". These are the source tools' boundaries: they called r = 0.697 and -0.512 moderate,
--0.754 strong, and left every |r| below 0.5 without comment. The p-value (scipy's two-sided Pearson test)
-and the number of rows used are always printed beside the words.
+0.7 and above "strong" (the source tools' boundaries). The p-value (scipy's two-sided Pearson test) and the
+number of rows used are always printed beside the words.
 
 Uncertainty: lm-eval gives each task's accuracy a standard error; acc_mean's is sqrt(sum se_t^2) / T
 (tasks are disjoint item sets, so their errors are independent). Two trials differ beyond their uncertainty
@@ -378,7 +377,7 @@ def cross_model(
 
 
 def key_figures(df: pd.DataFrame, tasks: tuple[str, ...], total_trials: int) -> dict:
-    """The experiment's scale, cost, and accuracy and perplexity distributions (reference/001's 'key data points')."""
+    """The experiment's scale, cost, and accuracy and perplexity distributions (the source tools' 'key data points')."""
     acc = df["acc_mean"]
     ppl = pd.to_numeric(df["ppl"], errors="coerce") if "ppl" in df else pd.Series(dtype=float)
     hours = float(pd.to_numeric(df["time_total_s"], errors="coerce").sum() / 3600) if "time_total_s" in df else None

@@ -100,7 +100,7 @@ def _refuse_links(out: Path) -> None:
 
 
 def _copy_artifacts(report_dir: Path, m: ModelReport, written: list[Path], filesystem=None) -> None:
-    """The best trial's artifacts (reference/003's best_<model>/ layout) and its three per-layer plots."""
+    """The best trial's artifacts (the source tools' best_<model>/ layout) and its three per-layer plots."""
     folder = report_dir / f"best_{folder_name(m.model)}"
     written.append(_write_json(folder / "best_config.json", best_config_dict(m)))
     trial_dir = m.best.get("output_dir")

@@ -14,7 +14,7 @@ from scipy import stats as scipy_stats
 from taylor_tune.reporting import build_report, write_report
 from tests.report_helpers import latex_rows
 
-REAL_GRID = Path(__file__).resolve().parent.parent / "bench" / "real_paper_grid"
+REAL_GRID = Path(__file__).resolve().parents[2] / "bench" / "real_paper_grid"
 KEEP = {"seq_len": (16, 64), "samples": (128, 512)}  # 2 x 2 x 3 methods = 12 of the 45 trials
 
 

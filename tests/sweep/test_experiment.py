@@ -13,7 +13,7 @@ from taylor_tune.errors import ConfigError
 from taylor_tune.sweep.experiment import load_experiment
 from tests.sweep_helpers import SMALL, env
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_shipped_experiments_validate_and_the_paper_grid_has_135_trials():

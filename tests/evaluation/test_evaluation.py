@@ -171,8 +171,8 @@ def test_task_yaml_paths_are_where_lm_eval_keeps_them():
 
 
 def test_the_world_data_regenerates_byte_for_byte(tmp_path):
+    from scripts.world.generate import write_world_data
     from taylor_tune.sources.world import world_dir
-    from taylor_tune.sources.world.generate import write_world_data
 
     write_world_data(tmp_path)
     for name in ["corpus.txt", "heldout.txt"] + [f"tasks/{t}.jsonl" for t in TASKS]:
@@ -233,6 +233,7 @@ def test_wikitext2_goes_through_the_datasets_loader_and_fails_clearly_offline():
         load_ppl_text("wikitext2")
 
 
+@pytest.mark.slow  # a process that runs lm-eval
 def test_outside_a_git_checkout_zero_shot_prints_no_git_error_and_records_versions(tmp_path):
     """Issue 27, finding 15: lm-eval's environment record ran `git describe` in the working directory (`fatal: not a
     git repository` in every trial's log outside a checkout) and torch's collect_env on every call."""

@@ -143,7 +143,7 @@ def test_the_real_front_equals_a_brute_force_filter_of_the_kept_results():
     import json
     from pathlib import Path
 
-    kept = Path(__file__).resolve().parent.parent / "bench" / "pareto_real"
+    kept = Path(__file__).resolve().parents[2] / "bench" / "pareto_real"
     finals = []
     for folder in sorted(kept.glob("sweep_trainable_*")):
         lines = [line for line in (folder / "result.json").read_text().splitlines() if line.strip()]

@@ -167,7 +167,7 @@ def test_kv_cache_bytes_equal_what_transformers_cache_holds():
 
     from taylor_tune.evaluation.speed import kv_cache_bytes
     from taylor_tune.sources.models import load_model
-    from tests.test_apply import pruned
+    from tests.pruning.test_apply import pruned
 
     for model in (load_model("tiny-qwen2-random"), pruned("tiny-qwen2-random", "taylor", 0.3).model):
         with torch.no_grad():

@@ -26,7 +26,7 @@ from taylor_tune.pruning.prune import prune
 from taylor_tune.sources.assets import TASK_COUNTS
 from taylor_tune.sources.models import load_model, load_pruned, load_tokenizer
 from tests.helpers import mask_groups
-from tests.test_importance import brute_force
+from tests.pruning.test_importance import brute_force
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 REAL_MODELS = ["smollm2-135m", "qwen2.5-0.5b"]
@@ -204,7 +204,7 @@ def test_in_memory_scores_equal_lm_eval_hf_on_the_real_tasks(assets):
 def test_prefix_scorer_equals_hflm_request_by_request_on_the_real_tasks(assets, pruned):
     """The seven real tasks, 20 items each: every request's log-likelihood within 1e-4 of lm-eval's HFLM, the same
     is_greedy, the same acc and acc_norm; on SmolLM2-135M and on a blockwise-pruned one (layers of unequal shape)."""
-    from tests.test_scorer import assert_same_answers, responses
+    from tests.evaluation.test_scorer import assert_same_answers, responses
 
     if pruned:
         result = _pruned("smollm2-135m", "blockwise", blockwise_attention="closest_ratio")

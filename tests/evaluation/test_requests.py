@@ -143,7 +143,7 @@ from taylor_tune.config import ZERO_SHOT_TASKS
 from taylor_tune.evaluation.requests import PassRequests
 from taylor_tune.evaluation.zero_shot import task_source
 from taylor_tune.sources.models import load_tokenizer
-from tests.test_requests import recording_lm
+from tests.evaluation.test_requests import recording_lm
 
 requests = PassRequests(recording_lm(load_tokenizer("tiny-llama")))
 out = {}
@@ -165,7 +165,7 @@ def test_every_tasks_key_is_the_same_in_another_process():
     import sys
 
     runs = [subprocess.run([sys.executable, "-c", KEY_FIELDS], capture_output=True, text=True, timeout=300,
-                           cwd=Path(__file__).resolve().parent.parent, check=True) for _ in range(2)]
+                           cwd=Path(__file__).resolve().parents[2], check=True) for _ in range(2)]
     first, second = (json.loads(run.stdout.strip().splitlines()[-1]) for run in runs)
     assert first == second
     assert len({json.dumps(fields, sort_keys=True) for fields in first.values()}) == 7
@@ -181,6 +181,7 @@ def _ask(root: str) -> tuple[list, bool]:
     return RequestCache(root).get_or_build({"task": "t", "limit": 3}, build, lambda rows: rows)
 
 
+@pytest.mark.slow  # two processes that import lm-eval
 def test_two_processes_asking_at_once_build_once_and_both_get_the_requests(tmp_path):
     with ProcessPoolExecutor(2, mp_context=get_context("spawn")) as pool:
         answers = list(pool.map(_ask, [str(tmp_path)] * 2))

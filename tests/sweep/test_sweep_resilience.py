@@ -1,0 +1,201 @@
+"""A sweep survives what stops it: a killed or signalled driver resumes without rerunning finished trials, a
+failing trial is retried then errored without taking the rest, a local Ray listens on loopback and stops what it
+started."""
+
+import json
+import re
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from taylor_tune.reporting import build_report, load_trials
+from tests.sweep_helpers import (
+    REPO,
+    analysis_rows,
+    env,
+    finished,
+    kill_ray_started_after,
+    run_sweep,
+    sweep_command,
+    terminated,
+    trial_dirs,
+    wait_for,
+    write_experiment,
+)
+
+pytestmark = pytest.mark.slow  # every test here runs Ray sweeps
+
+
+def interrupt_sweep(experiment, log_path, until, sig, settle: float = 3, **faults) -> int:
+    """Run the sweep until `until()` holds, let the experiment state be saved (every second; `settle` seconds),
+    send `sig`, and stop every Ray process the run started; the driver's exit code."""
+    started = time.time()
+    log = open(log_path, "w")  # a file, not a pipe: nobody reads a pipe while we wait
+    proc = subprocess.Popen(
+        sweep_command(experiment), stdout=log, stderr=subprocess.STDOUT, env=env(**faults), cwd=REPO
+    )
+    try:
+        assert wait_for(until, timeout=300, poll=0.05), f"the sweep never got there: {log_path.read_text()[-2000:]}"
+        time.sleep(settle)
+        proc.send_signal(sig)
+        return proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+        kill_ray_started_after(started)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_an_interrupted_sweep_resumes_without_rerunning_finished_trials(sig, tmp_path):
+    # 12 trials one at a time: with reused workers a trial takes about a second, so the interruption (2 finished
+    # + 2.5 s for the saved state) must leave most of the grid still to run
+    space = {"taylor_seq_len": {"grid": [16, 32, 48]}, "taylor_num_samples": {"grid": [8, 16]},
+             "pruning_method": {"grid": ["taylor", "blockwise"]}}
+    experiment = write_experiment(
+        tmp_path, "resume", search_space=space, search={"algorithm": "grid", "max_concurrent": 1}
+    )
+    path = tmp_path / "sweeps" / "resume"
+    started = time.time()
+    code = interrupt_sweep(
+        experiment, tmp_path / "first-run.log", lambda: len(finished(path)) >= 2, sig
+    )  # two trials finished
+    if sig == signal.SIGTERM:  # stopped gracefully with trials not run: EXIT_NOT_DONE, not success
+        assert code == 4, (tmp_path / "first-run.log").read_text()[-2000:]
+    # finished = what Tune's saved state records as TERMINATED: a trial whose files were uploaded in the instant
+    # before a SIGKILL, but whose completion the driver had not yet saved, is in flight and may run again
+    before = {t: (trial_dirs(path)[t] / "result.json").read_bytes() for t in terminated(path)}
+    assert 2 <= len(before) < 12, "the sweep must be interrupted part-way for this test to mean anything"
+
+    again = run_sweep(experiment)
+    kill_ray_started_after(started)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    after = finished(path)
+    assert set(after) == set(trial_dirs(path)) and len(after) == 12  # the rest completed, no extra trials
+    for trial_id, result in before.items():
+        assert (after[trial_id] / "result.json").read_bytes() == result  # not rerun: results untouched
+    rows = analysis_rows(path)
+    assert {(r["pruning_method"], r["taylor_seq_len"], r["taylor_num_samples"]) for r in rows} == {
+        (m, s, n) for m in ("taylor", "blockwise") for s in (16, 32, 48) for n in (8, 16)}
+    table = load_trials(path)  # a re-run trial's first, partial folder does not count as a broken trial
+    assert len(table.valid) == 12 and table.invalid.empty
+
+
+@pytest.mark.parametrize("settle", [3, 0], ids=["state-saved", "killed-at-once"])
+def test_a_trial_killed_after_its_final_report_is_not_recomputed_on_resume(tmp_path, settle):
+    """SIGKILL in the window between a trial's final report (its artifacts complete) and Tune recording it finished
+    (a test hook holds the trial there): the rerun reports the finished artifacts instead of computing again. At once:
+    before the driver's saved state (every second) holds the final report's checkpoint; the copy in the trial's
+    storage folder serves."""
+    space = {
+        "taylor_seq_len": {"grid": [16]},
+        "taylor_num_samples": {"grid": [8]},
+        "pruning_method": {"grid": ["taylor", "blockwise"]},
+    }
+    experiment = write_experiment(
+        tmp_path, "idem", search_space=space, search={"algorithm": "grid", "max_concurrent": 1}
+    )
+    path, markers = tmp_path / "sweeps" / "idem", tmp_path / "paused"
+    markers.mkdir()
+    started = time.time()
+    interrupt_sweep(experiment, tmp_path / "first-run.log", lambda: any(markers.iterdir()), signal.SIGKILL, settle,
+                    TAYLOR_TUNE_TEST_PAUSE=str(markers))  # a trial held after its final report
+    (paused,) = [p.name for p in markers.iterdir()]
+    assert paused not in terminated(path)  # Tune had not recorded it finished: a restore runs it again
+
+    again = run_sweep(experiment)
+    kill_ray_started_after(started)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    rows = {row["trial_id"]: row for row in analysis_rows(path)}
+    assert len(rows) == 2 and rows[paused]["reused_artifacts"] is True and rows[paused]["stage"] == "zero_shot_10"
+    other = next(t for t in rows if t != paused)
+    assert not rows[other].get("reused_artifacts")
+    # one importance pass (the paused trial's first run) and one hit (the other trial): the rerun touched no gradient
+    events = [
+        json.loads(line)["event"] for line in (path / "importance_cache" / "events.jsonl").read_text().splitlines()
+    ]
+    assert events == ["computed", "hit"]
+    assert (trial_dirs(path)[paused] / "evaluation.json").is_file()
+
+
+def test_a_failing_trial_is_retried_then_errored_and_the_rest_finish(tmp_path):
+    fault = {"pruning_method": "blockwise", "taylor_seq_len": 32}
+    experiment = write_experiment(tmp_path, "faulty", max_failures=2)
+    started = time.time()
+    proc = run_sweep(experiment, TAYLOR_TUNE_TEST_FAULT=json.dumps(fault))
+    kill_ray_started_after(started)
+    assert proc.returncode == 3, proc.stderr[-2000:]  # EXIT_ERRORED: the sweep ended, a trial errored
+    assert "5 finished, 1 errored" in proc.stdout and "\x1b[" not in proc.stdout  # no terminal colour codes
+    # the summary names the trial and its exception with its message (it showed Ray's task name, coloured)
+    assert re.search(r"^  errored trial tiny-llama blockwise seq_len=32 samples=\d+: .*InjectedFault: injected fault",
+                     proc.stdout, re.M), proc.stdout
+    assert re.search(
+        r"^\[\d/6\] tiny-llama blockwise seq_len=32 samples=\d+: errored: .*InjectedFault: injected fault",
+        proc.stdout,
+        re.M,
+    ), proc.stdout
+    path = tmp_path / "sweeps" / "faulty"
+    (bad,) = [
+        p for p in trial_dirs(path).values() if "pruning_method=blockwise" in p.name and "taylor_seq_len=32" in p.name
+    ]
+    errors = (bad / "error.txt").read_text()  # Tune's own record: one entry per failed attempt
+    assert (
+        errors.count("Failure # ") == 3 and errors.count("InjectedFault: injected fault") == 3
+    )  # first try + 2 retries
+    assert len(finished(path)) == 5
+    report = build_report(path)  # the errored trial is counted with its reason, never crashes the report
+    (reason,) = report.table.invalid["reason"]
+    assert reason.startswith("errored: ") and "InjectedFault: injected fault" in reason and len(report.table.valid) == 5
+
+
+
+LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_local_sweep_listens_on_loopback_only_and_stops_what_it_started(tmp_path):
+    """Issue 27, finding 7: with a trial running (held after its final report), every listening socket of the driver
+    and of each process it started (GCS, raylet, agents, workers) is on a loopback address; SIGTERM stops them all.
+    Ray 2.60 alone listens on `::` and on the machine's address."""
+    experiment = write_experiment(tmp_path, "loopback", search={"algorithm": "grid", "max_concurrent": 1})
+    markers = tmp_path / "paused"
+    markers.mkdir()
+    started = time.time()
+    log_path = tmp_path / "sweep.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen(sweep_command(experiment), stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                            env=env(TAYLOR_TUNE_TEST_PAUSE=str(markers)))
+    try:
+        assert wait_for(lambda: any(markers.iterdir()), timeout=300), log_path.read_text()[-2000:]
+        driver = psutil.Process(proc.pid)
+        family = [driver, *driver.children(recursive=True)]
+        listening = {}
+        for p in family:
+            try:
+                sockets = p.net_connections(kind="inet")
+            except psutil.NoSuchProcess:
+                continue
+            for s in sockets:
+                if s.status == psutil.CONN_LISTEN:
+                    listening[(s.laddr.ip, s.laddr.port)] = p.cmdline()[0][-40:]
+        names = " ".join(listening.values())
+        assert "gcs_server" in names and "raylet" in names and "ray::" in names, listening  # the test sees Ray
+        assert {ip for ip, _ in listening} <= LOOPBACK, listening
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 4  # stopped with the grid not done
+        assert wait_for(lambda: not any(_alive(p) for p in family), timeout=60), [p.pid for p in family if _alive(p)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+        kill_ray_started_after(started)
