@@ -143,6 +143,46 @@ class SpeedSpec(BaseModel):
     warmup: int = Field(1, ge=0, description="untimed runs first")
 
 
+RECOVERY_LOSSES = ("ce", "kd", "ce+kd")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class RecoverySpec(BaseModel):
+    """Recovery fine-tuning after pruning: LoRA adapters on the pruned model trained for `steps` optimizer steps on
+    recovery text, then merged into its weights (the model keeps its pruned shapes)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    loss: Literal[RECOVERY_LOSSES] = Field(
+        "ce", description="ce: next-token cross-entropy on the recovery text; kd: KL divergence to the unpruned "
+        "model's next-token distribution at `temperature`; ce+kd: (1 - kd_weight) x ce + kd_weight x kd")
+    data: str = Field(
+        "auto", description="recovery text: wiki (the real offline world's calibration articles; never its held-out "
+        "ones), world, sample, wikitext2, c4, a .txt file, or auto (as calibration: the model's world)")
+    steps: int = Field(100, gt=0, description="optimizer steps")
+    lr: float = Field(1e-4, gt=0, allow_inf_nan=False, description="peak learning rate (AdamW)")
+    warmup_steps: int = Field(10, ge=0, description="linear warm-up steps; then linear decay to 0 at `steps`")
+    micro_batch_size: int = Field(4, gt=0, description="sequences per forward/backward")
+    grad_accum: int = Field(1, gt=0, description="micro-batches per optimizer step")
+    seq_len: int = Field(128, gt=1, description="tokens per recovery sequence")
+    seed: int = Field(0, ge=0, description="seed of the text draw, the adapters' init and dropout")
+    lora_rank: int = Field(8, gt=0, description="LoRA rank r")
+    lora_alpha: float = Field(16.0, gt=0, allow_inf_nan=False, description="LoRA alpha (scale alpha / r)")
+    lora_dropout: float = Field(0.05, ge=0, lt=1, description="dropout on the adapters' input")
+    target_modules: tuple[Literal[LORA_TARGETS], ...] = Field(
+        LORA_TARGETS, min_length=1, description="projections of the decoder layers that get adapters")
+    temperature: float = Field(1.0, gt=0, allow_inf_nan=False, description="kd: softmax temperature")
+    kd_weight: float = Field(0.5, ge=0, le=1, description="ce+kd: the distillation term's weight")
+    eval_every: int | None = Field(
+        None, gt=0, description="held-out loss every this many steps (each a report to Tune); None: before and after")
+    heldout_windows: int = Field(8, gt=0, description="held-out windows of seq_len tokens the loss is measured on")
+
+    @property
+    def sequences(self) -> int:
+        """Recovery sequences drawn in all: every step sees its own."""
+        return self.steps * self.grad_accum * self.micro_batch_size
+
+
 class EvalSpec(BaseModel):
     """What to evaluate: perplexity and the zero-shot tasks (through lm-eval), and at what fidelity."""
 

@@ -26,7 +26,7 @@ CONFIG_COLUMNS = ("model", "pruning_method", "taylor_seq_len", "taylor_num_sampl
 
 # The stages of a trial before its zero-shot passes, in order; each zero-shot pass is a stage of its own.
 # unpruned_speed: measuring the unpruned model (once per model and device in a sweep, cached); speed: the pruned one.
-STAGES = ("unpruned_speed", "load", "calibration", "importance", "prune", "speed", "ppl")
+STAGES = ("unpruned_speed", "load", "calibration", "importance", "prune", "speed", "recovery", "ppl")
 SECONDS_SUFFIX, TOKENS_SUFFIX = "_s", "_tokens"
 _ZERO_SHOT = "zero_shot_"
 _REQUESTS = "_requests"

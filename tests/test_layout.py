@@ -1,9 +1,10 @@
 """The package's layout: one subpackage per stage, imports one way (docs/specification.md, "Layout").
 
-sweep -> pruning, evaluation, reporting -> sources -> the root modules; pruning and evaluation do not import each
-other; reporting imports the root modules only; the root modules import no stage (cli aside). The sweep reaches
-pruning through its stage module only: `taylor_tune.pruning.prune`, and of it only the names in its `__all__` (the
-stage functions and what they return), so that the trial composes pruning's stages instead of reaching into them.
+sweep -> pruning, recovery, evaluation, reporting -> sources -> the root modules; pruning, recovery and evaluation
+do not import each other; reporting imports the root modules only; the root modules import no stage (cli aside).
+The sweep reaches pruning through its stage module only: `taylor_tune.pruning.prune`, and of it only the names in its
+`__all__` (the stage functions and what they return), so that the trial composes pruning's stages instead of
+reaching into them.
 `config`, `schema` and `reporting` import neither torch nor ray, not even through the modules they import. A module
 imports the project's own modules at its top, unless a comment on the line (or the one above) says why not.
 The imports are read with `ast`, so nothing is imported to check them.
@@ -16,15 +17,16 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "taylor_tune"
-STAGES = ("sources", "pruning", "evaluation", "sweep", "reporting")
+STAGES = ("sources", "pruning", "recovery", "evaluation", "sweep", "reporting")
 # what each room may import besides itself ("root": config, schema, errors, jsonio, progress, compat)
 ALLOWED = {
     "root": {"root"},
     "sources": {"root"},
     "pruning": {"sources", "root"},
+    "recovery": {"sources", "root"},
     "evaluation": {"sources", "root"},
     "reporting": {"root"},
-    "sweep": {"pruning", "evaluation", "reporting", "sources", "root"},
+    "sweep": {"pruning", "recovery", "evaluation", "reporting", "sources", "root"},
     "cli": {*STAGES, "root"},
 }
 STAGE_MODULE = "taylor_tune.pruning.prune"  # the one pruning module the sweep may import

@@ -17,7 +17,7 @@ from pathlib import Path
 from taylor_tune.config import BUILTIN_TEXTS, CALIBRATION_DATASETS, PPL_DATASETS, TASK_DATA, EvalSpec
 from taylor_tune.errors import CalibrationError, ConfigError, EvaluationError
 from taylor_tune.sources import world
-from taylor_tune.sources.assets import MODEL_ASSETS, require
+from taylor_tune.sources.assets import MODEL_ASSETS, asset_dir, require
 
 # The built-in models (here, not in `models`, which needs torch): random-init ones by architecture, and the ones
 # trained on the synthetic world. A pruned folder holds PRUNED_MANIFEST beside its HF files.
@@ -149,6 +149,12 @@ def task_file(task: str, task_data: str) -> Path | None:
 def _fetched(name: str) -> None:
     if name in ("wiki", "real"):
         require(name)  # AssetError: one line naming the fetch command
+
+
+def heldout_paths() -> list[Path]:
+    """The held-out text files that perplexity scores: the synthetic world's and the real offline world's (whether
+    fetched or not: a path is compared, nothing is read)."""
+    return [world.heldout_path(), asset_dir("wiki") / "heldout.txt"]
 
 
 def check_calibration(name: str) -> None:

@@ -27,10 +27,18 @@ from pydantic import (
     model_validator,
 )
 
-from taylor_tune.config import EvalSpec, PruneConfig, SpeedSpec, format_validation_error, load_yaml, read_config_file
-from taylor_tune.errors import ConfigError, shown
+from taylor_tune.config import (
+    EvalSpec,
+    PruneConfig,
+    RecoverySpec,
+    SpeedSpec,
+    format_validation_error,
+    load_yaml,
+    read_config_file,
+)
+from taylor_tune.errors import ConfigError, TaylorTuneError, shown
 from taylor_tune.schema import DIMENSIONS, SPEED_METRICS, better, objective_metrics
-from taylor_tune.sources.data import check_calibration, check_eval_sources
+from taylor_tune.sources.data import check_calibration, check_eval_sources, heldout_paths
 
 Value = StrictBool | StrictInt | StrictFloat | StrictStr | None
 
@@ -204,6 +212,8 @@ class Experiment(BaseModel):
     search: Search = Search()
     prune: dict[str, Any] = Field(default_factory=dict, description="fixed PruneConfig fields for every trial")
     evaluation: Evaluation = Evaluation()
+    # LoRA recovery after pruning, before the evaluation (None: off, the paper grid's protocol)
+    recovery: RecoverySpec | None = None
     resources: Resources = Resources()
     max_failures: int = Field(1, ge=0)
     metric: str = Field(
@@ -417,7 +427,25 @@ def check_models(experiment: Experiment) -> None:
 
 
 def check_sources(experiment: Experiment) -> None:
-    """What the fixed settings name exists: the calibration text and the evaluation's text and task files."""
+    """What the fixed settings name exists: the calibration text, the evaluation's text and task files, and the
+    recovery text, which must not be a held-out text the evaluation scores."""
     for calibration in experiment.values_of("calibration"):
         check_calibration(calibration)
     check_eval_sources(experiment.evaluation)
+    if experiment.recovery is not None:
+        check_recovery_text(experiment.recovery.data, experiment.evaluation.ppl)
+
+
+def check_recovery_text(data: str, ppl: str | None) -> None:
+    """The recovery text exists (fetched, for an asset) and is none of the held-out texts: training on what the
+    perplexity scores would make the recovered numbers meaningless."""
+    heldout = {p.resolve() for p in heldout_paths()}
+    if ppl is not None and Path(ppl).is_file():
+        heldout.add(Path(ppl).resolve())
+    if Path(data).is_file() and Path(data).resolve() in heldout:
+        raise ConfigError(f"recovery.data: {shown(data)} is held-out text the evaluation scores; recover on "
+                          "calibration text (wiki, world, sample, wikitext2, c4) or another file")
+    try:
+        check_calibration(data)
+    except TaylorTuneError as error:  # not a file, or an asset not fetched: the same words, naming the field
+        raise ConfigError(f"recovery.data: {str(error).removeprefix('calibration: ')}") from None

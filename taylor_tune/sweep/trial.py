@@ -1,9 +1,10 @@
 """One trial of a sweep, without Ray: the stages of `trial_stages`, in order, each adding its metrics and seconds.
 
-unpruned speed -> load -> score -> plan -> apply (pruning's own stage functions) -> speed -> perplexity -> each
-zero-shot pass. `report` is called with the cumulative metrics after each stage that ends a step ASHA may stop at
-(the Ray trainable passes `tune.report`, so a trial can be stopped before its expensive evaluation); the artifacts
-go to `trial_dir`. The importance comes from the sweep's shared cache when one is given.
+unpruned speed -> load -> score -> plan -> apply (pruning's own stage functions) -> speed -> recovery (when asked) ->
+perplexity -> each zero-shot pass. `report` is called with the cumulative metrics after each stage that ends a step
+ASHA may stop at, and at each point of the recovery's held-out loss curve (the Ray trainable passes `tune.report`,
+so a trial can be stopped before its expensive evaluation); the artifacts go to `trial_dir`. The importance comes
+from the sweep's shared cache when one is given.
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from taylor_tune import schema
-from taylor_tune.config import PruneConfig
+from taylor_tune.config import PruneConfig, RecoverySpec
 from taylor_tune.evaluation.evaluate import Evaluator
 from taylor_tune.evaluation.requests import RequestCache
 from taylor_tune.evaluation.speed import checked_speed, measure_speed, speed_ratios
 from taylor_tune.jsonio import built_once, digest, json_safe, write_json
 from taylor_tune.pruning import prune as stages
 from taylor_tune.pruning.prune import ImportanceCache, Pruning, summary_dict
+from taylor_tune.recovery.train import heldout_ids, recover, recovery_ids
+from taylor_tune.sources.data import resolve_text
 from taylor_tune.sources.models import load_model, resolve_device, resolve_dtype
 from taylor_tune.sweep.experiment import Evaluation
 
@@ -37,6 +40,14 @@ class TrialConfig(BaseModel):
     evaluation: Evaluation
     sample_counts: tuple[int, ...] = ()  # every num_samples of the search: one cached pass serves them all
     cache_dir: str | None = None
+    recovery: RecoverySpec | None = None  # LoRA recovery between pruning and evaluation (None: off)
+
+    def record(self) -> dict:
+        """The trial's config.json: every field, but `recovery` only when set (so that the record of a trial
+        without recovery is what it was before recovery existed, and a finished trial of an older sweep is found
+        finished)."""
+        return json.loads(json.dumps(json_safe(self.model_dump(exclude={"recovery"} if self.recovery is None
+                                                                else set()))))
 
 
 def trial_columns(config: PruneConfig) -> dict:
@@ -106,6 +117,7 @@ class TrialRun:
     pruning: Pruning | None = None
     unpruned: dict | None = None  # the unpruned model's speed, when the trial measures speed
     evaluator: Evaluator | None = None
+    report: Callable[[dict], None] = lambda metrics: None  # what Tune hears (run_trial's `report`)
     on_gpu: bool = False
 
     @property
@@ -169,6 +181,34 @@ def measure_pruned_speed(run: TrialRun) -> dict:
             | {"stage": "speed", "speed_s": time.perf_counter() - start})
 
 
+def recover_pruned(run: TrialRun) -> dict:
+    """LoRA recovery of the pruned model (recovery.train), its adapters merged: the evaluation then scores the
+    recovered model. The held-out loss before, every `eval_every` steps (each a report) and after; the unpruned model
+    is loaded as the teacher (in the pruned model's dtype and device) only for kd and ce+kd, and freed after."""
+    spec, config, pruned = run.trial.recovery, run.config, run.pruning
+    parameter = next(pruned.model.parameters())
+    teacher = None if spec.loss == "ce" else load_model(
+        config.model, device=parameter.device, dtype=parameter.dtype, trust_remote_code=config.trust_remote_code,
+        seed=config.seed)
+    text = resolve_text(run.trial.evaluation.ppl or "auto", config.model)
+    held = heldout_ids(pruned.tokenizer, text, spec)
+
+    def report_curve(step: int, loss: float) -> None:
+        run.report({**run.metrics, "stage": f"recovery_{step}", "recovery_step": step,
+                    "recovery_heldout_loss": loss})
+
+    recovered = recover(pruned.model, recovery_ids(pruned.tokenizer, spec, config.model), held, spec,
+                        teacher=teacher, report=report_curve)
+    del teacher
+    if parameter.device.type == "cuda":
+        torch.cuda.empty_cache()
+    pruned.model = recovered.model
+    return {"recovery_heldout_loss_before": recovered.loss_before, "recovery_heldout_loss_after": recovered.loss_after,
+            "recovery_heldout_loss": recovered.loss_after, "recovery_step": spec.steps,
+            "recovery_train_loss_last": recovered.train_loss[-1], "recovery_s": recovered.seconds,
+            "stage": "recovered"}
+
+
 def start_evaluation(run: TrialRun) -> dict:
     # the zero-shot requests: built by the model's first trial, read by the others (beside the importance cache)
     trial = run.trial
@@ -212,6 +252,7 @@ def trial_stages(trial: TrialConfig) -> list[Stage]:
         Stage("apply", pruning_stage(stages.apply)),
         Stage("pruned", write_pruned, reports=True),
         *([Stage("speed", measure_pruned_speed, reports=True)] if evaluation.speed is not None else []),
+        *([Stage("recovery", recover_pruned, reports=True)] if trial.recovery is not None else []),
         Stage("evaluator", start_evaluation),
         *([Stage("ppl", perplexity, reports=True)] if evaluation.ppl is not None else []),
         *(Stage(f"zero_shot_{i}", zero_shot_pass(i), reports=True) for i in range(len(evaluation.fidelities))),
@@ -224,9 +265,10 @@ def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict]
     for good (the trial's folder in the sweep's storage), reported as the `output_dir` column; default `trial_dir`."""
     trial_dir = Path(trial_dir)
     trial_dir.mkdir(parents=True, exist_ok=True)
-    write_json(trial_dir / "config.json", trial.model_dump())
+    write_json(trial_dir / "config.json", trial.record())
     metrics = {**trial_columns(trial.prune), "output_dir": output_dir or str(trial_dir)}
-    run = TrialRun(trial, trial_dir, metrics, on_gpu=torch.cuda.is_available() and trial.prune.device != "cpu")
+    run = TrialRun(trial, trial_dir, metrics, on_gpu=torch.cuda.is_available() and trial.prune.device != "cpu",
+                   report=report)
     for stage in trial_stages(trial):
         metrics |= stage.run(run) or {}
         if stage.reports:
@@ -249,7 +291,7 @@ def completed_metrics(folder: Path, trial: TrialConfig) -> dict | None:
         evaluation = json.loads((folder / "evaluation.json").read_text())
     except (OSError, ValueError):
         return None
-    if written != json.loads(json.dumps(json_safe(trial.model_dump()))):
+    if written != trial.record():
         return None
     if evaluation.get("stage") != schema.zero_shot_stage(trial.evaluation.fidelities[-1]):
         return None

@@ -16,6 +16,7 @@ def fixed_settings(experiment: Experiment, cache_dir: str | None) -> dict:
     return {
         "prune": dict(experiment.prune), "evaluation": experiment.evaluation.model_dump(),
         "sample_counts": list(experiment.sample_counts()), "cache_dir": cache_dir,
+        "recovery": None if experiment.recovery is None else experiment.recovery.model_dump(),
         # what the sweep optimizes: status, report and replays rank trials by it, as Tune did
         "objective": {"metric": experiment.metric, "mode": experiment.mode},
         # every objective of a multi-objective search (the first is `objective`): the report's Pareto front

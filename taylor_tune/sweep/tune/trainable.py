@@ -15,8 +15,7 @@ from pyarrow import fs
 from ray import tune
 
 from taylor_tune.compat.ray import trial_storage
-from taylor_tune.config import PruneConfig
-from taylor_tune.jsonio import json_safe
+from taylor_tune.config import PruneConfig, RecoverySpec
 from taylor_tune.schema import DIMENSIONS, zero_shot_stage
 from taylor_tune.sweep.experiment import Evaluation
 from taylor_tune.sweep.trial import FINISHED_ARTIFACTS, TrialConfig, completed_metrics, run_trial
@@ -32,6 +31,7 @@ def trial_config(config: dict) -> TrialConfig:
         evaluation=Evaluation(**fixed["evaluation"]),
         sample_counts=tuple(fixed["sample_counts"]),
         cache_dir=fixed["cache_dir"],
+        recovery=RecoverySpec(**fixed["recovery"]) if fixed.get("recovery") else None,
     )
 
 
@@ -50,7 +50,7 @@ def _same_configuration_elsewhere(storage, trial: TrialConfig) -> Iterator[str]:
     """The experiment's other trial folders whose config.json is this trial's configuration: an earlier run's, when
     the sweep started afresh (its experiment state was lost) and Tune gave the configuration a new trial id."""
     filesystem, own = storage.storage_filesystem, storage.trial_fs_path
-    wanted = json.loads(json.dumps(json_safe(trial.model_dump())))
+    wanted = trial.record()
     for info in filesystem.get_file_info(fs.FileSelector(posixpath.dirname(own))):
         if info.type != fs.FileType.Directory or info.path == own:
             continue

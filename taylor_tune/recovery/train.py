@@ -1,0 +1,135 @@
+"""Recovery fine-tuning: LoRA adapters (peft) on a pruned model, trained on recovery text, then merged.
+
+`recover` reads top to bottom: draw the recovery text, attach the adapters, train `steps` optimizer steps (AdamW,
+linear warm-up then linear decay, gradient accumulation), measure the held-out loss before, every `eval_every`
+steps and after, merge the adapters into the weights. The adapters are float32 whatever the model's dtype (peft's
+`autocast_adapter_dtype`), the losses are computed in float32. Writes nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+
+from taylor_tune.config import RecoverySpec
+from taylor_tune.recovery.losses import distillation_loss, next_token_loss
+from taylor_tune.sources.calibration import load_calibration
+from taylor_tune.sources.data import load_ppl_text, resolve_text
+
+
+@dataclass
+class Recovered:
+    """The merged model, the held-out loss before and after and at each `eval_every`, and the seconds spent."""
+
+    model: torch.nn.Module
+    loss_before: float
+    loss_after: float
+    curve: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out loss), step 0 first
+    train_loss: list[float] = field(default_factory=list)  # per optimizer step
+    seconds: float = 0.0
+
+
+def attach_lora(model: torch.nn.Module, spec: RecoverySpec) -> PeftModel:
+    """The model with LoRA adapters on `spec.target_modules` of every decoder layer (B = 0: the output is unchanged
+    until training moves it)."""
+    torch.manual_seed(spec.seed)
+    config = LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha, lora_dropout=spec.lora_dropout,
+                        target_modules=list(spec.target_modules), bias="none", task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def recovery_ids(tokenizer, spec: RecoverySpec, model_name: str | None) -> torch.Tensor:
+    """[spec.sequences, seq_len] token ids of the recovery text (the calibration draw's rules: nested, seeded)."""
+    return load_calibration(tokenizer, resolve_text(spec.data, model_name), seq_len=spec.seq_len,
+                            num_samples=spec.sequences, seed=spec.seed)
+
+
+def heldout_ids(tokenizer, text: str, spec: RecoverySpec) -> torch.Tensor:
+    """[heldout_windows, seq_len] token ids: the first windows of a resolved perplexity text (the held-out text the
+    evaluation scores; recovery never trains on it)."""
+    ids = tokenizer(load_ppl_text(text), add_special_tokens=False)["input_ids"]
+    windows = min(spec.heldout_windows, len(ids) // spec.seq_len)
+    if windows == 0:
+        raise ValueError(f"recovery: the held-out text {text} holds fewer than seq_len {spec.seq_len} tokens")
+    return torch.tensor(ids[: windows * spec.seq_len]).view(windows, spec.seq_len)
+
+
+@torch.no_grad()
+def heldout_loss(model: torch.nn.Module, ids: torch.Tensor, micro_batch_size: int) -> float:
+    """Mean next-token loss over the held-out windows (every predicted token weighs the same)."""
+    was_training, device = model.training, next(model.parameters()).device
+    model.eval()
+    total, tokens = 0.0, 0
+    for batch in ids.split(micro_batch_size):
+        batch = batch.to(device)
+        total += float(next_token_loss(model(input_ids=batch).logits, batch)) * batch[:, 1:].numel()
+        tokens += batch[:, 1:].numel()
+    model.train(was_training)
+    return total / tokens
+
+
+def schedule(spec: RecoverySpec) -> Callable[[int], float]:
+    """The learning rate's multiplier at a step: linear warm-up to 1, then linear decay to 0 at `steps`."""
+
+    def factor(step: int) -> float:
+        if step < spec.warmup_steps:
+            return (step + 1) / (spec.warmup_steps + 1)
+        return max(0.0, (spec.steps - step) / max(1, spec.steps - spec.warmup_steps))
+
+    return factor
+
+
+def step_loss(model, batch: torch.Tensor, spec: RecoverySpec, teacher: torch.nn.Module | None) -> torch.Tensor:
+    logits = model(input_ids=batch).logits
+    if spec.loss == "ce":
+        return next_token_loss(logits, batch)
+    with torch.no_grad():
+        teacher_logits = teacher(input_ids=batch).logits
+    kd = distillation_loss(logits, teacher_logits, spec.temperature)
+    if spec.loss == "kd":
+        return kd
+    return (1 - spec.kd_weight) * next_token_loss(logits, batch) + spec.kd_weight * kd
+
+
+def recover(model: torch.nn.Module, ids: torch.Tensor, heldout: torch.Tensor, spec: RecoverySpec, *,
+            teacher: torch.nn.Module | None = None, report: Callable[[int, float], None] | None = None) -> Recovered:
+    """Train LoRA adapters on `ids` ([spec.sequences, seq_len]) and merge them; `heldout` ([n, seq_len]) is measured
+    before, every `eval_every` steps (each passed to `report(step, loss)`) and after. `teacher`: the unpruned model,
+    for `kd` and `ce+kd`."""
+    if spec.loss != "ce" and teacher is None:
+        raise ValueError(f"recovery.loss {spec.loss} needs the unpruned model as teacher")
+    start = time.perf_counter()
+    device = next(model.parameters()).device
+    before = heldout_loss(model, heldout, spec.micro_batch_size)
+    curve = [(0, before)]
+    peft_model = attach_lora(model, spec)
+    trainable = [p for p in peft_model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=spec.lr, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(spec))
+    if teacher is not None:
+        teacher.eval()
+    peft_model.train()
+    losses, batches = [], ids.split(spec.micro_batch_size)
+    for step in range(spec.steps):
+        total = 0.0
+        for micro in batches[step * spec.grad_accum:(step + 1) * spec.grad_accum]:
+            loss = step_loss(peft_model, micro.to(device), spec, teacher) / spec.grad_accum
+            loss.backward()
+            total += float(loss.detach())
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total)
+        if spec.eval_every and (step + 1) % spec.eval_every == 0 and step + 1 < spec.steps:
+            curve.append((step + 1, heldout_loss(peft_model, heldout, spec.micro_batch_size)))
+            if report is not None:
+                report(*curve[-1])
+    merged = peft_model.merge_and_unload()
+    merged.eval()
+    after = heldout_loss(merged, heldout, spec.micro_batch_size)
+    curve.append((spec.steps, after))
+    return Recovered(merged, before, after, curve, losses, time.perf_counter() - start)
