@@ -1,0 +1,134 @@
+"""Does recovery change which configuration is best? SmolLM2-135M pruned by each method at each sparsity, then left
+as it is, recovered with `ce` or with `kd` (the same steps and tokens), each scored by held-out wiki perplexity.
+
+Per run: the perplexity on the first --windows windows of 128 tokens of the held-out articles (never trained on),
+the recovery's held-out loss before and after, and seconds per recovery step on this machine. Then, per sparsity
+and loss, Kendall's tau between the configurations' ranking unrecovered and recovered (scipy), with a bootstrap
+interval over the configurations. Rerunning skips measured runs (--json is the record).
+
+    .venv/bin/python bench/bench_recovery.py --json bench/recovery.json              # ~30 min on 2 cores
+    .venv/bin/python bench/bench_recovery.py --json bench/recovery.json --table      # the Markdown table
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from scipy import stats
+
+from taylor_tune.config import PruneConfig, RecoverySpec
+from taylor_tune.evaluation.perplexity import perplexity
+from taylor_tune.jsonio import write_json
+from taylor_tune.pruning.prune import ImportanceCache, prune
+from taylor_tune.recovery.train import heldout_ids, recover, recovery_ids
+from taylor_tune.sources.data import load_ppl_text
+from taylor_tune.sources.models import load_model
+
+
+def kendall(before: list[float], after: list[float], draws: int = 2000, seed: int = 0) -> dict:
+    """tau-b of the two rankings and a percentile bootstrap interval over the configurations (resampled in pairs)."""
+    tau = float(stats.kendalltau(before, after).statistic)
+    rng, x, y, taus = np.random.default_rng(seed), np.asarray(before), np.asarray(after), []
+    for _ in range(draws):
+        pick = rng.integers(0, len(x), len(x))
+        if len(set(pick)) > 2:
+            value = stats.kendalltau(x[pick], y[pick]).statistic
+            if np.isfinite(value):
+                taus.append(value)
+    low, high = np.percentile(taus, [2.5, 97.5]) if taus else (float("nan"), float("nan"))
+    return {"tau": tau, "ci95": [float(low), float(high)], "configurations": len(x)}
+
+
+def measure(args, model_name: str, sparsity: float, method: str, loss: str, cache: ImportanceCache) -> dict:
+    name, _, layout = method.partition("+")  # taylor+uniform: the uniform (stock-loadable) layout
+    config = PruneConfig(model=model_name, method=name, sparsity=sparsity, seq_len=64, num_samples=32,
+                         calibration="wiki", device="cpu", dtype="float32", uniform=layout == "uniform")
+    result = prune(config, cache=cache)
+    text = load_ppl_text("wiki")
+    row = {"pruning_ratio": result.diagnostics["pruning_ratio"]}
+    if loss != "none":
+        spec = RecoverySpec(loss=loss, data="wiki", steps=args.steps, lr=args.lr, warmup_steps=args.steps // 10,
+                            micro_batch_size=4, seq_len=128, lora_dropout=0.0)
+        teacher = None if loss == "ce" else load_model(model_name, dtype=torch.float32)
+        held = heldout_ids(result.tokenizer, "wiki", spec)
+        recovered = recover(result.model, recovery_ids(result.tokenizer, spec, model_name), held, spec,
+                            teacher=teacher)
+        result.model = recovered.model
+        row |= {"loss_before": recovered.loss_before, "loss_after": recovered.loss_after,
+                "recovery_s": recovered.seconds, "s_per_step": recovered.seconds / args.steps}
+    row["ppl"] = perplexity(result.model, result.tokenizer, text, window=128, max_windows=args.windows)["ppl"]
+    return row
+
+
+def table(data: dict) -> str:
+    lines = ["| sparsity | method | ppl, no recovery | ppl after ce | ppl after kd | s/step ce | s/step kd |",
+             "|---|---|---|---|---|---|---|"]
+    runs = data["runs"]
+    for sparsity in data["settings"]["sparsities"]:
+        for method in data["settings"]["methods"]:
+            get = lambda loss, key: runs.get(f"{sparsity}|{method}|{loss}", {}).get(key)
+            fmt = lambda v, d=2: "-" if v is None else f"{v:.{d}f}"
+            lines.append(f"| {sparsity} | {method} | {fmt(get('none', 'ppl'))} | {fmt(get('ce', 'ppl'))} | "
+                         f"{fmt(get('kd', 'ppl'))} | {fmt(get('ce', 's_per_step'))} | {fmt(get('kd', 's_per_step'))} |")
+    for key, value in data.get("kendall", {}).items():
+        lines.append(f"\nKendall's tau, {key}: {value['tau']:.3f} (95% bootstrap interval {value['ci95'][0]:.3f} to "
+                     f"{value['ci95'][1]:.3f}, {value['configurations']} configurations)")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--sparsities", default="0.2,0.4")
+    parser.add_argument("--methods", default="taylor,layerwise,blockwise,taylor+uniform")
+    parser.add_argument("--losses", default="none,ce,kd")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--lr", type=float, default=2e-4)
+    parser.add_argument("--windows", type=int, default=32)
+    parser.add_argument("--table", action="store_true", help="print the Markdown table of --json and exit")
+    args = parser.parse_args()
+    data = json.loads(args.json.read_text()) if args.json.is_file() else {"runs": {}}
+    if args.table:
+        print(table(data))
+        return
+    sparsities, methods = [float(s) for s in args.sparsities.split(",")], args.methods.split(",")
+    data["settings"] = {"model": args.model, "sparsities": sparsities, "methods": methods, "steps": args.steps,
+                        "lr": args.lr, "windows": args.windows, "tokens_per_step": 4 * 128}
+    data["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__}
+    cache = ImportanceCache(args.json.with_suffix(".importance_cache"))
+    for sparsity, method, loss in itertools.product(sparsities, methods, args.losses.split(",")):
+        key = f"{sparsity}|{method}|{loss}"
+        if key in data["runs"]:
+            continue
+        start = time.perf_counter()
+        data["runs"][key] = measure(args, args.model, sparsity, method, loss, cache) | {
+            "wall_s": time.perf_counter() - start, "date": time.strftime("%Y-%m-%d")}
+        print(key, data["runs"][key], flush=True)
+        write_json(args.json, data)
+    data["kendall"] = {}
+    for sparsity, loss in itertools.product(sparsities, ("ce", "kd")):
+        pairs = [(data["runs"].get(f"{sparsity}|{m}|none", {}).get("ppl"), data["runs"].get(f"{sparsity}|{m}|{loss}",
+                  {}).get("ppl")) for m in methods]
+        pairs = [p for p in pairs if None not in p]
+        if len(pairs) >= 3:
+            data["kendall"][f"{sparsity} none vs {loss}"] = kendall(*map(list, zip(*pairs)))
+    all_pairs = [(data["runs"].get(f"{s}|{m}|none", {}).get("ppl"), data["runs"].get(f"{s}|{m}|{loss}", {}).get("ppl"))
+                 for s in sparsities for m in methods for loss in ("ce", "kd")]
+    all_pairs = [p for p in all_pairs if None not in p]
+    if len(all_pairs) >= 3:
+        data["kendall"]["every configuration and loss, none vs recovered"] = kendall(*map(list, zip(*all_pairs)))
+    write_json(args.json, data)
+    print(table(data))
+
+
+if __name__ == "__main__":
+    main()
