@@ -44,7 +44,7 @@ def kendall(before: list[float], after: list[float], draws: int = 2000, seed: in
             if np.isfinite(value):
                 taus.append(value)
     low, high = np.percentile(taus, [2.5, 97.5]) if taus else (float("nan"), float("nan"))
-    return {"tau": tau, "ci95": [float(low), float(high)], "configurations": len(x)}
+    return {"tau": tau, "ci95": [float(low), float(high)], "points": len(x)}
 
 
 def measure(args, model_name: str, sparsity: float, method: str, loss: str, cache: ImportanceCache) -> dict:
@@ -80,7 +80,7 @@ def table(data: dict) -> str:
                          f"{fmt(get('kd', 'ppl'))} | {fmt(get('ce', 's_per_step'))} | {fmt(get('kd', 's_per_step'))} |")
     for key, value in data.get("kendall", {}).items():
         lines.append(f"\nKendall's tau, {key}: {value['tau']:.3f} (95% bootstrap interval {value['ci95'][0]:.3f} to "
-                     f"{value['ci95'][1]:.3f}, {value['configurations']} configurations)")
+                     f"{value['ci95'][1]:.3f}, {value['points']} ranked points)")
     return "\n".join(lines)
 
 
@@ -101,8 +101,16 @@ def main() -> None:
         print(table(data))
         return
     sparsities, methods = [float(s) for s in args.sparsities.split(",")], args.methods.split(",")
-    data["settings"] = {"model": args.model, "sparsities": sparsities, "methods": methods, "steps": args.steps,
-                        "lr": args.lr, "windows": args.windows, "tokens_per_step": 4 * 128}
+    measured = data.get("settings", {})
+    settings = {"model": args.model, "steps": args.steps, "lr": args.lr, "windows": args.windows,
+                "tokens_per_step": 4 * 128}
+    differ = [k for k in settings if k in measured and measured[k] != settings[k]]
+    if differ:
+        parser.error(f"{args.json} holds runs measured with other {', '.join(differ)}; use another --json")
+    # a later invocation may add sparsities or methods: the record keeps them all
+    sparsities = sorted(set(measured.get("sparsities", [])) | set(sparsities))
+    methods = list(dict.fromkeys(measured.get("methods", []) + methods))
+    data["settings"] = settings | {"sparsities": sparsities, "methods": methods}
     data["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__}
     cache = ImportanceCache(args.json.with_suffix(".importance_cache"))
     for sparsity, method, loss in itertools.product(sparsities, methods, args.losses.split(",")):
