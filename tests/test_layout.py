@@ -1,12 +1,12 @@
 """The package's layout: one subpackage per stage, imports one way (docs/specification.md, "Layout").
 
-sweep -> pruning, recovery, evaluation, reporting -> sources -> the root modules; pruning, recovery and evaluation
-do not import each other; reporting imports the root modules only; the root modules import no stage (cli aside).
-The sweep reaches pruning through its stage module only: `taylor_tune.pruning.prune`, and of it only the names in its
-`__all__` (the stage functions and what they return), so that the trial composes pruning's stages instead of
-reaching into them.
-`config`, `schema` and `reporting` import neither torch nor ray, not even through the modules they import. A module
-imports the project's own modules at its top, unless a comment on the line (or the one above) says why not.
+sweep -> pruning, recovery, evaluation, reporting -> sources -> the root modules; recovery may import pruning (the
+pipeline's order), otherwise pruning, recovery and evaluation do not import each other; reporting imports the root
+modules only; the root modules import no stage (cli aside). The sweep reaches pruning through its stage module
+only: `taylor_tune.pruning.prune`, and of it only the names in its `__all__` (the stage functions and what they
+return), so that the trial composes pruning's stages instead of reaching into them. `config`, `schema` and
+`reporting` import neither torch nor ray, not even through the modules they import. A module imports the project's
+own modules at its top, unless a comment on the line (or the one above) says why not.
 The imports are read with `ast`, so nothing is imported to check them.
 """
 
@@ -23,7 +23,7 @@ ALLOWED = {
     "root": {"root"},
     "sources": {"root"},
     "pruning": {"sources", "root"},
-    "recovery": {"sources", "root"},
+    "recovery": {"pruning", "sources", "root"},  # after pruning: its measured loss, never the other way
     "evaluation": {"sources", "root"},
     "reporting": {"root"},
     "sweep": {"pruning", "recovery", "evaluation", "reporting", "sources", "root"},

@@ -16,6 +16,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from taylor_tune.config import RecoverySpec
+from taylor_tune.pruning.measured import calibration_loss
 from taylor_tune.recovery.losses import distillation_loss, next_token_loss
 from taylor_tune.sources.calibration import load_calibration
 from taylor_tune.sources.data import load_ppl_text, resolve_text
@@ -58,18 +59,15 @@ def heldout_ids(tokenizer, text: str, spec: RecoverySpec) -> torch.Tensor:
     return torch.tensor(ids[: windows * spec.seq_len]).view(windows, spec.seq_len)
 
 
-@torch.no_grad()
 def heldout_loss(model: torch.nn.Module, ids: torch.Tensor, micro_batch_size: int) -> float:
-    """Mean next-token loss over the held-out windows (every predicted token weighs the same)."""
-    was_training, device = model.training, next(model.parameters()).device
+    """Mean next-token loss over the held-out windows (pruning's `calibration_loss`), in eval mode: the adapters'
+    dropout off."""
+    was_training = model.training
     model.eval()
-    total, tokens = 0.0, 0
-    for batch in ids.split(micro_batch_size):
-        batch = batch.to(device)
-        total += float(next_token_loss(model(input_ids=batch).logits, batch)) * batch[:, 1:].numel()
-        tokens += batch[:, 1:].numel()
-    model.train(was_training)
-    return total / tokens
+    try:
+        return calibration_loss(model, ids, micro_batch_size)
+    finally:
+        model.train(was_training)
 
 
 def schedule(spec: RecoverySpec) -> Callable[[int], float]:
