@@ -4,9 +4,13 @@ as it is, recovered with `ce` or with `kd` (the same steps and tokens), each sco
 Per run: the perplexity on the first --windows windows of 128 tokens of the held-out articles (never trained on),
 the recovery's held-out loss before and after, and seconds per recovery step on this machine. Then, per sparsity
 and loss, Kendall's tau between the configurations' ranking unrecovered and recovered (scipy), with a bootstrap
-interval over the configurations. Rerunning skips measured runs (--json is the record).
+interval over the configurations. With --eval-limit N, the two configurations best by perplexity before recovery
+at each of --eval-sparsities are also scored on the seven real tasks at N items per task, unrecovered and after each
+loss (the recovered model is scored in memory, right after its recovery). Rerunning skips measured runs (--json is
+the record).
 
     .venv/bin/python bench/bench_recovery.py --json bench/recovery.json              # ~30 min on 2 cores
+    .venv/bin/python bench/bench_recovery.py --json bench/recovery_2h.json --steps 50 --eval-limit 300  # ~2 h
     .venv/bin/python bench/bench_recovery.py --json bench/recovery.json --table      # the Markdown table
 """
 
@@ -24,7 +28,8 @@ import numpy as np
 import torch
 from scipy import stats
 
-from taylor_tune.config import PruneConfig, RecoverySpec
+from taylor_tune.config import EvalSpec, PruneConfig, RecoverySpec
+from taylor_tune.evaluation.evaluate import Evaluator
 from taylor_tune.evaluation.perplexity import perplexity
 from taylor_tune.jsonio import write_json
 from taylor_tune.pruning.prune import ImportanceCache, prune
@@ -47,7 +52,20 @@ def kendall(before: list[float], after: list[float], draws: int = 2000, seed: in
     return {"tau": tau, "ci95": [float(low), float(high)], "points": len(x)}
 
 
-def measure(args, model_name: str, sparsity: float, method: str, loss: str, cache: ImportanceCache) -> dict:
+def zero_shot(model, tokenizer, model_name: str, limit: int) -> dict:
+    spec = EvalSpec(task_data="real", limit=limit, ppl=None)
+    shots = Evaluator(model, tokenizer, spec, model_name=model_name).zero_shot(limit)
+    return {"acc_mean": shots.acc_mean, "zero_shot_s": shots.seconds,
+            "tasks": {t: {k: e[k] for k in ("score", "score_stderr", "n", "metric")} for t, e in shots.tasks.items()}}
+
+
+def acc_mean_stderr(tasks: dict) -> float:
+    """The stderr of a mean of independent task scores: sqrt(sum of squared stderrs) / tasks."""
+    return float(np.sqrt(sum(e["score_stderr"] ** 2 for e in tasks.values())) / len(tasks))
+
+
+def measure(args, model_name: str, sparsity: float, method: str, loss: str, cache: ImportanceCache,
+            evaluate: bool = False) -> dict:
     name, _, layout = method.partition("+")  # taylor+uniform: the uniform (stock-loadable) layout
     config = PruneConfig(model=model_name, method=name, sparsity=sparsity, seq_len=64, num_samples=32,
                          calibration="wiki", device="cpu", dtype="float32", uniform=layout == "uniform")
@@ -65,7 +83,17 @@ def measure(args, model_name: str, sparsity: float, method: str, loss: str, cach
         row |= {"loss_before": recovered.loss_before, "loss_after": recovered.loss_after,
                 "recovery_s": recovered.seconds, "s_per_step": recovered.seconds / args.steps}
     row["ppl"] = perplexity(result.model, result.tokenizer, text, window=128, max_windows=args.windows)["ppl"]
+    if evaluate:
+        row |= zero_shot(result.model, result.tokenizer, model_name, args.eval_limit)
     return row
+
+
+def best_two(data: dict, sparsity: float, methods: list[str]) -> tuple[str, ...]:
+    """The two methods with the lowest perplexity before recovery at `sparsity` (all must be measured)."""
+    ppl = {m: data["runs"].get(f"{sparsity}|{m}|none", {}).get("ppl") for m in methods}
+    if None in ppl.values():
+        return ()
+    return tuple(sorted(ppl, key=ppl.get)[:2])
 
 
 def table(data: dict) -> str:
@@ -78,6 +106,14 @@ def table(data: dict) -> str:
             fmt = lambda v, d=2: "-" if v is None else f"{v:.{d}f}"
             lines.append(f"| {sparsity} | {method} | {fmt(get('none', 'ppl'))} | {fmt(get('ce', 'ppl'))} | "
                          f"{fmt(get('kd', 'ppl'))} | {fmt(get('ce', 's_per_step'))} | {fmt(get('kd', 's_per_step'))} |")
+    evaluated = [(k, r) for k, r in runs.items() if "acc_mean" in r]
+    if evaluated:
+        lines += ["", "| run (sparsity, method, recovery) | wiki ppl | acc_mean ± stderr | items per task "
+                  "| zero-shot s |", "|---|---|---|---|---|"]
+        for key, r in sorted(evaluated):
+            n = min(e["n"] for e in r["tasks"].values())
+            lines.append(f"| {key.replace('|', ', ')} | {r['ppl']:.2f} | {r['acc_mean']:.4f} ± "
+                         f"{acc_mean_stderr(r['tasks']):.4f} | {n} | {r['zero_shot_s']:.0f} |")
     for key, value in data.get("kendall", {}).items():
         lines.append(f"\nKendall's tau, {key}: {value['tau']:.3f} (95% bootstrap interval {value['ci95'][0]:.3f} to "
                      f"{value['ci95'][1]:.3f}, {value['points']} ranked points)")
@@ -94,6 +130,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--windows", type=int, default=32)
+    parser.add_argument("--eval-limit", type=int, default=0, help="items per task of the seven real tasks for the "
+                        "best two configurations (0: no zero-shot)")
+    parser.add_argument("--eval-sparsities", default="0.2")
     parser.add_argument("--table", action="store_true", help="print the Markdown table of --json and exit")
     args = parser.parse_args()
     data = json.loads(args.json.read_text()) if args.json.is_file() else {"runs": {}}
@@ -113,14 +152,30 @@ def main() -> None:
     data["settings"] = settings | {"sparsities": sparsities, "methods": methods}
     data["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__}
     cache = ImportanceCache(args.json.with_suffix(".importance_cache"))
-    for sparsity, method, loss in itertools.product(sparsities, methods, args.losses.split(",")):
+    losses = args.losses.split(",")
+    if args.eval_limit:
+        settings["eval_limit"] = data["settings"]["eval_limit"] = args.eval_limit
+    # unrecovered first: they pick the configurations that are also scored zero-shot
+    order = [(s, m, "none") for s in sparsities for m in methods] if "none" in losses else []
+    order += [(s, m, loss) for loss in losses if loss != "none" for s in sparsities for m in methods]
+    for sparsity, method, loss in order:
         key = f"{sparsity}|{method}|{loss}"
-        if key in data["runs"]:
+        chosen = best_two(data, sparsity, methods) if args.eval_limit and loss != "none" else ()
+        evaluate = sparsity in [float(s) for s in args.eval_sparsities.split(",")] and method in chosen
+        if key in data["runs"] and (not evaluate or "acc_mean" in data["runs"][key]):
             continue
+        if evaluate and loss != "none":  # the unrecovered model of a chosen configuration is scored first
+            base = f"{sparsity}|{method}|none"
+            if "acc_mean" not in data["runs"].get(base, {}):
+                start = time.perf_counter()
+                data["runs"][base] = measure(args, args.model, sparsity, method, "none", cache, True) | {
+                    "wall_s": time.perf_counter() - start, "date": time.strftime("%Y-%m-%d")}
+                print(base, {k: v for k, v in data["runs"][base].items() if k != "tasks"}, flush=True)
+                write_json(args.json, data)
         start = time.perf_counter()
-        data["runs"][key] = measure(args, args.model, sparsity, method, loss, cache) | {
+        data["runs"][key] = measure(args, args.model, sparsity, method, loss, cache, evaluate) | {
             "wall_s": time.perf_counter() - start, "date": time.strftime("%Y-%m-%d")}
-        print(key, data["runs"][key], flush=True)
+        print(key, {k: v for k, v in data["runs"][key].items() if k != "tasks"}, flush=True)
         write_json(args.json, data)
     data["kendall"] = {}
     for sparsity, loss in itertools.product(sparsities, ("ce", "kd")):

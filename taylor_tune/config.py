@@ -182,6 +182,12 @@ class RecoverySpec(BaseModel):
         """Recovery sequences drawn in all: every step sees its own."""
         return self.steps * self.grad_accum * self.micro_batch_size
 
+    @property
+    def points(self) -> int:
+        """Points of the held-out loss curve reported after step 0: every `eval_every` steps before the last, and
+        the end (ASHA's recovery rungs)."""
+        return 1 + ((self.steps - 1) // self.eval_every if self.eval_every else 0)
+
 
 class EvalSpec(BaseModel):
     """What to evaluate: perplexity and the zero-shot tasks (through lm-eval), and at what fidelity."""

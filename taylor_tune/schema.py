@@ -21,6 +21,16 @@ DIMENSIONS = {
     "blockwise_attention": "blockwise_attention", "criterion": "criterion", "calibration": "calibration",
     "uniform": "uniform",
 }
+# Recovery settings a search may vary and the RecoverySpec fields they set; searching one needs the experiment's
+# `recovery` block (which fixes the others). A recovered trial reports all of them as columns.
+RECOVERY_DIMENSIONS = {
+    "recovery_loss": "loss", "recovery_data": "data", "recovery_steps": "steps", "recovery_lr": "lr",
+    "recovery_warmup_steps": "warmup_steps", "recovery_seq_len": "seq_len", "lora_rank": "lora_rank",
+    "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout", "recovery_temperature": "temperature",
+    "recovery_kd_weight": "kd_weight",
+}
+# Every dimension a search space may name.
+SEARCHABLE = (*DIMENSIONS, *RECOVERY_DIMENSIONS)
 # What identifies a trial's configuration in every table.
 CONFIG_COLUMNS = ("model", "pruning_method", "taylor_seq_len", "taylor_num_samples", "seed")
 
@@ -30,6 +40,7 @@ STAGES = ("unpruned_speed", "load", "calibration", "importance", "prune", "speed
 SECONDS_SUFFIX, TOKENS_SUFFIX = "_s", "_tokens"
 _ZERO_SHOT = "zero_shot_"
 _REQUESTS = "_requests"
+_RECOVERY, RECOVERED = "recovery_", "recovered"
 # Per-task columns beside acc_<task>: its stderr, the items scored, and the two halves of held-out selection.
 TASK_SUFFIXES = ("_stderr", "_n", "_sel", "_heldout")
 
@@ -43,6 +54,16 @@ def config_columns(model: str, method: str, seq_len: int, num_samples: int, seed
 def zero_shot_stage(limit: int | None) -> str:
     """The stage a zero-shot pass at `limit` items per task reports; None = every item."""
     return f"{_ZERO_SHOT}{limit or 'all'}"
+
+
+def recovery_stage(step: int | None) -> str:
+    """The stage a point of the recovery's held-out loss curve reports: `recovery_<step>` during the recovery,
+    `recovered` (step None) at its end, after the adapters are merged."""
+    return RECOVERED if step is None else f"{_RECOVERY}{step}"
+
+
+def is_recovery_stage(stage: object) -> bool:
+    return isinstance(stage, str) and (stage == RECOVERED or stage.startswith(_RECOVERY))
 
 
 def seconds_key(stage: str) -> str:

@@ -19,7 +19,7 @@ import pandas as pd
 
 from taylor_tune.errors import ReportError
 from taylor_tune.reporting.stats import ACCURACY, Objective
-from taylor_tune.schema import CONFIG_COLUMNS, SPEED_METRICS, task_columns, task_key
+from taylor_tune.schema import CONFIG_COLUMNS, SPEED_METRICS, is_recovery_stage, task_columns, task_key
 
 GRAD_COLUMNS = ("grad_mean_ratio", "grad_norm_ratio", "grad_mean_range", "grad_norm_range")
 SPEC_COLUMNS = ("output_dir", "ppl", "acc_mean", "params_count", "pruning_ratio", *GRAD_COLUMNS,
@@ -212,6 +212,8 @@ def _reason(row: pd.Series, tasks: tuple[str, ...]) -> str | None:
         if error:
             return f"errored: {error}"
         stage = row.get("stage")
+        if is_recovery_stage(stage):  # ASHA's recovery rungs: stopped before the evaluation
+            return f"incomplete: stopped during recovery, before the evaluation (last stage {stage!r})"
         return (
             f"incomplete: no finite acc_mean (last stage {stage!r})" if isinstance(stage, str) else "no finite acc_mean"
         )

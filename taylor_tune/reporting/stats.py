@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from taylor_tune.schema import CONFIG_COLUMNS, DIMENSIONS, SPEED_METRICS
+from taylor_tune.schema import CONFIG_COLUMNS, SEARCHABLE, SPEED_METRICS
 
 Z95 = float(stats.norm.ppf(0.975))
 CONFIG = CONFIG_COLUMNS[1:4]  # pruning_method, taylor_seq_len, taylor_num_samples
@@ -292,7 +292,7 @@ def heldout_selection(df: pd.DataFrame, tasks: tuple[str, ...]) -> dict:
 def searched(df: pd.DataFrame) -> list[str]:
     """The configuration's columns: every search dimension the table has (trials that differ only in them are
     the same configuration at another calibration seed)."""
-    return list(dict.fromkeys(c for c in (*CONFIG, *DIMENSIONS) if c in df))  # the source tables' three first
+    return list(dict.fromkeys(c for c in (*CONFIG, *SEARCHABLE) if c in df))  # the source tables' three first
 
 
 def hyperparameter_importance(df: pd.DataFrame, params: tuple[str, ...] | None = None, seed: int = 0,

@@ -37,7 +37,7 @@ from taylor_tune.config import (
     read_config_file,
 )
 from taylor_tune.errors import ConfigError, TaylorTuneError, shown
-from taylor_tune.schema import DIMENSIONS, SPEED_METRICS, better, objective_metrics
+from taylor_tune.schema import DIMENSIONS, RECOVERY_DIMENSIONS, SEARCHABLE, SPEED_METRICS, better, objective_metrics
 from taylor_tune.sources.data import check_calibration, check_eval_sources, heldout_paths
 
 Value = StrictBool | StrictInt | StrictFloat | StrictStr | None
@@ -69,7 +69,9 @@ class Domain(BaseModel):
 class SearchSpace(BaseModel):
     """Any pruning setting may be a dimension (`DIMENSIONS`: the paper's three under the source tables' names, the
     rest under PruneConfig's); a setting not searched is fixed by `prune` or keeps its default. Each value is checked
-    as that PruneConfig field (strictly: no coercion), every combination of them with `prune` as a whole config."""
+    as that PruneConfig field (strictly: no coercion), every combination of them with `prune` as a whole config.
+    The recovery settings (`RECOVERY_DIMENSIONS`) are dimensions too, checked as RecoverySpec fields, when the
+    experiment recovers."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     taylor_seq_len: Domain | None = None
@@ -83,30 +85,45 @@ class SearchSpace(BaseModel):
     criterion: Domain | None = None
     calibration: Domain | None = None
     uniform: Domain | None = None
+    recovery_loss: Domain | None = None
+    recovery_data: Domain | None = None
+    recovery_steps: Domain | None = None
+    recovery_lr: Domain | None = None
+    recovery_warmup_steps: Domain | None = None
+    recovery_seq_len: Domain | None = None
+    lora_rank: Domain | None = None
+    lora_alpha: Domain | None = None
+    lora_dropout: Domain | None = None
+    recovery_temperature: Domain | None = None
+    recovery_kd_weight: Domain | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _known(cls, data):
         if isinstance(data, dict):
-            unknown = [k for k in data if k not in DIMENSIONS]
+            unknown = [k for k in data if k not in SEARCHABLE]
             if unknown:
-                raise ValueError(f"unknown dimension {shown(unknown[0])}; a search may vary {', '.join(DIMENSIONS)}")
+                raise ValueError(f"unknown dimension {shown(unknown[0])}; a search may vary {', '.join(SEARCHABLE)}")
         return data
 
-    @field_validator(*DIMENSIONS)
+    @field_validator(*SEARCHABLE)
     @classmethod
     def _values(cls, domain: Domain | None, info: ValidationInfo) -> Domain | None:
+        name = info.field_name
         for value in () if domain is None else domain.values:
             try:  # alone: the field's own type and range; combinations are the experiment's check
-                PruneConfig.model_validate({"model": "tiny-llama", DIMENSIONS[info.field_name]: value}, strict=True)
+                if name in RECOVERY_DIMENSIONS:
+                    RecoverySpec.model_validate({RECOVERY_DIMENSIONS[name]: value}, strict=True)
+                else:
+                    PruneConfig.model_validate({"model": "tiny-llama", DIMENSIONS[name]: value}, strict=True)
             except ValidationError as error:
                 raise ValueError(f"{error.errors()[0]['msg'].removeprefix('Value error, ')} (got {shown(value)})") \
                     from None
         return domain
 
     def domains(self) -> dict[str, Domain]:
-        """The searched dimensions, in DIMENSIONS' order."""
-        return {name: getattr(self, name) for name in DIMENSIONS if getattr(self, name) is not None}
+        """The searched dimensions, in SEARCHABLE's order (pruning's, then recovery's)."""
+        return {name: getattr(self, name) for name in SEARCHABLE if getattr(self, name) is not None}
 
 
 class Search(BaseModel):
@@ -293,7 +310,15 @@ class Experiment(BaseModel):
     def _space(self) -> Experiment:
         """Each setting is either searched or fixed, and every combination of the space is a valid pruning."""
         for name in self.search_space.domains():
-            if DIMENSIONS[name] in self.prune:
+            if name in RECOVERY_DIMENSIONS:
+                field = RECOVERY_DIMENSIONS[name]
+                if self.recovery is None:
+                    raise ValueError(f"search_space.{name} searches a recovery setting, and the experiment does not "
+                                     "recover; add a recovery block (recovery: {} for its defaults)")
+                if field in self.recovery.model_fields_set:
+                    raise ValueError(f"recovery.{field} is also searched (search_space.{name}): fix it in recovery "
+                                     "or search it, not both")
+            elif DIMENSIONS[name] in self.prune:
                 raise ValueError(f"prune.{DIMENSIONS[name]} is also searched (search_space.{name}): fix it in prune "
                                  "or search it, not both")
         if self.space_size() > MAX_SPACE:
@@ -304,20 +329,23 @@ class Experiment(BaseModel):
         for point in self.space_points():
             try:
                 self.prune_config("tiny-llama", point)
+                self.recovery_spec(point)
             except ValidationError as error:
                 message = error.errors()[0]["msg"].removeprefix("Value error, ")
                 named = ", ".join(f"{k} {v!r}" for k, v in point.items())
-                raise ValueError(f"search_space: the combination ({named}) is not a valid pruning: {message}") from None
+                what = "recovery" if error.title == RecoverySpec.__name__ else "pruning"
+                raise ValueError(f"search_space: the combination ({named}) is not a valid {what}: {message}") \
+                    from None
         return self
 
     @model_validator(mode="after")
     def _tpe(self) -> Experiment:
         if self.search.algorithm == "tpe" and self.search.repeats > 1:
             raise ValueError("search.repeats > 1 is for grid search; TPE draws one calibration seed (0)")
-        if self.search.scheduler == "asha" and len(self.evaluation.fidelities) < 2:
+        if self.search.scheduler == "asha" and self.recovery is None and len(self.evaluation.fidelities) < 2:
             raise ValueError(
-                "search.scheduler: asha stops trials at a cheap zero-shot pass, and evaluation.fidelities has "
-                "only one; give cheaper limits first, e.g. fidelities: [200, null]"
+                "search.scheduler: asha stops trials at a cheap zero-shot pass (or a recovery's held-out loss), and "
+                "evaluation.fidelities has only one; give cheaper limits first, e.g. fidelities: [200, null]"
             )
         if self.search.algorithm == "grid" and any(d.grid is None for d in self.search_space.domains().values()):
             raise ValueError("search.algorithm grid needs grid domains in the search space (choice is for tpe)")
@@ -332,13 +360,27 @@ class Experiment(BaseModel):
 
     def prune_config(self, model: str, point: dict, seed: int = 0) -> PruneConfig:
         """The PruneConfig of one point of the space ({dimension: value}) for `model`."""
-        return PruneConfig(model=model, seed=seed, **self.prune, **{DIMENSIONS[k]: v for k, v in point.items()})
+        return PruneConfig(model=model, seed=seed, **self.prune,
+                           **{DIMENSIONS[k]: v for k, v in point.items() if k in DIMENSIONS})
+
+    def recovery_spec(self, point: dict) -> RecoverySpec | None:
+        """The recovery of one point of the space: the recovery block with the point's recovery dimensions."""
+        return recovery_of(self.recovery, point)
+
+    def recovery_points(self) -> int:
+        """The most held-out loss points a trial's recovery reports (`RecoverySpec.points`; 0 without recovery):
+        ASHA's rungs before the zero-shot passes."""
+        return max((self.recovery_spec(point).points for point in self.space_points()), default=0) \
+            if self.recovery is not None else 0
 
     def values_of(self, dimension: str) -> tuple:
-        """Every value the sweep gives a dimension: the searched ones, or the one fixed in prune (or the default)."""
+        """Every value the sweep gives a dimension: the searched ones, or the one fixed in prune (or the default);
+        a recovery dimension's fixed value is the recovery block's (none without recovery)."""
         domains = self.search_space.domains()
         if dimension in domains:
             return domains[dimension].values
+        if dimension in RECOVERY_DIMENSIONS:
+            return () if self.recovery is None else (getattr(self.recovery, RECOVERY_DIMENSIONS[dimension]),)
         field = DIMENSIONS[dimension]
         return (self.prune[field],) if field in self.prune else (PruneConfig.model_fields[field].default,)
 
@@ -364,6 +406,15 @@ class Experiment(BaseModel):
         """Every configuration of a grid search (for checks and benchmarks; Tune expands its own)."""
         return [{"model": m, "seed": s, **point}
                 for m in self.models for s in range(self.search.repeats) for point in self.space_points()]
+
+
+def recovery_of(recovery: RecoverySpec | dict | None, point: dict) -> RecoverySpec | None:
+    """A recovery block (a RecoverySpec, or its dict as a trial's config carries it) with the searched recovery
+    dimensions of `point` ({dimension: value}) set; None when the experiment does not recover."""
+    if recovery is None:
+        return None
+    fixed = recovery.model_dump() if isinstance(recovery, RecoverySpec) else dict(recovery)
+    return RecoverySpec(**fixed | {RECOVERY_DIMENSIONS[k]: v for k, v in point.items() if k in RECOVERY_DIMENSIONS})
 
 
 def _resolve_space(data: dict, base: Path) -> dict:
@@ -432,20 +483,21 @@ def check_sources(experiment: Experiment) -> None:
     for calibration in experiment.values_of("calibration"):
         check_calibration(calibration)
     check_eval_sources(experiment.evaluation)
-    if experiment.recovery is not None:
-        check_recovery_text(experiment.recovery.data, experiment.evaluation.ppl)
+    searched = "recovery_data" in experiment.search_space.domains()
+    for data in experiment.values_of("recovery_data"):
+        check_recovery_text(data, experiment.evaluation.ppl, "search_space.recovery_data" if searched else None)
 
 
-def check_recovery_text(data: str, ppl: str | None) -> None:
+def check_recovery_text(data: str, ppl: str | None, where: str | None = None) -> None:
     """The recovery text exists (fetched, for an asset) and is none of the held-out texts: training on what the
     perplexity scores would make the recovered numbers meaningless."""
     heldout = {p.resolve() for p in heldout_paths()}
     if ppl is not None and Path(ppl).is_file():
         heldout.add(Path(ppl).resolve())
     if Path(data).is_file() and Path(data).resolve() in heldout:
-        raise ConfigError(f"recovery.data: {shown(data)} is held-out text the evaluation scores; recover on "
-                          "calibration text (wiki, world, sample, wikitext2, c4) or another file")
+        raise ConfigError(f"{where or 'recovery.data'}: {shown(data)} is held-out text the evaluation scores; "
+                          "recover on calibration text (wiki, world, sample, wikitext2, c4) or another file")
     try:
         check_calibration(data)
     except TaylorTuneError as error:  # not a file, or an asset not fetched: the same words, naming the field
-        raise ConfigError(f"recovery.data: {str(error).removeprefix('calibration: ')}") from None
+        raise ConfigError(f"{where or 'recovery.data'}: {str(error).removeprefix('calibration: ')}") from None

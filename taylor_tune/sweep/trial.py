@@ -10,6 +10,7 @@ from the sweep's shared cache when one is given.
 from __future__ import annotations
 
 import json
+import math
 import socket
 import time
 from collections.abc import Callable
@@ -50,11 +51,15 @@ class TrialConfig(BaseModel):
                                                                 else set()))))
 
 
-def trial_columns(config: PruneConfig) -> dict:
+def trial_columns(config: PruneConfig, recovery: RecoverySpec | None = None) -> dict:
     """The configuration columns of the consolidated table (docs/specification.md §3) and every other setting a
-    search may vary (schema.DIMENSIONS), whether this sweep varied it or not."""
+    search may vary (schema.DIMENSIONS), whether this sweep varied it or not; with recovery, its settings too
+    (schema.RECOVERY_DIMENSIONS)."""
     columns = schema.config_columns(config.model, config.method, config.seq_len, config.num_samples, config.seed)
-    return columns | {name: getattr(config, field) for name, field in schema.DIMENSIONS.items() if name not in columns}
+    columns |= {name: getattr(config, field) for name, field in schema.DIMENSIONS.items() if name not in columns}
+    if recovery is not None:
+        columns |= {name: getattr(recovery, field) for name, field in schema.RECOVERY_DIMENSIONS.items()}
+    return columns
 
 
 def unpruned_speed(trial: TrialConfig) -> tuple[dict, float | None]:
@@ -193,9 +198,11 @@ def recover_pruned(run: TrialRun) -> dict:
     text = resolve_text(run.trial.evaluation.ppl or "auto", config.model)
     held = heldout_ids(pruned.tokenizer, text, spec)
 
+    points = iter(range(1, spec.steps + 1))  # the curve's points after step 0, counted: ASHA's recovery rungs
+
     def report_curve(step: int, loss: float) -> None:
-        run.report({**run.metrics, "stage": f"recovery_{step}", "recovery_step": step,
-                    "recovery_heldout_loss": loss})
+        run.report({**run.metrics, "stage": schema.recovery_stage(step), "recovery_step": step,
+                    "recovery_point": next(points), "recovery_heldout_loss": loss})
 
     recovered = recover(pruned.model, recovery_ids(pruned.tokenizer, spec, config.model), held, spec,
                         teacher=teacher, report=report_curve)
@@ -205,8 +212,10 @@ def recover_pruned(run: TrialRun) -> dict:
     pruned.model = recovered.model
     return {"recovery_heldout_loss_before": recovered.loss_before, "recovery_heldout_loss_after": recovered.loss_after,
             "recovery_heldout_loss": recovered.loss_after, "recovery_step": spec.steps,
-            "recovery_train_loss_last": recovered.train_loss[-1], "recovery_s": recovered.seconds,
-            "stage": "recovered"}
+            "recovery_point": next(points), "recovery_train_loss_last": recovered.train_loss[-1],
+            "recovery_heldout_ppl_before": math.exp(recovered.loss_before),
+            "recovery_heldout_ppl_after": math.exp(recovered.loss_after), "recovery_s": recovered.seconds,
+            "stage": schema.recovery_stage(None)}
 
 
 def start_evaluation(run: TrialRun) -> dict:
@@ -266,7 +275,7 @@ def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict]
     trial_dir = Path(trial_dir)
     trial_dir.mkdir(parents=True, exist_ok=True)
     write_json(trial_dir / "config.json", trial.record())
-    metrics = {**trial_columns(trial.prune), "output_dir": output_dir or str(trial_dir)}
+    metrics = {**trial_columns(trial.prune, trial.recovery), "output_dir": output_dir or str(trial_dir)}
     run = TrialRun(trial, trial_dir, metrics, on_gpu=torch.cuda.is_available() and trial.prune.device != "cpu",
                    report=report)
     for stage in trial_stages(trial):

@@ -11,7 +11,7 @@ from typing import TextIO
 
 from ray.tune import Callback
 
-from taylor_tune.schema import DIMENSIONS
+from taylor_tune.schema import SEARCHABLE
 
 # how the console names the paper's three dimensions; any other searched one goes by its own name
 _SHORT = {"taylor_seq_len": "seq_len", "taylor_num_samples": "samples"}
@@ -20,7 +20,7 @@ _SHORT = {"taylor_seq_len": "seq_len", "taylor_num_samples": "samples"}
 def trial_name(config: dict) -> str:
     """The model and the trial's searched settings: `tiny-llama taylor seq_len=16 samples=8 sparsity=0.3`."""
     method = f" {config['pruning_method']}" if "pruning_method" in config else ""
-    searched = " ".join(f"{_SHORT.get(name, name)}={config[name]}" for name in DIMENSIONS
+    searched = " ".join(f"{_SHORT.get(name, name)}={config[name]}" for name in SEARCHABLE
                         if name in config and name != "pruning_method")
     seed = f" seed={config['seed']}" if config.get("seed") else ""
     return f"{config.get('model')}{method}{' ' + searched if searched else ''}{seed}"

@@ -126,7 +126,8 @@ def _fit(experiment: Experiment, verbose: bool):
         scheduler = None
         if experiment.search.scheduler == "asha":
             scheduler = FidelityASHA(
-                len(experiment.evaluation.fidelities), reduction_factor=experiment.search.reduction_factor
+                len(experiment.evaluation.fidelities), recovery_points=experiment.recovery_points(),
+                reduction_factor=experiment.search.reduction_factor,
             )
         cache_dir = f"{path}/importance_cache"
         if experiment.search.algorithm == "grid":

@@ -15,9 +15,9 @@ from pyarrow import fs
 from ray import tune
 
 from taylor_tune.compat.ray import trial_storage
-from taylor_tune.config import PruneConfig, RecoverySpec
+from taylor_tune.config import PruneConfig
 from taylor_tune.schema import DIMENSIONS, zero_shot_stage
-from taylor_tune.sweep.experiment import Evaluation
+from taylor_tune.sweep.experiment import Evaluation, recovery_of
 from taylor_tune.sweep.trial import FINISHED_ARTIFACTS, TrialConfig, completed_metrics, run_trial
 from taylor_tune.sweep.tune.metrics import TrialMetrics
 
@@ -31,7 +31,7 @@ def trial_config(config: dict) -> TrialConfig:
         evaluation=Evaluation(**fixed["evaluation"]),
         sample_counts=tuple(fixed["sample_counts"]),
         cache_dir=fixed["cache_dir"],
-        recovery=RecoverySpec(**fixed["recovery"]) if fixed.get("recovery") else None,
+        recovery=recovery_of(fixed.get("recovery"), config),  # with the searched recovery dimensions
     )
 
 
