@@ -26,7 +26,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from scipy import stats
 
 from taylor_tune.config import EvalSpec, PruneConfig, RecoverySpec
 from taylor_tune.evaluation.evaluate import Evaluator
@@ -34,22 +33,9 @@ from taylor_tune.evaluation.perplexity import perplexity
 from taylor_tune.jsonio import write_json
 from taylor_tune.pruning.prune import ImportanceCache, prune
 from taylor_tune.recovery.train import heldout_ids, recover, recovery_ids
+from taylor_tune.reporting.stats import kendall_tau as kendall
 from taylor_tune.sources.data import load_ppl_text
 from taylor_tune.sources.models import load_model
-
-
-def kendall(before: list[float], after: list[float], draws: int = 2000, seed: int = 0) -> dict:
-    """tau-b of the two rankings and a percentile bootstrap interval over the configurations (resampled in pairs)."""
-    tau = float(stats.kendalltau(before, after).statistic)
-    rng, x, y, taus = np.random.default_rng(seed), np.asarray(before), np.asarray(after), []
-    for _ in range(draws):
-        pick = rng.integers(0, len(x), len(x))
-        if len(set(pick)) > 2:
-            value = stats.kendalltau(x[pick], y[pick]).statistic
-            if np.isfinite(value):
-                taus.append(value)
-    low, high = np.percentile(taus, [2.5, 97.5]) if taus else (float("nan"), float("nan"))
-    return {"tau": tau, "ci95": [float(low), float(high)], "points": len(x)}
 
 
 def zero_shot(model, tokenizer, model_name: str, limit: int) -> dict:
@@ -116,7 +102,7 @@ def table(data: dict) -> str:
                          f"{acc_mean_stderr(r['tasks']):.4f} | {n} | {r['zero_shot_s']:.0f} |")
     for key, value in data.get("kendall", {}).items():
         lines.append(f"\nKendall's tau, {key}: {value['tau']:.3f} (95% bootstrap interval {value['ci95'][0]:.3f} to "
-                     f"{value['ci95'][1]:.3f}, {value['points']} ranked points)")
+                     f"{value['ci95'][1]:.3f}, {value.get('configurations', value.get('points'))} ranked points)")
     return "\n".join(lines)
 
 

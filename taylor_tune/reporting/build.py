@@ -1,8 +1,8 @@
 """The analysis report computed: `build_report` turns any input `load_trials` accepts into a `Report` (pure: no
 files, no rendering). For each model the sections follow the source tools' report, plus what they lacked: stderr and
 confidence intervals, whether the best lead is real, seed spread, held-out selection, fANOVA importance, the value of
-a per-model search, quality against measured speed, the Pareto front of the objectives and the best configuration
-under constraints. `render` prints a Report, `write` writes its folder.
+a per-model search, quality against measured speed, the Pareto front of the objectives, the best configuration
+under constraints, and what recovery fine-tuning changed. `render` prints a Report, `write` writes its folder.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class ModelReport:
     front_objectives: tuple[stats.Objective, ...] = ()  # what the Pareto front trades off (empty: no front)
     front: pd.DataFrame | None = None  # pareto.pareto_front: every configuration, the front first
     constrained: dict | None = None  # pareto.best_under, when constraints were asked for
+    recovery: dict | None = None  # stats.recovery_comparison, when the trials recovered
 
 
 @dataclass
@@ -105,6 +106,7 @@ def model_report(table: TrialTable, model: str, z: float = stats.Z95, seed: int 
         importance=stats.hyperparameter_importance(valid, seed=seed, objective=objective),
         speed=stats.speed_quality(valid), objective=objective, front_objectives=front_of,
         front=pareto.pareto_front(valid, front_of) if front_of and len(valid) else None, constrained=constrained,
+        recovery=stats.recovery_comparison(valid, objective, seed=seed),
     )
 
 

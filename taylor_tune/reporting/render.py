@@ -172,10 +172,28 @@ def _constrained_section(report: Report, m: ModelReport) -> tuple[str, list] | N
     return None if m.constrained is None else ("11. Best under constraints", _constrained_blocks(m))
 
 
+def _recovery_section(report: Report, m: ModelReport) -> tuple[str, list] | None:
+    if m.recovery is None:
+        return None
+    lines = ["Held-out perplexity (the recovery's held-out windows) before and after recovery, per configuration "
+             "(mean over seeds), beside the sweep's metric (after recovery). Kendall's tau-b compares the "
+             "configurations' rankings before and after (1: recovery changes no ranking)."]
+    rankings = m.recovery["rankings"]
+    varied = [k for k in rankings[0]["recovery"] if len({str(r["recovery"][k]) for r in rankings}) > 1]
+    for r in rankings:
+        setting = ", ".join(f"{k}={r['recovery'][k]}" for k in varied) or "every recovered trial"
+        tau = (f"Kendall's tau-b {r['tau']:.3f} (95% bootstrap interval {_fmt(r['ci95'][0], 3)} to "
+               f"{_fmt(r['ci95'][1], 3)}, {r['configurations']} configurations)" if "tau" in r else r["reason"])
+        best = (f"best before and after: {r['best_before']}" if r["same_best"] else
+                f"best before: {r['best_before']}; best after: {r['best_after']} (recovery changes the best)")
+        lines.append(f"{setting}: {tau}; {best}")
+    return ("12. Recovery: before and after", [*lines, m.recovery["table"]])
+
+
 # A model's sections after its head, in order; a section that returns None has nothing to say for this report.
 MODEL_SECTIONS = (_methods_section, _hyperparameters_section, _gradient_section, _extreme_section, _ppl_section,
                   _best_section, _seeds_section, _heldout_section, _speed_section, _front_section,
-                  _constrained_section)
+                  _constrained_section, _recovery_section)
 
 
 def sections(report: Report) -> list[tuple[str, list]]:

@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from taylor_tune.schema import CONFIG_COLUMNS, SEARCHABLE, SPEED_METRICS
+from taylor_tune.schema import CONFIG_COLUMNS, RECOVERY_DIMENSIONS, SEARCHABLE, SPEED_METRICS
 
 Z95 = float(stats.norm.ppf(0.975))
 CONFIG = CONFIG_COLUMNS[1:4]  # pruning_method, taylor_seq_len, taylor_num_samples
@@ -293,6 +293,61 @@ def searched(df: pd.DataFrame) -> list[str]:
     """The configuration's columns: every search dimension the table has (trials that differ only in them are
     the same configuration at another calibration seed)."""
     return list(dict.fromkeys(c for c in (*CONFIG, *SEARCHABLE) if c in df))  # the source tables' three first
+
+
+def kendall_tau(before, after, draws: int = 2000, seed: int = 0) -> dict:
+    """Kendall's tau-b between two rankings of the same configurations (scipy), with a percentile bootstrap
+    interval over the configurations (resampled in pairs; a resample with fewer than three distinct ones, or an
+    undefined tau, is skipped)."""
+    x, y = np.asarray(before, dtype=float), np.asarray(after, dtype=float)
+    tau = float(stats.kendalltau(x, y).statistic)
+    rng, taus = np.random.default_rng(seed), []
+    for _ in range(draws):
+        pick = rng.integers(0, len(x), len(x))
+        if len(set(pick.tolist())) > 2:
+            value = stats.kendalltau(x[pick], y[pick]).statistic
+            if np.isfinite(value):
+                taus.append(value)
+    low, high = np.percentile(taus, [2.5, 97.5]) if taus else (math.nan, math.nan)
+    return {"tau": tau, "ci95": [float(low), float(high)], "configurations": len(x)}
+
+
+BEFORE, AFTER = "recovery_heldout_loss_before", "recovery_heldout_loss_after"
+
+
+def recovery_comparison(df: pd.DataFrame, objective: Objective = ACCURACY, seed: int = 0) -> dict | None:
+    """What recovery changed, per pruning configuration: the held-out perplexity (the recovery's own held-out
+    windows, exp of the mean token loss) before and after, mean over seeds, beside the objective (measured after).
+    For each recovery setting (the recovery columns' values), Kendall's tau-b between the configurations'
+    rankings by held-out perplexity before and after (`kendall_tau`), and the best configuration by each. None when
+    no trial recovered."""
+    if BEFORE not in df or AFTER not in df or df[BEFORE].isna().all():
+        return None
+    df = df[df[BEFORE].notna() & df[AFTER].notna()].assign(
+        heldout_ppl_before=lambda d: np.exp(d[BEFORE].astype(float)),
+        heldout_ppl_after=lambda d: np.exp(d[AFTER].astype(float)))
+    setting = [c for c in RECOVERY_DIMENSIONS if c in df]
+    pruning = [c for c in searched(df) if c not in RECOVERY_DIMENSIONS and c != "seed"]
+    values = ["heldout_ppl_before", "heldout_ppl_after", *([objective.metric] if objective.metric in df else [])]
+    table = df.groupby(setting + pruning, dropna=False)[values].mean().reset_index()
+    table["change"] = table["heldout_ppl_after"] / table["heldout_ppl_before"] - 1
+    shown = [c for c in setting + pruning if table[c].astype(str).nunique() > 1]  # what tells the rows apart
+    rankings = []
+    groups = table.groupby(setting, dropna=False, sort=False) if setting else [((), table)]
+    for key, group in groups:
+        names = [", ".join(f"{c}={plain(r[c])}" for c in pruning if table[c].astype(str).nunique() > 1) or "(one)"
+                 for _, r in group.iterrows()]
+        entry = {"recovery": dict(zip(setting, map(plain, key if isinstance(key, tuple) else (key,)))),
+                 "configurations": len(group),
+                 "best_before": names[int(np.argmin(group["heldout_ppl_before"].to_numpy()))],
+                 "best_after": names[int(np.argmin(group["heldout_ppl_after"].to_numpy()))]}
+        entry["same_best"] = entry["best_before"] == entry["best_after"]
+        if len(group) >= 3:
+            entry |= kendall_tau(group["heldout_ppl_before"], group["heldout_ppl_after"], seed=seed)
+        else:
+            entry["reason"] = "fewer than three configurations: no ranking to compare"
+        rankings.append(entry)
+    return {"table": table[[*shown, *values, "change"]], "rankings": rankings}
 
 
 def hyperparameter_importance(df: pd.DataFrame, params: tuple[str, ...] | None = None, seed: int = 0,

@@ -165,6 +165,10 @@ def write_report(report: Report, output: str | Path) -> list[Path]:
         if m.front is not None:
             m.front.to_csv(folder / "pareto_front.csv", index=False)
             written.append(folder / "pareto_front.csv")
+        if m.recovery is not None:
+            m.recovery["table"].to_csv(folder / "recovery_comparison.csv", index=False)
+            written.append(folder / "recovery_comparison.csv")
+            written.append(_write_json(folder / "recovery_rankings.json", m.recovery["rankings"]))
         if m.constrained is not None:
             written.append(_write_json(folder / "best_under_constraints.json", m.constrained))
         if m.best is not None:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from taylor_tune.reporting import load_trials
+from taylor_tune.reporting import build_report, load_trials
 from tests.recovery.test_recovery_search import asha_reference
 from tests.sweep.test_sweep_resilience import interrupt_sweep
 from tests.sweep_helpers import analysis_rows, kill_ray_started_after, run_sweep, trial_dirs, write_experiment
@@ -60,6 +60,11 @@ def test_asha_stops_trials_at_the_recovery_rungs_as_successive_halving_on_the_he
     table = load_trials(path)  # a trial stopped during recovery has no evaluation: not comparable, and said why
     assert len(table.invalid) == sum(rung < 3 for rung in ended)
     assert all("stopped during recovery" in why for why in table.invalid["reason"])
+    report = build_report(path)  # before and after, per lora_rank, for the trials that finished
+    rankings = report.models["tiny-llama"].recovery["rankings"]
+    assert sorted(r["recovery"]["lora_rank"] for r in rankings) == sorted({rows[t]["lora_rank"] for t in rows
+                                                                           if rows[t]["stage"] == "zero_shot_10"})
+    assert sum(r["configurations"] for r in rankings) == ended.count(3)
     # the held-out loss curve of a recovered trial, point by point, in TensorBoard
     done = folders[sorted(folders)[ended.index(3)]]
     values = []
