@@ -158,7 +158,9 @@ class RecoverySpec(BaseModel):
         "model's next-token distribution at `temperature`; ce+kd: (1 - kd_weight) x ce + kd_weight x kd")
     data: str = Field(
         "auto", description="recovery text: wiki (the real offline world's calibration articles; never its held-out "
-        "ones), world, sample, wikitext2, c4, a .txt file, or auto (as calibration: the model's world)")
+        "ones), world, sample, wikitext2, c4, a .txt file, or auto (as calibration: the model's world); or "
+        "instruction data, the loss on the responses only: alpaca (the hub's yahma/alpaca-cleaned, LLM-Pruner's "
+        "recovery set) or a .json / .jsonl file of Alpaca records (instruction, input, output)")
     steps: int = Field(100, gt=0, description="optimizer steps")
     lr: float = Field(1e-4, gt=0, allow_inf_nan=False, description="peak learning rate (AdamW)")
     warmup_steps: int = Field(10, ge=0, description="linear warm-up steps; then linear decay to 0 at `steps`")

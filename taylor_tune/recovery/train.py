@@ -20,6 +20,7 @@ from taylor_tune.pruning.measured import calibration_loss
 from taylor_tune.recovery.losses import distillation_loss, next_token_loss
 from taylor_tune.sources.calibration import load_calibration
 from taylor_tune.sources.data import load_ppl_text, resolve_text
+from taylor_tune.sources.instructions import is_instruction_data, load_instructions, prompt_and_response
 
 
 @dataclass
@@ -47,6 +48,39 @@ def recovery_ids(tokenizer, spec: RecoverySpec, model_name: str | None) -> torch
     """[spec.sequences, seq_len] token ids of the recovery text (the calibration draw's rules: nested, seeded)."""
     return load_calibration(tokenizer, resolve_text(spec.data, model_name), seq_len=spec.seq_len,
                             num_samples=spec.sequences, seed=spec.seed)
+
+
+def instruction_batches(tokenizer, records: list[dict], spec: RecoverySpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """[spec.sequences, seq_len] token ids of Alpaca prompts and their responses (drawn without replacement in a
+    seeded order, again in a new order when the set is smaller), and the mask of the response tokens (the loss's
+    targets; the end-of-sequence token included). Cut at seq_len (LLM-Pruner's cutoff), padded on the right, which
+    a causal model's earlier positions never see."""
+    import random
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    rng, order = random.Random(spec.seed), []
+    ids = torch.full((spec.sequences, spec.seq_len), pad, dtype=torch.long)
+    mask = torch.zeros((spec.sequences, spec.seq_len), dtype=torch.long)
+    for row in range(spec.sequences):
+        if not order:
+            order = list(range(len(records)))
+            rng.shuffle(order)
+        prompt, response = prompt_and_response(records[order.pop()])
+        head = tokenizer(prompt)["input_ids"]  # the tokenizer's own special tokens (a BOS) lead
+        tail = tokenizer(response, add_special_tokens=False)["input_ids"] + eos
+        tokens = (head + tail)[: spec.seq_len]
+        ids[row, : len(tokens)] = torch.tensor(tokens)
+        mask[row, len(head): len(tokens)] = 1
+    return ids, mask
+
+
+def recovery_data(tokenizer, spec: RecoverySpec, model_name: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The recovery's token ids [spec.sequences, seq_len] and the mask of the tokens the loss predicts (None: every
+    token, for text; the responses, for instruction data)."""
+    if is_instruction_data(spec.data):
+        return instruction_batches(tokenizer, load_instructions(spec.data), spec)
+    return recovery_ids(tokenizer, spec, model_name), None
 
 
 def heldout_ids(tokenizer, text: str, spec: RecoverySpec) -> torch.Tensor:
@@ -81,23 +115,25 @@ def schedule(spec: RecoverySpec) -> Callable[[int], float]:
     return factor
 
 
-def step_loss(model, batch: torch.Tensor, spec: RecoverySpec, teacher: torch.nn.Module | None) -> torch.Tensor:
+def step_loss(model, batch: torch.Tensor, spec: RecoverySpec, teacher: torch.nn.Module | None,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
     logits = model(input_ids=batch).logits
     if spec.loss == "ce":
-        return next_token_loss(logits, batch)
+        return next_token_loss(logits, batch, mask)
     with torch.no_grad():
         teacher_logits = teacher(input_ids=batch).logits
-    kd = distillation_loss(logits, teacher_logits, spec.temperature)
+    kd = distillation_loss(logits, teacher_logits, spec.temperature, mask)
     if spec.loss == "kd":
         return kd
-    return (1 - spec.kd_weight) * next_token_loss(logits, batch) + spec.kd_weight * kd
+    return (1 - spec.kd_weight) * next_token_loss(logits, batch, mask) + spec.kd_weight * kd
 
 
 def recover(model: torch.nn.Module, ids: torch.Tensor, heldout: torch.Tensor, spec: RecoverySpec, *,
-            teacher: torch.nn.Module | None = None, report: Callable[[int, float], None] | None = None) -> Recovered:
-    """Train LoRA adapters on `ids` ([spec.sequences, seq_len]) and merge them; `heldout` ([n, seq_len]) is measured
-    before, every `eval_every` steps (each passed to `report(step, loss)`) and after. `teacher`: the unpruned model,
-    for `kd` and `ce+kd`."""
+            mask: torch.Tensor | None = None, teacher: torch.nn.Module | None = None,
+            report: Callable[[int, float], None] | None = None) -> Recovered:
+    """Train LoRA adapters on `ids` ([spec.sequences, seq_len]; `mask`: the tokens the loss predicts, None for
+    all) and merge them; `heldout` ([n, seq_len]) is measured before, every `eval_every` steps (each passed to
+    `report(step, loss)`) and after. `teacher`: the unpruned model, for `kd` and `ce+kd`."""
     if spec.loss != "ce" and teacher is None:
         raise ValueError(f"recovery.loss {spec.loss} needs the unpruned model as teacher")
     start = time.perf_counter()
@@ -112,10 +148,13 @@ def recover(model: torch.nn.Module, ids: torch.Tensor, heldout: torch.Tensor, sp
         teacher.eval()
     peft_model.train()
     losses, batches = [], ids.split(spec.micro_batch_size)
+    masks = [None] * len(batches) if mask is None else mask.split(spec.micro_batch_size)
     for step in range(spec.steps):
         total = 0.0
-        for micro in batches[step * spec.grad_accum:(step + 1) * spec.grad_accum]:
-            loss = step_loss(peft_model, micro.to(device), spec, teacher) / spec.grad_accum
+        part = slice(step * spec.grad_accum, (step + 1) * spec.grad_accum)
+        for micro, micro_mask in zip(batches[part], masks[part]):
+            micro_mask = None if micro_mask is None else micro_mask.to(device)
+            loss = step_loss(peft_model, micro.to(device), spec, teacher, micro_mask) / spec.grad_accum
             loss.backward()
             total += float(loss.detach())
         optimizer.step()

@@ -39,6 +39,7 @@ from taylor_tune.config import (
 from taylor_tune.errors import ConfigError, TaylorTuneError, shown
 from taylor_tune.schema import DIMENSIONS, RECOVERY_DIMENSIONS, SEARCHABLE, SPEED_METRICS, better, objective_metrics
 from taylor_tune.sources.data import check_calibration, check_eval_sources, heldout_paths
+from taylor_tune.sources.instructions import check_instruction_file, is_instruction_data
 
 Value = StrictBool | StrictInt | StrictFloat | StrictStr | None
 
@@ -497,6 +498,8 @@ def check_recovery_text(data: str, ppl: str | None, where: str | None = None) ->
     if Path(data).is_file() and Path(data).resolve() in heldout:
         raise ConfigError(f"{where or 'recovery.data'}: {shown(data)} is held-out text the evaluation scores; "
                           "recover on calibration text (wiki, world, sample, wikitext2, c4) or another file")
+    if is_instruction_data(data):
+        return check_instruction_file(data, where or "recovery.data")
     try:
         check_calibration(data)
     except TaylorTuneError as error:  # not a file, or an asset not fetched: the same words, naming the field

@@ -29,7 +29,7 @@ from taylor_tune.evaluation.speed import checked_speed, measure_speed, speed_rat
 from taylor_tune.jsonio import built_once, digest, json_safe, write_json
 from taylor_tune.pruning import prune as stages
 from taylor_tune.pruning.prune import ImportanceCache, Pruning, summary_dict
-from taylor_tune.recovery.train import heldout_ids, recover, recovery_ids
+from taylor_tune.recovery.train import heldout_ids, recover, recovery_data
 from taylor_tune.sources.data import resolve_text
 from taylor_tune.sources.models import load_model, resolve_device, resolve_dtype
 from taylor_tune.sweep.experiment import Evaluation
@@ -204,8 +204,8 @@ def recover_pruned(run: TrialRun) -> dict:
         run.report({**run.metrics, "stage": schema.recovery_stage(step), "recovery_step": step,
                     "recovery_point": next(points), "recovery_heldout_loss": loss})
 
-    recovered = recover(pruned.model, recovery_ids(pruned.tokenizer, spec, config.model), held, spec,
-                        teacher=teacher, report=report_curve)
+    ids, mask = recovery_data(pruned.tokenizer, spec, config.model)
+    recovered = recover(pruned.model, ids, held, spec, mask=mask, teacher=teacher, report=report_curve)
     del teacher
     if parameter.device.type == "cuda":
         torch.cuda.empty_cache()
