@@ -137,3 +137,28 @@ def test_kd_recovery_moves_the_pruned_model_toward_the_unpruned_one():
 def test_bad_recovery_settings_name_the_field(field, value, message):
     with pytest.raises(ValidationError, match=message):
         RecoverySpec(**{field: value})
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.slow),
+                                    pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_bf16_recovery_keeps_float32_adapters_finite_losses_and_the_model_s_dtype(device):
+    """bf16 student and teacher (the GPU's dtype; LLM-Pruner #13's NaN was fp16): the adapters train in float32
+    (peft's autocast_adapter_dtype), every loss is finite, and the merged model is bf16 again, on its device."""
+    result = prune(PruneConfig(model="tiny-llama", method="taylor", sparsity=0.4, seq_len=32, num_samples=16,
+                               calibration="world", device=device, dtype="bfloat16"))
+    assert next(result.model.parameters()).dtype == torch.bfloat16
+    spec = RecoverySpec(**{**SPEC, "loss": "ce+kd", "steps": 6, "eval_every": 2})
+    adapters = attach_lora(prune(PruneConfig(model="tiny-llama", method="taylor", sparsity=0.4, seq_len=32,
+                                             num_samples=16, calibration="world", device=device,
+                                             dtype="bfloat16")).model, spec)
+    trained = {p.dtype for n, p in adapters.named_parameters() if p.requires_grad}
+    assert trained == {torch.float32}
+    teacher = load_model("tiny-llama", device=torch.device(device), dtype=torch.bfloat16)
+    held = heldout(result.tokenizer).to(device)
+    ids = recovery_ids(result.tokenizer, spec, "tiny-llama")
+    recovered = recover(result.model, ids, held, spec, teacher=teacher)
+    losses = [loss for _, loss in recovered.curve] + recovered.train_loss
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert {p.dtype for p in recovered.model.parameters()} == {torch.bfloat16}
+    assert next(recovered.model.parameters()).device.type == device
+    assert recovered.loss_after < recovered.loss_before
