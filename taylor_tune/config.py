@@ -178,6 +178,10 @@ class RecoverySpec(BaseModel):
     eval_every: int | None = Field(
         None, gt=0, description="held-out loss every this many steps (each a report to Tune); None: before and after")
     heldout_windows: int = Field(8, gt=0, description="held-out windows of seq_len tokens the loss is measured on")
+    evaluate_before: bool = Field(
+        False, description="also evaluate the pruned model before recovery (the perplexity and the last fidelity's "
+        "zero-shot pass), reported as before_recovery_<metric> beside the recovered model's: the report's before and "
+        "after on the sweep's metric; costs one more evaluation per trial")
 
     @property
     def sequences(self) -> int:

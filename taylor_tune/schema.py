@@ -36,11 +36,13 @@ CONFIG_COLUMNS = ("model", "pruning_method", "taylor_seq_len", "taylor_num_sampl
 
 # The stages of a trial before its zero-shot passes, in order; each zero-shot pass is a stage of its own.
 # unpruned_speed: measuring the unpruned model (once per model and device in a sweep, cached); speed: the pruned one.
-STAGES = ("unpruned_speed", "load", "calibration", "importance", "prune", "speed", "recovery", "ppl")
+STAGES = ("unpruned_speed", "load", "calibration", "importance", "prune", "speed", "before_recovery", "recovery",
+          "ppl")
 SECONDS_SUFFIX, TOKENS_SUFFIX = "_s", "_tokens"
 _ZERO_SHOT = "zero_shot_"
 _REQUESTS = "_requests"
 _RECOVERY, RECOVERED = "recovery_", "recovered"
+BEFORE_RECOVERY = "before_recovery_"
 # Per-task columns beside acc_<task>: its stderr, the items scored, and the two halves of held-out selection.
 TASK_SUFFIXES = ("_stderr", "_n", "_sel", "_heldout")
 
@@ -64,6 +66,11 @@ def recovery_stage(step: int | None) -> str:
 
 def is_recovery_stage(stage: object) -> bool:
     return isinstance(stage, str) and (stage == RECOVERED or stage.startswith(_RECOVERY))
+
+
+def before_recovery_key(metric: str) -> str:
+    """A metric of the pruned model before its recovery (`recovery.evaluate_before`), beside the recovered one's."""
+    return BEFORE_RECOVERY + metric
 
 
 def seconds_key(stage: str) -> str:

@@ -25,6 +25,7 @@ import numpy as np
 import pandas as pd
 
 from taylor_tune.reporting.stats import Objective, multiplicative, searched
+from taylor_tune.schema import before_recovery_key
 
 _OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
 # unambiguous (each digit can match one way only), so a long non-number fails in linear time
@@ -120,6 +121,10 @@ def pareto_front(df: pd.DataFrame, objectives: tuple[Objective, ...]) -> pd.Data
     first = objectives[0]
     table = table.sort_values(["on_front", first.metric, "point"], ascending=[False, first.ascending, True],
                               kind="stable").reset_index(drop=True)
+    before = [before_recovery_key(m) for m in metrics if before_recovery_key(m) in df
+              and df[before_recovery_key(m)].notna().any()]
+    if before:  # recovery.evaluate_before: where each configuration stood before its recovery
+        table = table.merge(configurations(df, before)[["point", *before]], on="point", how="left")
     table.attrs["left_out"] = left_out
     return table
 

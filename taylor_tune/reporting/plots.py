@@ -6,13 +6,14 @@ backend or figure state is touched and nothing happens at import time.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from taylor_tune.reporting.stats import multiplicative
+from taylor_tune.schema import before_recovery_key
 
 
 @dataclass
@@ -100,6 +101,9 @@ class ParetoData:
     points: list[list[str]]
     front_x: list[float]  # the front in order of x, for its line
     front_y: list[float]
+    # with recovery.evaluate_before: each point before its recovery (a speed is what recovery does not change)
+    before_x: list[list[float]] = field(default_factory=list)
+    before_y: list[list[float]] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -192,7 +196,17 @@ def pareto_data(front: pd.DataFrame, model: str, objectives) -> ParetoData:
         [[_uniform_label(u) for u in r.get("uniform", [None] * len(r))] for r in rows],
         [[str(v) for v in r["point"]] for r in rows],
         [float(v) for v in line[x]], [float(v) for v in line[y]],
+        *_before_points(rows, x, y),
     )
+
+
+def _before_points(rows: list[pd.DataFrame], x: str, y: str) -> tuple[list, list]:
+    """Per method, the points before recovery (`pareto_front`'s before_recovery_ columns), or nothing."""
+    bx, by = before_recovery_key(x), before_recovery_key(y)
+    if not any(c in r for r in rows for c in (bx, by)):
+        return [], []
+    return ([[float(v) for v in (r[bx] if bx in r else r[x])] for r in rows],
+            [[float(v) for v in (r[by] if by in r else r[y])] for r in rows])
 
 
 def layer_profile(layers: list[dict], title: str) -> LayerProfile:
@@ -321,6 +335,10 @@ def render_pareto(data: ParetoData, path: Path) -> None:
             ax.scatter(x, y, color=color, facecolors=color if label == "uniform" else "none", s=50 if front else 20,
                        zorder=3)
         ax.scatter([], [], color=color, label=method)
+        if data.before_y:
+            ax.scatter(data.before_x[k], data.before_y[k], color=color, alpha=0.25, s=16, marker="o", lw=0, zorder=2)
+    if data.before_y:
+        ax.scatter([], [], color="grey", alpha=0.25, s=16, lw=0, label="before recovery")
     # the edge of what the front dominates: between two front points it runs at the level of the one further along x
     # when x is better higher, of the one before when x is better lower
     ax.step(data.front_x, data.front_y, where="post" if data.x_lower_better else "pre", color="black", lw=0.9,

@@ -187,6 +187,13 @@ def _recovery_section(report: Report, m: ModelReport) -> tuple[str, list] | None
         best = (f"best before and after: {r['best_before']}" if r["same_best"] else
                 f"best before: {r['best_before']}; best after: {r['best_after']} (recovery changes the best)")
         lines.append(f"{setting}: {tau}; {best}")
+        on = r.get("on_metric")
+        if on is not None:
+            tau = (f"Kendall's tau-b {on['tau']:.3f} (95% bootstrap interval {_fmt(on['ci95'][0], 3)} to "
+                   f"{_fmt(on['ci95'][1], 3)})" if "tau" in on else "fewer than three configurations")
+            best = (f"best before and after: {on['best_before']}" if on["same_best"] else
+                    f"best before: {on['best_before']}; best after: {on['best_after']} (recovery changes the best)")
+            lines.append(f"{setting}, on {on['metric']} (evaluated before and after): {tau}; {best}")
     return ("12. Recovery: before and after", [*lines, m.recovery["table"]])
 
 

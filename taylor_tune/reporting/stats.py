@@ -27,7 +27,14 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from taylor_tune.schema import CONFIG_COLUMNS, RECOVERY_DIMENSIONS, SEARCHABLE, SPEED_METRICS
+from taylor_tune.schema import (
+    BEFORE_RECOVERY,
+    CONFIG_COLUMNS,
+    RECOVERY_DIMENSIONS,
+    SEARCHABLE,
+    SPEED_METRICS,
+    before_recovery_key,
+)
 
 Z95 = float(stats.norm.ppf(0.975))
 CONFIG = CONFIG_COLUMNS[1:4]  # pruning_method, taylor_seq_len, taylor_num_samples
@@ -37,7 +44,7 @@ STRENGTHS = ((0.7, "strong"), (0.5, "moderate"), (0.3, "weak"), (0.0, "negligibl
 def multiplicative(metric: str) -> bool:
     """A perplexity: its spread is multiplicative (one method at 900 beside others at 50), so it is averaged and
     varied in log space: geometric means, log-scale plots, fANOVA of its log."""
-    return metric == "ppl"
+    return metric.removeprefix(BEFORE_RECOVERY) == "ppl"
 
 
 @dataclass(frozen=True)
@@ -328,7 +335,10 @@ def recovery_comparison(df: pd.DataFrame, objective: Objective = ACCURACY, seed:
         heldout_ppl_after=lambda d: np.exp(d[AFTER].astype(float)))
     setting = [c for c in RECOVERY_DIMENSIONS if c in df]
     pruning = [c for c in searched(df) if c not in RECOVERY_DIMENSIONS and c != "seed"]
-    values = ["heldout_ppl_before", "heldout_ppl_after", *([objective.metric] if objective.metric in df else [])]
+    metric, before_metric = objective.metric, before_recovery_key(objective.metric)
+    on_metric = before_metric in df and df[before_metric].notna().any()  # recovery.evaluate_before
+    values = ["heldout_ppl_before", "heldout_ppl_after", *([before_metric] if on_metric else []),
+              *([metric] if metric in df else [])]
     table = df.groupby(setting + pruning, dropna=False)[values].mean().reset_index()
     table["change"] = table["heldout_ppl_after"] / table["heldout_ppl_before"] - 1
     shown = [c for c in setting + pruning if table[c].astype(str).nunique() > 1]  # what tells the rows apart
@@ -346,6 +356,14 @@ def recovery_comparison(df: pd.DataFrame, objective: Objective = ACCURACY, seed:
             entry |= kendall_tau(group["heldout_ppl_before"], group["heldout_ppl_after"], seed=seed)
         else:
             entry["reason"] = "fewer than three configurations: no ranking to compare"
+        if on_metric:  # the same on the sweep's metric, measured before and after
+            best = np.argmin if objective.ascending else np.argmax
+            before, after = group[before_metric].to_numpy(dtype=float), group[metric].to_numpy(dtype=float)
+            entry["on_metric"] = {"metric": metric, "best_before": names[int(best(before))],
+                                  "best_after": names[int(best(after))]}
+            entry["on_metric"]["same_best"] = entry["on_metric"]["best_before"] == entry["on_metric"]["best_after"]
+            if len(group) >= 3:
+                entry["on_metric"] |= kendall_tau(before, after, seed=seed)
         rankings.append(entry)
     return {"table": table[[*shown, *values, "change"]], "rankings": rankings}
 

@@ -1,10 +1,10 @@
 """One trial of a sweep, without Ray: the stages of `trial_stages`, in order, each adding its metrics and seconds.
 
-unpruned speed -> load -> score -> plan -> apply (pruning's own stage functions) -> speed -> recovery (when asked) ->
-perplexity -> each zero-shot pass. `report` is called with the cumulative metrics after each stage that ends a step
-ASHA may stop at, and at each point of the recovery's held-out loss curve (the Ray trainable passes `tune.report`,
-so a trial can be stopped before its expensive evaluation); the artifacts go to `trial_dir`. The importance comes
-from the sweep's shared cache when one is given.
+unpruned speed -> load -> score -> plan -> apply (pruning's own stage functions) -> speed -> recovery (when asked;
+with `evaluate_before`, the pruned model evaluated first) -> perplexity -> each zero-shot pass. `report` is called
+with the cumulative metrics after each stage that ends a step ASHA may stop at, and at each point of the recovery's
+held-out loss curve (the Ray trainable passes `tune.report`, so a trial can be stopped before its expensive
+evaluation); the artifacts go to `trial_dir`. The importance comes from the sweep's shared cache when one is given.
 """
 
 from __future__ import annotations
@@ -218,6 +218,28 @@ def recover_pruned(run: TrialRun) -> dict:
             "stage": schema.recovery_stage(None)}
 
 
+def evaluate_before_recovery(run: TrialRun) -> dict:
+    """The pruned model's perplexity and last zero-shot pass before recovery (`recovery.evaluate_before`), each
+    metric under schema.before_recovery_key: what recovery is then measured against, on the evaluation's own
+    numbers."""
+    trial, start = run.trial, time.perf_counter()
+    requests = None if trial.cache_dir is None else RequestCache(Path(trial.cache_dir).parent / "requests")
+    evaluator = Evaluator(run.pruning.model, run.pruning.tokenizer, trial.evaluation.spec(None),
+                          model_name=run.config.model, request_cache=requests)
+    metrics = {}
+    if trial.evaluation.ppl is not None:
+        metrics["ppl"] = evaluator.perplexity().ppl
+    if trial.evaluation.tasks:
+        shots = evaluator.zero_shot(trial.evaluation.fidelities[-1])
+        metrics["acc_mean"] = shots.acc_mean
+        for task, entry in shots.tasks.items():
+            metrics[schema.task_key(task)] = entry["score"]
+            metrics[schema.task_key(task, "_stderr")] = entry["score_stderr"]
+            metrics[schema.task_key(task, "_n")] = entry["n"]
+    return {schema.before_recovery_key(k): v for k, v in metrics.items()} | {
+        schema.seconds_key("before_recovery"): time.perf_counter() - start}
+
+
 def start_evaluation(run: TrialRun) -> dict:
     # the zero-shot requests: built by the model's first trial, read by the others (beside the importance cache)
     trial = run.trial
@@ -261,6 +283,8 @@ def trial_stages(trial: TrialConfig) -> list[Stage]:
         Stage("apply", pruning_stage(stages.apply)),
         Stage("pruned", write_pruned, reports=True),
         *([Stage("speed", measure_pruned_speed, reports=True)] if evaluation.speed is not None else []),
+        *([Stage("before_recovery", evaluate_before_recovery)]
+          if trial.recovery is not None and trial.recovery.evaluate_before else []),
         *([Stage("recovery", recover_pruned, reports=True)] if trial.recovery is not None else []),
         Stage("evaluator", start_evaluation),
         *([Stage("ppl", perplexity, reports=True)] if evaluation.ppl is not None else []),

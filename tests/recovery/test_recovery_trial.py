@@ -25,7 +25,7 @@ def a_trial(recovery: RecoverySpec | None) -> TrialConfig:
 @pytest.mark.slow  # trains for seconds
 def test_a_recovered_trial_reports_its_curve_between_pruning_and_evaluation_and_scores_the_recovered_model(tmp_path):
     spec = RecoverySpec(data="world", steps=30, lr=2e-3, warmup_steps=3, micro_batch_size=8, seq_len=64,
-                        lora_dropout=0.0, eval_every=10)
+                        lora_dropout=0.0, eval_every=10, evaluate_before=True)
     reports = []
     recovered = run_trial(a_trial(spec), tmp_path / "r", report=lambda m: reports.append(dict(m)))
     plain = run_trial(a_trial(None), tmp_path / "p")
@@ -34,6 +34,11 @@ def test_a_recovered_trial_reports_its_curve_between_pruning_and_evaluation_and_
     curve = [r["recovery_heldout_loss"] for r in reports[1:4]]
     assert recovered["recovery_heldout_loss_after"] == curve[-1] < recovered["recovery_heldout_loss_before"]
     assert recovered["ppl"] < plain["ppl"]  # the evaluation scores the recovered model, on the same held-out text
+    # evaluate_before: the pruned model's own evaluation, exactly what a trial without recovery measures
+    assert recovered["before_recovery_ppl"] == plain["ppl"]
+    assert recovered["before_recovery_acc_mean"] == plain["acc_mean"]
+    assert recovered["before_recovery_acc_piqa_n"] == plain["acc_piqa_n"] == 20
+    assert "before_recovery_acc_mean" in reports[1]  # known before the recovery's first point
     assert recovered["params_count"] == plain["params_count"]  # the merged adapters keep the pruned shapes
     record = json.loads((tmp_path / "r" / "config.json").read_text())
     assert record["recovery"]["steps"] == 30

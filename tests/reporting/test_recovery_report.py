@@ -4,6 +4,8 @@ pairs, the best configurations are the minima by hand, and the files carry the s
 
 import itertools
 import json
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -98,3 +100,44 @@ def test_the_report_says_it_and_writes_it(tmp_path):
     assert json.loads((folder / "recovery_rankings.json").read_text())[0]["tau"] == m.recovery["rankings"][0]["tau"]
     plain = build_report(synthetic_trials())
     assert "Recovery: before and after" not in render_text(plain)
+
+
+def test_with_the_pruned_model_evaluated_before_the_ranking_on_the_metric_and_the_front_carry_it():
+    from taylor_tune.reporting import pareto, plots
+    from taylor_tune.reporting.stats import ACCURACY, Objective
+
+    df = recovered(synthetic_trials(seeds=(0, 1)))
+    rng = np.random.default_rng(5)
+    df["before_recovery_acc_mean"] = df["acc_mean"] - rng.uniform(0.01, 0.05, len(df))
+    df["decode_speedup"] = 1.0 + df["taylor_seq_len"] / 1000
+    model = df[(df["model"] == "model-a") & (df["recovery_loss"] == "kd")]
+    got = recovery_comparison(model, ACCURACY)
+    (ranking,) = got["rankings"]
+    pruning = ["pruning_method", "taylor_seq_len", "taylor_num_samples"]
+    hand = model.groupby(pruning)[["before_recovery_acc_mean", "acc_mean"]].mean()
+    on = ranking["on_metric"]
+    assert on["metric"] == "acc_mean"
+    assert on["tau"] == pytest.approx(tau_by_hand(hand["before_recovery_acc_mean"].to_numpy(),
+                                                  hand["acc_mean"].to_numpy()), abs=1e-12)
+    name = lambda key: f"pruning_method={key[0]}, taylor_seq_len={key[1]}, taylor_num_samples={key[2]}"
+    assert on["best_before"] == name(hand["before_recovery_acc_mean"].idxmax())  # accuracy: the highest
+    assert on["best_after"] == name(hand["acc_mean"].idxmax())
+    table = got["table"].set_index(pruning)
+    assert np.allclose(table.loc[hand.index, "before_recovery_acc_mean"], hand["before_recovery_acc_mean"])
+    # the front after recovery, each configuration's point before it beside (its speed unchanged)
+    front = pareto.pareto_front(model, (ACCURACY, Objective("decode_speedup", "max")))
+    by_point = front.set_index("point")
+    for point, row in by_point.iterrows():
+        trials = model[model["trial_id"].isin(row["trials"].split(";"))]
+        assert row["before_recovery_acc_mean"] == pytest.approx(trials["before_recovery_acc_mean"].mean(), abs=1e-12)
+    data = plots.pareto_data(front, "model-a", (ACCURACY, Objective("decode_speedup", "max")))
+    for k, method in enumerate(data.methods):
+        rows = front[front["pruning_method"] == method]
+        assert data.before_y[k] == pytest.approx(list(rows["before_recovery_acc_mean"]))
+        assert data.before_x[k] == pytest.approx(list(rows["decode_speedup"]))
+    plots.render_pareto(data, Path(tempfile.mkdtemp()) / "front.png")
+    text = render_text(build_report(model))
+    assert "on acc_mean (evaluated before and after): Kendall's tau-b" in text
+    plain = pareto.pareto_front(synthetic_trials(), (ACCURACY, Objective("ppl", "min")))
+    assert not any(c.startswith("before_recovery_") for c in plain)
+    assert plots.pareto_data(plain, "model-a", (ACCURACY, Objective("ppl", "min"))).before_y == []
