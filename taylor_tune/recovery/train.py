@@ -130,10 +130,11 @@ def step_loss(model, batch: torch.Tensor, spec: RecoverySpec, teacher: torch.nn.
 
 def recover(model: torch.nn.Module, ids: torch.Tensor, heldout: torch.Tensor, spec: RecoverySpec, *,
             mask: torch.Tensor | None = None, teacher: torch.nn.Module | None = None,
-            report: Callable[[int, float], None] | None = None) -> Recovered:
+            report: Callable[[int, float, float], None] | None = None) -> Recovered:
     """Train LoRA adapters on `ids` ([spec.sequences, seq_len]; `mask`: the tokens the loss predicts, None for
     all) and merge them; `heldout` ([n, seq_len]) is measured before, every `eval_every` steps (each passed to
-    `report(step, loss)`) and after. `teacher`: the unpruned model, for `kd` and `ce+kd`."""
+    `report(step, held-out loss, mean training loss of the steps since the last point)`) and after. `teacher`: the
+    unpruned model, for `kd` and `ce+kd`."""
     if spec.loss != "ce" and teacher is None:
         raise ValueError(f"recovery.loss {spec.loss} needs the unpruned model as teacher")
     start = time.perf_counter()
@@ -164,7 +165,7 @@ def recover(model: torch.nn.Module, ids: torch.Tensor, heldout: torch.Tensor, sp
         if spec.eval_every and (step + 1) % spec.eval_every == 0 and step + 1 < spec.steps:
             curve.append((step + 1, heldout_loss(peft_model, heldout, spec.micro_batch_size)))
             if report is not None:
-                report(*curve[-1])
+                report(*curve[-1], sum(losses[-spec.eval_every:]) / spec.eval_every)
     merged = peft_model.merge_and_unload()
     merged.eval()
     after = heldout_loss(merged, heldout, spec.micro_batch_size)

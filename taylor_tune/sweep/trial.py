@@ -200,9 +200,9 @@ def recover_pruned(run: TrialRun) -> dict:
 
     points = iter(range(1, spec.steps + 1))  # the curve's points after step 0, counted: ASHA's recovery rungs
 
-    def report_curve(step: int, loss: float) -> None:
+    def report_curve(step: int, loss: float, train_loss: float) -> None:
         run.report({**run.metrics, "stage": schema.recovery_stage(step), "recovery_step": step,
-                    "recovery_point": next(points), "recovery_heldout_loss": loss})
+                    "recovery_point": next(points), "recovery_heldout_loss": loss, "recovery_train_loss": train_loss})
 
     ids, mask = recovery_data(pruned.tokenizer, spec, config.model)
     recovered = recover(pruned.model, ids, held, spec, mask=mask, teacher=teacher, report=report_curve)
@@ -210,9 +210,11 @@ def recover_pruned(run: TrialRun) -> dict:
     if parameter.device.type == "cuda":
         torch.cuda.empty_cache()
     pruned.model = recovered.model
+    tail = recovered.train_loss[(spec.points - 1) * (spec.eval_every or 0):]  # the steps since the last point
     return {"recovery_heldout_loss_before": recovered.loss_before, "recovery_heldout_loss_after": recovered.loss_after,
             "recovery_heldout_loss": recovered.loss_after, "recovery_step": spec.steps,
             "recovery_point": next(points), "recovery_train_loss_last": recovered.train_loss[-1],
+            "recovery_train_loss": sum(tail) / len(tail),
             "recovery_heldout_ppl_before": math.exp(recovered.loss_before),
             "recovery_heldout_ppl_after": math.exp(recovered.loss_after), "recovery_s": recovered.seconds,
             "stage": schema.recovery_stage(None)}

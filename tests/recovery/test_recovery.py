@@ -38,10 +38,13 @@ def test_recovery_lowers_the_heldout_loss_of_the_same_pruned_model():
     unrecovered = heldout_loss(pruned().model, held, 8)  # the same pruning (deterministic), never recovered
     curve = []
     recovered = recover(result.model, recovery_ids(result.tokenizer, spec, "tiny-llama"), held, spec,
-                        report=lambda step, loss: curve.append(step))
+                        report=lambda step, loss, train: curve.append((step, train)))
     assert recovered.loss_before == pytest.approx(unrecovered)
     assert recovered.loss_after < recovered.loss_before - 0.05
-    assert curve == [10, 20] and [s for s, _ in recovered.curve] == [0, 10, 20, 30]
+    assert [s for s, _ in curve] == [10, 20] and [s for s, _ in recovered.curve] == [0, 10, 20, 30]
+    # each point carries the mean training loss of the steps since the one before
+    assert [t for _, t in curve] == pytest.approx([sum(recovered.train_loss[:10]) / 10,
+                                                   sum(recovered.train_loss[10:20]) / 10])
     assert heldout_loss(recovered.model, held, 8) == pytest.approx(recovered.loss_after)
     assert len(recovered.train_loss) == 30 and all(torch.isfinite(torch.tensor(recovered.train_loss)))
     # the shapes pruning left stay as they were

@@ -76,6 +76,17 @@ def test_asha_stops_trials_at_the_recovery_rungs_as_successive_halving_on_the_he
     curve = [r["recovery_heldout_loss"] for r in reports(done) if r["stage"] in ("recovery_4", "recovery_8",
                                                                                  "recovered")]
     assert len(curve) == 3 and values[:3] == pytest.approx(curve, rel=1e-6)
+    tags = set()
+    for events in done.glob("events.out.tfevents.*"):
+        accumulator = EventAccumulator(str(events))
+        accumulator.Reload()
+        tags |= set(accumulator.Tags()["scalars"])
+    assert "ray/tune/recovery_train_loss" in tags
+    # importance is computed before recovery and keyed by the pruning alone: one pass for the gradient methods of
+    # every recovery setting (random ranks nothing)
+    events = [json.loads(line)["event"] for line in (path / "importance_cache" / "events.jsonl").read_text()
+              .splitlines()]
+    assert events.count("computed") == 1
 
 
 FINAL = ("ppl", "acc_mean", "recovery_heldout_loss_before", "recovery_heldout_loss_after", "params_count")

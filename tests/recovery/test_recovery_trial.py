@@ -39,6 +39,8 @@ def test_a_recovered_trial_reports_its_curve_between_pruning_and_evaluation_and_
     assert recovered["before_recovery_acc_mean"] == plain["acc_mean"]
     assert recovered["before_recovery_acc_piqa_n"] == plain["acc_piqa_n"] == 20
     assert "before_recovery_acc_mean" in reports[1]  # known before the recovery's first point
+    assert reports[3]["recovery_train_loss"] == pytest.approx(recovered["recovery_train_loss"])
+    assert all(r["recovery_train_loss"] > 0 for r in reports[1:4])
     assert recovered["params_count"] == plain["params_count"]  # the merged adapters keep the pruned shapes
     record = json.loads((tmp_path / "r" / "config.json").read_text())
     assert record["recovery"]["steps"] == 30
