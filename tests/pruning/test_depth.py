@@ -1,0 +1,121 @@
+"""Depth pruning on the tiny trained models of all three architectures, against independent computations: block
+influence and angular distance from the model's own hidden states (output_hidden_states, the final norm made an
+identity), the depth-pruned model against the original with the removed layers replaced by identity (logits and
+cached greedy decoding), and its stock reload in plain transformers; the layer count's rounding against brute force.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from taylor_tune.errors import PlanError
+from taylor_tune.pruning.depth import LayerSimilarity, choose_layers, layer_similarity, layers_to_remove, remove_layers
+from taylor_tune.pruning.plan import ModelLayout
+from tests.helpers import calibration_ids, tiny
+
+TRAINED = ["tiny-llama", "tiny-qwen2", "tiny-mistral"]
+
+
+class Skip(nn.Module):
+    """A decoder layer that gives back its input."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+def hidden_states_by_hand(model, ids):
+    """x_0 .. x_L from the model's own output_hidden_states, with the final norm an identity so that x_L is the last
+    layer's raw output."""
+    norm, model.model.norm = model.model.norm, nn.Identity()
+    try:
+        with torch.no_grad():
+            return [h.double() for h in model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states]
+    finally:
+        model.model.norm = norm
+
+
+@pytest.mark.parametrize("name", TRAINED)
+def test_block_influence_and_angular_distance_equal_the_model_s_hidden_states(name):
+    model = tiny(name)
+    ids = calibration_ids(6, 24)
+    measured = layer_similarity(model, ids, micro_batch_size=4)
+    xs = hidden_states_by_hand(model, ids)
+    layers = len(model.model.layers)
+    assert len(xs) == layers + 1
+    for layer in range(layers):
+        cos = torch.nn.functional.cosine_similarity(xs[layer], xs[layer + 1], dim=-1).mean().item()
+        assert measured.block_influence[layer] == pytest.approx(1 - cos, abs=1e-6)
+    for n in (1, 2):
+        for start in range(layers - n + 1):
+            angles = []
+            for row in range(ids.shape[0]):
+                a, b = xs[start][row, -1], xs[start + n][row, -1]
+                angles.append(math.acos(max(-1.0, min(1.0, float(a @ b / (a.norm() * b.norm()))))) / math.pi)
+            assert measured.angular_distance(n)[start] == pytest.approx(sum(angles) / len(angles), abs=1e-6)
+
+
+@pytest.mark.parametrize("name", TRAINED)
+@pytest.mark.parametrize("removed", [(1,), (1, 2)])
+def test_the_depth_pruned_model_is_the_original_with_those_layers_skipped_and_reloads_stock(name, removed, tmp_path):
+    pruned, skipped = tiny(name), tiny(name)
+    remove_layers(pruned, removed)
+    for i in removed:
+        skipped.model.layers[i] = Skip()
+    ids = calibration_ids(3, 20)
+    with torch.no_grad():
+        expected = skipped(input_ids=ids, use_cache=False).logits
+        got = pruned(input_ids=ids, use_cache=False).logits
+    assert (got - expected).abs().max() <= 1e-5
+    # the KV cache is indexed by the renumbered layers: cached greedy decoding agrees too
+    prompt = ids[:1, :8]
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(pruned.generate(prompt, **kwargs), skipped.generate(prompt, **kwargs))
+    pruned.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=False, dtype=torch.float32)
+    assert type(reloaded) is type(pruned) and reloaded.config.num_hidden_layers == 4 - len(removed)
+    assert len(reloaded.model.layers) == 4 - len(removed)
+    if hasattr(reloaded.config, "layer_types"):
+        assert len(reloaded.config.layer_types) == 4 - len(removed)
+    with torch.no_grad():
+        assert (reloaded(input_ids=ids, use_cache=False).logits - expected).abs().max() <= 1e-5
+
+
+def layout(layers: int, layer_params: int, other: int) -> ModelLayout:
+    return ModelLayout(attn_groups=(2,) * layers, mlp_channels=(8,) * layers, attn_group_params=1,
+                       mlp_channel_params=1, layer_params=(layer_params,) * layers,
+                       total_params=layers * layer_params + other)
+
+
+@pytest.mark.parametrize("sparsity", [0.05, 0.1, 0.2, 0.25, 0.3, 0.5, 0.7])
+@pytest.mark.parametrize("layers, per_layer, other", [(32, 218, 1050), (24, 100, 600), (4, 10, 3)])
+def test_the_layer_count_is_the_nearest_to_the_target(sparsity, layers, per_layer, other):
+    model = layout(layers, per_layer, other)
+    target = sparsity * model.total_params
+    # brute force: every count, the nearest (the smaller of a tie), at least one, one layer kept
+    best = min(range(layers + 1), key=lambda k: (abs(k * per_layer - target), k))
+    if best >= layers:
+        with pytest.raises(PlanError, match="would remove all"):
+            layers_to_remove(model, sparsity)
+        return
+    assert layers_to_remove(model, sparsity) == max(best, 1)
+
+
+def test_each_criterion_picks_its_layers():
+    rng = np.random.default_rng(0)
+    cosine = np.array([0.2, 0.9, 0.95, 0.5, 0.93, 0.1])
+    similarity = LayerSimilarity(cosine, rng.normal(size=(7, 3, 5)).astype(np.float32))
+    assert choose_layers("block_influence", 2, 6, similarity) == (2, 4)  # the two highest cosines: least influence
+    assert choose_layers("block_influence", 3, 6, similarity) == (1, 2, 4)
+    distances = similarity.angular_distance(2)
+    start = int(np.argmin(distances))
+    assert choose_layers("angular", 2, 6, similarity) == (start, start + 1)
+    assert len(distances) == 5
+    assert choose_layers("last", 2, 6) == (3, 4)  # before the final layer
+    with pytest.raises(PlanError):
+        choose_layers("last", 6, 6)
+    with pytest.raises(ValueError, match="forward pass"):
+        choose_layers("angular", 1, 6)
