@@ -19,7 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from taylor_tune.errors import ConfigError, shown
 
 # The pruning methods (each a planner in pruning/methods/; a test checks the registry against this list).
-METHODS = ("taylor", "layerwise", "blockwise", "magnitude", "random")
+METHODS = ("taylor", "layerwise", "blockwise", "magnitude", "random", "depth")
+# depth: which whole layers go (pruning/depth.py)
+DEPTH_CRITERIA = ("block_influence", "angular", "last")
 CRITERIA = ("taylor", "taylor_sum", "l1", "l2")
 BLOCKWISE_ATTENTION_RULES = ("closest_ratio", "measured_loss", "mlp_only", "min_loss")
 # blockwise's attention rule when none is asked for (BENCHMARKS.md, pruning quality, says why)
@@ -66,6 +68,11 @@ class PruneConfig(BaseModel):
         "weigh more); l1 / l2: the weight magnitude Σ|w| / Σw² divided by the group's parameter count, no calibration "
         "(LLM-Pruner's vector-wise L1 / L2 baselines are blockwise with these). magnitude ranks by l2, or l1 if set",
     )
+    depth_criterion: Literal[DEPTH_CRITERIA] = Field(
+        "block_influence", description="depth: which whole layers go: block_influence (ShortGPT: the layers whose "
+        "output is closest in direction to their input, over the calibration tokens), angular (Gromov et al.: the "
+        "block of consecutive layers whose ends are closest at the last token), last (the layers before the final "
+        "one); the count is the nearest to the target")
     seed: int = Field(0, ge=0, description="seed of the calibration draw (and of the random baseline)")
     micro_batch_size: int = Field(8, gt=0, description="sequences per forward/backward in the importance pass")
     device: str = Field("auto", description="auto (cuda if available, else cpu), cpu, cuda, cuda:N or mps")
@@ -115,6 +122,13 @@ class PruneConfig(BaseModel):
         start, end = self.blockwise_layer_start, self.blockwise_layer_end
         if start is not None and end is not None and end <= start:
             raise ValueError(f"blockwise_layer_end ({end}) must be greater than blockwise_layer_start ({start})")
+        return self
+
+    @model_validator(mode="after")
+    def _depth_is_stock(self) -> PruneConfig:
+        if self.method == "depth" and self.uniform:
+            raise ValueError("uniform: a depth-pruned model keeps every layer's shape and is stock already; uniform "
+                             "is for the width methods")
         return self
 
     @property

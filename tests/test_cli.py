@@ -102,7 +102,7 @@ BEFORE_LOADING = [
     (["--sparsity", "0"], "sparsity: Input should be greater than 0"),
     (
         ["--method", "pruneall"],
-        "method: unknown method 'pruneall'; allowed: blockwise, layerwise, magnitude, random, taylor",
+        "method: unknown method 'pruneall'; allowed: blockwise, depth, layerwise, magnitude, random, taylor",
     ),
     (["--seq-len", "0"], "seq_len: Input should be greater than 0"),
     (["--seq-len", "4096"], "seq_len: 4096 exceeds the model's maximum context of 512 tokens"),

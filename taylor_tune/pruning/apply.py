@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from taylor_tune.errors import PlanError
 from taylor_tune.pruning.groups import attention_groups, decoder_layers, head_dim, q_per_kv
 from taylor_tune.pruning.plan import PrunePlan
 from taylor_tune.sources import pruned_modeling
@@ -67,12 +68,37 @@ def shrink_layer(layer: nn.Module, keep_groups: torch.Tensor, keep_channels: tor
     set_layer_shape(layer, int(keep_groups.numel()) * rep, int(keep_groups.numel()), int(keep_channels.numel()))
 
 
+def remove_layers(model: nn.Module, removed: tuple[int, ...]) -> nn.Module:
+    """Remove the decoder layers `removed` from `model` in place and return it: the decoder's ModuleList, each
+    attention's `layer_idx` (the KV cache's index), `num_hidden_layers` and every per-layer list of the config
+    (`layer_types`) cut to match, so that `save_pretrained` writes a stock config that plain
+    `AutoModelForCausalLM.from_pretrained` loads."""
+    layers = decoder_layers(model)
+    total = len(layers)
+    if not removed or len(set(removed)) != len(removed) or not all(0 <= i < total for i in removed) \
+            or len(removed) >= total:
+        raise PlanError(f"depth: cannot remove layers {list(removed)} of {total}")
+    kept = [i for i in range(total) if i not in set(removed)]
+    parent = model.model if hasattr(model, "model") else model
+    parent.layers = nn.ModuleList(layers[i] for i in kept)
+    for index, layer in enumerate(parent.layers):
+        layer.self_attn.layer_idx = index
+    config = model.config
+    for key, value in list(config.to_diff_dict().items()) + [("layer_types", getattr(config, "layer_types", None))]:
+        if isinstance(value, (list, tuple)) and len(value) == total and key != "architectures":
+            setattr(config, key, [value[i] for i in kept])
+    config.num_hidden_layers = len(kept)
+    return model
+
+
 def apply_plan(model: nn.Module, plan: PrunePlan) -> nn.Module:
-    """Physically remove the plan's groups from `model` (in place) and return it."""
+    """Physically remove the plan's groups, then its whole layers, from `model` (in place) and return it."""
     for layer, attn_removed, mlp_removed in zip(decoder_layers(model), plan.attn_removed, plan.mlp_removed):
         groups, channels = attention_groups(layer.self_attn), layer.mlp.gate_proj.out_features
         if attn_removed or mlp_removed:
             shrink_layer(layer, _kept(groups, attn_removed), _kept(channels, mlp_removed))
+    if plan.layers_removed:  # after the width cuts, whose indices are the original layers'
+        remove_layers(model, plan.layers_removed)
     return model
 
 

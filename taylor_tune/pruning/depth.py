@@ -10,10 +10,8 @@ standing; the ratio reached is what the diagnostics report. Which layers, by `de
   token; the block of n consecutive layers starting where d is smallest goes.
 - `last`: the n layers before the final one (the baseline the layer-removal papers report).
 
-`layer_similarity` measures what the first two rank in one forward pass (float32 statistics); `choose_layers` is
-pure; `remove_layers` removes them in place: the decoder's ModuleList, each attention's `layer_idx` (the KV cache's
-index), `num_hidden_layers` and every per-layer list of the config (`layer_types`) cut to match, so that
-`save_pretrained` writes a stock config that plain `AutoModelForCausalLM.from_pretrained` loads.
+Pure (numpy): `similarity.layer_similarity` measures what the first two rank in one forward pass (float32
+statistics); `apply.remove_layers` removes the chosen layers so that the model stays a stock one.
 """
 
 from __future__ import annotations
@@ -21,14 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
-from torch import nn
 
+from taylor_tune.config import DEPTH_CRITERIA
 from taylor_tune.errors import PlanError
-from taylor_tune.pruning.groups import decoder_layers
 from taylor_tune.pruning.plan import ModelLayout, target_params
-
-DEPTH_CRITERIA = ("block_influence", "angular", "last")
 
 
 @dataclass(frozen=True)
@@ -50,44 +44,6 @@ class LayerSimilarity:
         a, b = x[: len(x) - n], x[n:]
         cos = (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
         return (np.arccos(np.clip(cos, -1.0, 1.0)) / np.pi).mean(axis=1)
-
-
-def _hidden(value) -> torch.Tensor:
-    return value[0] if isinstance(value, tuple) else value
-
-
-@torch.no_grad()
-def layer_similarity(model: nn.Module, ids: torch.Tensor, micro_batch_size: int = 8) -> LayerSimilarity:
-    """One forward pass over the calibration rows `ids` ([rows, seq_len]), hooks on each decoder layer reading its
-    input and output hidden states."""
-    layers = decoder_layers(model)
-    device = next(model.parameters()).device
-    sums = torch.zeros(len(layers), dtype=torch.float64)
-    tokens = 0
-    last: list[list[torch.Tensor]] = [[] for _ in range(len(layers) + 1)]
-
-    def hook(index: int):
-        def record(module, args, kwargs, output):
-            x = (args[0] if args else kwargs["hidden_states"]).float()
-            y = _hidden(output).float()
-            sums[index] += torch.nn.functional.cosine_similarity(x, y, dim=-1).double().sum().cpu()
-            if index == 0:
-                last[0].append(x[:, -1].cpu())
-            last[index + 1].append(y[:, -1].cpu())
-        return record
-
-    handles = [layer.register_forward_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
-    was_training = model.training
-    model.eval()
-    try:
-        for batch in ids.split(micro_batch_size):
-            model(input_ids=batch.to(device), use_cache=False)
-            tokens += batch.numel()
-    finally:
-        for handle in handles:
-            handle.remove()
-        model.train(was_training)
-    return LayerSimilarity((sums / tokens).numpy(), torch.stack([torch.cat(t) for t in last]).numpy())
 
 
 def layers_to_remove(layout: ModelLayout, sparsity: float) -> int:
@@ -118,23 +74,3 @@ def choose_layers(criterion: str, n: int, num_layers: int, similarity: LayerSimi
         start = int(np.argmin(similarity.angular_distance(n)))
         return tuple(range(start, start + n))
     raise ValueError(f"unknown depth_criterion {criterion!r}; allowed: {', '.join(DEPTH_CRITERIA)}")
-
-
-def remove_layers(model: nn.Module, removed: tuple[int, ...]) -> nn.Module:
-    """Remove the decoder layers `removed` from `model` in place (see the module docstring) and return it."""
-    layers = decoder_layers(model)
-    total = len(layers)
-    if not removed or len(set(removed)) != len(removed) or not all(0 <= i < total for i in removed) \
-            or len(removed) >= total:
-        raise PlanError(f"depth: cannot remove layers {list(removed)} of {total}")
-    kept = [i for i in range(total) if i not in set(removed)]
-    parent = model.model if hasattr(model, "model") else model
-    parent.layers = nn.ModuleList(layers[i] for i in kept)
-    for index, layer in enumerate(parent.layers):
-        layer.self_attn.layer_idx = index
-    config = model.config
-    for key, value in list(config.to_diff_dict().items()) + [("layer_types", getattr(config, "layer_types", None))]:
-        if isinstance(value, (list, tuple)) and len(value) == total and key != "architectures":
-            setattr(config, key, [value[i] for i in kept])
-    config.num_hidden_layers = len(kept)
-    return model

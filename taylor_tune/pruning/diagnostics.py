@@ -53,8 +53,12 @@ def pruning_diagnostics(
         "layer_retention_ratio": [1.0 - r for r in layer_ratio],
         "extreme_ratio_threshold": extreme_threshold,
         "extreme_pruning_layers": sum(r > extreme_threshold for r in layer_ratio),
-        "attention_groups_kept": [g - len(a) for g, a in zip(layout.attn_groups, plan.attn_removed)],
-        "mlp_channels_kept": [c - len(m) for c, m in zip(layout.mlp_channels, plan.mlp_removed)],
+        "attention_groups_kept": [0 if i in plan.layers_removed else g - len(a)
+                                  for i, (g, a) in enumerate(zip(layout.attn_groups, plan.attn_removed))],
+        "mlp_channels_kept": [0 if i in plan.layers_removed else c - len(m)
+                              for i, (c, m) in enumerate(zip(layout.mlp_channels, plan.mlp_removed))],
+        "layers_removed": list(plan.layers_removed),
+        "num_layers_kept": layout.num_layers - len(plan.layers_removed),
         "layer_grad_mean": None if grad_mean is None else [float(x) for x in grad_mean],
         "layer_grad_norm": None if grad_norm is None else [float(x) for x in grad_norm],
     }

@@ -53,16 +53,18 @@ class GroupScores:
 
 @dataclass(frozen=True)
 class PrunePlan:
-    """Which groups go: sorted indices per layer."""
+    """Which groups go: sorted indices per layer; and which whole layers go (depth), sorted."""
 
     method: str
     attn_removed: tuple[tuple[int, ...], ...]
     mlp_removed: tuple[tuple[int, ...], ...]
+    layers_removed: tuple[int, ...] = ()
 
     def layer_params_removed(self, layout: ModelLayout) -> list[int]:
         return [
-            len(a) * layout.attn_group_params + len(m) * layout.mlp_channel_params
-            for a, m in zip(self.attn_removed, self.mlp_removed)
+            layout.layer_params[layer] if layer in self.layers_removed
+            else len(a) * layout.attn_group_params + len(m) * layout.mlp_channel_params
+            for layer, (a, m) in enumerate(zip(self.attn_removed, self.mlp_removed))
         ]
 
     def params_removed(self, layout: ModelLayout) -> int:
@@ -72,6 +74,13 @@ class PrunePlan:
         """Indices in range and unique; no attention or MLP block emptied (a block needs one group to run)."""
         if len(self.attn_removed) != layout.num_layers or len(self.mlp_removed) != layout.num_layers:
             raise PlanError(f"plan covers {len(self.attn_removed)} layers, model has {layout.num_layers}")
+        gone = self.layers_removed
+        if len(set(gone)) != len(gone) or any(not 0 <= i < layout.num_layers for i in gone) \
+                or len(gone) >= layout.num_layers:
+            raise PlanError(f"whole layers removed {list(gone)} must be unique, in [0, {layout.num_layers}), and "
+                            "leave one")
+        if any(self.attn_removed[i] or self.mlp_removed[i] for i in gone):
+            raise PlanError("a layer removed whole has no groups removed besides")
         for layer, (attn, mlp) in enumerate(zip(self.attn_removed, self.mlp_removed)):
             for kind, removed, size in (
                 ("attention", attn, layout.attn_groups[layer]),

@@ -19,12 +19,13 @@ from transformers import AutoModelForCausalLM
 from taylor_tune.config import PruneConfig
 from taylor_tune.errors import ConfigError
 from taylor_tune.pruning.apply import apply_plan
+from taylor_tune.pruning.depth import LayerSimilarity
 from taylor_tune.pruning.diagnostics import pruning_diagnostics
 from taylor_tune.pruning.groups import describe_layout
 from taylor_tune.pruning.importance import Importance
 from taylor_tune.pruning.importance_cache import ImportanceCache
 from taylor_tune.pruning.measured import plan_loss
-from taylor_tune.pruning.methods import METHODS, PlanOptions
+from taylor_tune.pruning.methods import METHODS, PlanOptions, Scoring
 from taylor_tune.pruning.methods.random import drawn_scores
 from taylor_tune.pruning.plan import GroupScores, ModelLayout, PrunePlan
 from taylor_tune.pruning.scoring import Calibration, draw_calibration, draws_calibration, score_groups, uses_gradients
@@ -102,9 +103,11 @@ def meta_layout(model: str, *, trust_remote_code: bool = False) -> ModelLayout:
 
 def check_plan(config: PruneConfig, layout: ModelLayout) -> None:
     """PlanError if no plan of `config` exists on `layout` whatever the scores (planned from equal scores, a
-    measured loss of 0)."""
+    measured loss of 0; for depth, equal hidden states)."""
     scores = GroupScores(attn=tuple(np.ones(g) for g in layout.attn_groups),
                          mlp=tuple(np.ones(c) for c in layout.mlp_channels))
+    if METHODS[config.method].scored_by is Scoring.LAYERS:
+        scores = LayerSimilarity(np.ones(layout.num_layers), np.ones((layout.num_layers + 1, 1, 1)))
     make_plan(config, scores, layout, loss=lambda candidate: 0.0)
 
 
@@ -179,6 +182,7 @@ def summary_dict(config: PruneConfig, result: Pruning) -> dict:
         "config": config.model_dump(),
         "method": result.plan.method,
         **result.diagnostics,
+        "layers_removed": list(result.plan.layers_removed),
         "removed_groups": [
             {"layer": i, "attention_groups": list(a), "mlp_channels": list(m)}
             for i, (a, m) in enumerate(zip(result.plan.attn_removed, result.plan.mlp_removed))

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from taylor_tune.config import PruneConfig
+from taylor_tune.pruning.depth import LayerSimilarity
 from taylor_tune.pruning.importance import (
     GRADIENT_CRITERIA,
     Importance,
@@ -25,6 +26,7 @@ from taylor_tune.pruning.importance import (
 from taylor_tune.pruning.importance_cache import ImportanceCache
 from taylor_tune.pruning.methods import METHODS, Scoring
 from taylor_tune.pruning.plan import GroupScores, ModelLayout
+from taylor_tune.pruning.similarity import layer_similarity
 from taylor_tune.sources.calibration import load_calibration
 from taylor_tune.sources.data import resolve_text
 
@@ -36,7 +38,12 @@ def uses_gradients(config: PruneConfig) -> bool:
 def draws_calibration(config: PruneConfig) -> bool:
     """Whether a pruning reads calibration text: gradient scores, or a plan chosen by measured loss."""
     measured = config.uniform or (config.method == "blockwise" and config.blockwise_attention == "measured_loss")
-    return uses_gradients(config) or measured
+    return uses_gradients(config) or measured or uses_hidden_states(config)
+
+
+def uses_hidden_states(config: PruneConfig) -> bool:
+    """Depth by block influence or angular distance: one forward pass over the calibration rows."""
+    return METHODS[config.method].scored_by is Scoring.LAYERS and config.depth_criterion != "last"
 
 
 def draw_calibration(config: PruneConfig, tokenizer, num_samples: int | None = None) -> torch.Tensor:
@@ -73,7 +80,7 @@ class Scored:
     """What the planner ranks (None: the method draws its own), the gradient importance behind it (None without a
     gradient pass), what the shared cache did (None without one) and the seconds spent, calibration apart."""
 
-    scores: GroupScores | None
+    scores: GroupScores | LayerSimilarity | None  # LayerSimilarity: depth's
     importance: Importance | None = None
     cache_event: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
@@ -123,6 +130,10 @@ def score_groups(model, layout: ModelLayout, calibration: Calibration, *, cache:
         importance = gradient_importance(model, layout, calibration, cache=cache, sample_counts=sample_counts)
         scores = taylor_criterion(importance.scores, layout, config.criterion)
         event = None if cache is None else cache.last_event
+    elif uses_hidden_states(config):
+        scores = layer_similarity(model, calibration.ids(), config.micro_batch_size)
+    elif METHODS[config.method].scored_by is Scoring.LAYERS:  # depth's `last`: nothing to measure
+        scores = None
     elif METHODS[config.method].scored_by is not Scoring.NONE:  # a weight-magnitude criterion, or magnitude
         scores = magnitude_scores(model, layout, p=1 if config.criterion == "l1" else 2)
     else:

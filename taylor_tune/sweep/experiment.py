@@ -86,6 +86,7 @@ class SearchSpace(BaseModel):
     criterion: Domain | None = None
     calibration: Domain | None = None
     uniform: Domain | None = None
+    depth_criterion: Domain | None = None
     recovery_loss: Domain | None = None
     recovery_data: Domain | None = None
     recovery_steps: Domain | None = None

@@ -6,7 +6,7 @@ import torch
 from taylor_tune.config import build_prune_config
 from taylor_tune.pruning.apply import apply_plan, save_pruned
 from taylor_tune.pruning.groups import count_parameters
-from taylor_tune.pruning.methods import METHODS
+from taylor_tune.pruning.methods import WIDTH_METHODS
 from taylor_tune.pruning.plan import PrunePlan
 from taylor_tune.pruning.prune import prune
 from taylor_tune.sources.models import load_model, load_pruned
@@ -36,7 +36,7 @@ def ids():
     return torch.randint(0, 256, (3, 40), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("method", sorted(WIDTH_METHODS))
 def test_pruned_equals_masked(arch, method, ids):
     result = pruned(arch, method, 0.3, layerwise_max_ratio=0.6)
     assert any(result.plan.mlp_removed)

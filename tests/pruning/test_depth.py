@@ -13,8 +13,10 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from taylor_tune.errors import PlanError
-from taylor_tune.pruning.depth import LayerSimilarity, choose_layers, layer_similarity, layers_to_remove, remove_layers
+from taylor_tune.pruning.apply import remove_layers
+from taylor_tune.pruning.depth import LayerSimilarity, choose_layers, layers_to_remove
 from taylor_tune.pruning.plan import ModelLayout
+from taylor_tune.pruning.similarity import layer_similarity
 from tests.helpers import calibration_ids, tiny
 
 TRAINED = ["tiny-llama", "tiny-qwen2", "tiny-mistral"]
@@ -119,3 +121,59 @@ def test_each_criterion_picks_its_layers():
         choose_layers("last", 6, 6)
     with pytest.raises(ValueError, match="forward pass"):
         choose_layers("angular", 1, 6)
+
+
+@pytest.mark.parametrize("criterion", ["block_influence", "angular", "last"])
+def test_the_depth_method_prunes_the_chosen_layers_and_saves_a_stock_folder(criterion, tmp_path):
+    from taylor_tune.config import PruneConfig
+    from taylor_tune.pruning.apply import save_pruned
+    from taylor_tune.pruning.prune import prune
+    from taylor_tune.pruning.similarity import layer_similarity as measure
+    from taylor_tune.sources.calibration import load_calibration
+
+    config = PruneConfig(model="tiny-qwen2", method="depth", depth_criterion=criterion, sparsity=0.25, seq_len=32,
+                         num_samples=8, calibration="world", device="cpu", dtype="float32")
+    result = prune(config)
+    original = tiny("tiny-qwen2")
+    per_layer, total = result.layout.layer_params[0], result.layout.total_params
+    n = min(range(1, 4), key=lambda k: (abs(k * per_layer - 0.25 * total), k))
+    if criterion == "last":
+        expected = tuple(range(3 - n, 3))
+        assert result.calibration_ids is None  # nothing measured, nothing drawn
+    else:  # the criterion on the same calibration draw, measured here
+        ids = load_calibration(result.tokenizer, "world", seq_len=32, num_samples=8, seed=0)
+        assert torch.equal(result.calibration_ids, ids)
+        expected = choose_layers(criterion, n, 4, measure(original, ids))
+    assert result.plan.layers_removed == expected
+    d = result.diagnostics
+    assert d["layers_removed"] == list(expected) and d["num_layers_kept"] == 4 - n
+    assert d["params_count"] == sum(p.numel() for p in result.model.parameters()) == total - n * per_layer
+    assert d["pruning_ratio"] == pytest.approx(n * per_layer / total)
+    assert [d["layer_pruning_ratio"][i] for i in expected] == [1.0] * n
+    for i in expected:
+        original.model.layers[i] = Skip()
+    ids = calibration_ids(2, 16)
+    with torch.no_grad():
+        assert (result.model(input_ids=ids).logits - original(input_ids=ids).logits).abs().max() <= 1e-5
+    save_pruned(result.model, tmp_path / "model", result.tokenizer, source_model="tiny-qwen2")
+    config_json = (tmp_path / "model" / "config.json").read_text()
+    assert "auto_map" not in config_json and "pruned_layout" not in config_json  # stock
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model", trust_remote_code=False)
+    assert reloaded.config.num_hidden_layers == 4 - n
+
+
+def test_depth_is_a_search_dimension_and_refuses_the_uniform_layout():
+    from pydantic import ValidationError
+
+    from taylor_tune.config import PruneConfig
+    from taylor_tune.sweep.experiment import Experiment
+    from tests.sweep_helpers import SMALL
+
+    with pytest.raises(ValidationError, match="depth-pruned model keeps every layer's shape"):
+        PruneConfig(model="tiny-llama", method="depth", uniform=True)
+    exp = Experiment(name="d", **{**SMALL, "search_space": {
+        "pruning_method": {"grid": ["depth"]}, "depth_criterion": {"grid": ["block_influence", "angular", "last"]}}})
+    assert [exp.prune_config("tiny-llama", p).depth_criterion for p in exp.space_points()] == [
+        "block_influence", "angular", "last"]
+    with pytest.raises(ValidationError, match="depth_criterion"):
+        Experiment(name="d", **{**SMALL, "search_space": {"depth_criterion": {"grid": ["cosine"]}}})

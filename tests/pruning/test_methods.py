@@ -5,7 +5,7 @@ import pytest
 
 from taylor_tune.config import PruneConfig
 from taylor_tune.errors import PlanError
-from taylor_tune.pruning.methods import METHODS, PlanOptions, Scoring
+from taylor_tune.pruning.methods import METHODS, WIDTH_METHODS, PlanOptions, Scoring
 from taylor_tune.pruning.methods.blockwise import plan_blockwise
 from taylor_tune.pruning.methods.layerwise import allocate_layer_ratios, layer_importance, plan_layerwise
 from taylor_tune.pruning.methods.taylor import plan_taylor
@@ -34,7 +34,7 @@ def options(sparsity=0.2, **kw) -> PlanOptions:
                                       **kw), plan_loss=loss)
 
 
-@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("method", sorted(WIDTH_METHODS))
 @pytest.mark.parametrize("sparsity", [0.05, 0.2, 0.3])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_every_method_reaches_the_target_within_one_group(method, sparsity, seed):
@@ -231,7 +231,7 @@ def test_the_registry_holds_the_methods_the_config_names():
     assert all(isinstance(m.scored_by, Scoring) for m in METHODS.values())
 
 
-@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("method", sorted(WIDTH_METHODS))
 @pytest.mark.parametrize("sparsity", [0.1, 0.3])
 @pytest.mark.parametrize("multiple", [1, 8, 16])
 @pytest.mark.parametrize("seed", [0, 1])

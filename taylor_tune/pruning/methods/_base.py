@@ -23,6 +23,7 @@ class PlanOptions:
     blockwise_attention: str
     criterion: str
     seed: int
+    depth_criterion: str = "block_influence"
     # the calibration loss of the model pruned by a candidate plan (blockwise_attention measured_loss); the caller
     # that holds the model provides it, so that planners stay pure
     plan_loss: Callable[[PrunePlan], float] | None = field(default=None, compare=False)
@@ -32,10 +33,10 @@ class PlanOptions:
         return cls(sparsity=config.sparsity, layerwise_max_ratio=config.layerwise_cap,
                    blockwise_layer_start=config.blockwise_layer_start, blockwise_layer_end=config.blockwise_layer_end,
                    blockwise_attention=config.blockwise_attention, criterion=config.criterion, seed=config.seed,
-                   plan_loss=plan_loss)
+                   depth_criterion=config.depth_criterion, plan_loss=plan_loss)
 
 
-Planner = Callable[[GroupScores | None, ModelLayout, PlanOptions], PrunePlan]
+Planner = Callable[[GroupScores | None, ModelLayout, PlanOptions], PrunePlan]  # depth's: a LayerSimilarity
 
 
 class Scoring(enum.Enum):
@@ -44,6 +45,7 @@ class Scoring(enum.Enum):
     CRITERION = "criterion"  # PruneConfig.criterion's scores: a gradient pass, or weight magnitude for l1/l2
     WEIGHTS = "weights"  # weight magnitude whatever the criterion
     NONE = "none"  # nothing: the planner draws its own
+    LAYERS = "layers"  # whole layers (depth): the hidden states of a forward pass, or nothing for depth's `last`
 
 
 @dataclass(frozen=True)
