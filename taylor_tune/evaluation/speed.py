@@ -4,6 +4,12 @@ Random token ids (the cost of a forward does not depend on which tokens), no pad
 cache, one token per step, timed after an untimed prompt prefill. On CUDA each run is bracketed by CUDA events after
 a synchronize; elsewhere by the wall clock. The KV cache's bytes at a context are its exact size as transformers'
 dynamic cache holds it: 2 (keys, values) x the key/value rows of every layer x the element size, per token.
+
+Every timing carries its uncertainty: the standard error of the median of the `repeats` runs, estimated as a normal
+sample's, 1.2533 x 1.4826 x MAD / sqrt(repeats) (MAD: the median absolute deviation from the median; robust to the
+one slow run a shared machine gives), carried to a rate by its relative size (`<rate>_se`) and to a speedup by
+the delta method, sqrt of the sum of both rates' squared relative errors (`<speedup>_se`). With one repeat it is
+unknown (None). Memory is counted, not timed: its ratio's error is 0.
 """
 
 from __future__ import annotations
@@ -32,10 +38,25 @@ def _seconds(device: torch.device, run: Callable[[], object]) -> float:
     return time.perf_counter() - start_s
 
 
-def _median(spec: SpeedSpec, measure: Callable[[], float]) -> float:
+def median_and_se(times: list[float]) -> tuple[float, float | None]:
+    """The median of repeated timings and its standard error (the module docstring's estimator; None for one)."""
+    middle = statistics.median(times)
+    if len(times) < 2:
+        return middle, None
+    mad = statistics.median(abs(t - middle) for t in times)
+    return middle, 1.2533 * 1.4826 * mad / math.sqrt(len(times))
+
+
+def _median(spec: SpeedSpec, measure: Callable[[], float]) -> tuple[float, float | None]:
     for _ in range(spec.warmup):
         measure()
-    return statistics.median(measure() for _ in range(spec.repeats))
+    return median_and_se([measure() for _ in range(spec.repeats)])
+
+
+def _rate(work: float, timed: tuple[float, float | None]) -> tuple[float, float | None]:
+    seconds, se = timed
+    rate = work / seconds
+    return rate, None if se is None else rate * se / seconds
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -52,24 +73,35 @@ def kv_cache_bytes(model: torch.nn.Module, tokens: int) -> int:
 
 SPEED_FIELDS = ("prefill_tokens_per_s", "decode_tokens_per_s", "decode_batch_tokens_per_s", "weight_bytes",
                 "kv_cache_bytes")
+RATES = SPEED_FIELDS[:3]
+SPEEDUPS = {"prefill_speedup": "prefill_tokens_per_s", "decode_speedup": "decode_tokens_per_s",
+            "decode_batch_speedup": "decode_batch_tokens_per_s"}
 
 
 def checked_speed(record: object) -> dict[str, float]:
     """A stored `measure_speed` result, checked before it is used as a baseline: every field present, a finite
-    positive number (ValueError naming the first that is not)."""
+    positive number, and each rate's `_se` (when the record has one: older ones do not) None or finite and not
+    negative (ValueError naming the first that is not)."""
     if not isinstance(record, dict):
         raise ValueError(f"a speed record is a mapping, not {type(record).__name__}")
     for field in SPEED_FIELDS:
         value = record.get(field)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
             raise ValueError(f"speed record: {field} is {str(value)[:40]!r}, not a finite positive number")
-    return {field: record[field] for field in SPEED_FIELDS}
+    errors = {}
+    for field in (f"{rate}_se" for rate in RATES if f"{rate}_se" in record):
+        value = record[field]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value < 0):
+            raise ValueError(f"speed record: {field} is {str(value)[:40]!r}, not a finite number >= 0 or null")
+        errors[field] = value
+    return {field: record[field] for field in SPEED_FIELDS} | errors
 
 
 @torch.no_grad()
 def measure_speed(model: torch.nn.Module, spec: SpeedSpec, *, seed: int = 0) -> dict[str, float]:
-    """prefill_tokens_per_s, decode_tokens_per_s (batch 1), decode_batch_tokens_per_s (spec.decode_batch),
-    weight_bytes and kv_cache_bytes (at spec.context)."""
+    """prefill_tokens_per_s, decode_tokens_per_s (batch 1), decode_batch_tokens_per_s (spec.decode_batch), each
+    with its `_se`, weight_bytes and kv_cache_bytes (at spec.context)."""
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
 
@@ -77,7 +109,8 @@ def measure_speed(model: torch.nn.Module, spec: SpeedSpec, *, seed: int = 0) -> 
         return torch.randint(0, model.config.vocab_size, (batch, length), generator=generator).to(device)
 
     prefill_ids = ids(spec.prefill_batch, spec.prefill_len)
-    prefill_s = _median(spec, lambda: _seconds(device, lambda: model(input_ids=prefill_ids, use_cache=False)))
+    prefill = _rate(spec.prefill_batch * spec.prefill_len,
+                    _median(spec, lambda: _seconds(device, lambda: model(input_ids=prefill_ids, use_cache=False))))
 
     def decode_seconds(prompt: torch.Tensor) -> float:
         out = model(input_ids=prompt, use_cache=True)
@@ -90,21 +123,22 @@ def measure_speed(model: torch.nn.Module, spec: SpeedSpec, *, seed: int = 0) -> 
 
         return _seconds(device, steps)
 
-    rates = {}
+    rates = {"prefill_tokens_per_s": prefill}
     for key, batch in (("decode_tokens_per_s", 1), ("decode_batch_tokens_per_s", spec.decode_batch)):
         prompt = ids(batch, spec.prompt_len)
-        rates[key] = batch * spec.new_tokens / _median(spec, lambda prompt=prompt: decode_seconds(prompt))
-    return {"prefill_tokens_per_s": spec.prefill_batch * spec.prefill_len / prefill_s, **rates,
+        rates[key] = _rate(batch * spec.new_tokens, _median(spec, lambda prompt=prompt: decode_seconds(prompt)))
+    return {**{k: v for k, (v, _) in rates.items()}, **{f"{k}_se": se for k, (_, se) in rates.items()},
             "weight_bytes": weight_bytes(model), "kv_cache_bytes": kv_cache_bytes(model, spec.context)}
 
 
-def speed_ratios(pruned: dict[str, float], unpruned: dict[str, float]) -> dict[str, float]:
-    """The pruned model against the unpruned one: speedups (> 1 = faster) and the memory ratio (< 1 = smaller) of
-    weights plus the KV cache at the stated context."""
-    return {
-        "prefill_speedup": pruned["prefill_tokens_per_s"] / unpruned["prefill_tokens_per_s"],
-        "decode_speedup": pruned["decode_tokens_per_s"] / unpruned["decode_tokens_per_s"],
-        "decode_batch_speedup": pruned["decode_batch_tokens_per_s"] / unpruned["decode_batch_tokens_per_s"],
-        "memory_ratio": (pruned["weight_bytes"] + pruned["kv_cache_bytes"])
-        / (unpruned["weight_bytes"] + unpruned["kv_cache_bytes"]),
-    }
+def speed_ratios(pruned: dict[str, float], unpruned: dict[str, float]) -> dict[str, float | None]:
+    """The pruned model against the unpruned one: speedups (> 1 = faster) with their `_se` (None where either
+    rate's is unknown) and the memory ratio (< 1 = smaller) of weights plus the KV cache at the stated context."""
+    out: dict[str, float | None] = {}
+    for speedup, rate in SPEEDUPS.items():
+        out[speedup] = ratio = pruned[rate] / unpruned[rate]
+        errors = pruned.get(f"{rate}_se"), unpruned.get(f"{rate}_se")
+        out[f"{speedup}_se"] = None if None in errors else ratio * math.hypot(errors[0] / pruned[rate],
+                                                                              errors[1] / unpruned[rate])
+    return out | {"memory_ratio": (pruned["weight_bytes"] + pruned["kv_cache_bytes"])
+                  / (unpruned["weight_bytes"] + unpruned["kv_cache_bytes"]), "memory_ratio_se": 0.0}

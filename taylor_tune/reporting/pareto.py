@@ -63,8 +63,12 @@ def parse_constraint(text: str) -> Constraint:
 
 
 def _item_stderr(group: pd.DataFrame, metric: str) -> float:
+    """The measurement's own error: an accuracy's stderr over its items, a speed's `_se` over its timed repeats
+    (evaluation/speed.py); root mean square over the configuration's trials."""
     column = "acc_mean_stderr" if metric == "acc_mean" else f"{metric}_stderr"
-    if not metric.startswith("acc_") or column not in group:
+    if not metric.startswith("acc_"):
+        column = f"{metric}_se"
+    if column not in group:
         return math.nan
     se = pd.to_numeric(group[column], errors="coerce").to_numpy(dtype=float)
     return float(np.sqrt(np.mean(se**2))) if np.isfinite(se).all() else math.nan

@@ -153,7 +153,9 @@ def test_a_trial_measures_speed_and_memory_against_the_unpruned_model_measured_o
         assert metrics["prefill_speedup"] == metrics["prefill_tokens_per_s"] / metrics["unpruned_prefill_tokens_per_s"]
     assert first["unpruned_speed_s"] > 0 and "unpruned_speed_s" not in second  # measured once, then read
     unpruned = [k for k in first if k.startswith("unpruned_") and k != "unpruned_speed_s"]
-    assert len(unpruned) == 5 and all(first[k] == second[k] for k in unpruned)
+    assert len(unpruned) == 8 and all(first[k] == second[k] for k in unpruned)  # 3 rates with their _se, 2 sizes
+    for metrics in (first, second):  # every speedup with its uncertainty (evaluation/speed.py)
+        assert all(metrics[f"{k}_se"] >= 0 for k in ("prefill_speedup", "decode_speedup", "decode_batch_speedup"))
     assert len(list((tmp_path / "sweep" / "unpruned_speed").glob("*.json"))) == 1
     total = lambda m, prefix="": m[f"{prefix}weight_bytes"] + m[f"{prefix}kv_cache_bytes"]
     assert second["memory_ratio"] == pytest.approx(total(second) / total(second, "unpruned_"))
