@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from taylor_tune.config import PruneConfig
 from taylor_tune.errors import ConfigError
-from taylor_tune.pruning.apply import apply_plan
+from taylor_tune.pruning.apply import apply_plan, layer_shapes
 from taylor_tune.pruning.depth import LayerSimilarity
 from taylor_tune.pruning.diagnostics import pruning_diagnostics
 from taylor_tune.pruning.groups import describe_layout
@@ -35,7 +35,7 @@ from taylor_tune.sources.models import load_model, load_model_config, load_token
 
 __all__ = [
     "ImportanceCache", "Pruning", "PruneResult", "apply", "check_plan", "draw_calibration", "draws_calibration",
-    "load", "meta_layout", "plan", "prune", "score", "start", "summary_dict",
+    "layer_shapes", "load", "meta_layout", "plan", "prune", "score", "start", "summary_dict",
 ]
 
 log = logging.getLogger(__name__)

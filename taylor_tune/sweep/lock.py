@@ -1,4 +1,5 @@
-"""One driver per experiment folder: a lock file naming the holder's PID and host, taken before Ray starts.
+"""One driver per experiment folder: a lock file naming the holder's PID and host, taken before Ray starts. And one
+timed speed measurement at a time on a node (`timing_lock`).
 
 Two drivers on one folder would both run the sweep's trials and overwrite each other's state. The lock is created
 with O_EXCL; one whose holder has died on this host is taken over, and one held on another host is refused with
@@ -8,14 +9,18 @@ storage the lock is the user's to keep (one `ray job submit` per experiment).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
+import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from taylor_tune.errors import ConfigError
+from taylor_tune.jsonio import open_own
 
 LOCK = ".taylor_tune_driver.lock"
 
@@ -63,3 +68,19 @@ def driver_lock(folder: str) -> Iterator[None]:
         yield
     finally:
         path.unlink(missing_ok=True)
+
+
+def timing_lock_path() -> Path:
+    """The node's speed-timing lock: one per user in the temporary folder (every sweep of that user on the node)."""
+    return Path(tempfile.gettempdir()) / f"taylor_tune_speed_{os.getuid()}.lock"
+
+
+@contextmanager
+def timing_lock(path: Path | None = None) -> Iterator[float]:
+    """Held while a trial times a model, so that no two trials on the node time at the same moment (their other
+    stages still overlap); yields the seconds spent waiting. A file lock (flock): released when the holder's file
+    closes, also when its process dies."""
+    start = time.perf_counter()
+    with os.fdopen(open_own(path or timing_lock_path(), os.O_WRONLY), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield time.perf_counter() - start

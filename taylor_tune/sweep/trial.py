@@ -28,11 +28,12 @@ from taylor_tune.evaluation.requests import RequestCache
 from taylor_tune.evaluation.speed import checked_speed, measure_speed, speed_ratios
 from taylor_tune.jsonio import built_once, digest, json_safe, write_json
 from taylor_tune.pruning import prune as stages
-from taylor_tune.pruning.prune import ImportanceCache, Pruning, summary_dict
+from taylor_tune.pruning.prune import ImportanceCache, Pruning, layer_shapes, summary_dict
 from taylor_tune.recovery.train import heldout_ids, recover, recovery_data
 from taylor_tune.sources.data import resolve_text
 from taylor_tune.sources.models import load_model, resolve_device, resolve_dtype
 from taylor_tune.sweep.experiment import Evaluation
+from taylor_tune.sweep.lock import timing_lock
 
 
 class TrialConfig(BaseModel):
@@ -74,7 +75,8 @@ def unpruned_speed(trial: TrialConfig) -> tuple[dict, float | None]:
         start = time.perf_counter()
         model = load_model(config.model, device=device, dtype=dtype, trust_remote_code=config.trust_remote_code,
                            seed=config.seed)
-        measured = measure_speed(model, spec, seed=config.seed)
+        with timing_lock():
+            measured = measure_speed(model, spec, seed=config.seed)
         del model  # before the trial loads its own copy
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -82,9 +84,7 @@ def unpruned_speed(trial: TrialConfig) -> tuple[dict, float | None]:
 
     if trial.cache_dir is None:
         return measure()
-    # the machine is part of the key: a sweep's nodes may differ (another GPU, another CPU)
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu@{socket.gethostname()}"
-    fields = {"model": config.model, "dtype": str(dtype), "device": where, "speed": spec.model_dump()}
+    fields = {"model": config.model, "dtype": str(dtype), "device": machine(device), "speed": spec.model_dump()}
     path = Path(trial.cache_dir).parent / "unpruned_speed" / f"{digest(fields)[:24]}.json"
     spent = {}
 
@@ -94,6 +94,11 @@ def unpruned_speed(trial: TrialConfig) -> tuple[dict, float | None]:
 
     measured, _ = built_once(path, fields, build, checked_speed, part="measured")
     return measured, spent.get("seconds")
+
+
+def machine(device: torch.device) -> str:
+    """What a speed measurement is of: the GPU's name, or this host's CPU (a sweep's nodes may differ)."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu@{socket.gethostname()}"
 
 
 def layer_analysis(diagnostics: dict) -> list[dict]:
@@ -180,10 +185,30 @@ def write_pruned(run: TrialRun) -> dict:
 
 
 def measure_pruned_speed(run: TrialRun) -> dict:
-    start = time.perf_counter()
-    measured = measure_speed(run.pruning.model, run.trial.evaluation.speed, seed=run.config.seed)
+    """The pruned model's speed, timed under the node's timing lock (no other trial times at the same moment; the
+    window is reported as speed_timed_from / _to, epoch seconds); in a sweep, a model whose layer shapes an earlier
+    trial of the sweep timed on the same machine, dtype and settings reads that measurement (speed_reused)."""
+    start, spec, model = time.perf_counter(), run.trial.evaluation.speed, run.pruning.model
+    timing: dict = {}
+
+    def measure() -> dict:
+        with timing_lock() as waited:
+            timing["speed_timed_from"] = time.time()
+            measured = measure_speed(model, spec, seed=run.config.seed)
+            timing["speed_timed_to"] = time.time()
+        timing["speed_wait_s"] = waited
+        return measured
+
+    if run.trial.cache_dir is None:
+        measured = measure()
+    else:
+        parameter = next(model.parameters())
+        fields = {"model": run.config.model, "dtype": str(parameter.dtype), "device": machine(parameter.device),
+                  "speed": spec.model_dump(), "layers": layer_shapes(model)}
+        path = Path(run.trial.cache_dir).parent / "pruned_speed" / f"{digest(fields)[:24]}.json"
+        measured, _ = built_once(path, fields, measure, checked_speed, part="measured")
     return (measured | speed_ratios(measured, run.unpruned) | {f"unpruned_{k}": v for k, v in run.unpruned.items()}
-            | {"stage": "speed", "speed_s": time.perf_counter() - start})
+            | timing | {"speed_reused": not timing, "stage": "speed", "speed_s": time.perf_counter() - start})
 
 
 def recover_pruned(run: TrialRun) -> dict:
