@@ -125,6 +125,8 @@ def pareto_front(df: pd.DataFrame, objectives: tuple[Objective, ...]) -> pd.Data
     first = objectives[0]
     table = table.sort_values(["on_front", first.metric, "point"], ascending=[False, first.ascending, True],
                               kind="stable").reset_index(drop=True)
+    if "pruning_method" in table:  # what kind of cut each point is (mixed depth+width cuts will add a third)
+        table.insert(1, "family", ["depth" if m == "depth" else "width" for m in table["pruning_method"]])
     before = [before_recovery_key(m) for m in metrics if before_recovery_key(m) in df
               and df[before_recovery_key(m)].notna().any()]
     if before:  # recovery.evaluate_before: where each configuration stood before its recovery

@@ -224,13 +224,15 @@ def _varied(table: pd.DataFrame) -> list[str]:
 def _front_blocks(m: ModelReport) -> list:
     table, objectives = m.front, m.front_objectives
     metrics = [o.metric for o in objectives]
-    shown = ["point", *_varied(table), *(c for metric in metrics for c in (metric, f"{metric}_se")), "seeds"]
+    family = ["family"] if "family" in table and table["family"].nunique() > 1 else []
+    shown = ["point", *family, *_varied(table), *(c for metric in metrics for c in (metric, f"{metric}_se")), "seeds"]
     front, dominated = table[table["on_front"]], table[~table["on_front"]]
     left_out = table.attrs.get("left_out", 0)
     return [
         "Objectives: " + ", ".join(f"{o.metric} ({'lower' if o.ascending else 'higher'} is better)" for o in objectives)
         + ". A point is a configuration (its first trial's id): the mean over its calibration seeds, and its "
-        "uncertainty (_se: the seeds' spread and lm-eval's item stderr in quadrature; NaN where neither was measured).",
+        "uncertainty (_se: the seeds' spread and the measurement's own error, lm-eval's item stderr or the timing's, "
+        "in quadrature; NaN where neither was measured).",
         f"On the front: {len(front)} of {len(table)} configurations"
         + (f" ({left_out} left out: an objective not reported)" if left_out else ""),
         front[shown].reset_index(drop=True),

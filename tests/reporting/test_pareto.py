@@ -157,3 +157,24 @@ def test_the_real_front_equals_a_brute_force_filter_of_the_kept_results():
     assert set(m.front.loc[m.front["on_front"], "point"]) == front and len(front) >= 5
     assert {p: sorted(filter(None, d.split(";"))) for p, d in zip(m.front["point"], m.front["dominated_by"])} \
         == dominators
+
+
+def test_each_point_names_its_family_on_the_front_and_in_the_report():
+    import pandas as pd
+
+    from taylor_tune.reporting import build_report, render_text
+    from taylor_tune.reporting.pareto import pareto_front
+    from taylor_tune.reporting.stats import Objective
+    from tests.report_helpers import synthetic_trials
+
+    df = synthetic_trials()
+    df = df[df["model"] == "model-a"].copy()
+    df.loc[df["pruning_method"] == "blockwise", "pruning_method"] = "depth"
+    df["decode_speedup"] = [1.0 + 0.01 * i for i in range(len(df))]
+    front = pareto_front(df, (Objective("acc_mean", "max"), Objective("decode_speedup", "max")))
+    assert (front["family"] == front["pruning_method"].map({"depth": "depth"}).fillna("width")).all()
+    assert set(front["family"]) == {"depth", "width"}
+    text = render_text(build_report(pd.DataFrame(df)))
+    front_section = text[text.index("Pareto front"):]
+    table = front_section[: front_section.index("Dominated")]  # the front's own table names each point's family
+    assert "family" in table and "depth" in table
