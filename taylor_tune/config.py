@@ -21,7 +21,7 @@ from taylor_tune.errors import ConfigError, shown
 # The pruning methods (each a planner in pruning/methods/; a test checks the registry against this list).
 METHODS = ("taylor", "layerwise", "blockwise", "magnitude", "random", "depth")
 # depth: which whole layers go (pruning/depth.py)
-DEPTH_CRITERIA = ("block_influence", "angular", "last")
+DEPTH_CRITERIA = ("block_influence", "angular", "taylor", "measured_loss", "last")
 CRITERIA = ("taylor", "taylor_sum", "l1", "l2")
 BLOCKWISE_ATTENTION_RULES = ("closest_ratio", "measured_loss", "mlp_only", "min_loss")
 # blockwise's attention rule when none is asked for (BENCHMARKS.md, pruning quality, says why)
@@ -71,8 +71,10 @@ class PruneConfig(BaseModel):
     depth_criterion: Literal[DEPTH_CRITERIA] = Field(
         "block_influence", description="depth: which whole layers go: block_influence (ShortGPT: the layers whose "
         "output is closest in direction to their input, over the calibration tokens), angular (Gromov et al.: the "
-        "block of consecutive layers whose ends are closest at the last token), last (the layers before the final "
-        "one); the count is the nearest to the target")
+        "block of consecutive layers whose ends are closest at the last token), taylor (the lowest group-normalized "
+        "first-order Taylor importance of the whole layer, from the width methods' gradient pass and cache), "
+        "measured_loss (greedy: each time the layer whose removal gives the lowest calibration loss), last (the "
+        "layers before the final one); the count is the nearest to the target")
     seed: int = Field(0, ge=0, description="seed of the calibration draw (and of the random baseline)")
     micro_batch_size: int = Field(8, gt=0, description="sequences per forward/backward in the importance pass")
     device: str = Field("auto", description="auto (cuda if available, else cpu), cpu, cuda, cuda:N or mps")

@@ -8,6 +8,10 @@ standing; the ratio reached is what the diagnostics report. Which layers, by `de
   cosine between layer l's input and output hidden states; the n layers of lowest BI go.
 - `angular` (Gromov et al. 2024): d_l(n) = mean over calibration rows of arccos(cos(x_l, x_{l+n})) / pi at the last
   token; the block of n consecutive layers starting where d is smallest goes.
+- `taylor`: the layer's group-normalized first-order Taylor importance as a whole, sum over its groups of
+  sum |w * g| divided by its groups' parameters (the width methods' gradient pass and cache); the n lowest go.
+- `measured_loss`: greedy, n times: the layer whose removal (with those already chosen) gives the lowest
+  calibration loss, measured with the layers skipped (`measured.masked`).
 - `last`: the n layers before the final one (the baseline the layer-removal papers report).
 
 Pure (numpy): `similarity.layer_similarity` measures what the first two rank in one forward pass (float32
@@ -22,7 +26,7 @@ import numpy as np
 
 from taylor_tune.config import DEPTH_CRITERIA
 from taylor_tune.errors import PlanError
-from taylor_tune.pruning.plan import ModelLayout, target_params
+from taylor_tune.pruning.plan import GroupScores, ModelLayout, PrunePlan, target_params
 
 
 @dataclass(frozen=True)
@@ -74,3 +78,26 @@ def choose_layers(criterion: str, n: int, num_layers: int, similarity: LayerSimi
         start = int(np.argmin(similarity.angular_distance(n)))
         return tuple(range(start, start + n))
     raise ValueError(f"unknown depth_criterion {criterion!r}; allowed: {', '.join(DEPTH_CRITERIA)}")
+
+
+def layer_taylor(scores: GroupScores, layout: ModelLayout) -> np.ndarray:
+    """Each layer's group-normalized Taylor importance as a whole: the scores are per-parameter (sum |w * g| over a
+    group divided by its size), so they are weighted back by the group sizes and divided by the layer's."""
+    a, m = layout.attn_group_params, layout.mlp_channel_params
+    return np.array([(att.sum() * a + mlp.sum() * m) / (len(att) * a + len(mlp) * m)
+                     for att, mlp in zip(scores.attn, scores.mlp)])
+
+
+def depth_plan(layout: ModelLayout, removed) -> PrunePlan:
+    none = tuple(() for _ in range(layout.num_layers))
+    return PrunePlan("depth", none, none, tuple(sorted(removed)))
+
+
+def greedy_by_loss(n: int, layout: ModelLayout, loss) -> tuple[int, ...]:
+    """n times, the layer whose removal with those already chosen gives the lowest `loss(plan)` (ties: the earlier
+    layer)."""
+    removed: list[int] = []
+    for _ in range(n):
+        left = [c for c in range(layout.num_layers) if c not in removed]
+        removed.append(min(left, key=lambda c: (loss(depth_plan(layout, [*removed, c])), c)))
+    return tuple(sorted(removed))

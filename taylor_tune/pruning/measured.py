@@ -19,10 +19,18 @@ from taylor_tune.pruning.plan import PrunePlan
 LOSS_SEQUENCES = 32  # calibration sequences per candidate: one forward each, at most G candidates per pruning
 
 
+class _Skipped(torch.nn.Module):
+    """A decoder layer removed whole: gives back its input."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
 @contextmanager
 def masked(model: torch.nn.Module, plan: PrunePlan):
-    """Inside, `model` computes what the plan's pruned model computes; its weights are restored on exit."""
-    saved = []
+    """Inside, `model` computes what the plan's pruned model computes (its whole layers removed skipped); its weights
+    and layers are restored on exit."""
+    saved, layers = [], decoder_layers(model)
     with torch.no_grad():
         for layer, attn_removed, mlp_removed in zip(decoder_layers(model), plan.attn_removed, plan.mlp_removed):
             attn = layer.self_attn
@@ -34,12 +42,17 @@ def masked(model: torch.nn.Module, plan: PrunePlan):
                     index = torch.tensor(index, device=linear.weight.device)
                     saved.append((linear, index, linear.weight[:, index].clone()))
                     linear.weight[:, index] = 0
+    skipped = {i: layers[i] for i in plan.layers_removed}
+    for i in skipped:
+        layers[i] = _Skipped()
     try:
         yield model
     finally:
         with torch.no_grad():
             for linear, index, values in saved:
                 linear.weight[:, index] = values
+        for i, layer in skipped.items():
+            layers[i] = layer
 
 
 @torch.no_grad()

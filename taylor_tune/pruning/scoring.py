@@ -32,18 +32,22 @@ from taylor_tune.sources.data import resolve_text
 
 
 def uses_gradients(config: PruneConfig) -> bool:
+    if METHODS[config.method].scored_by is Scoring.LAYERS:  # depth: its taylor criterion, from the same pass
+        return config.depth_criterion == "taylor"
     return METHODS[config.method].scored_by is Scoring.CRITERION and config.criterion in GRADIENT_CRITERIA
 
 
 def draws_calibration(config: PruneConfig) -> bool:
     """Whether a pruning reads calibration text: gradient scores, or a plan chosen by measured loss."""
-    measured = config.uniform or (config.method == "blockwise" and config.blockwise_attention == "measured_loss")
+    measured = config.uniform or (config.method == "blockwise" and config.blockwise_attention == "measured_loss") \
+        or (config.method == "depth" and config.depth_criterion == "measured_loss")
     return uses_gradients(config) or measured or uses_hidden_states(config)
 
 
 def uses_hidden_states(config: PruneConfig) -> bool:
     """Depth by block influence or angular distance: one forward pass over the calibration rows."""
-    return METHODS[config.method].scored_by is Scoring.LAYERS and config.depth_criterion != "last"
+    return METHODS[config.method].scored_by is Scoring.LAYERS and config.depth_criterion in ("block_influence",
+                                                                                            "angular")
 
 
 def draw_calibration(config: PruneConfig, tokenizer, num_samples: int | None = None) -> torch.Tensor:
@@ -128,11 +132,13 @@ def score_groups(model, layout: ModelLayout, calibration: Calibration, *, cache:
     importance, event = None, None
     if uses_gradients(config):
         importance = gradient_importance(model, layout, calibration, cache=cache, sample_counts=sample_counts)
-        scores = taylor_criterion(importance.scores, layout, config.criterion)
+        # depth's taylor is the group-normalized criterion whatever `criterion` says (a whole layer's mean)
+        criterion = "taylor" if METHODS[config.method].scored_by is Scoring.LAYERS else config.criterion
+        scores = taylor_criterion(importance.scores, layout, criterion)
         event = None if cache is None else cache.last_event
     elif uses_hidden_states(config):
         scores = layer_similarity(model, calibration.ids(), config.micro_batch_size)
-    elif METHODS[config.method].scored_by is Scoring.LAYERS:  # depth's `last`: nothing to measure
+    elif METHODS[config.method].scored_by is Scoring.LAYERS:  # depth's measured_loss and last: nothing to score
         scores = None
     elif METHODS[config.method].scored_by is not Scoring.NONE:  # a weight-magnitude criterion, or magnitude
         scores = magnitude_scores(model, layout, p=1 if config.criterion == "l1" else 2)

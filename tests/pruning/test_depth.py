@@ -177,3 +177,51 @@ def test_depth_is_a_search_dimension_and_refuses_the_uniform_layout():
         "block_influence", "angular", "last"]
     with pytest.raises(ValidationError, match="depth_criterion"):
         Experiment(name="d", **{**SMALL, "search_space": {"depth_criterion": {"grid": ["cosine"]}}})
+
+
+def test_depth_by_taylor_ranks_whole_layers_by_their_gradient_importance_from_the_shared_pass():
+    from taylor_tune.config import PruneConfig
+    from taylor_tune.pruning.prune import prune
+
+    config = PruneConfig(model="tiny-llama", method="depth", depth_criterion="taylor", sparsity=0.2, seq_len=32,
+                         num_samples=8, calibration="world", device="cpu", dtype="float32")
+    result = prune(config)
+    layout, raw = result.layout, result.importance.scores  # per-parameter group scores of the gradient pass
+    # by hand: a layer's sum |w * g| over all its groups, divided by its groups' parameters
+    layer_score = []
+    for attn, mlp in zip(raw.attn, raw.mlp):
+        total = sum(attn) * layout.attn_group_params + sum(mlp) * layout.mlp_channel_params
+        layer_score.append(total / (len(attn) * layout.attn_group_params + len(mlp) * layout.mlp_channel_params))
+    n = len(result.plan.layers_removed)
+    assert n == 1 and result.plan.layers_removed == tuple(sorted(np.argsort(layer_score, kind="stable")[:n]))
+    width = prune(config.model_copy(update={"method": "taylor"}))  # the width method's pass: the same scores
+    assert all(np.array_equal(a, b) for a, b in zip(width.importance.scores.attn, raw.attn))
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+def test_depth_by_measured_loss_is_greedy_on_the_really_pruned_model_s_loss(name):
+    import copy
+
+    from taylor_tune.config import PruneConfig
+    from taylor_tune.pruning.measured import LOSS_SEQUENCES, calibration_loss, masked
+    from taylor_tune.pruning.plan import PrunePlan
+    from taylor_tune.pruning.prune import prune
+
+    config = PruneConfig(model=name, method="depth", depth_criterion="measured_loss", sparsity=0.45, seq_len=32,
+                         num_samples=8, calibration="world", device="cpu", dtype="float32")
+    result = prune(config)
+    ids = result.calibration_ids[:LOSS_SEQUENCES]
+    original = tiny(name)
+
+    def really_removed(layers) -> float:  # the model with those layers gone, not masked
+        return calibration_loss(remove_layers(copy.deepcopy(original), tuple(sorted(layers))), ids, 8)
+
+    chosen: list[int] = []
+    for _ in range(len(result.plan.layers_removed)):
+        chosen.append(min((c for c in range(4) if c not in chosen), key=lambda c: (really_removed([*chosen, c]), c)))
+    assert len(chosen) == 2 and result.plan.layers_removed == tuple(sorted(chosen))
+    none = tuple(() for _ in range(4))
+    with masked(original, PrunePlan("depth", none, none, (1, 2))):  # masking skips exactly as removal computes
+        inside = calibration_loss(original, ids, 8)
+    assert inside == pytest.approx(really_removed([1, 2]), abs=1e-6)
+    assert isinstance(original.model.layers[1], type(original.model.layers[0]))  # restored on exit
