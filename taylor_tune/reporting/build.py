@@ -105,7 +105,7 @@ def model_report(table: TrialTable, model: str, z: float = stats.Z95, seed: int 
         lead=stats.lead_of_best(valid, tasks, z, objective), seeds=stats.seed_spread(valid, objective), heldout=heldout,
         importance=stats.hyperparameter_importance(valid, seed=seed, objective=objective),
         speed=stats.speed_quality(valid), objective=objective, front_objectives=front_of,
-        front=pareto.pareto_front(valid, front_of) if front_of and len(valid) else None, constrained=constrained,
+        front=pareto.pareto_front(valid, front_of, z) if front_of and len(valid) else None, constrained=constrained,
         recovery=stats.recovery_comparison(valid, objective, seed=seed),
     )
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from taylor_tune.reporting.stats import Objective, multiplicative, searched
+from taylor_tune.reporting.stats import Z95, Objective, multiplicative, searched
 from taylor_tune.schema import before_recovery_key
 
 _OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
@@ -105,14 +105,26 @@ def dominance(values: np.ndarray, objectives: tuple[Objective, ...]) -> np.ndarr
     return at_least & strictly
 
 
-def pareto_front(df: pd.DataFrame, objectives: tuple[Objective, ...]) -> pd.DataFrame:
+def resolved(values: np.ndarray, errors: np.ndarray, objectives: tuple[Objective, ...], z: float) -> np.ndarray:
+    """res[i, j]: point i is better than point j by more than z standard errors of the difference,
+    z * sqrt(se_i^2 + se_j^2), in at least one objective (an unknown se counts as 0: the means decide)."""
+    better = np.where([o.ascending for o in objectives], -values, values)
+    se = np.nan_to_num(errors, nan=0.0)
+    margin = z * np.sqrt(se[:, None, :] ** 2 + se[None, :, :] ** 2)
+    return ((better[:, None, :] - better[None, :, :]) > margin).any(axis=2)
+
+
+def pareto_front(df: pd.DataFrame, objectives: tuple[Objective, ...], z: float = Z95) -> pd.DataFrame:
     """Every configuration of one model's valid trials with its objectives' means and uncertainties, `on_front`,
-    and `dominated_by` (the points that dominate it, ';'-joined; '' on the front). The front comes first, ordered by
-    the first objective, best first. A configuration missing an objective is left out (`left_out` in attrs)."""
+    `dominated_by` (the points that dominate it, ';'-joined; '' on the front) and `tied_with` (those of them whose
+    lead lies within the uncertainty: better by no more than z standard errors of the difference in every objective,
+    `resolved`; such a point is off the front by its means only). The front comes first, ordered by the first
+    objective, best first. A configuration missing an objective is left out (`left_out` in attrs)."""
     metrics = [o.metric for o in objectives]
     table = configurations(df, metrics)
     if table.empty:
-        table = table.assign(on_front=pd.Series(dtype=bool), dominated_by=pd.Series(dtype=object))
+        table = table.assign(on_front=pd.Series(dtype=bool), dominated_by=pd.Series(dtype=object),
+                             tied_with=pd.Series(dtype=object))
         table.attrs["left_out"] = 0
         return table
     complete = np.isfinite(table[metrics].to_numpy(dtype=float)).all(axis=1)
@@ -122,6 +134,9 @@ def pareto_front(df: pd.DataFrame, objectives: tuple[Objective, ...]) -> pd.Data
     points = table["point"].to_numpy()
     table["on_front"] = ~dom.any(axis=0)
     table["dominated_by"] = [";".join(sorted(points[dom[:, j]])) for j in range(len(table))]
+    errors = table[[f"{m}_se" for m in metrics]].to_numpy(dtype=float)
+    tied = dom & ~resolved(table[metrics].to_numpy(dtype=float), errors, objectives, z)
+    table["tied_with"] = [";".join(sorted(points[tied[:, j]])) for j in range(len(table))]
     first = objectives[0]
     table = table.sort_values(["on_front", first.metric, "point"], ascending=[False, first.ascending, True],
                               kind="stable").reset_index(drop=True)

@@ -241,7 +241,22 @@ def _front_blocks(m: ModelReport) -> list:
         *([dominated[shown[:-1]].assign(
             dominated_by=[_first(ids.split(";")) for ids in dominated["dominated_by"]]).reset_index(drop=True)]
           if len(dominated) else []),
+        *_tied_lines(dominated),
     ]
+
+
+def _tied_lines(dominated: pd.DataFrame) -> list[str]:
+    """The dominated points whose every dominator leads within the uncertainty: off the front by the means only."""
+    if "tied_with" not in dominated:
+        return []
+    tied = dominated[[bool(t) and set(t.split(";")) == set(d.split(";"))
+                      for t, d in zip(dominated["tied_with"], dominated["dominated_by"])]]
+    if tied.empty:
+        return ["Every dominated point is behind a point that dominates it by more than the uncertainty (95%) in "
+                "some objective."]
+    return [f"Tied with the front: {len(tied)} dominated point(s) are within the uncertainty (95%) of every point "
+            "that dominates them, so their place off the front is not resolved: "
+            + ", ".join(f"{p} (by {_first(t.split(';'))})" for p, t in zip(tied["point"], tied["tied_with"]))]
 
 
 def _first(ids: list[str], shown: int = 2) -> str:

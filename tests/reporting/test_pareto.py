@@ -178,3 +178,42 @@ def test_each_point_names_its_family_on_the_front_and_in_the_report():
     front_section = text[text.index("Pareto front"):]
     table = front_section[: front_section.index("Dominated")]  # the front's own table names each point's family
     assert "family" in table and "depth" in table
+
+
+def test_a_dominated_point_within_the_uncertainty_is_named_tied_against_a_loop():
+    import math
+
+    import numpy as np
+    import pandas as pd
+
+    from taylor_tune.reporting.pareto import pareto_front
+    from taylor_tune.reporting.stats import Objective
+
+    rng = np.random.default_rng(7)
+    objectives = (Objective("acc_mean", "max"), Objective("decode_speedup", "max"))
+    for _ in range(5):
+        n = 12
+        df = pd.DataFrame({"trial_id": [f"t{i:02d}" for i in range(n)], "model": "m",
+                           "pruning_method": [f"m{i}" for i in range(n)], "seed": 0,
+                           "acc_mean": rng.uniform(0.4, 0.5, n).round(2), "acc_mean_stderr": rng.uniform(0, 0.02, n),
+                           "decode_speedup": rng.uniform(1.0, 1.5, n).round(1),
+                           "decode_speedup_se": rng.uniform(0, 0.1, n)})
+        front = pareto_front(df, objectives).set_index("point")
+        rows = df.set_index("trial_id")
+        tied_somewhere = 0
+        for j in rows.index:
+            expected = []
+            for i in rows.index:
+                a, b = rows.loc[i], rows.loc[j]
+                ge = all(a[m] >= b[m] for m in ("acc_mean", "decode_speedup"))
+                gt = any(a[m] > b[m] for m in ("acc_mean", "decode_speedup"))
+                within = all(a[m] - b[m] <= 1.959964 * math.hypot(a[se], b[se])
+                             for m, se in (("acc_mean", "acc_mean_stderr"), ("decode_speedup", "decode_speedup_se")))
+                if ge and gt and within:
+                    expected.append(i)
+            tied_somewhere += bool(expected)
+            got = front.loc[j, "tied_with"]
+            assert (sorted(got.split(";")) if got else []) == sorted(expected), (j, got, expected)
+            assert set(expected) <= set(front.loc[j, "dominated_by"].split(";") if front.loc[j, "dominated_by"]
+                                        else [])
+        assert tied_somewhere  # the draw has ties to find
