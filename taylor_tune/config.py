@@ -75,6 +75,10 @@ class PruneConfig(BaseModel):
         "first-order Taylor importance of the whole layer, from the width methods' gradient pass and cache), "
         "measured_loss (greedy: each time the layer whose removal gives the lowest calibration loss), last (the "
         "layers before the final one); the count is the nearest to the target")
+    depth_share: float = Field(
+        0.0, ge=0.0, lt=1.0, allow_inf_nan=False, description="a mixed cut (width methods): this share of the target "
+        "goes as whole layers (the count nearest it, at least one, chosen by depth_criterion), the rest by the method "
+        "on the layers that stay; 0 = width only")
     seed: int = Field(0, ge=0, description="seed of the calibration draw (and of the random baseline)")
     micro_batch_size: int = Field(8, gt=0, description="sequences per forward/backward in the importance pass")
     device: str = Field("auto", description="auto (cuda if available, else cpu), cpu, cuda, cuda:N or mps")
@@ -131,6 +135,12 @@ class PruneConfig(BaseModel):
         if self.method == "depth" and self.uniform:
             raise ValueError("uniform: a depth-pruned model keeps every layer's shape and is stock already; uniform "
                              "is for the width methods")
+        if self.method == "depth" and self.depth_share:
+            raise ValueError("depth_share: depth removes whole layers only; a mixed cut is a width method with a "
+                             "depth_share")
+        if self.depth_share and self.depth_criterion == "taylor":
+            raise ValueError("depth_share: a mixed cut chooses its layers by block_influence, angular, measured_loss "
+                             "or last (taylor is depth's alone for now)")
         return self
 
     @property

@@ -19,7 +19,7 @@ DIMENSIONS = {
     "sparsity": "sparsity", "layerwise_max_ratio": "layerwise_max_ratio",
     "blockwise_layer_start": "blockwise_layer_start", "blockwise_layer_end": "blockwise_layer_end",
     "blockwise_attention": "blockwise_attention", "criterion": "criterion", "calibration": "calibration",
-    "uniform": "uniform", "depth_criterion": "depth_criterion",
+    "uniform": "uniform", "depth_criterion": "depth_criterion", "depth_share": "depth_share",
 }
 # Recovery settings a search may vary and the RecoverySpec fields they set; searching one needs the experiment's
 # `recovery` block (which fixes the others). A recovered trial reports all of them as columns.

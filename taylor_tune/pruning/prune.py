@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -27,6 +27,7 @@ from taylor_tune.pruning.importance_cache import ImportanceCache
 from taylor_tune.pruning.measured import plan_loss
 from taylor_tune.pruning.methods import METHODS, PlanOptions, Scoring
 from taylor_tune.pruning.methods.random import drawn_scores
+from taylor_tune.pruning.mixed import kept_scores, mixed_plan, reindexed
 from taylor_tune.pruning.plan import GroupScores, ModelLayout, PrunePlan
 from taylor_tune.pruning.scoring import Calibration, draw_calibration, draws_calibration, score_groups, uses_gradients
 from taylor_tune.pruning.uniform import uniform_plan
@@ -54,6 +55,7 @@ class Pruning:
     layout: ModelLayout | None = None  # of the model before pruning
     importance: Importance | None = None  # None for methods that use no gradients
     scores: GroupScores | None = None
+    similarity: LayerSimilarity | None = None  # a mixed cut's layer measure (block_influence, angular)
     importance_cache: str | None = None  # what the shared cache did (hit, computed, ...); None without one
     plan: PrunePlan | None = None
     diagnostics: dict = field(default_factory=dict)
@@ -82,16 +84,44 @@ def check_against_model(config: PruneConfig) -> None:
             raise ConfigError(f"{name}: {value} is beyond the model's {layers} layers")
 
 
-def make_plan(config: PruneConfig, scores: GroupScores | None, layout: ModelLayout, loss=None) -> PrunePlan:
+def make_plan(config: PruneConfig, scores: GroupScores | None, layout: ModelLayout, loss=None,
+              similarity: LayerSimilarity | None = None) -> PrunePlan:
     """The method's plan, made uniform if the config asks, validated (PlanError when it cannot be had). `loss`: a
     candidate plan's measured calibration loss, for what measures (blockwise_attention measured_loss, the uniform
-    layout's attention count)."""
-    plan_ = METHODS[config.method].plan(scores, layout, PlanOptions.of(config, plan_loss=loss))
-    if config.uniform:
-        scores = drawn_scores(layout, config.seed) if scores is None else scores
-        plan_ = uniform_plan(plan_, scores, layout, config.sparsity, config.uniform_multiple, loss)
+    layout's attention count, depth's measured_loss). With a depth_share, a mixed cut (pruning/mixed.py):
+    `similarity` is its layers' measure."""
+    if config.depth_share:
+        plan_ = _mixed(config, scores, layout, loss, similarity)
+    else:
+        plan_ = _width(config, scores, layout, config.sparsity, loss)
     plan_.validate(layout)
     return plan_
+
+
+def _width(config: PruneConfig, scores: GroupScores | None, layout: ModelLayout, sparsity: float, loss,
+           options: PlanOptions | None = None) -> PrunePlan:
+    options = options or PlanOptions.of(config, plan_loss=loss)
+    plan_ = METHODS[config.method].plan(scores, layout, replace(options, sparsity=sparsity, plan_loss=loss))
+    if config.uniform:
+        scores = drawn_scores(layout, config.seed) if scores is None else scores
+        plan_ = uniform_plan(plan_, scores, layout, sparsity, config.uniform_multiple, loss)
+    return plan_
+
+
+def _mixed(config: PruneConfig, scores, layout: ModelLayout, loss, similarity) -> PrunePlan:
+    depth = config.model_copy(update={"method": "depth", "sparsity": config.sparsity * config.depth_share,
+                                      "depth_share": 0.0, "uniform": False})
+    removed = METHODS["depth"].plan(similarity, layout, PlanOptions.of(depth, plan_loss=loss)).layers_removed
+    kept = [i for i in range(layout.num_layers) if i not in removed]
+    options = PlanOptions.of(config)
+    options = replace(options, blockwise_layer_start=reindexed(options.blockwise_layer_start, removed),
+                      blockwise_layer_end=reindexed(options.blockwise_layer_end, removed))
+
+    def width(reduced: ModelLayout, sparsity: float, to_full) -> PrunePlan:
+        measured = None if loss is None else (lambda candidate: loss(to_full(candidate)))
+        return _width(config, kept_scores(scores, kept), reduced, sparsity, measured, options)
+
+    return mixed_plan(removed, layout, config.sparsity, width, config.method)
 
 
 def meta_layout(model: str, *, trust_remote_code: bool = False) -> ModelLayout:
@@ -106,9 +136,10 @@ def check_plan(config: PruneConfig, layout: ModelLayout) -> None:
     measured loss of 0; for depth, equal hidden states)."""
     scores = GroupScores(attn=tuple(np.ones(g) for g in layout.attn_groups),
                          mlp=tuple(np.ones(c) for c in layout.mlp_channels))
+    similarity = LayerSimilarity(np.ones(layout.num_layers), np.ones((layout.num_layers + 1, 1, 1)))
     if METHODS[config.method].scored_by is Scoring.LAYERS:
-        scores = LayerSimilarity(np.ones(layout.num_layers), np.ones((layout.num_layers + 1, 1, 1)))
-    make_plan(config, scores, layout, loss=lambda candidate: 0.0)
+        scores = similarity
+    make_plan(config, scores, layout, loss=lambda candidate: 0.0, similarity=similarity)
 
 
 def start(config: PruneConfig, *, cache: ImportanceCache | None = None, sample_counts=()) -> Pruning:
@@ -140,6 +171,7 @@ def score(pruning: Pruning) -> dict[str, float]:
     scored = score_groups(pruning.model, pruning.layout, pruning.calibration, cache=pruning.cache,
                           sample_counts=pruning.sample_counts)
     pruning.scores, pruning.importance, pruning.importance_cache = scored.scores, scored.importance, scored.cache_event
+    pruning.similarity = scored.similarity
     return scored.timings
 
 
@@ -147,7 +179,7 @@ def plan(pruning: Pruning) -> dict[str, float]:
     """The plan (pure but for a measured loss, which masks the loaded model on the calibration rows)."""
     begin, config = time.perf_counter(), pruning.config
     loss = plan_loss(pruning.model, pruning.calibration.ids, config.micro_batch_size)
-    pruning.plan = make_plan(config, pruning.scores, pruning.layout, loss)
+    pruning.plan = make_plan(config, pruning.scores, pruning.layout, loss, pruning.similarity)
     return {"plan_s": time.perf_counter() - begin}
 
 

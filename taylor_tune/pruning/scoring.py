@@ -40,14 +40,18 @@ def uses_gradients(config: PruneConfig) -> bool:
 def draws_calibration(config: PruneConfig) -> bool:
     """Whether a pruning reads calibration text: gradient scores, or a plan chosen by measured loss."""
     measured = config.uniform or (config.method == "blockwise" and config.blockwise_attention == "measured_loss") \
-        or (config.method == "depth" and config.depth_criterion == "measured_loss")
+        or (cuts_layers(config) and config.depth_criterion == "measured_loss")
     return uses_gradients(config) or measured or uses_hidden_states(config)
 
 
+def cuts_layers(config: PruneConfig) -> bool:
+    """Whole layers go: depth, or a mixed cut (a width method with a depth_share)."""
+    return METHODS[config.method].scored_by is Scoring.LAYERS or config.depth_share > 0
+
+
 def uses_hidden_states(config: PruneConfig) -> bool:
-    """Depth by block influence or angular distance: one forward pass over the calibration rows."""
-    return METHODS[config.method].scored_by is Scoring.LAYERS and config.depth_criterion in ("block_influence",
-                                                                                            "angular")
+    """Layers chosen by block influence or angular distance: one forward pass over the calibration rows."""
+    return cuts_layers(config) and config.depth_criterion in ("block_influence", "angular")
 
 
 def draw_calibration(config: PruneConfig, tokenizer, num_samples: int | None = None) -> torch.Tensor:
@@ -86,6 +90,7 @@ class Scored:
 
     scores: GroupScores | LayerSimilarity | None  # LayerSimilarity: depth's
     importance: Importance | None = None
+    similarity: LayerSimilarity | None = None  # a mixed cut's layers (block_influence, angular)
     cache_event: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -136,7 +141,7 @@ def score_groups(model, layout: ModelLayout, calibration: Calibration, *, cache:
         criterion = "taylor" if METHODS[config.method].scored_by is Scoring.LAYERS else config.criterion
         scores = taylor_criterion(importance.scores, layout, criterion)
         event = None if cache is None else cache.last_event
-    elif uses_hidden_states(config):
+    elif METHODS[config.method].scored_by is Scoring.LAYERS and uses_hidden_states(config):
         scores = layer_similarity(model, calibration.ids(), config.micro_batch_size)
     elif METHODS[config.method].scored_by is Scoring.LAYERS:  # depth's measured_loss and last: nothing to score
         scores = None
@@ -144,6 +149,9 @@ def score_groups(model, layout: ModelLayout, calibration: Calibration, *, cache:
         scores = magnitude_scores(model, layout, p=1 if config.criterion == "l1" else 2)
     else:
         scores = None
+    similarity = None
+    if config.depth_share > 0 and uses_hidden_states(config):  # a mixed cut: its layers' measure besides
+        similarity = layer_similarity(model, calibration.ids(), config.micro_batch_size)
     drew = calibration.seconds - drawn_before
     timings = {"importance_s": time.perf_counter() - start - drew} | ({"calibration_s": drew} if drew else {})
-    return Scored(scores, importance, event, timings)
+    return Scored(scores, importance, cache_event=event, timings=timings, similarity=similarity)

@@ -140,8 +140,10 @@ def pareto_front(df: pd.DataFrame, objectives: tuple[Objective, ...], z: float =
     first = objectives[0]
     table = table.sort_values(["on_front", first.metric, "point"], ascending=[False, first.ascending, True],
                               kind="stable").reset_index(drop=True)
-    if "pruning_method" in table:  # what kind of cut each point is (mixed depth+width cuts will add a third)
-        table.insert(1, "family", ["depth" if m == "depth" else "width" for m in table["pruning_method"]])
+    if "pruning_method" in table:  # what kind of cut each point is: whole layers, groups within them, or both
+        shares = table["depth_share"] if "depth_share" in table else [0.0] * len(table)
+        table.insert(1, "family", ["depth" if m == "depth" else "mixed" if share and share > 0 else "width"
+                                   for m, share in zip(table["pruning_method"], shares)])
     before = [before_recovery_key(m) for m in metrics if before_recovery_key(m) in df
               and df[before_recovery_key(m)].notna().any()]
     if before:  # recovery.evaluate_before: where each configuration stood before its recovery

@@ -87,6 +87,7 @@ class SearchSpace(BaseModel):
     calibration: Domain | None = None
     uniform: Domain | None = None
     depth_criterion: Domain | None = None
+    depth_share: Domain | None = None
     recovery_loss: Domain | None = None
     recovery_data: Domain | None = None
     recovery_steps: Domain | None = None

@@ -171,9 +171,11 @@ def test_each_point_names_its_family_on_the_front_and_in_the_report():
     df = df[df["model"] == "model-a"].copy()
     df.loc[df["pruning_method"] == "blockwise", "pruning_method"] = "depth"
     df["decode_speedup"] = [1.0 + 0.01 * i for i in range(len(df))]
+    df["depth_share"] = [0.5 if m == "layerwise" else 0.0 for m in df["pruning_method"]]  # mixed cuts
     front = pareto_front(df, (Objective("acc_mean", "max"), Objective("decode_speedup", "max")))
-    assert (front["family"] == front["pruning_method"].map({"depth": "depth"}).fillna("width")).all()
-    assert set(front["family"]) == {"depth", "width"}
+    assert (front["family"] == front["pruning_method"].map({"depth": "depth", "layerwise": "mixed"})
+            .fillna("width")).all()
+    assert set(front["family"]) == {"depth", "width", "mixed"}
     text = render_text(build_report(pd.DataFrame(df)))
     front_section = text[text.index("Pareto front"):]
     table = front_section[: front_section.index("Dominated")]  # the front's own table names each point's family
