@@ -55,7 +55,9 @@ def test_next_token_and_distillation_losses_on_masked_targets_equal_a_loop_over_
 
 
 @pytest.mark.parametrize("model", ["tiny-llama", pytest.param("smollm2-135m", marks=pytest.mark.real)])
-def test_each_row_is_the_alpaca_prompt_then_the_response_and_only_the_response_is_a_target(model):
+def test_each_row_is_the_alpaca_prompt_then_the_response_and_only_the_response_is_a_target(model, request):
+    if model != "tiny-llama":
+        request.getfixturevalue("assets")  # the real offline world, fetched when missing
     tokenizer = load_tokenizer(model)
     spec = RecoverySpec(steps=2, micro_batch_size=3, seq_len=160, seed=1)
     ids, mask = instruction_batches(tokenizer, RECORDS, spec)
