@@ -117,7 +117,7 @@ def test_an_unpruned_speed_record_that_is_altered_or_incomplete_is_measured_agai
     experiment = seeded(clean_folder, tmp_path)
     path, header, measured = json_entry(experiment / "unpruned_speed")
     if damage.startswith("times-100"):
-        rewrite(path, header, {k: v * 100 for k, v in measured.items()}, checksum=False)
+        rewrite(path, header, {k: None if v is None else v * 100 for k, v in measured.items()}, checksum=False)
     elif damage.startswith("empty"):
         rewrite(path, header, {}, checksum=True)
     else:

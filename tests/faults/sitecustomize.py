@@ -5,7 +5,8 @@ With TAYLOR_TUNE_TEST_FAULT='{"pruning_method": "blockwise", ...}' a trial whose
 InjectedFault before it prunes. With TAYLOR_TUNE_TEST_PAUSE=<folder> a trial, once its final report is made, touches
 <folder>/<trial id> and sleeps: a window in which a test kills the sweep. With TAYLOR_TUNE_TEST_FILL=<file> the first
 trial to finish fills the disk that <file> is on (writes <file> until no space is left): the storage fills mid-sweep.
-Without any of them nothing happens.
+With TAYLOR_TUNE_TEST_SLOW=<seconds> every trial first sleeps that long: a sweep slow enough to be interrupted part-way
+whatever the machine. Without any of them nothing happens.
 The product's modules are patched when they are first imported (nothing is imported here ahead of time).
 """
 
@@ -33,6 +34,17 @@ def _fail_matching(run_trial):
         if all(trial_columns(trial.prune).get(k) == v for k, v in fault.items()):
             raise InjectedFault(f"injected fault for {fault}")
         return run_trial(trial, *args, **kwargs)
+
+    return wrapper
+
+
+def _slow(run_trial):
+    seconds = float(os.environ["TAYLOR_TUNE_TEST_SLOW"])
+
+    @functools.wraps(run_trial)
+    def wrapper(*args, **kwargs):
+        time.sleep(seconds)
+        return run_trial(*args, **kwargs)
 
     return wrapper
 
@@ -73,6 +85,8 @@ def _fill_disk_after(trainable):
 PATCHES = {}  # module -> (attribute, wrapper factory)
 if os.environ.get("TAYLOR_TUNE_TEST_FAULT"):
     PATCHES["taylor_tune.sweep.trial"] = ("run_trial", _fail_matching)
+if os.environ.get("TAYLOR_TUNE_TEST_SLOW"):
+    PATCHES["taylor_tune.sweep.trial"] = ("run_trial", _slow)
 if os.environ.get("TAYLOR_TUNE_TEST_PAUSE"):
     PATCHES["taylor_tune.sweep.tune.trainable"] = ("sweep_trainable", _pause_after)
 if os.environ.get("TAYLOR_TUNE_TEST_FILL"):

@@ -51,8 +51,9 @@ def interrupt_sweep(experiment, log_path, until, sig, settle: float = 3, **fault
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_an_interrupted_sweep_resumes_without_rerunning_finished_trials(sig, tmp_path):
-    # 12 trials one at a time: with reused workers a trial takes about a second, so the interruption (2 finished
-    # + 2.5 s for the saved state) must leave most of the grid still to run
+    # 12 trials one at a time, each held 1.5 s before it starts (a reused worker and a speed measurement read from
+    # the sweep's record make a trial well under a second), so the interruption (2 finished + 3 s for the saved
+    # state) leaves most of the grid still to run
     space = {"taylor_seq_len": {"grid": [16, 32, 48]}, "taylor_num_samples": {"grid": [8, 16]},
              "pruning_method": {"grid": ["taylor", "blockwise"]}}
     experiment = write_experiment(
@@ -61,7 +62,7 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_trials(sig, tmp
     path = tmp_path / "sweeps" / "resume"
     started = time.time()
     code = interrupt_sweep(
-        experiment, tmp_path / "first-run.log", lambda: len(finished(path)) >= 2, sig
+        experiment, tmp_path / "first-run.log", lambda: len(finished(path)) >= 2, sig, TAYLOR_TUNE_TEST_SLOW="1.5"
     )  # two trials finished
     if sig == signal.SIGTERM:  # stopped gracefully with trials not run: EXIT_NOT_DONE, not success
         assert code == 4, (tmp_path / "first-run.log").read_text()[-2000:]
