@@ -24,7 +24,7 @@ import platform
 import time
 from pathlib import Path
 
-import numpy as np
+import pandas as pd
 import torch
 
 from taylor_tune.config import EvalSpec, PruneConfig, RecoverySpec
@@ -33,6 +33,7 @@ from taylor_tune.evaluation.perplexity import perplexity
 from taylor_tune.jsonio import write_json
 from taylor_tune.pruning.prune import ImportanceCache, prune
 from taylor_tune.recovery.train import heldout_ids, recover, recovery_ids
+from taylor_tune.reporting import stats
 from taylor_tune.reporting.stats import kendall_tau as kendall
 from taylor_tune.sources.data import load_ppl_text
 from taylor_tune.sources.models import load_model
@@ -46,8 +47,9 @@ def zero_shot(model, tokenizer, model_name: str, limit: int) -> dict:
 
 
 def acc_mean_stderr(tasks: dict) -> float:
-    """The stderr of a mean of independent task scores: sqrt(sum of squared stderrs) / tasks."""
-    return float(np.sqrt(sum(e["score_stderr"] ** 2 for e in tasks.values())) / len(tasks))
+    """acc_mean's stderr as the report computes it (`stats.acc_mean_stderr`: the tasks' stderrs as independent)."""
+    row = pd.DataFrame([{f"acc_{t}_stderr": e["score_stderr"] for t, e in tasks.items()}])
+    return float(stats.acc_mean_stderr(row, tuple(tasks)).iloc[0])
 
 
 def measure(args, model_name: str, sparsity: float, method: str, loss: str, cache: ImportanceCache,

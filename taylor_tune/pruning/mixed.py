@@ -11,7 +11,6 @@ layer indices beside the removed layers.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 
 from taylor_tune.errors import PlanError
 from taylor_tune.pruning.plan import GroupScores, ModelLayout, PrunePlan, target_params
@@ -62,4 +61,4 @@ def mixed_plan(removed: tuple[int, ...], layout: ModelLayout, sparsity: float,
         raise PlanError(f"depth_share: the width part cannot remove {rest:.0f} parameters from what stays")
     plan = width(reduced, rest / reduced.total_params,
                  lambda candidate: mapped_back(candidate, removed, layout.num_layers, method))
-    return replace(mapped_back(plan, removed, layout.num_layers, method), method=method)
+    return mapped_back(plan, removed, layout.num_layers, method)

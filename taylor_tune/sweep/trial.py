@@ -250,9 +250,8 @@ def evaluate_before_recovery(run: TrialRun) -> dict:
     metric under schema.before_recovery_key: what recovery is then measured against, on the evaluation's own
     numbers."""
     trial, start = run.trial, time.perf_counter()
-    requests = None if trial.cache_dir is None else RequestCache(Path(trial.cache_dir).parent / "requests")
     evaluator = Evaluator(run.pruning.model, run.pruning.tokenizer, trial.evaluation.spec(None),
-                          model_name=run.config.model, request_cache=requests)
+                          model_name=run.config.model, request_cache=request_cache(trial))
     metrics = {}
     if trial.evaluation.ppl is not None:
         metrics["ppl"] = evaluator.perplexity().ppl
@@ -267,12 +266,15 @@ def evaluate_before_recovery(run: TrialRun) -> dict:
         schema.seconds_key("before_recovery"): time.perf_counter() - start}
 
 
+def request_cache(trial: TrialConfig) -> RequestCache | None:
+    """The sweep's zero-shot requests: built by the model's first trial, read by the others (beside the importance
+    cache); None outside a sweep."""
+    return None if trial.cache_dir is None else RequestCache(Path(trial.cache_dir).parent / "requests")
+
+
 def start_evaluation(run: TrialRun) -> dict:
-    # the zero-shot requests: built by the model's first trial, read by the others (beside the importance cache)
-    trial = run.trial
-    requests = None if trial.cache_dir is None else RequestCache(Path(trial.cache_dir).parent / "requests")
-    run.evaluator = Evaluator(run.pruning.model, run.pruning.tokenizer, trial.evaluation.spec(None),
-                              model_name=run.config.model, request_cache=requests)
+    run.evaluator = Evaluator(run.pruning.model, run.pruning.tokenizer, run.trial.evaluation.spec(None),
+                              model_name=run.config.model, request_cache=request_cache(run.trial))
     return {}
 
 

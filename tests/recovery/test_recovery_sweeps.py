@@ -4,14 +4,13 @@ runs again from the start on resume and finishes with exactly the uninterrupted 
 
 import json
 import signal
-import time
 
 import pytest
 
 from taylor_tune.reporting import build_report, load_trials
 from tests.recovery.test_recovery_search import asha_reference
 from tests.sweep.test_sweep_resilience import interrupt_sweep
-from tests.sweep_helpers import analysis_rows, kill_ray_started_after, run_sweep, trial_dirs, write_experiment
+from tests.sweep_helpers import analysis_rows, run_sweep_to_end, trial_dirs, write_experiment
 
 pytestmark = pytest.mark.slow  # every test here runs Ray sweeps
 
@@ -35,10 +34,7 @@ def test_asha_stops_trials_at_the_recovery_rungs_as_successive_halving_on_the_he
         recovery=RECOVERY,
         search={"algorithm": "grid", "scheduler": "asha", "max_concurrent": 1, "reduction_factor": 2},
     )
-    started = time.time()
-    proc = run_sweep(experiment)
-    kill_ray_started_after(started)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    run_sweep_to_end(experiment)
     path = tmp_path / "sweeps" / "asha_recovery"
     folders = trial_dirs(path)
     assert len(folders) == 6
@@ -107,10 +103,7 @@ def test_a_trial_killed_during_recovery_runs_again_and_finishes_as_an_uninterrup
     (tmp_path / "killed").mkdir()
     whole_exp = write_experiment(tmp_path / "whole", "recover", **changes)
     killed_exp = write_experiment(tmp_path / "killed", "recover", **changes)
-    started = time.time()
-    whole = run_sweep(whole_exp)
-    kill_ray_started_after(started)
-    assert whole.returncode == 0, whole.stdout[-2000:] + whole.stderr[-2000:]
+    run_sweep_to_end(whole_exp)
 
     path = tmp_path / "killed" / "sweeps" / "recover"
 
@@ -122,10 +115,7 @@ def test_a_trial_killed_during_recovery_runs_again_and_finishes_as_an_uninterrup
     (first,) = trial_dirs(path).values()
     assert not (first / "evaluation.json").exists()  # killed before its evaluation
     assert max(r.get("recovery_step", 0) for r in reports(first)) < recovery["steps"]
-    started = time.time()
-    again = run_sweep(killed_exp)
-    kill_ray_started_after(started)
-    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    run_sweep_to_end(killed_exp)
 
     (resumed,) = analysis_rows(path)
     (reference,) = analysis_rows(tmp_path / "whole" / "sweeps" / "recover")

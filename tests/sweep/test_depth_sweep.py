@@ -1,12 +1,10 @@
 """Depth and mixed cuts in a sweep: a combination no pruning can be (depth with a depth share) is refused before
 Ray naming it; width and depth trials run side by side through Ray Tune and the report names each point's family."""
 
-import time
-
 import pytest
 
 from taylor_tune.reporting import build_report
-from tests.sweep_helpers import analysis_rows, kill_ray_started_after, run_sweep, write_experiment
+from tests.sweep_helpers import analysis_rows, run_sweep_to_end, write_experiment
 from tests.test_refused_before_work import experiment, nothing_started, one_line, run
 
 
@@ -33,10 +31,7 @@ def test_width_and_depth_trials_side_by_side_and_their_families_in_the_report(tm
         objectives=[{"metric": "acc_mean"}, {"metric": "decode_speedup"}],
         search={"algorithm": "grid", "max_concurrent": 2},
     )
-    started = time.time()
-    proc = run_sweep(path)
-    kill_ray_started_after(started)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    run_sweep_to_end(path)
     rows = {r["pruning_method"]: r for r in analysis_rows(tmp_path / "sweeps" / "families")}
     assert set(rows) == {"taylor", "depth"} and all(r["stage"] == "zero_shot_10" for r in rows.values())
     assert rows["depth"]["depth_criterion"] == "block_influence" and rows["depth"]["decode_speedup_se"] >= 0
