@@ -10,6 +10,13 @@ gated: its token counts are close to, not equal to, theirs). Then, per shape:
   TFLOP/s (2 x parameters x tokens / seconds). The prefix pass stores its requests in a sweep's request cache, as a
   model's first trial does. `--passes` picks the passes; `prefix_flex` is the prefix scorer with FlexAttention's
   block mask instead of SDPA's additive mask (issue 30, point 5: the two side by side);
+- with `--families SPARSITY`, what each family of cut buys at that sparsity (issue 40, point 5): prefill and decode
+  speed at batch 1 and 16 with their standard errors, against the unpruned model measured first and last, of the
+  shape each family leaves: depth (whole layers), width with the free layout (a global ranking) and with the uniform
+  one, and mixed cuts at depth shares 0.25 and 0.5 (uniform width on the layers that stay). The weights are random,
+  so the groups are ranked by the random method's seeded scores and the layers by `last`: on a homogeneous decoder
+  every depth criterion removes the same number of equal layers, and the speed of a shape does not depend on which
+  groups it kept;
 - `run_trial` as a sweep runs it, with that cache (its requests read back, as in every later trial of the model):
   taylor importance at each --importance SAMPLESxSEQ_LEN, prune, speed against the unpruned model, perplexity on the
   held-out Wikipedia text, the full zero-shot evaluation of the seven real tasks with the default settings; seconds
@@ -21,6 +28,8 @@ Written as JSON (`--json`); `--table` prints its Markdown tables. The folder of 
     python bench/bench_gpu.py --small --json /tmp/gpu_small.json     # a tiny shape on CPU (the tests run this)
     python bench/bench_gpu.py --table bench/gpu.json
     python bench/bench_gpu.py --shapes llama-3-8b --passes prefix,prefix_flex --importance none --json /tmp/attn.json
+    python bench/bench_gpu.py --shapes llama-3-8b --passes prefix,hflm --families 0.2 --importance 128x512 \
+        --json bench/gpu_llama.json    # the HFLM pass runs last: a time limit cuts it and nothing else
 
 A machine without the offline world's model assets (a bare GPU machine) gets the tokenizers as a small archive:
 `--pack-tokenizers .device/tokenizers.tgz` here, then there `--tokenizers DIR` with the archive unpacked in DIR.
@@ -29,6 +38,7 @@ A machine without the offline world's model assets (a bare GPU machine) gets the
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import os
@@ -46,7 +56,11 @@ from taylor_tune import schema
 from taylor_tune.config import EvalSpec, PruneConfig, SpeedSpec
 from taylor_tune.evaluation.evaluate import Evaluator
 from taylor_tune.evaluation.requests import RequestCache
+from taylor_tune.evaluation.speed import measure_speed, speed_ratios
 from taylor_tune.jsonio import write_json
+from taylor_tune.pruning.apply import apply_plan
+from taylor_tune.pruning.groups import describe_layout
+from taylor_tune.pruning.prune import make_plan
 from taylor_tune.sources.assets import require
 from taylor_tune.sources.models import load_tokenizer
 from taylor_tune.sweep.experiment import Evaluation
@@ -142,13 +156,42 @@ def trial(folder: Path, params: int, samples: int, seq_len: int, args, device: t
             "ppl": metrics.get("ppl"), "acc_mean": metrics.get("acc_mean"), "peak_gib": _peak(device)}
 
 
-def evaluation(folder: Path, params: int, args, device: torch.device, dtype: torch.dtype, cache: Path) -> dict:
-    """The full evaluation of the unpruned model, prefix scorer then HFLM, with the default batch sizing; the
-    prefix pass stores its requests in the request cache of a sweep under `cache`."""
+# (family, method, uniform, depth_share): the shapes --families measures
+FAMILIES = (("depth", "depth", False, 0.0), ("width", "random", False, 0.0), ("width", "random", True, 0.0),
+            ("mixed", "random", True, 0.25), ("mixed", "random", True, 0.5))
+
+
+def families(folder: Path, sparsity: float, args, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """Speed and memory of each FAMILIES shape at `sparsity` against the unpruned model (measured first and last;
+    the ratios use the first, the last shows the drift), decode at batch 1 and args.family_speed's decode_batch."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map={"": device}).eval()
+    layout, spec = describe_layout(model), SpeedSpec(**args.family_speed)
+    rows = [{"family": "unpruned", "speed": measure_speed(model, spec)}]
+    for family, method, uniform, share in FAMILIES:
+        config = PruneConfig(model=str(folder), method=method, sparsity=sparsity, uniform=uniform, depth_share=share,
+                             depth_criterion="last", device=args.device, dtype=args.dtype)
+        plan = make_plan(config, None, layout)
+        pruned = apply_plan(copy.deepcopy(model), plan)
+        speed = measure_speed(pruned, spec)
+        rows.append({"family": family, "method": method, "uniform": uniform, "depth_share": share,
+                     "layers_removed": len(plan.layers_removed),
+                     "pruning_ratio": plan.params_removed(layout) / layout.total_params,
+                     "speed": speed, **speed_ratios(speed, rows[0]["speed"])})
+        del pruned
+        _reset(device)
+    rows.append({"family": "unpruned (again)", "speed": measure_speed(model, spec)})
+    del model
+    return rows
+
+
+def evaluation(folder: Path, params: int, args, device: torch.device, dtype: torch.dtype, cache: Path,
+               passes: list[str]) -> dict:
+    """The full evaluation of the unpruned model by each of `passes` (prefix, prefix_flex, hflm), with the default
+    batch sizing; the prefix pass stores its requests in the request cache of a sweep under `cache`."""
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map={"": device}).eval()
     tokenizer = load_tokenizer(str(folder))
     out = {}
-    for name in args.passes:
+    for name in passes:
         _reset(device)
         spec = EvalSpec(tasks="all", task_data="real", ppl=None, scorer="hflm" if name == "hflm" else "prefix")
         requests = RequestCache(cache / "requests") if name == "prefix" else None
@@ -189,7 +232,28 @@ def table(data: dict) -> str:
                          f"{s.get('unpruned_speed', 0):.1f} | {s.get('load', 0):.1f} | {s.get('importance', 0):.1f} "
                          f"({t['importance_tflops']:.1f}) | {s.get('prune', 0):.1f} | {s.get('speed', 0):.1f} | "
                          f"{s.get('ppl', 0):.1f} | {shot:.1f} ({t['requests_s']:.1f}) | {_gib(t['peak_gib'])} |")
+    for name, shape in data["shapes"].items():
+        rows = shape.get("families")
+        if not rows:
+            continue
+        drift = rows[-1]["speed"]["decode_tokens_per_s"] / rows[0]["speed"]["decode_tokens_per_s"]
+        lines += ["", f"{name} at sparsity {shape['families_sparsity']:.0%} (unpruned measured again last: decode b1 "
+                  f"{drift:.3f}× the first)", "",
+                  "| family | layout | layers removed | reached | prefill speedup | decode speedup b1 | "
+                  f"decode speedup b{shape['families_decode_batch']} | memory ratio |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|"]
+        for r in rows[1:-1]:
+            layout = "–" if r["family"] == "depth" else ("uniform" if r["uniform"] else "free")
+            share = f" (share {r['depth_share']})" if r["depth_share"] else ""
+            lines.append(f"| {r['family']}{share} | {layout} | {r['layers_removed']} | {r['pruning_ratio']:.3f} | "
+                         f"{_pm(r, 'prefill_speedup')} | {_pm(r, 'decode_speedup')} | "
+                         f"{_pm(r, 'decode_batch_speedup')} | {r['memory_ratio']:.3f} |")
     return "\n".join(lines)
+
+
+def _pm(row: dict, key: str) -> str:
+    se = row.get(f"{key}_se")
+    return f"{row[key]:.2f}" + ("" if se is None else f" ± {se:.2f}")
 
 
 def main() -> None:
@@ -202,6 +266,8 @@ def main() -> None:
                         "no trial")
     parser.add_argument("--passes", default="prefix,hflm", help="evaluation passes, any of prefix, prefix_flex, hflm; "
                         "none: only the trials")
+    parser.add_argument("--families", type=float, default=None, metavar="SPARSITY",
+                        help="the speed of depth, width and mixed cuts at this sparsity (decode at batch 1 and 16)")
     parser.add_argument("--limit", type=int, default=None, help="items per task (default every item)")
     parser.add_argument("--ppl-windows", type=int, default=None, help="perplexity windows (default every one)")
     parser.add_argument("--micro-batch-size", type=int, default=4)
@@ -231,8 +297,10 @@ def main() -> None:
         args.device, args.dtype = "cpu", "float32"
         args.speed = {"prefill_batch": 1, "prefill_len": 16, "decode_batch": 2, "prompt_len": 8, "new_tokens": 4,
                       "repeats": 1, "warmup": 0}
+        args.family_speed = args.speed | {"repeats": 3}
     else:
         args.device, args.dtype, args.speed = "cuda", "bfloat16", {}
+        args.family_speed = {"decode_batch": 16, "new_tokens": 32, "repeats": 7, "warmup": 2}
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     data = {"machine": {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                         "cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
@@ -245,11 +313,23 @@ def main() -> None:
             start = time.perf_counter()
             params = build_folder(shape, folder, device, dtype, args.tokenizers)
             entry = data["shapes"][name] = {"params": params, "build_s": time.perf_counter() - start, "trials": []}
-            if args.passes:
-                entry["evaluation"] = evaluation(folder, params, args, device, dtype, cache)
+            first = [p for p in args.passes if p != "hflm"]
+            if first:
+                entry["evaluation"] = evaluation(folder, params, args, device, dtype, cache, first)
             write_json(args.json, data)
+            if args.families is not None:
+                entry["families_sparsity"] = args.families
+                entry["families_decode_batch"] = args.family_speed["decode_batch"]
+                entry["families"] = families(folder, args.families, args, device, dtype)
+                write_json(args.json, data)
             for samples, seq_len in runs:
                 entry["trials"].append(trial(folder, params, samples, seq_len, args, device, cache))
+                write_json(args.json, data)
+            if "hflm" in args.passes:  # the slowest, last
+                entry["hflm_started"] = time.time()  # a pass cut by a time limit still says how long it ran
+                write_json(args.json, data)
+                entry.setdefault("evaluation", {}).update(evaluation(folder, params, args, device, dtype, cache,
+                                                                     ["hflm"]))
                 write_json(args.json, data)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
