@@ -22,7 +22,7 @@ from taylor_tune.errors import ConfigError, shown
 METHODS = ("taylor", "layerwise", "blockwise", "magnitude", "random", "depth")
 # depth: which whole layers go (pruning/depth.py)
 DEPTH_CRITERIA = ("block_influence", "angular", "taylor", "measured_loss", "last")
-CRITERIA = ("taylor", "taylor_sum", "l1", "l2")
+CRITERIA = ("taylor", "taylor_sum", "l1", "l2", "wanda_sp", "flap")
 BLOCKWISE_ATTENTION_RULES = ("closest_ratio", "measured_loss", "mlp_only", "min_loss")
 # blockwise's attention rule when none is asked for (BENCHMARKS.md, pruning quality, says why)
 DEFAULT_BLOCKWISE_ATTENTION = "measured_loss"  # BENCHMARKS.md: blockwise attention rules on the real models
@@ -66,8 +66,14 @@ class PruneConfig(BaseModel):
         "parameter count (the default; docs/specification.md §1); taylor_sum: the plain sum, as LLM-Pruner's group "
         "importance (large groups "
         "weigh more); l1 / l2: the weight magnitude Σ|w| / Σw² divided by the group's parameter count, no calibration "
-        "(LLM-Pruner's vector-wise L1 / L2 baselines are blockwise with these). magnitude ranks by l2, or l1 if set",
+        "(LLM-Pruner's vector-wise L1 / L2 baselines are blockwise with these); wanda_sp / flap: the activation "
+        "baselines, one forward pass, no gradients (pruning/activations.py: Wanda-sp's |W| x ||X|| and FLAP's "
+        "standardized fluctuation; flap with taylor, the global ranking, is FLAP's adaptive structure, and with "
+        "uniform its uniform one; flap does not go with layerwise or blockwise). magnitude ranks by l2, or l1 if set",
     )
+    flap_compensation: bool = Field(
+        True, description="criterion flap: add each removed channel's mean contribution over the calibration tokens "
+        "to its output projection's bias (FLAP's bias compensation); no effect with other criteria")
     depth_criterion: Literal[DEPTH_CRITERIA] = Field(
         "block_influence", description="depth: which whole layers go: block_influence (ShortGPT: the layers whose "
         "output is closest in direction to their input, over the calibration tokens), angular (Gromov et al.: the "
@@ -128,6 +134,14 @@ class PruneConfig(BaseModel):
         start, end = self.blockwise_layer_start, self.blockwise_layer_end
         if start is not None and end is not None and end <= start:
             raise ValueError(f"blockwise_layer_end ({end}) must be greater than blockwise_layer_start ({start})")
+        return self
+
+    @model_validator(mode="after")
+    def _flap_ranks_globally(self) -> PruneConfig:
+        if self.criterion == "flap" and self.method in ("layerwise", "blockwise"):
+            raise ValueError(f"criterion: flap's standardized scores carry no layer's size, which {self.method} "
+                             "allocates by; use flap with taylor (the global ranking) or the uniform layout, or "
+                             f"wanda_sp with {self.method}")
         return self
 
     @model_validator(mode="after")

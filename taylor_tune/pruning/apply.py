@@ -10,6 +10,11 @@ that builds the model at those sizes. Plain transformers and lm-eval's CLI load 
 `trust_remote_code=True`; taylor_tune loads it with its own copy of that module (`sources.models.load_pruned`),
 running nothing from the folder.
 `pruned_layout.json` records what the folder was pruned from. No pickle anywhere.
+
+A model with output biases its stock class does not build (FLAP's compensation on o_proj / down_proj) is stock only
+where the config can say so: Llama's `attention_bias` and `mlp_bias` give every projection a bias, so a uniform Llama
+is saved with zero biases on the others; Qwen2 and Mistral build o_proj and down_proj without a bias whatever the
+config says, so theirs are saved as a pruned folder (`pruned_output_bias`), uniform or not.
 """
 
 from __future__ import annotations
@@ -113,6 +118,29 @@ def layer_shapes(model: nn.Module) -> list[dict[str, int]]:
     ]
 
 
+def _output_bias(model: nn.Module) -> bool:
+    """Whether an o_proj or down_proj has a bias that the model's stock class would not build."""
+    config = model.config
+    stock = {"o_proj": getattr(config, "attention_bias", False) and config.model_type == "llama",
+             "down_proj": getattr(config, "mlp_bias", False) and config.model_type == "llama"}
+    return any(layer.self_attn.o_proj.bias is not None and not stock["o_proj"]
+               or layer.mlp.down_proj.bias is not None and not stock["down_proj"] for layer in decoder_layers(model))
+
+
+def _stock_biases(model: nn.Module) -> None:
+    """A Llama with output biases made stock, in place: a zero bias on every projection without one (the outputs do
+    not change) and `attention_bias` / `mlp_bias` set."""
+    for layer in decoder_layers(model):
+        for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                              (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
+            for name in names:
+                linear = getattr(parent, name)
+                if linear.bias is None:
+                    linear.bias = nn.Parameter(torch.zeros(linear.out_features, device=linear.weight.device,
+                                                           dtype=linear.weight.dtype))
+    model.config.attention_bias = model.config.mlp_bias = True
+
+
 def save_pruned(model: nn.Module, directory: str | Path, tokenizer=None, *, source_model: str | None = None) -> Path:
     """Write the pruned folder (see the module docstring), with the tokenizer if given.
 
@@ -120,9 +148,14 @@ def save_pruned(model: nn.Module, directory: str | Path, tokenizer=None, *, sour
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory)
     layout = layer_shapes(model)
     uniform = all(shape == layout[0] for shape in layout)
+    output_bias = _output_bias(model)
+    if output_bias and uniform and model.config.model_type == "llama":
+        _stock_biases(model)
+    elif output_bias:
+        uniform = False
+    model.save_pretrained(directory)
     config = json.loads((directory / "config.json").read_text())
     if uniform:  # a stock config: every layer has the shape its fields say
         config |= layout[0] | {"head_dim": head_dim(decoder_layers(model)[0].self_attn)}
@@ -130,6 +163,8 @@ def save_pruned(model: nn.Module, directory: str | Path, tokenizer=None, *, sour
         cls = PRUNED_CLASSES[config["model_type"]].__name__
         config |= {"pruned_layout": layout, "architectures": [cls],
                    "auto_map": {"AutoModelForCausalLM": f"{MODELING_FILE.removesuffix('.py')}.{cls}"}}
+        if output_bias:
+            config["pruned_output_bias"] = True
         shutil.copyfile(pruned_modeling.__file__, directory / MODELING_FILE)
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")

@@ -18,7 +18,9 @@ from transformers import AutoModelForCausalLM
 
 from taylor_tune.config import PruneConfig
 from taylor_tune.errors import ConfigError
+from taylor_tune.pruning.activations import ActivationStats
 from taylor_tune.pruning.apply import apply_plan, layer_shapes
+from taylor_tune.pruning.compensation import add_compensation, compensations
 from taylor_tune.pruning.depth import LayerSimilarity
 from taylor_tune.pruning.diagnostics import pruning_diagnostics
 from taylor_tune.pruning.groups import describe_layout
@@ -56,6 +58,7 @@ class Pruning:
     importance: Importance | None = None  # None for methods that use no gradients
     scores: GroupScores | None = None
     similarity: LayerSimilarity | None = None  # a mixed cut's layer measure (block_influence, angular)
+    activations: ActivationStats | None = None  # wanda_sp's and flap's statistics
     importance_cache: str | None = None  # what the shared cache did (hit, computed, ...); None without one
     plan: PrunePlan | None = None
     diagnostics: dict = field(default_factory=dict)
@@ -171,7 +174,7 @@ def score(pruning: Pruning) -> dict[str, float]:
     scored = score_groups(pruning.model, pruning.layout, pruning.calibration, cache=pruning.cache,
                           sample_counts=pruning.sample_counts)
     pruning.scores, pruning.importance, pruning.importance_cache = scored.scores, scored.importance, scored.cache_event
-    pruning.similarity = scored.similarity
+    pruning.similarity, pruning.activations = scored.similarity, scored.activations
     return scored.timings
 
 
@@ -186,7 +189,11 @@ def plan(pruning: Pruning) -> dict[str, float]:
 def apply(pruning: Pruning) -> dict[str, float]:
     """The plan applied to the model in place, and the diagnostics of what was removed."""
     begin, config, importance = time.perf_counter(), pruning.config, pruning.importance
+    compensate = config.criterion == "flap" and config.flap_compensation and pruning.activations is not None
+    deltas = compensations(pruning.model, pruning.plan, pruning.activations) if compensate else None
     apply_plan(pruning.model, pruning.plan)
+    if deltas is not None:
+        add_compensation(pruning.model, deltas, pruning.plan.layers_removed)
     pruning.diagnostics = pruning_diagnostics(
         pruning.layout, pruning.plan, sparsity=config.sparsity, extreme_threshold=config.extreme_threshold,
         grad_mean=None if importance is None else importance.grad_mean,

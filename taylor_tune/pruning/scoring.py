@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from taylor_tune.config import PruneConfig
+from taylor_tune.pruning.activations import ACTIVATION_CRITERIA, ActivationStats, activation_scores, activation_stats
 from taylor_tune.pruning.depth import LayerSimilarity
 from taylor_tune.pruning.importance import (
     GRADIENT_CRITERIA,
@@ -37,11 +38,16 @@ def uses_gradients(config: PruneConfig) -> bool:
     return METHODS[config.method].scored_by is Scoring.CRITERION and config.criterion in GRADIENT_CRITERIA
 
 
+def uses_activations(config: PruneConfig) -> bool:
+    """Scores from the output projections' inputs (wanda_sp, flap): one forward pass over the calibration rows."""
+    return METHODS[config.method].scored_by is Scoring.CRITERION and config.criterion in ACTIVATION_CRITERIA
+
+
 def draws_calibration(config: PruneConfig) -> bool:
-    """Whether a pruning reads calibration text: gradient scores, or a plan chosen by measured loss."""
+    """Whether a pruning reads calibration text: gradient or activation scores, or a plan chosen by measured loss."""
     measured = config.uniform or (config.method == "blockwise" and config.blockwise_attention == "measured_loss") \
         or (cuts_layers(config) and config.depth_criterion == "measured_loss")
-    return uses_gradients(config) or measured or uses_hidden_states(config)
+    return uses_gradients(config) or measured or uses_hidden_states(config) or uses_activations(config)
 
 
 def cuts_layers(config: PruneConfig) -> bool:
@@ -91,6 +97,7 @@ class Scored:
     scores: GroupScores | LayerSimilarity | None  # LayerSimilarity: depth's
     importance: Importance | None = None
     similarity: LayerSimilarity | None = None  # a mixed cut's layers (block_influence, angular)
+    activations: ActivationStats | None = None  # wanda_sp's and flap's (flap's compensation reads their means)
     cache_event: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -134,8 +141,11 @@ def score_groups(model, layout: ModelLayout, calibration: Calibration, *, cache:
     drew calibration."""
     config = calibration.config
     start, drawn_before = time.perf_counter(), calibration.seconds
-    importance, event = None, None
-    if uses_gradients(config):
+    importance, event, activations = None, None, None
+    if uses_activations(config):
+        activations = activation_stats(model, calibration.ids(), config.micro_batch_size)
+        scores = activation_scores(model, layout, activations, config.criterion)
+    elif uses_gradients(config):
         importance = gradient_importance(model, layout, calibration, cache=cache, sample_counts=sample_counts)
         # depth's taylor is the group-normalized criterion whatever `criterion` says (a whole layer's mean)
         criterion = "taylor" if METHODS[config.method].scored_by is Scoring.LAYERS else config.criterion
@@ -154,4 +164,5 @@ def score_groups(model, layout: ModelLayout, calibration: Calibration, *, cache:
         similarity = layer_similarity(model, calibration.ids(), config.micro_batch_size)
     drew = calibration.seconds - drawn_before
     timings = {"importance_s": time.perf_counter() - start - drew} | ({"calibration_s": drew} if drew else {})
-    return Scored(scores, importance, cache_event=event, timings=timings, similarity=similarity)
+    return Scored(scores, importance, cache_event=event, timings=timings, similarity=similarity,
+                  activations=activations)

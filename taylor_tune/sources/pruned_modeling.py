@@ -27,13 +27,15 @@ def set_layer_shape(layer: nn.Module, heads: int, kv_heads: int, width: int) -> 
         layer.self_attn.num_key_value_heads = kv_heads
 
 
-def _empty_like(linear: nn.Linear, out_features: int | None = None, in_features: int | None = None) -> nn.Linear:
+def _empty_like(linear: nn.Linear, out_features: int | None = None, in_features: int | None = None,
+                bias: bool = False) -> nn.Linear:
     return nn.Linear(in_features or linear.in_features, out_features or linear.out_features,
-                     bias=linear.bias is not None, device=linear.weight.device, dtype=linear.weight.dtype)
+                     bias=bias or linear.bias is not None, device=linear.weight.device, dtype=linear.weight.dtype)
 
 
-def shrink_to_layout(model: nn.Module, layout: list[dict]) -> None:
-    """Replace each layer's projections by empty ones of the pruned sizes (the weights are loaded afterwards)."""
+def shrink_to_layout(model: nn.Module, layout: list[dict], output_bias: bool = False) -> None:
+    """Replace each layer's projections by empty ones of the pruned sizes (the weights are loaded afterwards).
+    `output_bias` (config.pruned_output_bias): o_proj and down_proj carry a bias (FLAP's compensation)."""
     layers = model.model.layers
     if len(layout) != len(layers):
         raise ValueError(f"pruned_layout lists {len(layout)} layers, the config has {len(layers)}")
@@ -43,29 +45,29 @@ def shrink_to_layout(model: nn.Module, layout: list[dict]) -> None:
         attn.q_proj = _empty_like(attn.q_proj, out_features=q_rows)
         attn.k_proj = _empty_like(attn.k_proj, out_features=kv_rows)
         attn.v_proj = _empty_like(attn.v_proj, out_features=kv_rows)
-        attn.o_proj = _empty_like(attn.o_proj, in_features=q_rows)
+        attn.o_proj = _empty_like(attn.o_proj, in_features=q_rows, bias=output_bias)
         mlp.gate_proj = _empty_like(mlp.gate_proj, out_features=shape["intermediate_size"])
         mlp.up_proj = _empty_like(mlp.up_proj, out_features=shape["intermediate_size"])
-        mlp.down_proj = _empty_like(mlp.down_proj, in_features=shape["intermediate_size"])
+        mlp.down_proj = _empty_like(mlp.down_proj, in_features=shape["intermediate_size"], bias=output_bias)
         set_layer_shape(layer, shape["num_attention_heads"], shape["num_key_value_heads"], shape["intermediate_size"])
 
 
 class PrunedLlamaForCausalLM(LlamaForCausalLM):
     def __init__(self, config):
         super().__init__(config)
-        shrink_to_layout(self, config.pruned_layout)
+        shrink_to_layout(self, config.pruned_layout, getattr(config, "pruned_output_bias", False))
 
 
 class PrunedQwen2ForCausalLM(Qwen2ForCausalLM):
     def __init__(self, config):
         super().__init__(config)
-        shrink_to_layout(self, config.pruned_layout)
+        shrink_to_layout(self, config.pruned_layout, getattr(config, "pruned_output_bias", False))
 
 
 class PrunedMistralForCausalLM(MistralForCausalLM):
     def __init__(self, config):
         super().__init__(config)
-        shrink_to_layout(self, config.pruned_layout)
+        shrink_to_layout(self, config.pruned_layout, getattr(config, "pruned_output_bias", False))
 
 
 PRUNED_CLASSES = {"llama": PrunedLlamaForCausalLM, "qwen2": PrunedQwen2ForCausalLM, "mistral": PrunedMistralForCausalLM}

@@ -1,0 +1,228 @@
+"""Depth, width and mixed cuts of real models under one protocol (issue 40): which family wins where?
+
+Per model and sparsity, every configuration of FAMILIES is pruned from one calibration draw (wiki, 32 x 64 tokens,
+seed 0; one gradient pass per model through the importance cache, one forward pass for the layer similarities) and
+measured on this machine: held-out wiki perplexity (the first --windows windows of 128 tokens), the seven real tasks
+at --eval-limit items each (acc_mean with its stderr as the report computes it), prefill and decode speed at batch 1
+and the spec's larger batch against the unpruned model (measured first and last per model; the ratios use their
+mean, the difference shows the drift) with their standard errors, and memory (weights plus the KV cache at the
+spec's context). With --recover-steps N, the best configuration of each family by perplexity at each sparsity is
+then recovered (LoRA, ce on the wiki calibration articles, N steps) and measured again.
+
+Resumable: the record (--json) keeps every finished run, and a rerun skips them. --table prints its tables.
+
+    .venv/bin/python bench/bench_families.py --json bench/families.json               # both models: many hours
+    .venv/bin/python bench/bench_families.py --json bench/families.json --models smollm2-135m
+    .venv/bin/python bench/bench_families.py --json bench/families.json --table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from taylor_tune.config import EvalSpec, PruneConfig, RecoverySpec, SpeedSpec
+from taylor_tune.evaluation.evaluate import Evaluator
+from taylor_tune.evaluation.perplexity import perplexity
+from taylor_tune.evaluation.speed import measure_speed, speed_ratios
+from taylor_tune.jsonio import write_json
+from taylor_tune.pruning.prune import ImportanceCache, prune
+from taylor_tune.recovery.train import heldout_ids, recover, recovery_ids
+from taylor_tune.reporting import stats
+from taylor_tune.sources.data import load_ppl_text
+from taylor_tune.sources.models import load_model, load_tokenizer
+
+# name -> (family, PruneConfig fields)
+FAMILIES = {
+    "depth/block_influence": ("depth", {"method": "depth", "depth_criterion": "block_influence"}),
+    "depth/angular": ("depth", {"method": "depth", "depth_criterion": "angular"}),
+    "depth/taylor": ("depth", {"method": "depth", "depth_criterion": "taylor"}),
+    "depth/measured_loss": ("depth", {"method": "depth", "depth_criterion": "measured_loss"}),
+    "depth/last": ("depth", {"method": "depth", "depth_criterion": "last"}),
+    "width/taylor": ("width", {"method": "taylor"}),
+    "width/blockwise": ("width", {"method": "blockwise"}),
+    "width/taylor+uniform": ("width", {"method": "taylor", "uniform": True}),
+    "mixed/0.25": ("mixed", {"method": "taylor", "depth_share": 0.25, "depth_criterion": "block_influence"}),
+    "mixed/0.5": ("mixed", {"method": "taylor", "depth_share": 0.5, "depth_criterion": "block_influence"}),
+}
+SPEED = SpeedSpec(prefill_batch=1, prefill_len=256, decode_batch=8, prompt_len=64, new_tokens=16, repeats=5, warmup=1)
+
+
+def acc_mean_stderr(tasks: dict) -> float:
+    row = pd.DataFrame([{f"acc_{t}_stderr": e["score_stderr"] for t, e in tasks.items()}])
+    return float(stats.acc_mean_stderr(row, tuple(tasks)).iloc[0])
+
+
+def quality(model, tokenizer, model_name: str, args) -> dict:
+    """Held-out wiki perplexity and the seven tasks at args.eval_limit items."""
+    row = {"ppl": perplexity(model, tokenizer, load_ppl_text("wiki"), window=128, max_windows=args.windows)["ppl"]}
+    if args.eval_limit:
+        spec = EvalSpec(task_data="real", limit=args.eval_limit, ppl=None)
+        shots = Evaluator(model, tokenizer, spec, model_name=model_name).zero_shot(args.eval_limit)
+        tasks = {t: {k: e[k] for k in ("score", "score_stderr", "n", "metric")} for t, e in shots.tasks.items()}
+        row |= {"acc_mean": shots.acc_mean, "acc_mean_stderr": acc_mean_stderr(tasks), "tasks": tasks,
+                "zero_shot_s": shots.seconds}
+    return row
+
+
+def config_of(model_name: str, sparsity: float, name: str) -> PruneConfig:
+    return PruneConfig(model=model_name, sparsity=sparsity, seq_len=64, num_samples=32, calibration="wiki",
+                       device="cpu", dtype="float32", seed=0, **FAMILIES[name][1])
+
+
+def unpruned_speed(model_name: str) -> dict:
+    return measure_speed(load_model(model_name, dtype=torch.float32).eval(), SPEED)
+
+
+def mean_speed(first: dict, last: dict | None) -> dict:
+    """The unpruned model's speed: the mean of its first and last measurement (each rate's se combined as of a mean
+    of two independent measurements)."""
+    if last is None:
+        return first
+    out = dict(first)
+    for key, value in first.items():
+        if key.endswith("_tokens_per_s"):
+            out[key] = (value + last[key]) / 2
+            se = first.get(f"{key}_se"), last.get(f"{key}_se")
+            out[f"{key}_se"] = None if None in se else 0.5 * (se[0] ** 2 + se[1] ** 2) ** 0.5
+    return out
+
+
+def run(model_name: str, sparsity: float, name: str, args, cache: ImportanceCache, unpruned: dict,
+        recover_steps: int = 0) -> dict:
+    start = time.perf_counter()
+    result = prune(config_of(model_name, sparsity, name), cache=cache)
+    row = {"family": FAMILIES[name][0], "pruning_ratio": result.diagnostics["pruning_ratio"],
+           "layers_removed": list(result.plan.layers_removed), "prune_s": time.perf_counter() - start}
+    if recover_steps:
+        spec = RecoverySpec(loss="ce", data="wiki", steps=recover_steps, lr=2e-4, warmup_steps=recover_steps // 10,
+                            micro_batch_size=4, seq_len=128, lora_dropout=0.0)
+        recovered = recover(result.model, recovery_ids(result.tokenizer, spec, model_name),
+                            heldout_ids(result.tokenizer, "wiki", spec), spec)
+        result.model = recovered.model
+        row |= {"recovery_loss_before": recovered.loss_before, "recovery_loss_after": recovered.loss_after,
+                "recovery_s": recovered.seconds}
+    else:
+        row["speed"] = measure_speed(result.model.eval(), SPEED)
+    row |= quality(result.model, result.tokenizer, model_name, args)
+    return row | {"wall_s": time.perf_counter() - start, "date": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def with_ratios(row: dict, unpruned: dict) -> dict:
+    return row | speed_ratios(row["speed"], unpruned) if "speed" in row else row
+
+
+def best_per_family(runs: dict, model_name: str, sparsity: float) -> list[str]:
+    """Per family, the configuration with the lowest perplexity (all of the family measured), in FAMILIES' order."""
+    chosen = []
+    for family in ("depth", "width", "mixed"):
+        names = [n for n, (f, _) in FAMILIES.items() if f == family]
+        ppl = {n: runs.get(f"{model_name}|{sparsity}|{n}|none", {}).get("ppl") for n in names}
+        if None not in ppl.values():
+            chosen.append(min(names, key=lambda n: (ppl[n], names.index(n))))
+    return chosen
+
+
+def _pm(value, se, digits=2) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.{digits}f}" + ("" if se is None else f" ± {se:.{digits}f}")
+
+
+def table(data: dict) -> str:
+    lines = []
+    for model_name in data["settings"]["models"]:
+        speeds = data.get("unpruned", {}).get(model_name, {})
+        if "first" not in speeds:
+            continue
+        base = mean_speed(speeds["first"], speeds.get("last"))
+        drift = ("" if "last" not in speeds else
+                 f"; the unpruned model measured last decoded at {speeds['last']['decode_tokens_per_s'] / speeds['first']['decode_tokens_per_s']:.3f}× its first speed")  # noqa: E501
+        unp = data.get("unpruned_quality", {}).get(model_name, {})
+        lines += ["", f"**{model_name}** (unpruned: wiki ppl {unp.get('ppl', float('nan')):.2f}, acc_mean "
+                  f"{_pm(unp.get('acc_mean'), unp.get('acc_mean_stderr'), 4)}{drift})", "",
+                  "| sparsity | configuration | layers removed | reached | wiki ppl | acc_mean ± stderr | prefill "
+                  "speedup | decode speedup b1 | decode speedup b8 | memory ratio | recovered: ppl | recovered: "
+                  "acc_mean ± stderr |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for sparsity in data["settings"]["sparsities"]:
+            for name in FAMILIES:
+                r = data["runs"].get(f"{model_name}|{sparsity}|{name}|none")
+                if r is None:
+                    continue
+                r = with_ratios(r, base)
+                rec = data["runs"].get(f"{model_name}|{sparsity}|{name}|ce", {})
+                lines.append(
+                    f"| {sparsity:.0%} | {name} | {len(r['layers_removed'])} | {r['pruning_ratio']:.3f} | "
+                    f"{r['ppl']:.2f} | {_pm(r.get('acc_mean'), r.get('acc_mean_stderr'), 4)} | "
+                    f"{_pm(r['prefill_speedup'], r['prefill_speedup_se'])} | "
+                    f"{_pm(r['decode_speedup'], r['decode_speedup_se'])} | "
+                    f"{_pm(r['decode_batch_speedup'], r['decode_batch_speedup_se'])} | {r['memory_ratio']:.3f} | "
+                    f"{_pm(rec.get('ppl'), None)} | {_pm(rec.get('acc_mean'), rec.get('acc_mean_stderr'), 4)} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--models", default="smollm2-135m,qwen2.5-0.5b")
+    parser.add_argument("--sparsities", default="0.2,0.3")
+    parser.add_argument("--windows", type=int, default=32)
+    parser.add_argument("--eval-limit", type=int, default=300)
+    parser.add_argument("--recover-steps", type=int, default=50, help="0: no recovery")
+    parser.add_argument("--table", action="store_true", help="print the Markdown tables of --json and exit")
+    args = parser.parse_args()
+    data = json.loads(args.json.read_text()) if args.json.is_file() else {"runs": {}}
+    if args.table:
+        print(table(data))
+        return
+    settings = {"windows": args.windows, "eval_limit": args.eval_limit, "recover_steps": args.recover_steps,
+                "speed": SPEED.model_dump()}
+    differ = [k for k in settings if k in data.get("settings", {}) and data["settings"][k] != settings[k]]
+    if differ:
+        parser.error(f"{args.json} holds runs measured with other {', '.join(differ)}; use another --json")
+    models, sparsities = args.models.split(","), [float(s) for s in args.sparsities.split(",")]
+    old = data.get("settings", {})
+    data["settings"] = settings | {"models": list(dict.fromkeys(old.get("models", []) + models)),
+                                   "sparsities": sorted(set(old.get("sparsities", [])) | set(sparsities))}
+    data["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__}
+    cache = ImportanceCache(args.json.with_suffix(".importance_cache"))
+    for model_name in models:
+        speeds = data.setdefault("unpruned", {}).setdefault(model_name, {})
+        if "first" not in speeds:
+            speeds["first"] = unpruned_speed(model_name)
+            write_json(args.json, data)
+        if model_name not in data.setdefault("unpruned_quality", {}):
+            data["unpruned_quality"][model_name] = quality(load_model(model_name, dtype=torch.float32).eval(),
+                                                           load_tokenizer(model_name), model_name, args)
+            write_json(args.json, data)
+        order = [(s, n, 0) for s in sparsities for n in FAMILIES]
+        for sparsity, name, steps in order:
+            key = f"{model_name}|{sparsity}|{name}|none"
+            if key not in data["runs"]:
+                data["runs"][key] = run(model_name, sparsity, name, args, cache, speeds["first"])
+                print(key, {k: v for k, v in data["runs"][key].items() if k not in ("tasks", "speed")}, flush=True)
+                write_json(args.json, data)
+        if "last" not in speeds:
+            speeds["last"] = unpruned_speed(model_name)
+            write_json(args.json, data)
+        if args.recover_steps:
+            for sparsity in sparsities:
+                for name in best_per_family(data["runs"], model_name, sparsity):
+                    key = f"{model_name}|{sparsity}|{name}|ce"
+                    if key not in data["runs"]:
+                        data["runs"][key] = run(model_name, sparsity, name, args, cache, speeds["first"],
+                                                args.recover_steps)
+                        print(key, {k: v for k, v in data["runs"][key].items() if k != "tasks"}, flush=True)
+                        write_json(args.json, data)
+    print(table(data))
+
+
+if __name__ == "__main__":
+    main()
