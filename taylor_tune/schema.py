@@ -32,6 +32,9 @@ RECOVERY_DIMENSIONS = {
 # Every dimension a search space may name.
 SEARCHABLE = (*DIMENSIONS, *RECOVERY_DIMENSIONS)
 # What identifies a trial's configuration in every table.
+# the methods that rank by PruneConfig.criterion (pruning.methods' Scoring.CRITERION): the report names a method with
+# another criterion than taylor as method+criterion (taylor+flap, layerwise+wanda_sp), so the baselines compare apart
+CRITERION_METHODS = ("taylor", "layerwise", "blockwise")
 CONFIG_COLUMNS = ("model", "pruning_method", "taylor_seq_len", "taylor_num_samples", "seed")
 
 # The stages of a trial before its zero-shot passes, in order; each zero-shot pass is a stage of its own.

@@ -80,12 +80,19 @@ class _Accumulator:
         self.n = total
 
     def stats(self) -> FeatureStats:
-        return FeatureStats(self.n, self.mean.numpy(), self.m2.numpy())
+        return FeatureStats(self.n, self.mean.numpy().copy(), self.m2.numpy().copy())
 
 
 @torch.no_grad()
-def activation_stats(model: nn.Module, ids: torch.Tensor, micro_batch_size: int = 8) -> ActivationStats:
-    """One forward pass over the calibration rows `ids` ([rows, seq_len]); the model's mode is restored."""
+def activation_stats(model: nn.Module, ids: torch.Tensor, micro_batch_size: int = 8,
+                     snapshots: list[int] | None = None) -> dict[int, ActivationStats]:
+    """The statistics at each row count in `snapshots` (default: all rows of `ids`, [rows, seq_len]), one forward
+    pass: the first n rows are the n-sample draw (nested draws), as for the gradient pass. The model's mode is
+    restored."""
+    total = ids.shape[0]
+    counts = sorted(set(snapshots or [total]))
+    if counts[0] <= 0 or counts[-1] > total:
+        raise ValueError(f"snapshots {counts} must lie in [1, {total}]")
     layers = decoder_layers(model)
     device = next(model.parameters()).device
     accumulators = [(_Accumulator(), _Accumulator()) for _ in layers]
@@ -95,15 +102,37 @@ def activation_stats(model: nn.Module, ids: torch.Tensor, micro_batch_size: int 
         handles.append(layer.mlp.down_proj.register_forward_pre_hook(lambda m, args, a=mlp: a.add(args[0])))
     was_training = model.training
     model.eval()
+    results, done = {}, 0
     try:
-        for batch in ids.split(micro_batch_size):
-            model(input_ids=batch.to(device), use_cache=False)
+        for boundary in counts:
+            while done < boundary:
+                batch = ids[done : min(done + micro_batch_size, boundary)]
+                model(input_ids=batch.to(device), use_cache=False)
+                done += batch.shape[0]
+            results[boundary] = ActivationStats(attn=tuple(a.stats() for a, _ in accumulators),
+                                                mlp=tuple(m.stats() for _, m in accumulators))
     finally:
         for handle in handles:
             handle.remove()
         model.train(was_training)
-    return ActivationStats(attn=tuple(a.stats() for a, _ in accumulators),
-                           mlp=tuple(m.stats() for _, m in accumulators))
+    return results
+
+
+def check_stats(stats: ActivationStats, layout: ModelLayout) -> None:
+    """Statistics as they must be to score this model's groups (checked before stored ones are used): one entry per
+    layer, an MLP channel's per down_proj input, finite means, non-negative finite deviations, tokens counted.
+    ValueError naming what is not."""
+    if len(stats.attn) != layout.num_layers or len(stats.mlp) != layout.num_layers:
+        raise ValueError(f"activation statistics for {len(stats.attn)}/{len(stats.mlp)} layers, the model has "
+                         f"{layout.num_layers}")
+    for layer, (attn, mlp) in enumerate(zip(stats.attn, stats.mlp)):
+        if len(mlp.mean) != layout.mlp_channels[layer] or len(attn.mean) % layout.attn_groups[layer]:
+            raise ValueError(f"activation statistics of layer {layer} do not match its projections' inputs")
+        for part in (attn, mlp):
+            if part.tokens <= 0 or len(part.m2) != len(part.mean) or not np.isfinite(part.mean).all() \
+                    or not np.isfinite(part.m2).all() or (part.m2 < 0).any():
+                raise ValueError(f"activation statistics of layer {layer}: a count, mean or deviation is not a "
+                                 "finite number of its kind")
 
 
 def _columns(weight: torch.Tensor, power: int) -> np.ndarray:

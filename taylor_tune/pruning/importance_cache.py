@@ -32,6 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from taylor_tune.jsonio import digest, open_own
+from taylor_tune.pruning.activations import ActivationStats, FeatureStats
 from taylor_tune.pruning.importance import Importance
 from taylor_tune.pruning.plan import GroupScores
 
@@ -91,6 +92,34 @@ def _from_tensors(tensors: dict[str, torch.Tensor], counts: list[int]) -> dict[i
     return results
 
 
+def stats_to_tensors(results: dict[int, ActivationStats]) -> dict[str, torch.Tensor]:
+    """An activation-statistics entry (wanda_sp, flap): per count and layer, each projection's input statistics."""
+    tensors = {}
+    for n, stats in results.items():
+        for layer, parts in enumerate(zip(stats.attn, stats.mlp)):
+            for kind, part in zip(("attention", "mlp"), parts):
+                prefix = f"n{n}.layers.{layer}.{kind}"
+                tensors[f"{prefix}.mean"] = torch.from_numpy(np.ascontiguousarray(part.mean))
+                tensors[f"{prefix}.m2"] = torch.from_numpy(np.ascontiguousarray(part.m2))
+                tensors[f"{prefix}.tokens"] = torch.tensor([part.tokens], dtype=torch.int64)
+    return tensors
+
+
+def stats_from_tensors(tensors: dict[str, torch.Tensor], counts: list[int]) -> dict[int, ActivationStats]:
+    results = {}
+    for n in counts:
+        layers = sum(1 for k in tensors if k.startswith(f"n{n}.layers.") and k.endswith(".mlp.mean"))
+
+        def part(layer: int, kind: str, n=n) -> FeatureStats:
+            prefix = f"n{n}.layers.{layer}.{kind}"
+            return FeatureStats(int(tensors[f"{prefix}.tokens"][0]), tensors[f"{prefix}.mean"].numpy(),
+                                tensors[f"{prefix}.m2"].numpy())
+
+        results[n] = ActivationStats(attn=tuple(part(l, "attention") for l in range(layers)),
+                                     mlp=tuple(part(l, "mlp") for l in range(layers)))
+    return results
+
+
 class ImportanceCache:
     def __init__(self, root: str | Path, *, poll_s: float = 0.2, heartbeat_s: float = 5.0, stale_s: float = 60.0):
         self.root = Path(root)
@@ -115,9 +144,12 @@ class ImportanceCache:
 
     def get_or_compute(self, fields: dict, counts: list[int], compute: Callable[[], dict[int, Importance]],
                        extra_tensors: Callable[[], dict[str, torch.Tensor]] | None = None,
-                       check: Callable[[Importance], None] = lambda importance: None) -> dict[int, Importance]:
+                       check: Callable[[Importance], None] = lambda importance: None,
+                       encode=_to_tensors, decode=_from_tensors) -> dict[int, Importance]:
         """The scores at every count in `counts`, computed at most once per key across all processes; a stored
-        entry is used only when `check` (raising on what the caller cannot use) passes at every count."""
+        entry is used only when `check` (raising on what the caller cannot use) passes at every count.
+        `encode` / `decode`: how an entry's values become tensors and back (gradient importance by default; the
+        activation statistics with stats_to_tensors / stats_from_tensors, under keys of their own)."""
         self.root.mkdir(parents=True, exist_ok=True)
         key = cache_key(**fields, counts=sorted(counts))
         entry, lock = self.root / f"{key}.safetensors", self.root / f"{key}.lock"
@@ -125,7 +157,7 @@ class ImportanceCache:
         while True:
             if entry.is_file():
                 try:
-                    results = _from_tensors(read_checked(entry), counts)
+                    results = decode(read_checked(entry), counts)
                     for importance in results.values():
                         check(importance)
                 except Exception as error:  # damaged: safetensors, OSError, a missing tensor, checksum, check
@@ -151,7 +183,7 @@ class ImportanceCache:
                 continue
             with os.fdopen(fd, "w") as f:
                 f.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
-            return self._compute(key, fields, entry, lock, counts, compute, extra_tensors)
+            return self._compute(key, fields, entry, lock, compute, extra_tensors, encode)
 
     def _stale(self, lock: Path) -> bool:
         try:
@@ -159,7 +191,7 @@ class ImportanceCache:
         except FileNotFoundError:
             return False
 
-    def _compute(self, key, fields, entry, lock, counts, compute, extra_tensors):
+    def _compute(self, key, fields, entry, lock, compute, extra_tensors, encode):
         stop = threading.Event()
 
         def heartbeat() -> None:
@@ -174,7 +206,7 @@ class ImportanceCache:
         try:
             start = time.perf_counter()
             results = compute()
-            tensors = _to_tensors(results) | (extra_tensors() if extra_tensors else {})
+            tensors = encode(results) | (extra_tensors() if extra_tensors else {})
             tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
             tmp.unlink(missing_ok=True)  # a leftover, or a link planted under the name
             save_file(tensors, str(tmp), metadata={**{k: str(v) for k, v in fields.items()},

@@ -14,7 +14,13 @@ from dataclasses import dataclass, field
 import torch
 
 from taylor_tune.config import PruneConfig
-from taylor_tune.pruning.activations import ACTIVATION_CRITERIA, ActivationStats, activation_scores, activation_stats
+from taylor_tune.pruning.activations import (
+    ACTIVATION_CRITERIA,
+    ActivationStats,
+    activation_scores,
+    activation_stats,
+    check_stats,
+)
 from taylor_tune.pruning.depth import LayerSimilarity
 from taylor_tune.pruning.importance import (
     GRADIENT_CRITERIA,
@@ -24,7 +30,7 @@ from taylor_tune.pruning.importance import (
     magnitude_scores,
     taylor_criterion,
 )
-from taylor_tune.pruning.importance_cache import ImportanceCache
+from taylor_tune.pruning.importance_cache import ImportanceCache, stats_from_tensors, stats_to_tensors
 from taylor_tune.pruning.methods import METHODS, Scoring
 from taylor_tune.pruning.plan import GroupScores, ModelLayout
 from taylor_tune.pruning.similarity import layer_similarity
@@ -135,6 +141,24 @@ def gradient_importance(model, layout: ModelLayout, calibration: Calibration, *,
         config.num_samples]
 
 
+def activation_statistics(model, layout: ModelLayout, calibration: Calibration, *,
+                          cache: ImportanceCache | None = None, sample_counts=()) -> ActivationStats:
+    """wanda_sp's and flap's statistics at the config's num_samples: from the cache (keyed as the gradient pass is,
+    under a key of their own; one pass at the largest of `sample_counts` serves them all), or computed here."""
+    config = calibration.config
+    counts = sorted(set(sample_counts) | {config.num_samples})
+
+    def compute() -> dict[int, ActivationStats]:
+        return activation_stats(model, calibration.ids(counts[-1]), config.micro_batch_size, snapshots=counts)
+
+    if cache is None:
+        return compute()[config.num_samples]
+    parameter = next(model.parameters())
+    fields = importance_fields(config, dtype=parameter.dtype, device=parameter.device) | {"statistics": "activations"}
+    return cache.get_or_compute(fields, counts, compute, check=lambda stats: check_stats(stats, layout),
+                                encode=stats_to_tensors, decode=stats_from_tensors)[config.num_samples]
+
+
 def score_groups(model, layout: ModelLayout, calibration: Calibration, *, cache: ImportanceCache | None = None,
                  sample_counts=()) -> Scored:
     """The scores the config's method ranks, with their seconds: importance_s, and calibration_s when this call
@@ -143,8 +167,9 @@ def score_groups(model, layout: ModelLayout, calibration: Calibration, *, cache:
     start, drawn_before = time.perf_counter(), calibration.seconds
     importance, event, activations = None, None, None
     if uses_activations(config):
-        activations = activation_stats(model, calibration.ids(), config.micro_batch_size)
+        activations = activation_statistics(model, layout, calibration, cache=cache, sample_counts=sample_counts)
         scores = activation_scores(model, layout, activations, config.criterion)
+        event = None if cache is None else cache.last_event
     elif uses_gradients(config):
         importance = gradient_importance(model, layout, calibration, cache=cache, sample_counts=sample_counts)
         # depth's taylor is the group-normalized criterion whatever `criterion` says (a whole layer's mean)

@@ -30,6 +30,7 @@ from scipy import stats
 from taylor_tune.schema import (
     BEFORE_RECOVERY,
     CONFIG_COLUMNS,
+    CRITERION_METHODS,
     RECOVERY_DIMENSIONS,
     SEARCHABLE,
     SPEED_METRICS,
@@ -154,9 +155,22 @@ def best_trial(df: pd.DataFrame, objective: Objective = ACCURACY) -> pd.Series |
     return ordered.iloc[0].drop(["_value", "_tie"])
 
 
+def method_labels(df: pd.DataFrame) -> pd.Series:
+    """Each trial's method as the comparison names it: pruning_method, with `+criterion` where the method ranks by a
+    criterion other than taylor (taylor+flap, layerwise+wanda_sp, blockwise+l1)."""
+    if "criterion" not in df:
+        return df["pruning_method"]
+    criterion = df["criterion"].astype(object)
+    other = df["pruning_method"].isin(CRITERION_METHODS) & criterion.notna() & (criterion != "taylor")
+    return df["pruning_method"].where(~other, df["pruning_method"].astype(str) + "+" + criterion.astype(str))
+
+
 def method_comparison(df: pd.DataFrame, objective: Objective = ACCURACY) -> dict:
-    """Per method: statistics of the objective metric; the best method is the best trial's (as the source tools
-    chose), and the method with the best mean is named beside it. `best_acc` is the best trial's acc_mean."""
+    """Per method (method_labels: the baselines' criteria apart): statistics of the objective metric; the best method
+    is the best trial's (as the source tools chose), and the method with the best mean is named beside it.
+    `best_acc` is the best trial's acc_mean."""
+    if not df.empty:
+        df = df.assign(pruning_method=method_labels(df))
     table = summary(df, "pruning_method", objective.metric)
     best = best_trial(df, objective)
     return {

@@ -15,6 +15,7 @@ from taylor_tune.pruning.activations import activation_scores, activation_stats
 from taylor_tune.pruning.apply import apply_plan, save_pruned
 from taylor_tune.pruning.compensation import add_compensation, compensations
 from taylor_tune.pruning.groups import describe_layout
+from taylor_tune.pruning.importance_cache import ImportanceCache
 from taylor_tune.pruning.methods import METHODS, PlanOptions
 from taylor_tune.pruning.prune import prune
 from taylor_tune.sources.models import load_model
@@ -68,7 +69,7 @@ def scores_by_hand(model, inputs, criterion):
 def test_activation_scores_equal_an_independent_computation_with_hooks(name, criterion):
     model = tiny(name)
     ids = calibration_ids(8, 32)
-    scores = activation_scores(model, describe_layout(model), activation_stats(model, ids, micro_batch_size=4),
+    scores = activation_scores(model, describe_layout(model), activation_stats(model, ids, micro_batch_size=4)[8],
                                criterion)
     attn, mlp = scores_by_hand(model, inputs_by_hook(model, ids), criterion)
     # flap's scores are standardized (unit spread): 1e-6 of it, absolute, where a score near 0 has no relative digits
@@ -109,7 +110,7 @@ def test_flap_compensation_equals_the_original_with_removed_features_at_their_me
 
     model = tiny_(name)
     layout = describe_layout(model)
-    stats = activation_stats(model, ids, micro_batch_size=4)
+    stats = activation_stats(model, ids, micro_batch_size=4)[8]
     options = PlanOptions.of(PruneConfig(model=name, criterion="flap", sparsity=0.3))
     plan = METHODS["taylor"].plan(activation_scores(model, layout, stats, "flap"), layout, options)
     assert any(plan.attn_removed) and any(plan.mlp_removed)
@@ -153,3 +154,34 @@ def test_flap_needs_the_global_ranking_or_the_uniform_layout():
         with pytest.raises(ValueError, match=f"flap.*{method}"):
             PruneConfig(model="tiny-llama", method=method, criterion="flap")
     assert PruneConfig(model="tiny-llama", method="layerwise", criterion="wanda_sp").criterion == "wanda_sp"
+
+
+def test_one_pass_gives_the_statistics_of_every_nested_draw():
+    model, ids = tiny("tiny-qwen2"), calibration_ids(8, 32)
+    both = activation_stats(model, ids, micro_batch_size=3, snapshots=[4, 8])
+    alone = activation_stats(model, ids[:4], micro_batch_size=4)[4]
+    for ours, theirs in zip(both[4].attn + both[4].mlp, alone.attn + alone.mlp, strict=True):
+        assert ours.tokens == theirs.tokens == 4 * 32
+        np.testing.assert_allclose(ours.mean, theirs.mean, rtol=1e-6, atol=1e-9)  # float32 per micro-batch
+        np.testing.assert_allclose(ours.m2, theirs.m2, rtol=1e-6, atol=1e-9)
+    assert not np.array_equal(both[4].mlp[0].mean, both[8].mlp[0].mean)
+
+
+def test_the_statistics_are_cached_like_importance_under_keys_of_their_own(tmp_path):
+    cache = ImportanceCache(tmp_path / "cache")
+
+    def run(criterion, num_samples=8):
+        config = PruneConfig(model="tiny-llama", method="taylor", criterion=criterion, sparsity=0.3, seq_len=32,
+                             num_samples=num_samples, calibration="world")
+        return prune(config, cache=cache, sample_counts=(4, 8))
+
+    first, again, wanda, taylor = run("flap"), run("flap"), run("wanda_sp", 4), run("taylor")
+    assert [first.importance_cache, again.importance_cache, wanda.importance_cache] == ["computed", "hit", "hit"]
+    assert taylor.importance_cache == "computed"  # the gradient pass is another entry
+    assert again.plan == first.plan and cache.counters() == {"computed": 2, "hits": 2, "takeovers": 0}
+    direct = prune(PruneConfig(model="tiny-llama", method="taylor", criterion="wanda_sp", sparsity=0.3, seq_len=32,
+                               num_samples=4, calibration="world"))
+    assert direct.plan == wanda.plan  # a cached 4-sample snapshot plans as a pass over 4 rows does
+    for entry in (tmp_path / "cache").glob("*.safetensors"):  # damaged: computed again, never used
+        entry.write_bytes(entry.read_bytes()[:-8])
+    assert run("flap").importance_cache == "computed" and run("flap").plan == first.plan

@@ -217,3 +217,23 @@ def test_a_lead_counts_only_beyond_z_standard_errors(gap_in_se, exceeds):
     assert lead.difference == pytest.approx(gap) and lead.stderr == pytest.approx(math.sqrt(2) * se)
     assert lead.exceeds_uncertainty is exceeds
     assert lead.tied_with_best == ([] if exceeds else ["b"])
+
+
+def test_the_method_comparison_names_the_baselines_criteria_apart():
+    """taylor, its activation baselines, a layerwise baseline and methods whose criterion means nothing (magnitude,
+    depth): the comparison's groups and means against a pandas groupby over labels written out by hand."""
+    from taylor_tune.reporting.stats import ACCURACY, method_comparison
+
+    df = pd.DataFrame({
+        "pruning_method": ["taylor", "taylor", "taylor", "taylor", "layerwise", "magnitude", "depth", "blockwise"],
+        "criterion": ["taylor", "flap", "flap", "wanda_sp", "wanda_sp", "l2", "taylor", None],
+        "acc_mean": [0.50, 0.40, 0.44, 0.45, 0.43, 0.30, 0.35, 0.41], "trial_id": [f"t{i}" for i in range(8)],
+    })
+    labels = ["taylor", "taylor+flap", "taylor+flap", "taylor+wanda_sp", "layerwise+wanda_sp", "magnitude", "depth",
+              "blockwise"]
+    table = method_comparison(df, ACCURACY)["table"]
+    expected = df.assign(label=labels).groupby("label")["acc_mean"].mean()
+    assert set(table.index) == set(labels)
+    for label, mean in expected.items():
+        assert table.loc[label, "mean"] == pytest.approx(mean)
+    assert method_comparison(df, ACCURACY)["best_method"] == "taylor"
