@@ -1,4 +1,5 @@
-"""Depth, width and mixed cuts of real models under one protocol (issue 40): which family wins where?
+"""Depth, width and mixed cuts of real models under one protocol (issue 40): which family wins where? With
+`--set baselines`, the field's activation baselines beside the Taylor methods under that protocol (issue 41).
 
 Per model and sparsity, every configuration of FAMILIES is pruned from one calibration draw (wiki, 32 x 64 tokens,
 seed 0; one gradient pass per model through the importance cache, one forward pass for the layer similarities) and
@@ -9,11 +10,17 @@ mean, the difference shows the drift) with their standard errors, and memory (we
 spec's context). With --recover-steps N, the best configuration of each family by perplexity at each sparsity is
 then recovered (LoRA, ce on the wiki calibration articles, N steps) and measured again.
 
+`--set baselines` measures BASELINES instead (wanda_sp and flap, with and without FLAP's compensation, beside
+taylor, layerwise, blockwise, magnitude and random), usually with `--num-samples 128 --sparsities 0.2
+--recover-steps 0` (the issue's calibration: wiki, 128 x 64, seed 0).
+
 Resumable: the record (--json) keeps every finished run, and a rerun skips them. --table prints its tables.
 
     .venv/bin/python bench/bench_families.py --json bench/families.json               # both models: many hours
     .venv/bin/python bench/bench_families.py --json bench/families.json --models smollm2-135m
     .venv/bin/python bench/bench_families.py --json bench/families.json --table
+    .venv/bin/python bench/bench_families.py --set baselines --num-samples 128 --sparsities 0.2 --recover-steps 0 \
+        --json bench/baselines.json
 """
 
 from __future__ import annotations
@@ -52,6 +59,19 @@ FAMILIES = {
     "mixed/0.25": ("mixed", {"method": "taylor", "depth_share": 0.25, "depth_criterion": "block_influence"}),
     "mixed/0.5": ("mixed", {"method": "taylor", "depth_share": 0.5, "depth_criterion": "block_influence"}),
 }
+# name -> (family, PruneConfig fields): the activation baselines (family: what scores the groups)
+BASELINES = {
+    "taylor": ("gradient", {"method": "taylor"}),
+    "layerwise": ("gradient", {"method": "layerwise"}),
+    "blockwise": ("gradient", {"method": "blockwise"}),
+    "magnitude": ("weights", {"method": "magnitude"}),
+    "random": ("none", {"method": "random"}),
+    "wanda_sp (uniform)": ("activations", {"method": "taylor", "criterion": "wanda_sp", "uniform": True}),
+    "wanda_sp (global)": ("activations", {"method": "taylor", "criterion": "wanda_sp"}),
+    "flap": ("activations", {"method": "taylor", "criterion": "flap"}),
+    "flap, no compensation": ("activations", {"method": "taylor", "criterion": "flap", "flap_compensation": False}),
+}
+SETS = {"families": FAMILIES, "baselines": BASELINES}
 SPEED = SpeedSpec(prefill_batch=1, prefill_len=256, decode_batch=8, prompt_len=64, new_tokens=16, repeats=5, warmup=1)
 
 
@@ -72,9 +92,9 @@ def quality(model, tokenizer, model_name: str, args) -> dict:
     return row
 
 
-def config_of(model_name: str, sparsity: float, name: str) -> PruneConfig:
-    return PruneConfig(model=model_name, sparsity=sparsity, seq_len=64, num_samples=32, calibration="wiki",
-                       device="cpu", dtype="float32", seed=0, **FAMILIES[name][1])
+def config_of(model_name: str, sparsity: float, name: str, configs: dict, num_samples: int) -> PruneConfig:
+    return PruneConfig(model=model_name, sparsity=sparsity, seq_len=64, num_samples=num_samples, calibration="wiki",
+                       device="cpu", dtype="float32", seed=0, **configs[name][1])
 
 
 def unpruned_speed(model_name: str) -> dict:
@@ -98,8 +118,9 @@ def mean_speed(first: dict, last: dict | None) -> dict:
 def run(model_name: str, sparsity: float, name: str, args, cache: ImportanceCache, unpruned: dict,
         recover_steps: int = 0) -> dict:
     start = time.perf_counter()
-    result = prune(config_of(model_name, sparsity, name), cache=cache)
-    row = {"family": FAMILIES[name][0], "pruning_ratio": result.diagnostics["pruning_ratio"],
+    configs = SETS[args.set]
+    result = prune(config_of(model_name, sparsity, name, configs, args.num_samples), cache=cache)
+    row = {"family": configs[name][0], "pruning_ratio": result.diagnostics["pruning_ratio"],
            "layers_removed": list(result.plan.layers_removed), "prune_s": time.perf_counter() - start}
     if recover_steps:
         spec = RecoverySpec(loss="ce", data="wiki", steps=recover_steps, lr=2e-4, warmup_steps=recover_steps // 10,
@@ -137,7 +158,7 @@ def _pm(value, se, digits=2) -> str:
 
 
 def table(data: dict) -> str:
-    lines = []
+    lines, configs = [], SETS[data["settings"].get("set", "families")]
     for model_name in data["settings"]["models"]:
         speeds = data.get("unpruned", {}).get(model_name, {})
         if "first" not in speeds:
@@ -152,7 +173,7 @@ def table(data: dict) -> str:
                   "speedup | decode speedup b1 | decode speedup b8 | memory ratio | recovered: ppl | recovered: "
                   "acc_mean ± stderr |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for sparsity in data["settings"]["sparsities"]:
-            for name in FAMILIES:
+            for name in configs:
                 r = data["runs"].get(f"{model_name}|{sparsity}|{name}|none")
                 if r is None:
                     continue
@@ -171,6 +192,8 @@ def table(data: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--set", choices=sorted(SETS), default="families")
+    parser.add_argument("--num-samples", type=int, default=32, help="calibration rows of 64 tokens")
     parser.add_argument("--models", default="smollm2-135m,qwen2.5-0.5b")
     parser.add_argument("--sparsities", default="0.2,0.3")
     parser.add_argument("--windows", type=int, default=32)
@@ -184,6 +207,8 @@ def main() -> None:
         return
     settings = {"windows": args.windows, "eval_limit": args.eval_limit, "recover_steps": args.recover_steps,
                 "speed": SPEED.model_dump()}
+    if args.set != "families" or args.num_samples != 32:  # the first record (families, 32 rows) predates these
+        settings |= {"set": args.set, "num_samples": args.num_samples}
     differ = [k for k in settings if k in data.get("settings", {}) and data["settings"][k] != settings[k]]
     if differ:
         parser.error(f"{args.json} holds runs measured with other {', '.join(differ)}; use another --json")
@@ -202,7 +227,7 @@ def main() -> None:
             data["unpruned_quality"][model_name] = quality(load_model(model_name, dtype=torch.float32).eval(),
                                                            load_tokenizer(model_name), model_name, args)
             write_json(args.json, data)
-        order = [(s, n, 0) for s in sparsities for n in FAMILIES]
+        order = [(s, n, 0) for s in sparsities for n in SETS[args.set]]
         for sparsity, name, steps in order:
             key = f"{model_name}|{sparsity}|{name}|none"
             if key not in data["runs"]:
