@@ -130,14 +130,17 @@ def run(model_name: str, sparsity: float, name: str, args, cache: ImportanceCach
         result.model = recovered.model
         row |= {"recovery_loss_before": recovered.loss_before, "recovery_loss_after": recovered.loss_after,
                 "recovery_s": recovered.seconds}
-    else:
+    else:  # the unpruned model timed right before the pruned one: a ratio of neighbours, not of distant moments
+        row["unpruned_speed"] = unpruned_speed(model_name)
         row["speed"] = measure_speed(result.model.eval(), SPEED)
     row |= quality(result.model, result.tokenizer, model_name, args)
     return row | {"wall_s": time.perf_counter() - start, "date": time.strftime("%Y-%m-%d %H:%M")}
 
 
 def with_ratios(row: dict, unpruned: dict) -> dict:
-    return row | speed_ratios(row["speed"], unpruned) if "speed" in row else row
+    """The speedups against the unpruned model timed beside this run (`unpruned_speed`), else against `unpruned`
+    (the model's first and last timing: runs recorded before the neighbour timing was added)."""
+    return row | speed_ratios(row["speed"], row.get("unpruned_speed", unpruned)) if "speed" in row else row
 
 
 def best_per_family(runs: dict, model_name: str, sparsity: float) -> list[str]:
@@ -179,13 +182,16 @@ def table(data: dict) -> str:
                     continue
                 r = with_ratios(r, base)
                 rec = data["runs"].get(f"{model_name}|{sparsity}|{name}|ce", {})
+                mark = "" if "unpruned_speed" in r else " †"
                 lines.append(
-                    f"| {sparsity:.0%} | {name} | {len(r['layers_removed'])} | {r['pruning_ratio']:.3f} | "
+                    f"| {sparsity:.0%} | {name}{mark} | {len(r['layers_removed'])} | {r['pruning_ratio']:.3f} | "
                     f"{r['ppl']:.2f} | {_pm(r.get('acc_mean'), r.get('acc_mean_stderr'), 4)} | "
                     f"{_pm(r['prefill_speedup'], r['prefill_speedup_se'])} | "
                     f"{_pm(r['decode_speedup'], r['decode_speedup_se'])} | "
                     f"{_pm(r['decode_batch_speedup'], r['decode_batch_speedup_se'])} | {r['memory_ratio']:.3f} | "
                     f"{_pm(rec.get('ppl'), None)} | {_pm(rec.get('acc_mean'), rec.get('acc_mean_stderr'), 4)} |")
+    if any("speed" in r and "unpruned_speed" not in r for r in data["runs"].values()):
+        lines += ["", "† speedups against the unpruned model's first and last timing of the run, not a neighbour's"]
     return "\n".join(lines)
 
 
