@@ -115,8 +115,7 @@ def mean_speed(first: dict, last: dict | None) -> dict:
     return out
 
 
-def run(model_name: str, sparsity: float, name: str, args, cache: ImportanceCache, unpruned: dict,
-        recover_steps: int = 0) -> dict:
+def run(model_name: str, sparsity: float, name: str, args, cache: ImportanceCache, recover_steps: int = 0) -> dict:
     start = time.perf_counter()
     configs = SETS[args.set]
     result = prune(config_of(model_name, sparsity, name, configs, args.num_samples), cache=cache)
@@ -237,7 +236,7 @@ def main() -> None:
         for sparsity, name, steps in order:
             key = f"{model_name}|{sparsity}|{name}|none"
             if key not in data["runs"]:
-                data["runs"][key] = run(model_name, sparsity, name, args, cache, speeds["first"])
+                data["runs"][key] = run(model_name, sparsity, name, args, cache)
                 print(key, {k: v for k, v in data["runs"][key].items() if k not in ("tasks", "speed")}, flush=True)
                 write_json(args.json, data)
         if "last" not in speeds:
@@ -248,8 +247,7 @@ def main() -> None:
                 for name in best_per_family(data["runs"], model_name, sparsity):
                     key = f"{model_name}|{sparsity}|{name}|ce"
                     if key not in data["runs"]:
-                        data["runs"][key] = run(model_name, sparsity, name, args, cache, speeds["first"],
-                                                args.recover_steps)
+                        data["runs"][key] = run(model_name, sparsity, name, args, cache, args.recover_steps)
                         print(key, {k: v for k, v in data["runs"][key].items() if k != "tasks"}, flush=True)
                         write_json(args.json, data)
     print(table(data))
