@@ -15,9 +15,14 @@ taylor, layerwise, blockwise, magnitude and random), usually with `--num-samples
 --recover-steps 0` (the issue's calibration: wiki, 128 x 64, seed 0).
 
 Resumable: the record (--json) keeps every finished run, and a rerun skips them. --table prints its tables.
+With --no-speed the runs measure quality only (it does not depend on what else the machine runs); --speeds later
+times every finished run that has no timing beside the unpruned model, on a quiet machine: the depth cuts rebuilt
+from their recorded layers (measured_loss is not searched again), the others pruned again from the importance cache.
 
     .venv/bin/python bench/bench_families.py --json bench/families.json               # both models: many hours
     .venv/bin/python bench/bench_families.py --json bench/families.json --models smollm2-135m
+    .venv/bin/python bench/bench_families.py --json bench/families.json --no-speed   # beside other work
+    .venv/bin/python bench/bench_families.py --json bench/families.json --speeds     # then, alone: the timings
     .venv/bin/python bench/bench_families.py --json bench/families.json --table
     .venv/bin/python bench/bench_families.py --set baselines --num-samples 128 --sparsities 0.2 --recover-steps 0 \
         --json bench/baselines.json
@@ -40,6 +45,7 @@ from taylor_tune.evaluation.evaluate import Evaluator
 from taylor_tune.evaluation.perplexity import perplexity
 from taylor_tune.evaluation.speed import measure_speed, speed_ratios
 from taylor_tune.jsonio import write_json
+from taylor_tune.pruning.apply import remove_layers
 from taylor_tune.pruning.prune import ImportanceCache, prune
 from taylor_tune.recovery.train import heldout_ids, recover, recovery_ids
 from taylor_tune.reporting import stats
@@ -129,17 +135,44 @@ def run(model_name: str, sparsity: float, name: str, args, cache: ImportanceCach
         result.model = recovered.model
         row |= {"recovery_loss_before": recovered.loss_before, "recovery_loss_after": recovered.loss_after,
                 "recovery_s": recovered.seconds}
-    else:  # the unpruned model timed right before the pruned one: a ratio of neighbours, not of distant moments
-        row["unpruned_speed"] = unpruned_speed(model_name)
-        row["speed"] = measure_speed(result.model.eval(), SPEED)
+    elif not args.no_speed:
+        row |= timed_beside_unpruned(model_name, result.model)
     row |= quality(result.model, result.tokenizer, model_name, args)
     return row | {"wall_s": time.perf_counter() - start, "date": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def timed_beside_unpruned(model_name: str, model) -> dict:
+    """The unpruned model timed right before the pruned one: a ratio of neighbours, not of distant moments."""
+    return {"unpruned_speed": unpruned_speed(model_name), "speed": measure_speed(model.eval(), SPEED),
+            "speed_date": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def rebuilt(model_name: str, sparsity: float, name: str, row: dict, args, cache: ImportanceCache):
+    """The model of a finished run again: a depth cut from its recorded layers, any other pruned again (from the
+    cache); the parameter ratio reached must be the recorded one."""
+    configs = SETS[args.set]
+    if configs[name][1].get("method") == "depth":
+        model = remove_layers(load_model(model_name, dtype=torch.float32), tuple(row["layers_removed"]))
+    else:
+        result = prune(config_of(model_name, sparsity, name, configs, args.num_samples), cache=cache)
+        if abs(result.diagnostics["pruning_ratio"] - row["pruning_ratio"]) > 1e-9:
+            raise RuntimeError(f"{name}: pruned again to {result.diagnostics['pruning_ratio']}, "
+                               f"recorded {row['pruning_ratio']}")
+        model = result.model
+    reached = 1 - sum(p.numel() for p in model.parameters()) / sum(
+        p.numel() for p in load_model(model_name, dtype=torch.float32).parameters())
+    if abs(reached - row["pruning_ratio"]) > 1e-3:
+        raise RuntimeError(f"{name}: rebuilt at {reached:.4f} of the parameters removed, recorded "
+                           f"{row['pruning_ratio']:.4f}")
+    return model
 
 
 def with_ratios(row: dict, unpruned: dict) -> dict:
     """The speedups against the unpruned model timed beside this run (`unpruned_speed`), else against `unpruned`
     (the model's first and last timing: runs recorded before the neighbour timing was added)."""
-    return row | speed_ratios(row["speed"], row.get("unpruned_speed", unpruned)) if "speed" in row else row
+    if "speed" not in row or ("unpruned_speed" not in row and unpruned is None):
+        return row
+    return row | speed_ratios(row["speed"], row.get("unpruned_speed", unpruned))
 
 
 def best_per_family(runs: dict, model_name: str, sparsity: float) -> list[str]:
@@ -163,10 +196,10 @@ def table(data: dict) -> str:
     lines, configs = [], SETS[data["settings"].get("set", "families")]
     for model_name in data["settings"]["models"]:
         speeds = data.get("unpruned", {}).get(model_name, {})
-        if "first" not in speeds:
+        if model_name not in data.get("unpruned_quality", {}):
             continue
-        base = mean_speed(speeds["first"], speeds.get("last"))
-        drift = ("" if "last" not in speeds else
+        base = mean_speed(speeds["first"], speeds.get("last")) if "first" in speeds else None
+        drift = ("" if "last" not in speeds or "first" not in speeds else
                  f"; the unpruned model measured last decoded at {speeds['last']['decode_tokens_per_s'] / speeds['first']['decode_tokens_per_s']:.3f}× its first speed")  # noqa: E501
         unp = data.get("unpruned_quality", {}).get(model_name, {})
         lines += ["", f"**{model_name}** (unpruned: wiki ppl {unp.get('ppl', float('nan')):.2f}, acc_mean "
@@ -181,13 +214,14 @@ def table(data: dict) -> str:
                     continue
                 r = with_ratios(r, base)
                 rec = data["runs"].get(f"{model_name}|{sparsity}|{name}|ce", {})
-                mark = "" if "unpruned_speed" in r else " †"
+                mark = "" if "unpruned_speed" in r or "speed" not in r else " †"
                 lines.append(
                     f"| {sparsity:.0%} | {name}{mark} | {len(r['layers_removed'])} | {r['pruning_ratio']:.3f} | "
                     f"{r['ppl']:.2f} | {_pm(r.get('acc_mean'), r.get('acc_mean_stderr'), 4)} | "
-                    f"{_pm(r['prefill_speedup'], r['prefill_speedup_se'])} | "
-                    f"{_pm(r['decode_speedup'], r['decode_speedup_se'])} | "
-                    f"{_pm(r['decode_batch_speedup'], r['decode_batch_speedup_se'])} | {r['memory_ratio']:.3f} | "
+                    f"{_pm(r.get('prefill_speedup'), r.get('prefill_speedup_se'))} | "
+                    f"{_pm(r.get('decode_speedup'), r.get('decode_speedup_se'))} | "
+                    f"{_pm(r.get('decode_batch_speedup'), r.get('decode_batch_speedup_se'))} | "
+                    f"{_pm(r.get('memory_ratio'), None, 3)} | "
                     f"{_pm(rec.get('ppl'), None)} | {_pm(rec.get('acc_mean'), rec.get('acc_mean_stderr'), 4)} |")
     if any("speed" in r and "unpruned_speed" not in r for r in data["runs"].values()):
         lines += ["", "† speedups against the unpruned model's first and last timing of the run, not a neighbour's"]
@@ -205,6 +239,9 @@ def main() -> None:
     parser.add_argument("--eval-limit", type=int, default=300)
     parser.add_argument("--recover-steps", type=int, default=50, help="0: no recovery")
     parser.add_argument("--table", action="store_true", help="print the Markdown tables of --json and exit")
+    parser.add_argument("--no-speed", action="store_true", help="measure quality only; time later with --speeds")
+    parser.add_argument("--speeds", action="store_true",
+                        help="only time the finished runs that have no timing beside the unpruned model")
     args = parser.parse_args()
     data = json.loads(args.json.read_text()) if args.json.is_file() else {"runs": {}}
     if args.table:
@@ -223,9 +260,22 @@ def main() -> None:
                                    "sparsities": sorted(set(old.get("sparsities", [])) | set(sparsities))}
     data["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__}
     cache = ImportanceCache(args.json.with_suffix(".importance_cache"))
+    if args.speeds:
+        for model_name in models:
+            for sparsity in sparsities:
+                for name in SETS[args.set]:
+                    key = f"{model_name}|{sparsity}|{name}|none"
+                    row = data["runs"].get(key)
+                    if row is not None and "unpruned_speed" not in row:
+                        row |= timed_beside_unpruned(model_name, rebuilt(model_name, sparsity, name, row, args, cache))
+                        print(key, {k: v for k, v in with_ratios(row, None).items() if k.endswith("speedup")},
+                              flush=True)
+                        write_json(args.json, data)
+        print(table(data))
+        return
     for model_name in models:
         speeds = data.setdefault("unpruned", {}).setdefault(model_name, {})
-        if "first" not in speeds:
+        if "first" not in speeds and not args.no_speed:
             speeds["first"] = unpruned_speed(model_name)
             write_json(args.json, data)
         if model_name not in data.setdefault("unpruned_quality", {}):
@@ -239,7 +289,7 @@ def main() -> None:
                 data["runs"][key] = run(model_name, sparsity, name, args, cache)
                 print(key, {k: v for k, v in data["runs"][key].items() if k not in ("tasks", "speed")}, flush=True)
                 write_json(args.json, data)
-        if "last" not in speeds:
+        if "last" not in speeds and not args.no_speed:
             speeds["last"] = unpruned_speed(model_name)
             write_json(args.json, data)
         if args.recover_steps:
