@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup fetch demo smoke-demo prune-demo lint test test-fast mutants bench bench-quality bench-real-grid world clean
+.PHONY: setup fetch demo smoke-demo prune-demo lint test test-fast mutants mutation bench bench-quality bench-real-grid world clean
 
 setup: $(STAMP)
 
@@ -57,6 +57,15 @@ test-fast: lint
 # The fast tier against the curated mutations of scripts/mutants.py, each in a temporary copy (~10 min on 2 cores)
 mutants: setup
 	$(PY) scripts/mutants.py --json bench/out/mutants.json
+
+# mutmut over the core modules ([tool.mutmut] in pyproject.toml), each mutant against the fast-tier tests that reach
+# it; resumable (stop it any time, run it again to continue); then the score per module and the survivors.
+# MODULES=taylor_tune.jsonio,taylor_tune.reporting.stats narrows it. Hours on 2 cores for all of them (BENCHMARKS.md).
+MODULES ?=
+mutation: setup
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,mutation]"
+	$(PY) scripts/mutation.py run --modules "$(MODULES)"
+	$(PY) scripts/mutation.py score --json bench/out/mutation.json
 
 bench: setup
 	$(PY) bench/bench_importance.py --json bench/out/importance.json

@@ -121,23 +121,31 @@ def mean_speed(first: dict, last: dict | None) -> dict:
     return out
 
 
-def run(model_name: str, sparsity: float, name: str, args, cache: ImportanceCache, recover_steps: int = 0) -> dict:
+def run(model_name: str, sparsity: float, name: str, args, cache: ImportanceCache, recover_steps: int = 0,
+        unrecovered: dict | None = None) -> dict:
+    """One configuration measured; with recover_steps, its `unrecovered` run's model rebuilt (a depth cut from its
+    recorded layers: measured_loss's greedy search is not run twice), recovered, and measured again."""
     start = time.perf_counter()
     configs = SETS[args.set]
-    result = prune(config_of(model_name, sparsity, name, configs, args.num_samples), cache=cache)
-    row = {"family": configs[name][0], "pruning_ratio": result.diagnostics["pruning_ratio"],
-           "layers_removed": list(result.plan.layers_removed), "prune_s": time.perf_counter() - start}
     if recover_steps:
+        model, tokenizer = rebuilt(model_name, sparsity, name, unrecovered, args, cache), load_tokenizer(model_name)
+        row = {k: unrecovered[k] for k in ("family", "pruning_ratio", "layers_removed")}
+        row["prune_s"] = time.perf_counter() - start
         spec = RecoverySpec(loss="ce", data="wiki", steps=recover_steps, lr=2e-4, warmup_steps=recover_steps // 10,
                             micro_batch_size=4, seq_len=128, lora_dropout=0.0)
-        recovered = recover(result.model, recovery_ids(result.tokenizer, spec, model_name),
-                            heldout_ids(result.tokenizer, "wiki", spec), spec)
-        result.model = recovered.model
+        recovered = recover(model, recovery_ids(tokenizer, spec, model_name), heldout_ids(tokenizer, "wiki", spec),
+                            spec)
+        model = recovered.model
         row |= {"recovery_loss_before": recovered.loss_before, "recovery_loss_after": recovered.loss_after,
                 "recovery_s": recovered.seconds}
-    elif not args.no_speed:
-        row |= timed_beside_unpruned(model_name, result.model)
-    row |= quality(result.model, result.tokenizer, model_name, args)
+    else:
+        result = prune(config_of(model_name, sparsity, name, configs, args.num_samples), cache=cache)
+        model, tokenizer = result.model, result.tokenizer
+        row = {"family": configs[name][0], "pruning_ratio": result.diagnostics["pruning_ratio"],
+               "layers_removed": list(result.plan.layers_removed), "prune_s": time.perf_counter() - start}
+        if not args.no_speed:
+            row |= timed_beside_unpruned(model_name, model)
+    row |= quality(model, tokenizer, model_name, args)
     return row | {"wall_s": time.perf_counter() - start, "date": time.strftime("%Y-%m-%d %H:%M")}
 
 
@@ -297,7 +305,8 @@ def main() -> None:
                 for name in best_per_family(data["runs"], model_name, sparsity):
                     key = f"{model_name}|{sparsity}|{name}|ce"
                     if key not in data["runs"]:
-                        data["runs"][key] = run(model_name, sparsity, name, args, cache, args.recover_steps)
+                        data["runs"][key] = run(model_name, sparsity, name, args, cache, args.recover_steps,
+                                                data["runs"][f"{model_name}|{sparsity}|{name}|none"])
                         print(key, {k: v for k, v in data["runs"][key].items() if k != "tasks"}, flush=True)
                         write_json(args.json, data)
     print(table(data))
