@@ -86,7 +86,8 @@ def configurations(df: pd.DataFrame, metrics: list[str]) -> pd.DataFrame:
         for metric in metrics:
             values = pd.to_numeric(group[metric], errors="coerce").to_numpy(dtype=float) if metric in group \
                 else np.array([math.nan])
-            if multiplicative(metric) and np.all(values > 0):
+            if multiplicative(metric) and np.all(values > 0) and np.ptp(values) > 0:
+                # exp(log(v)) is not v to the last bit: one seed's 30.0 must still meet ppl<=30
                 row[metric] = float(np.exp(np.mean(np.log(values))))
             else:
                 row[metric] = float(np.mean(values))

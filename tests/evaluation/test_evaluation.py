@@ -258,3 +258,20 @@ def test_outside_a_git_checkout_zero_shot_prints_no_git_error_and_records_versio
         assert evaluator.get_git_commit_hash() is None
     assert set(record) == {"lm_eval_version", "transformers_version"}
     assert evaluator.add_env_info.__module__ == "lm_eval.loggers.utils"  # lm-eval's own again outside
+
+
+def test_a_window_of_exactly_the_maximum_context_is_scored_and_one_more_refused():
+    from types import SimpleNamespace
+
+    from tests.helpers import tiny
+
+    model, tokenizer = tiny("tiny-llama-random"), load_tokenizer("tiny-llama-random")
+    limit = model.config.max_position_embeddings
+    text = load_ppl_text("world")
+    full = perplexity(model, tokenizer, text, window=limit, max_windows=1)
+    assert full["ppl_window"] == limit and full["ppl_windows"] == 1 and math.isfinite(full["ppl"])
+    with pytest.raises(EvaluationError, match=f"ppl_window: {limit + 1} is longer than the model's maximum context"):
+        perplexity(model, tokenizer, text, window=limit + 1, max_windows=1)
+    from taylor_tune.evaluation.perplexity import check_window
+
+    check_window(10**6, SimpleNamespace())  # a config that states no maximum context is not checked
