@@ -113,3 +113,82 @@ def test_kendall_tau_interval_is_nan_where_no_resample_has_three_configurations(
 def test_wilson_interval_is_none_without_items_or_an_accuracy(accuracy, n):
     assert stats.wilson_interval(accuracy, n) is None
 
+
+
+@pytest.mark.parametrize("mode", ["max", "min"])
+def test_an_objectives_loss_is_how_much_worse_in_its_own_direction(mode):
+    objective = stats.Objective("acc_mean" if mode == "max" else "ppl", mode)
+    for best, value in ((0.6, 0.5), (10.0, 14.0), (3.0, 3.0)):
+        worse_by = (best - value) if mode == "max" else (value - best)
+        assert objective.loss(best, value) == pytest.approx(worse_by, abs=1e-12)
+
+
+@pytest.mark.parametrize("z", [1.0, 1.959963984540054, 2.5758])
+def test_coverage_is_the_normal_probability_within_z(z):
+    from scipy.stats import norm
+
+    assert stats.coverage(z) == pytest.approx(norm.cdf(z) - norm.cdf(-z), abs=1e-12)
+
+
+def test_an_interval_without_a_standard_error_is_none():
+    assert stats.confidence_interval(0.5, None) is None and stats.confidence_interval(0.5, math.nan) is None
+
+
+def test_the_seed_spread_equals_a_loop_over_configurations_with_several_seeds():
+    rows = []
+    for method, seeds in (("taylor", 3), ("layerwise", 1), ("blockwise", 2)):
+        for seed in range(seeds):
+            rows.append({"trial_id": f"{method}{seed}", "pruning_method": method, "taylor_seq_len": 64,
+                         "taylor_num_samples": 32, "depth_share": math.nan, "seed": seed,
+                         "acc_mean": 0.4 + 0.01 * seed + 0.1 * (method == "taylor")})
+    df = pd.DataFrame(rows)
+    got = stats.seed_spread(df)
+    by_hand = {}
+    for method in ("taylor", "blockwise"):  # a configuration with one seed has no spread
+        values = df[df["pruning_method"] == method]["acc_mean"].tolist()
+        by_hand[method] = (np.mean(values), np.std(values, ddof=1), len(values))
+    table = got["table"].reset_index()
+    assert got["reason"] is None and sorted(table["pruning_method"]) == sorted(by_hand)
+    for _, row in table.iterrows():
+        mean, std, count = by_hand[row["pruning_method"]]
+        assert (row["mean"], row["std"], row["count"]) == (pytest.approx(mean), pytest.approx(std), count)
+    assert got["mean_std"] == pytest.approx(np.mean([s for _, s, _ in by_hand.values()]))
+    single = stats.seed_spread(df[df["pruning_method"] == "layerwise"])
+    assert single["table"] is None and single["reason"].startswith("one calibration seed per configuration")
+    assert stats.seed_spread(df.drop(columns=["seed"]))["reason"] == "no seed column"
+    assert stats.seed_spread(df.iloc[:0])["reason"] == "no seed column"
+
+
+def test_the_extreme_layers_correlation_is_pearsons_over_the_trials():
+    from scipy.stats import pearsonr
+
+    rng = np.random.default_rng(2)
+    df = pd.DataFrame({"extreme_pruning_layers": rng.integers(0, 5, 12), "acc_mean": rng.uniform(0.3, 0.6, 12),
+                       "ppl": rng.uniform(10, 50, 12)})
+    for objective in (stats.ACCURACY, stats.Objective("ppl", "min")):
+        got = stats.extreme_layers(df, objective)["correlation"]
+        want = pearsonr(df["extreme_pruning_layers"], df[objective.metric])
+        assert (got.x, got.y, got.n) == ("extreme_pruning_layers", objective.metric, 12)
+        assert got.r == pytest.approx(want.statistic, abs=1e-12) and got.p == pytest.approx(want.pvalue, rel=1e-9)
+
+
+def test_a_correlation_says_what_it_left_out():
+    df = pd.DataFrame({"x": [1.0, 2.0, 3.0, 4.0, math.inf, math.nan], "acc_mean": [0.1, 0.3, 0.2, 0.5, 0.4, 0.3]})
+    text = stats.correlation(df, "x").describe()
+    assert text.endswith("n = 4; left out: inf 1, missing 1)")
+    assert stats.correlation(df.iloc[:4], "x").describe().endswith("n = 4)")
+
+
+def test_the_impact_of_a_parameter_on_no_trials_has_no_best_value():
+    empty = pd.DataFrame({"pruning_method": pd.Series(dtype=str), "acc_mean": pd.Series(dtype=float)})
+    got = stats.hyperparameter_impact(empty, "pruning_method")
+    assert got["best_value"] is None and got["best_mean"] is None and got["table"].empty
+
+
+def test_the_impact_of_a_parameter_is_its_best_groups_mean():
+    df = pd.DataFrame({"pruning_method": ["taylor", "taylor", "random", "blockwise"],
+                       "acc_mean": [0.5, 0.7, 0.2, 0.55], "ppl": [20.0, 10.0, 90.0, 12.0]})
+    got = stats.hyperparameter_impact(df, "pruning_method")
+    assert got["best_value"] == "taylor" and got["best_mean"] == pytest.approx(0.6)
+    by_ppl = stats.hyperparameter_impact(df, "pruning_method", stats.Objective("ppl", "min"))
+    assert by_ppl["best_value"] == "blockwise" and by_ppl["best_mean"] == pytest.approx(12.0)
