@@ -209,3 +209,13 @@ def test_an_entry_that_does_not_read_back_is_built_again(tmp_path, caplog):
     read = lambda r: [{0: "doc"}[row[0]] for row in r]
     assert cache.get_or_build(fields, lambda: [[0]], read) == (["doc"], True)
     assert "is refused" in caplog.text and "does not match its checksum" in caplog.text
+
+
+def test_a_refused_entry_says_which_check_it_failed():
+    fields, rows = {"task": "t", "limit": 3}, [[0, 1, "loglikelihood", 1, "a", " b", [1], [2]]]
+    written = entry_text(fields, "rows", rows)
+    for other in (entry_text({"task": "u"}, "rows", rows), entry_text(fields, "other part", rows)):
+        with pytest.raises(ValueError, match=r"^the entry is another one's \(its fields differ\)$"):
+            read_entry(other, fields, "rows")
+    with pytest.raises(ValueError, match=r"^its payload does not match its checksum \(cut short or changed\)$"):
+        read_entry(written.replace('" b"', '" c"'), fields, "rows")

@@ -102,3 +102,12 @@ def test_trust_remote_code_reaches_every_loader(tmp_path, monkeypatch, trust):
     preflight.check_calibration_sizes(exp)
     assert {name for name, _ in seen} == {"meta_layout", "load_tokenizer"}
     assert all(value is trust for _, value in seen), seen
+
+
+def test_two_names_of_one_text_are_drawn_once(tmp_path, monkeypatch):
+    drawn = []
+    real = preflight.draw_calibration
+    monkeypatch.setattr(preflight, "draw_calibration", lambda config, tok: drawn.append(config) or real(config, tok))
+    # `auto` is the model's own world's text: for tiny-llama, `world`
+    preflight.check_calibration_sizes(experiment(tmp_path, NO_TEXT, calibration={"grid": ["auto", "world"]}))
+    assert len(drawn) == 1
