@@ -3,20 +3,16 @@ test_experiment, slow): every distinct planning setting of the space is planned,
 every text is drawn, a refusal names the settings that fail, and `trust_remote_code` reaches every loader."""
 
 import pytest
-import yaml
 
 from taylor_tune.errors import ConfigError
 from taylor_tune.sweep import preflight
 from taylor_tune.sweep.experiment import load_experiment
-from tests.sweep_helpers import SMALL
+from tests.sweep_helpers import SMALL, write_experiment
 
 
 def experiment(tmp_path, prune=None, **space):
-    data = {"name": "pre", **SMALL, "storage_path": str(tmp_path / "s"),
-            "search_space": {**SMALL["search_space"], **space}, "prune": prune or SMALL["prune"]}
-    path = tmp_path / "pre.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return load_experiment(path)
+    return load_experiment(write_experiment(tmp_path, "pre", search_space={**SMALL["search_space"], **space},
+                                            prune=prune or SMALL["prune"]))
 
 
 UNFIXED = {k: v for k, v in SMALL["prune"].items() if k != "sparsity"}
