@@ -3,7 +3,8 @@
 Each shape (LLaMA-3-8B, Qwen2-7B, Mistral-7B-v0.3: their published configs, random weights, bfloat16, no download)
 is built from its config on the device and saved as a model folder (safetensors) with a tokenizer of its family
 that the offline world has (Qwen2.5's for Qwen2, whose tokenizer it is; SmolLM2's for the other two, whose own are
-gated: its token counts are close to, not equal to, theirs). Then, per shape:
+gated: its token counts are close to, not equal to, theirs; Mistral's folder gets that tokenizer's 49,152 embeddings
+instead of its 32,768, so that every id has one). Then, per shape:
 
 - the evaluation alone on the unpruned model with both scorers (prefix, then lm-eval's HFLM) in the same run:
   seconds, of which building and tokenizing the requests, token positions forwarded, tokens/s and the achieved
@@ -17,10 +18,16 @@ gated: its token counts are close to, not equal to, theirs). Then, per shape:
   so the groups are ranked by the random method's seeded scores and the layers by `last`: on a homogeneous decoder
   every depth criterion removes the same number of equal layers, and the speed of a shape does not depend on which
   groups it kept;
+- with `--profile LIMIT`, where the prefix scorer's time goes at LIMIT items per task (torch.profiler): the time the
+  device had a kernel running against the wall time, kernel time by kind (matmul, attention, other), the host's
+  seconds in batch preparation and in enqueueing the forwards;
 - `run_trial` as a sweep runs it, with that cache (its requests read back, as in every later trial of the model):
   taylor importance at each --importance SAMPLESxSEQ_LEN, prune, speed against the unpruned model, perplexity on the
   held-out Wikipedia text, the full zero-shot evaluation of the seven real tasks with the default settings; seconds
   per stage, the trial's wall time and its peak GPU memory.
+
+`--peaks SAMPLESxSEQ_LEN` measures, before the shapes and for all three (at their published vocabularies), the peak
+GPU memory of a trial's largest stage, taylor importance at that size, with the model built in memory.
 
 Written as JSON (`--json`); `--table` prints its Markdown tables. The folder of each shape is deleted after it.
 
@@ -29,7 +36,9 @@ Written as JSON (`--json`); `--table` prints its Markdown tables. The folder of 
     python bench/bench_gpu.py --table bench/gpu.json
     python bench/bench_gpu.py --shapes llama-3-8b --passes prefix,prefix_flex --importance none --json /tmp/attn.json
     python bench/bench_gpu.py --shapes llama-3-8b --passes prefix,hflm --families 0.2 --importance 128x512 \
-        --json bench/gpu_llama.json    # the HFLM pass runs last: a time limit cuts it and nothing else
+        --json bench/gpu_llama.json    # passes other than prefix run last: a time limit cuts them and nothing else
+    python bench/bench_gpu.py --shapes llama-3-8b --passes prefix,hflm,prefix_flex --limit 1000 --importance none \
+        --profile 300 --peaks 256x512 --json bench/gpu_profile.json   # where the time goes; the three shapes' peaks
 
 A machine without the offline world's model assets (a bare GPU machine) gets the tokenizers as a small archive:
 `--pack-tokenizers .device/tokenizers.tgz` here, then there `--tokenizers DIR` with the archive unpacked in DIR.
@@ -60,8 +69,10 @@ from taylor_tune.evaluation.speed import measure_speed, speed_ratios
 from taylor_tune.jsonio import write_json
 from taylor_tune.pruning.apply import apply_plan
 from taylor_tune.pruning.groups import describe_layout
+from taylor_tune.pruning.importance import compute_importance
 from taylor_tune.pruning.prune import make_plan
 from taylor_tune.sources.assets import require
+from taylor_tune.sources.calibration import load_calibration
 from taylor_tune.sources.models import load_tokenizer
 from taylor_tune.sweep.experiment import Evaluation
 from taylor_tune.sweep.trial import TrialConfig, run_trial
@@ -111,6 +122,8 @@ def build_folder(shape: tuple, folder: Path, device: torch.device, dtype: torch.
     """The shape with random weights (seed 0) saved as a model folder; returns its parameter count."""
     config_class, fields, tokenizer_of = shape
     tokenizer = family_tokenizer(tokenizer_of, tokenizers)
+    # Mistral's 32,768 embeddings are fewer than the stand-in tokenizer's ids: the evaluation needs every id embedded
+    fields = fields | {"vocab_size": max(fields["vocab_size"], len(tokenizer))}
     config = config_class(**fields, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)
     with torch.device(device):
@@ -194,7 +207,7 @@ def evaluation(folder: Path, params: int, args, device: torch.device, dtype: tor
     for name in passes:
         _reset(device)
         spec = EvalSpec(tasks="all", task_data="real", ppl=None, scorer="hflm" if name == "hflm" else "prefix")
-        requests = RequestCache(cache / "requests") if name == "prefix" else None
+        requests = RequestCache(cache / "requests") if name != "hflm" else None  # flex reads what prefix stored
         evaluator = Evaluator(model, tokenizer, spec, model_name=str(folder), request_cache=requests)
         if name == "prefix_flex":
             evaluator.lm.attention = "flex"
@@ -205,6 +218,119 @@ def evaluation(folder: Path, params: int, args, device: torch.device, dtype: tor
                        "tflops": 2 * params * shots.tokens / shots.seconds / 1e12, "acc_mean": shots.acc_mean,
                        "items": sum(e["n"] for e in shots.tasks.values()), "peak_gib": _peak(device)}
     del model
+    return out
+
+
+def importance_peak(name: str, shape: tuple, samples: int, seq_len: int, args, device: torch.device,
+                    dtype: torch.dtype) -> dict:
+    """The peak memory of the trial's largest stage, taylor importance at samples x seq_len (forward and backward,
+    float32 accumulators beside the weights), for a shape built in memory (no folder): weights alone, then the peak."""
+    config_class, fields, tokenizer_of = shape
+    tokenizer = family_tokenizer(tokenizer_of, args.tokenizers)
+    _reset(device)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config_class(**fields, bos_token_id=tokenizer.bos_token_id,
+                                                              eos_token_id=tokenizer.eos_token_id), dtype=dtype)
+    weights = _peak(device)
+    # taken modulo the shape's vocabulary: Mistral's 32,768 is smaller than the stand-in tokenizer's, and with random
+    # weights which token an id is does not change the work or the memory
+    ids = load_calibration(tokenizer, "wiki", seq_len=seq_len, num_samples=samples, seed=0) % fields["vocab_size"]
+    params = sum(p.numel() for p in model.parameters())
+    start = time.perf_counter()
+    compute_importance(model, describe_layout(model), ids, micro_batch_size=args.micro_batch_size)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    out = {"shape": name, "samples": samples, "seq_len": seq_len, "params": params, "seconds": seconds,
+           "tflops": 6 * params * samples * seq_len / seconds / 1e12, "weights_gib": weights,
+           "peak_gib": _peak(device), "micro_batch_size": args.micro_batch_size}
+    del model
+    _reset(device)
+    return out
+
+
+# kernel name fragments by kind of work (cuBLAS/CUTLASS names vary by version; the rest count as "other")
+KERNEL_KINDS = (("matmul", ("gemm", "nvjet", "cutlass", "xmma", "matmul", "cublas")),
+                ("attention", ("fmha", "flash", "attention", "attn", "flex", "triton_tem")),
+                ("softmax", ("softmax",)), ("copy", ("memcpy", "memset")))
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, marks in KERNEL_KINDS if any(m in lowered for m in marks)), "other")
+
+
+def busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of (start, end) intervals in microseconds, in seconds: the time the device had work."""
+    total, reached = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reached:
+            total += end - max(start, reached)
+            reached = end
+    return total / 1e6
+
+
+def profile_prefix(folder: Path, limit: int, args, device: torch.device, dtype: torch.dtype, cache: Path) -> dict:
+    """Where the prefix scorer's time goes, at `limit` items per task: a first pass builds the requests and warms the
+    kernels, a second is timed plainly, a third under torch.profiler. From the third: the time the device had a
+    kernel running (union of kernel intervals) against the wall time, the kernels' time by kind and the longest
+    kernels, the host's own operators, and the host seconds in batch preparation and in enqueueing forwards."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map={"": device}).eval()
+    spec = EvalSpec(tasks="all", task_data="real", ppl=None, scorer="prefix")
+    evaluator = Evaluator(model, load_tokenizer(str(folder)), spec, model_name=str(folder),
+                          request_cache=RequestCache(cache / "requests"))
+    evaluator.zero_shot(limit)
+    plain = evaluator.zero_shot(limit)
+    lm, host = evaluator.lm, {"prepare": 0.0, "forward": 0.0}
+    calls = {"forward": 0}
+
+    def timed(method, key):
+        def wrapper(*a, **k):
+            start = time.perf_counter()
+            try:
+                return method(*a, **k)
+            finally:
+                host[key] += time.perf_counter() - start
+                calls[key] = calls.get(key, 0) + 1
+        return wrapper
+
+    lm._prepare, lm._forward = timed(lm._prepare, "prepare"), timed(lm._forward, "forward")
+    forwarded, unpadded = lm.tokens_forwarded, lm.tokens_unpadded
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        shots = evaluator.zero_shot(limit)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - start
+    del lm._prepare, lm._forward
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    by_kind: dict[str, float] = {}
+    by_name: dict[str, list] = {}
+    for e in kernels:
+        seconds = (e.time_range.end - e.time_range.start) / 1e6
+        by_kind[kernel_kind(e.name)] = by_kind.get(kernel_kind(e.name), 0.0) + seconds
+        entry = by_name.setdefault(e.name, [0.0, 0])
+        entry[0] += seconds
+        entry[1] += 1
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:15]
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
+    busy = busy_seconds([(e.time_range.start, e.time_range.end) for e in kernels])
+    out = {"limit": limit, "items": sum(e["n"] for e in shots.tasks.values()),
+           "plain_seconds": plain.seconds, "plain_requests_s": plain.requests_seconds,
+           "profiled_seconds": wall, "profiled_requests_s": shots.requests_seconds,
+           "tokens_forwarded": lm.tokens_forwarded - forwarded, "tokens_unpadded": lm.tokens_unpadded - unpadded,
+           "forwards": calls["forward"], "host_prepare_s": host["prepare"], "host_forward_s": host["forward"],
+           "device_busy_s": busy, "kernels_s": sum(by_kind.values()), "kernels_by_kind_s": by_kind,
+           "top_kernels": [{"name": n[:160], "seconds": v[0], "count": v[1], "kind": kernel_kind(n)} for n, v in top],
+           "top_host_ops": [{"name": e.key[:160], "self_cpu_s": e.self_cpu_time_total / 1e6, "count": e.count}
+                            for e in ops]}
+    del model, evaluator
+    _reset(device)
     return out
 
 
@@ -248,6 +374,33 @@ def table(data: dict) -> str:
             lines.append(f"| {r['family']}{share} | {layout} | {r['layers_removed']} | {r['pruning_ratio']:.3f} | "
                          f"{_pm(r, 'prefill_speedup')} | {_pm(r, 'decode_speedup')} | "
                          f"{_pm(r, 'decode_batch_speedup')} | {r['memory_ratio']:.3f} |")
+    peaks = data.get("peaks", [])
+    if peaks:
+        lines += ["", "| shape | parameters | taylor importance at | micro-batch | seconds | TFLOP/s | weights GiB | "
+                  "peak GiB |", "|---|---:|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['shape']} | {r['params'] / 1e9:.2f}B | {r['samples']} × {r['seq_len']} | "
+                  f"{r['micro_batch_size']} | {r['seconds']:.1f} | {r['tflops']:.1f} | {_gib(r['weights_gib'])} | "
+                  f"{_gib(r['peak_gib'])} |" if "error" not in r else f"| {r['shape']} | – | {r['samples']} × "
+                  f"{r['seq_len']} | – | – | – | – | {r['error']} |" for r in peaks]
+    for name, shape in data["shapes"].items():
+        prof = shape.get("profile")
+        if not prof:
+            continue
+        wall = prof["profiled_seconds"]
+        lines += ["", f"{name}: where the prefix scorer's time goes ({prof['items']} items, {prof['limit']} per task; "
+                  f"plain pass {prof['plain_seconds']:.1f} s of which requests {prof['plain_requests_s']:.1f} s; "
+                  f"under the profiler {wall:.1f} s, {prof['forwards']} forwards, "
+                  f"{prof['tokens_forwarded']:,} tokens forwarded of which padding "
+                  f"{1 - prof['tokens_unpadded'] / max(prof['tokens_forwarded'], 1):.1%})", "",
+                  "| where | seconds | share of the profiled wall |", "|---|---:|---:|",
+                  f"| device busy (any kernel running) | {prof['device_busy_s']:.2f} | "
+                  f"{prof['device_busy_s'] / wall:.1%} |"]
+        lines += [f"| kernels: {kind} | {sec:.2f} | {sec / wall:.1%} |"
+                  for kind, sec in sorted(prof["kernels_by_kind_s"].items(), key=lambda kv: -kv[1])]
+        lines += [f"| host: batch preparation | {prof['host_prepare_s']:.2f} | {prof['host_prepare_s'] / wall:.1%} |",
+                  f"| host: enqueueing forwards | {prof['host_forward_s']:.2f} | "
+                  f"{prof['host_forward_s'] / wall:.1%} |",
+                  f"| requests read | {prof['profiled_requests_s']:.2f} | {prof['profiled_requests_s'] / wall:.1%} |"]
     return "\n".join(lines)
 
 
@@ -270,6 +423,10 @@ def main() -> None:
                         help="the speed of depth, width and mixed cuts at this sparsity (decode at batch 1 and 16)")
     parser.add_argument("--limit", type=int, default=None, help="items per task (default every item)")
     parser.add_argument("--ppl-windows", type=int, default=None, help="perplexity windows (default every one)")
+    parser.add_argument("--profile", type=int, default=None, metavar="LIMIT",
+                        help="profile the prefix scorer at LIMIT items per task (after the evaluation passes)")
+    parser.add_argument("--peaks", default=None, metavar="SAMPLESxSEQ_LEN,...",
+                        help="the importance stage's peak memory of every shape (not only --shapes) at these sizes")
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--tokenizers", type=Path, help="a folder of <asset>/tokenizer files (--pack-tokenizers'), "
                         "for a machine without the asset cache")
@@ -306,6 +463,18 @@ def main() -> None:
                         "cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
             "date": time.strftime("%Y-%m-%d %H:%M"), "limit": args.limit, "ppl_windows": args.ppl_windows,
             "shapes": {}}
+    for pair in (args.peaks or "").split(","):  # first: built in memory, no folder; a failure is recorded
+        if not pair:
+            continue
+        samples, seq_len = (int(v) for v in pair.split("x"))
+        for name, shape in (SMALL if args.small else SHAPES).items():
+            try:
+                row = importance_peak(name, shape, samples, seq_len, args, device, dtype)
+            except torch.OutOfMemoryError as error:
+                row = {"shape": name, "samples": samples, "seq_len": seq_len, "error": str(error).splitlines()[0]}
+                _reset(device)
+            data.setdefault("peaks", []).append(row)
+            write_json(args.json, data)
     for name, shape in shapes.items():
         folder = Path(tempfile.mkdtemp(prefix=f"{name}-"))
         cache = Path(tempfile.mkdtemp(prefix=f"{name}-sweep-"))  # the caches a sweep of this model would share
@@ -313,10 +482,13 @@ def main() -> None:
             start = time.perf_counter()
             params = build_folder(shape, folder, device, dtype, args.tokenizers)
             entry = data["shapes"][name] = {"params": params, "build_s": time.perf_counter() - start, "trials": []}
-            first = [p for p in args.passes if p != "hflm"]
+            first = [p for p in args.passes if p == "prefix"]
             if first:
                 entry["evaluation"] = evaluation(folder, params, args, device, dtype, cache, first)
             write_json(args.json, data)
+            if args.profile is not None:
+                entry["profile"] = profile_prefix(folder, args.profile, args, device, dtype, cache)
+                write_json(args.json, data)
             if args.families is not None:
                 entry["families_sparsity"] = args.families
                 entry["families_decode_batch"] = args.family_speed["decode_batch"]
@@ -325,11 +497,11 @@ def main() -> None:
             for samples, seq_len in runs:
                 entry["trials"].append(trial(folder, params, samples, seq_len, args, device, cache))
                 write_json(args.json, data)
-            if "hflm" in args.passes:  # the slowest, last
-                entry["hflm_started"] = time.time()  # a pass cut by a time limit still says how long it ran
+            for late in [p for p in args.passes if p not in first]:  # the others last, in the order given
+                entry[f"{late}_started"] = time.time()  # a pass cut by a time limit still says how long it ran
                 write_json(args.json, data)
                 entry.setdefault("evaluation", {}).update(evaluation(folder, params, args, device, dtype, cache,
-                                                                     ["hflm"]))
+                                                                     [late]))
                 write_json(args.json, data)
         finally:
             shutil.rmtree(folder, ignore_errors=True)

@@ -2,6 +2,7 @@
 a sweep runs it, the evaluation with both scorers, the speed of depth, width and mixed cuts) on a tiny shape, and its
 numbers consistent with each other."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -9,8 +10,33 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_gpu", REPO / "bench" / "bench_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 60), st.integers(0, 20)), max_size=12))
+def test_device_busy_time_is_the_union_of_kernel_intervals(spans):
+    """The profile's busy time against a count of the microsecond ticks that any interval covers."""
+    intervals = [(start, start + length) for start, length in spans]
+    covered = {tick for start, end in intervals for tick in range(start, end)}
+    assert load_bench().busy_seconds(intervals) == pytest.approx(len(covered) / 1e6, abs=1e-12)
+
+
+def test_kernel_names_sort_into_kinds():
+    kind = load_bench().kernel_kind
+    assert kind("nvjet_sm90_tst_256x152_64x4_1x2_h_bz_coopA_TNT") == "matmul"
+    assert kind("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16") == "attention"
+    assert kind("void at::native::vectorized_elementwise_kernel<8, silu_kernel>") == "other"
 
 
 def stages_of(trial: dict) -> float:
@@ -26,7 +52,7 @@ def test_the_gpu_benchmark_runs_its_small_mode_on_cpu(assets, tmp_path):
     with tarfile.open(tmp_path / "tok.tgz") as archive:
         archive.extractall(tmp_path / "tok", filter="data")
     proc = subprocess.run([sys.executable, bench, "--small", "--tokenizers", str(tmp_path / "tok"), "--families", "0.2",
-                           "--json", str(out)],
+                           "--profile", "2", "--peaks", "8x32", "--json", str(out)],
                           capture_output=True, text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -58,3 +84,9 @@ def test_the_gpu_benchmark_runs_its_small_mode_on_cpu(assets, tmp_path):
     assert depth["layers_removed"] > half["layers_removed"] > quarter["layers_removed"] > 0 == free["layers_removed"]
     assert not free["uniform"] and uniform["uniform"]
     assert "decode speedup b2" in proc.stdout
+    prof = shape["profile"]  # the profiler's accounting, consistent with itself on a CPU (no device kernels)
+    assert prof["items"] == 7 * 2 and 0 < prof["tokens_unpadded"] <= prof["tokens_forwarded"] and prof["forwards"] >= 1
+    assert prof["device_busy_s"] == 0 and prof["host_prepare_s"] + prof["host_forward_s"] < prof["profiled_seconds"]
+    assert "where the prefix scorer's time goes" in proc.stdout
+    (peak,) = data["peaks"]
+    assert peak["params"] == shape["params"] and (peak["samples"], peak["seq_len"]) == (8, 32) and peak["seconds"] > 0
