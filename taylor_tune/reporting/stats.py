@@ -131,12 +131,21 @@ def correlation(df: pd.DataFrame, x: str, y: str = "acc_mean", min_rows: int = 3
     return result
 
 
+def geometric_mean(values) -> float:
+    """exp(mean(log(values))), or the value itself when all are equal: exp(log(30.0)) is 30.000000000000004, and a
+    group of equal perplexities must still meet ppl<=30 (NaN for no values)."""
+    values = np.asarray(values, dtype=float)
+    if values.size == 0:
+        return math.nan
+    return float(values[0]) if np.ptp(values) == 0 else float(np.exp(np.mean(np.log(values))))
+
+
 def summary(df: pd.DataFrame, by: str, metric: str = "acc_mean") -> pd.DataFrame:
     """mean, std (n-1), min, max and count of `metric` per value of `by`, sorted by that value; for ppl also its
     geometric mean (`gmean`, first)."""
     table = df.groupby(by)[metric].agg(["mean", "std", "min", "max", "count"])
     if multiplicative(metric):
-        table.insert(0, "gmean", np.exp(np.log(df[metric].astype(float)).groupby(df[by]).mean()))
+        table.insert(0, "gmean", df[metric].astype(float).groupby(df[by]).agg(geometric_mean))
     return table.sort_index()
 
 

@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
+from scipy import stats as scipy_stats
 
 from taylor_tune.reporting import stats
 
@@ -192,3 +193,24 @@ def test_the_impact_of_a_parameter_is_its_best_groups_mean():
     assert got["best_value"] == "taylor" and got["best_mean"] == pytest.approx(0.6)
     by_ppl = stats.hyperparameter_impact(df, "pruning_method", stats.Objective("ppl", "min"))
     assert by_ppl["best_value"] == "blockwise" and by_ppl["best_mean"] == pytest.approx(12.0)
+
+
+def test_summary_equals_a_loop_over_the_groups_with_scipy():
+    rng = np.random.default_rng(3)
+    df = pd.DataFrame({"seq_len": rng.choice([64, 128, 256], size=40), "ppl": rng.uniform(10, 90, size=40)})
+    table = stats.summary(df, "seq_len", "ppl")
+    assert list(table.index) == [64, 128, 256] and list(table.columns) == ["gmean", "mean", "std", "min", "max",
+                                                                          "count"]
+    for value, row in table.iterrows():
+        group = df.loc[df["seq_len"] == value, "ppl"].to_numpy()
+        expected = [scipy_stats.gmean(group), group.mean(), group.std(ddof=1), group.min(), group.max(), len(group)]
+        assert row.to_numpy() == pytest.approx(expected, rel=1e-12)
+    assert "gmean" not in stats.summary(df.rename(columns={"ppl": "acc_mean"}), "seq_len").columns
+
+
+def test_the_geometric_mean_of_equal_perplexities_is_that_perplexity_exactly():
+    # exp(log(30.0)) is 30.000000000000004: a group of equal values must still meet ppl<=30
+    df = pd.DataFrame({"method": ["a", "a", "b"], "ppl": [30.0, 30.0, 30.0]})
+    assert (stats.summary(df, "method", "ppl")["gmean"] == 30.0).all()
+    assert stats.geometric_mean([2.0, 8.0]) == pytest.approx(4.0, rel=1e-15)
+    assert math.isnan(stats.geometric_mean([]))
