@@ -156,8 +156,8 @@ def test_the_seed_spread_equals_a_loop_over_configurations_with_several_seeds():
     assert got["mean_std"] == pytest.approx(np.mean([s for _, s, _ in by_hand.values()]))
     single = stats.seed_spread(df[df["pruning_method"] == "layerwise"])
     assert single["table"] is None and single["reason"].startswith("one calibration seed per configuration")
-    assert stats.seed_spread(df.drop(columns=["seed"]))["reason"] == "no seed column"
-    assert stats.seed_spread(df.iloc[:0])["reason"] == "no seed column"
+    assert stats.seed_spread(df.drop(columns=["seed"])) == {"table": None, "reason": "no seed column"}
+    assert stats.seed_spread(df.iloc[:0]) == {"table": None, "reason": "no seed column"}
 
 
 def test_the_extreme_layers_correlation_is_pearsons_over_the_trials():
@@ -214,3 +214,26 @@ def test_the_geometric_mean_of_equal_perplexities_is_that_perplexity_exactly():
     assert (stats.summary(df, "method", "ppl")["gmean"] == 30.0).all()
     assert stats.geometric_mean([2.0, 8.0]) == pytest.approx(4.0, rel=1e-15)
     assert math.isnan(stats.geometric_mean([]))
+
+
+def test_value_of_search_matches_a_configuration_with_unset_dimensions_only_to_unset_ones():
+    # a width cut leaves depth_share unset (NaN); a mixed cut (the same method with a depth share) sets it. A
+    # configuration matches a target's trials whose every dimension is equal or unset in both, never unset on one
+    # side only: a's best (taylor, width) is not b's mixed taylor, and b's best (taylor, mixed) is not a's width one.
+    rows = [("a", "taylor", math.nan, 0.50), ("a", "depth", 0.5, 0.40), ("b", "taylor", math.nan, 0.30),
+            ("b", "taylor", 0.25, 0.46), ("b", "depth", 0.5, 0.20)]
+    df = pd.DataFrame([{"trial_id": f"t{i}", "model": m, "pruning_method": method, "depth_share": share,
+                        "taylor_seq_len": 64, "taylor_num_samples": 32, "acc_mean": acc}
+                       for i, (m, method, share, acc) in enumerate(rows)])
+    got = stats.value_of_search(df).set_index(["config_of", "applied_to"])
+    for source in ("a", "b"):
+        own = df[df["model"] == source]
+        best = own.loc[own["acc_mean"].idxmax()]  # distinct accuracies: no tie to break
+        for target in ("a", "b"):
+            mine = df[df["model"] == target]
+            share = best["depth_share"]
+            same = [r.acc_mean for r in mine.itertuples() if r.pruning_method == best["pruning_method"] and (
+                r.depth_share == share or (math.isnan(r.depth_share) and math.isnan(share)))]
+            expected = float(np.mean(same)) if same else math.nan
+            assert got.loc[(source, target), "acc_mean"] == pytest.approx(expected, nan_ok=True)
+            assert got.loc[(source, target), "loss"] == pytest.approx(mine["acc_mean"].max() - expected, nan_ok=True)

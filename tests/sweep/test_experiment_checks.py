@@ -1,0 +1,104 @@
+"""An experiment's checks and counts in process. `check_models` against the real tiny-llama config (maximum context
+512): each length it checks is allowed up to the maximum context and refused one token past it, a length that is not
+measured is not checked, `trust_remote_code` reaches the config loader. The recovery text is refused where the
+evaluation scores it, naming the field. The grid's points and sizes against loops over the space."""
+
+import itertools
+
+import pytest
+from transformers import PretrainedConfig
+
+import taylor_tune.sources.models as models
+from taylor_tune.errors import ConfigError
+from taylor_tune.sweep.experiment import check_models, check_recovery_text, check_sources, load_experiment
+from tests.sweep_helpers import SMALL, write_experiment
+
+LIMIT = 512  # tiny-llama's max_position_embeddings
+
+
+def experiment(tmp_path, seq_len=32, prune=None, **evaluation):
+    return load_experiment(write_experiment(
+        tmp_path, "models", search_space={**SMALL["search_space"], "taylor_seq_len": {"grid": [16, seq_len]}},
+        prune=prune or SMALL["prune"], evaluation={**SMALL["evaluation"], **evaluation}))
+
+
+def test_the_tiny_models_maximum_context_is_the_one_these_tests_use():
+    assert models.load_model_config("tiny-llama").max_position_embeddings == LIMIT
+
+
+def test_a_seq_len_of_the_maximum_context_passes_and_one_more_is_refused(tmp_path):
+    check_models(experiment(tmp_path, seq_len=LIMIT))
+    with pytest.raises(ConfigError, match=rf"^search_space.taylor_seq_len: {LIMIT + 1} exceeds the maximum context "
+                                          rf"\({LIMIT}\) of tiny-llama$"):
+        check_models(experiment(tmp_path, seq_len=LIMIT + 1))
+
+
+def test_the_perplexity_window_is_checked_only_when_perplexity_is_measured(tmp_path):
+    check_models(experiment(tmp_path, ppl="world", ppl_window=LIMIT))
+    with pytest.raises(ConfigError, match=rf"^evaluation.ppl_window: {LIMIT + 1} is longer than the maximum context"):
+        check_models(experiment(tmp_path, ppl="world", ppl_window=LIMIT + 1))
+    check_models(experiment(tmp_path, ppl=None, ppl_window=LIMIT + 1))  # no perplexity: the window is not used
+
+
+@pytest.mark.parametrize(("prefill_len", "prompt_len", "new_tokens"), [(LIMIT, 8, 4), (8, LIMIT - 4, 4)])
+def test_the_timed_sequences_may_fill_the_maximum_context_and_not_one_token_more(tmp_path, prefill_len, prompt_len,
+                                                                                  new_tokens):
+    speed = {"prefill_len": prefill_len, "prompt_len": prompt_len, "new_tokens": new_tokens}
+    check_models(experiment(tmp_path, speed=speed))
+    longer = {**speed, "prefill_len": prefill_len + 1} if prefill_len == LIMIT else {**speed, "new_tokens": 5}
+    with pytest.raises(ConfigError, match=rf"^evaluation.speed: sequences of {LIMIT + 1} tokens"):
+        check_models(experiment(tmp_path, speed=longer))
+
+
+def test_without_speed_nothing_timed_is_checked(tmp_path):
+    check_models(experiment(tmp_path, speed=None))
+
+
+def test_a_config_without_a_maximum_context_checks_no_length(tmp_path, monkeypatch):
+    monkeypatch.setattr(models, "load_model_config", lambda model, **kw: PretrainedConfig())
+    check_models(experiment(tmp_path, seq_len=LIMIT * 4, ppl="world", ppl_window=LIMIT * 4))
+
+
+@pytest.mark.parametrize("trust", [False, True])
+def test_trust_remote_code_reaches_the_config_loader(tmp_path, monkeypatch, trust):
+    seen, real = [], models.load_model_config
+    monkeypatch.setattr(models, "load_model_config",
+                        lambda model, **kw: seen.append((model, kw)) or real(model, **kw))
+    check_models(experiment(tmp_path, prune={**SMALL["prune"], "trust_remote_code": trust}))
+    assert seen == [("tiny-llama", {"trust_remote_code": trust})]
+
+
+def test_the_evaluations_own_text_is_refused_as_recovery_text_naming_the_field(tmp_path):
+    text = tmp_path / "own.txt"
+    text.write_text(" ".join(f"word{i} of a text." for i in range(3000)))
+    exp = load_experiment(write_experiment(tmp_path, "rec", evaluation={**SMALL["evaluation"], "ppl": str(text)},
+                                           recovery={"data": str(text), "steps": 2}))
+    with pytest.raises(ConfigError, match=rf"^recovery.data: .*{text.name}.* is held-out text the evaluation scores; "):
+        check_sources(exp)
+    check_recovery_text(str(text), None)  # scored by nothing: allowed
+
+
+def test_a_missing_instruction_file_is_refused_under_the_field_that_names_it(tmp_path):
+    missing = str(tmp_path / "missing.jsonl")
+    with pytest.raises(ConfigError, match=r"^search_space.recovery_data: .*missing.jsonl"):
+        check_recovery_text(missing, None, "search_space.recovery_data")
+    with pytest.raises(ConfigError, match=r"^recovery.data: "):
+        check_recovery_text(missing, None)
+
+
+@pytest.mark.parametrize("algorithm", ["grid", "tpe"])
+def test_the_grid_points_and_size_equal_loops_over_models_seeds_and_the_space(tmp_path, algorithm):
+    exp = load_experiment(write_experiment(tmp_path, "grid", models=["tiny-llama", "tiny-qwen2"],
+                                           search={"algorithm": algorithm, "num_trials": 3,
+                                                   "repeats": 2 if algorithm == "grid" else 1}))
+    space = [dict(zip(("taylor_seq_len", "taylor_num_samples", "pruning_method"), combo))
+             for combo in itertools.product([16, 32, 48], [8], ["taylor", "blockwise"])]
+    seeds = range(exp.search.repeats)
+    by_hand = [{"model": m, "seed": s, **p} for m in ["tiny-llama", "tiny-qwen2"] for s in seeds for p in space]
+    assert exp.grid_points() == by_hand
+    size = exp.grid_size()  # a count of trials: an int (the CLI and Tune's num_samples take it as one)
+    assert isinstance(size, int) and size == (len(by_hand) if algorithm == "grid" else 3 * 2)
+
+
+def test_an_experiment_without_recovery_reports_no_recovery_points(tmp_path):
+    assert load_experiment(write_experiment(tmp_path, "none")).recovery_points() == 0
