@@ -2,6 +2,7 @@
 a sweep runs it, the evaluation with both scorers, the speed of depth, width and mixed cuts) on a tiny shape, and its
 numbers consistent with each other."""
 
+import functools
 import importlib.util
 import json
 import subprocess
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 REPO = Path(__file__).resolve().parent.parent
 
 
+@functools.cache
 def load_bench():
     spec = importlib.util.spec_from_file_location("bench_gpu", REPO / "bench" / "bench_gpu.py")
     module = importlib.util.module_from_spec(spec)
