@@ -117,17 +117,23 @@ def family_tokenizer(name: str, tokenizers: Path | None):
     return load_tokenizer(name) if tokenizers is None else AutoTokenizer.from_pretrained(tokenizers / name)
 
 
-def build_folder(shape: tuple, folder: Path, device: torch.device, dtype: torch.dtype,
-                 tokenizers: Path | None = None) -> int:
-    """The shape with random weights (seed 0) saved as a model folder; returns its parameter count."""
-    config_class, fields, tokenizer_of = shape
-    tokenizer = family_tokenizer(tokenizer_of, tokenizers)
-    # Mistral's 32,768 embeddings are fewer than the stand-in tokenizer's ids: the evaluation needs every id embedded
-    fields = fields | {"vocab_size": max(fields["vocab_size"], len(tokenizer))}
+def build_model(shape: tuple, device: torch.device, dtype: torch.dtype, tokenizer, *, embed_every_id: bool):
+    """The shape with random weights (seed 0) on `device`. `embed_every_id`: at least one embedding per id of
+    `tokenizer` (Mistral's 32,768 are fewer than the stand-in tokenizer's ids, and an evaluation feeds every id)."""
+    config_class, fields, _ = shape
+    if embed_every_id:
+        fields = fields | {"vocab_size": max(fields["vocab_size"], len(tokenizer))}
     config = config_class(**fields, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def build_folder(shape: tuple, folder: Path, device: torch.device, dtype: torch.dtype,
+                 tokenizers: Path | None = None) -> int:
+    """The shape with random weights (seed 0) saved as a model folder; returns its parameter count."""
+    tokenizer = family_tokenizer(shape[2], tokenizers)
+    model = build_model(shape, device, dtype, tokenizer, embed_every_id=True)
     params = sum(p.numel() for p in model.parameters())
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -225,17 +231,13 @@ def importance_peak(name: str, shape: tuple, samples: int, seq_len: int, args, d
                     dtype: torch.dtype) -> dict:
     """The peak memory of the trial's largest stage, taylor importance at samples x seq_len (forward and backward,
     float32 accumulators beside the weights), for a shape built in memory (no folder): weights alone, then the peak."""
-    config_class, fields, tokenizer_of = shape
-    tokenizer = family_tokenizer(tokenizer_of, args.tokenizers)
+    tokenizer = family_tokenizer(shape[2], args.tokenizers)
     _reset(device)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config_class(**fields, bos_token_id=tokenizer.bos_token_id,
-                                                              eos_token_id=tokenizer.eos_token_id), dtype=dtype)
+    model = build_model(shape, device, dtype, tokenizer, embed_every_id=False)
     weights = _peak(device)
     # taken modulo the shape's vocabulary: Mistral's 32,768 is smaller than the stand-in tokenizer's, and with random
     # weights which token an id is does not change the work or the memory
-    ids = load_calibration(tokenizer, "wiki", seq_len=seq_len, num_samples=samples, seed=0) % fields["vocab_size"]
+    ids = load_calibration(tokenizer, "wiki", seq_len=seq_len, num_samples=samples, seed=0) % shape[1]["vocab_size"]
     params = sum(p.numel() for p in model.parameters())
     start = time.perf_counter()
     compute_importance(model, describe_layout(model), ids, micro_batch_size=args.micro_batch_size)
@@ -313,7 +315,8 @@ def profile_prefix(folder: Path, limit: int, args, device: torch.device, dtype: 
     by_name: dict[str, list] = {}
     for e in kernels:
         seconds = (e.time_range.end - e.time_range.start) / 1e6
-        by_kind[kernel_kind(e.name)] = by_kind.get(kernel_kind(e.name), 0.0) + seconds
+        kind = kernel_kind(e.name)
+        by_kind[kind] = by_kind.get(kind, 0.0) + seconds
         entry = by_name.setdefault(e.name, [0.0, 0])
         entry[0] += seconds
         entry[1] += 1
