@@ -237,3 +237,103 @@ def test_value_of_search_matches_a_configuration_with_unset_dimensions_only_to_u
             expected = float(np.mean(same)) if same else math.nan
             assert got.loc[(source, target), "acc_mean"] == pytest.approx(expected, nan_ok=True)
             assert got.loc[(source, target), "loss"] == pytest.approx(mine["acc_mean"].max() - expected, nan_ok=True)
+
+
+def test_a_correlation_of_three_rows_is_pearsons_and_names_the_absent_column():
+    df = pd.DataFrame({"x": [1.0, 2.0, 4.0], "acc_mean": [0.2, 0.5, 0.4]})
+    got, want = stats.correlation(df, "x"), scipy_stats.pearsonr(df["x"], df["acc_mean"])
+    assert got.n == 3 and got.r == pytest.approx(want.statistic, abs=1e-12)  # three rows are enough
+    assert stats.correlation(df.iloc[:2], "x").r is None
+    assert stats.correlation(df, "x", "ppl").reason == "column ppl is absent"
+    assert stats.correlation(df, "y").reason == "column y is absent"
+
+
+def test_a_correlation_reads_flags_as_numbers_and_unparsable_cells_as_missing():
+    # a boolean column (uniform layout on or off) correlates as 0/1; a cell that is no number is left out as missing
+    flag = pd.Series([True, False, True, False, True])
+    acc = pd.Series([0.50, 0.42, "n/a", 0.40, 0.47], dtype=object)
+    got = stats.correlation(pd.DataFrame({"uniform": flag, "acc_mean": acc}), "uniform")
+    keep = [0, 1, 3, 4]
+    want = scipy_stats.pearsonr(flag[keep].astype(float), acc[keep].astype(float))
+    assert (got.n, got.excluded) == (4, {"inf": 0, "missing": 1})
+    assert got.r == pytest.approx(want.statistic, abs=1e-12)
+    swapped = stats.correlation(pd.DataFrame({"x": acc, "y": flag}), "x", "y")
+    assert swapped.n == 4 and swapped.r == pytest.approx(want.statistic, abs=1e-12)
+
+
+def test_a_constant_column_is_named_with_its_value_even_for_one_row():
+    df = pd.DataFrame({"x": [7.0, 7.0, 7.0], "acc_mean": [0.1, 0.2, 0.3]})
+    assert stats.correlation(df, "x").reason == "x is constant (7) over these rows"
+    assert stats.correlation(df.iloc[:1], "x", min_rows=1).reason == "x is constant (7) over these rows"
+    assert stats.correlation(df.rename(columns={"x": "acc_mean", "acc_mean": "x"}), "x").reason == (
+        "acc_mean is constant (7) over these rows")
+
+
+def leads(acc: list[float], task_se: list[list[float]]) -> pd.DataFrame:
+    """Trials t0.. with acc_mean and per-task stderrs over TASKS[:len(task_se[0])]."""
+    tasks = TASKS[:len(task_se[0])]
+    return pd.DataFrame([{"trial_id": f"t{i}", "acc_mean": a, **{f"acc_{t}_stderr": s for t, s in zip(tasks, se)}}
+                         for i, (a, se) in enumerate(zip(acc, task_se))])
+
+
+def lead_by_hand(df: pd.DataFrame, tasks: tuple[str, ...], z: float) -> dict:
+    records = df.to_dict(orient="records")
+    se = {r["trial_id"]: math.sqrt(sum(r[f"acc_{t}_stderr"] ** 2 for t in tasks)) / len(tasks) for r in records}
+    order = sorted(records, key=lambda r: -r["acc_mean"])  # distinct accuracies, no ppl: no tie-break needed
+    best, runner = order[0], order[1]
+    gap = {r["trial_id"]: math.hypot(se[best["trial_id"]], se[r["trial_id"]]) for r in order[1:]}
+    return {"best": best["trial_id"], "runner_up": runner["trial_id"],
+            "difference": best["acc_mean"] - runner["acc_mean"], "stderr": gap[runner["trial_id"]],
+            "exceeds": best["acc_mean"] - runner["acc_mean"] > z * gap[runner["trial_id"]],
+            "tied": [r["trial_id"] for r in order[1:] if best["acc_mean"] - r["acc_mean"] <= z * gap[r["trial_id"]]]}
+
+
+@pytest.mark.parametrize("z", [1.0, stats.Z95, 3.0])
+@pytest.mark.parametrize("seed", range(3))
+def test_the_lead_of_the_best_equals_a_loop_over_the_trials(seed, z):
+    # unequal stderrs per trial (the best's own is not the runner's) and a best that is not the first row
+    rng = np.random.default_rng(seed)
+    n = 6
+    df = leads(list(rng.permutation(np.linspace(0.40, 0.46, n))), rng.uniform(0.005, 0.03, (n, 2)).tolist())
+    got, want = stats.lead_of_best(df, TASKS[:2], z=z), lead_by_hand(df, TASKS[:2], z)
+    assert (got.best, got.runner_up, got.z, got.reason) == (want["best"], want["runner_up"], z, None)
+    assert got.difference == pytest.approx(want["difference"], abs=1e-15)
+    assert got.stderr == pytest.approx(want["stderr"], rel=1e-12)
+    assert got.exceeds_uncertainty is want["exceeds"] and got.tied_with_best == want["tied"]
+    assert got.exceeds_uncertainty is (got.runner_up not in got.tied_with_best)
+
+
+def test_a_lead_of_exactly_z_standard_errors_is_a_tie():
+    # dyadic numbers, so the boundary is exact: a gap of 0.25 against z * se = 2 * 0.125
+    df = leads([0.75, 0.5, 0.25], [[0.0], [0.125], [0.0]])
+    got = stats.lead_of_best(df, TASKS[:1], z=2.0)
+    assert (got.difference, got.stderr) == (0.25, 0.125)
+    assert got.exceeds_uncertainty is False and got.tied_with_best == ["t1"]
+
+
+def test_a_lead_with_an_unknown_stderr_says_so_and_decides_nothing():
+    df = leads([0.45, 0.40, 0.30], [[0.01], [math.nan], [0.01]])
+    got = stats.lead_of_best(df, TASKS[:1])
+    assert got.reason.startswith("a task stderr is missing") and got.exceeds_uncertainty is None
+    assert got.stderr is None and got.tied_with_best == []
+
+
+def test_a_lead_by_perplexity_points_to_the_seed_spread():
+    df = pd.DataFrame({"trial_id": ["a", "b"], "acc_mean": [0.4, 0.5], "ppl": [20.0, 25.0]})
+    got = stats.lead_of_best(df, TASKS, objective=stats.Objective("ppl", "min"))
+    assert (got.best, got.runner_up, got.difference) == ("a", "b", 5.0)
+    # the report prints this sentence as it is: it names the setting that measures the noise as the user writes it
+    assert got.reason == ("ppl has no standard error here; the calibration-seed spread (search.repeats > 1) is its "
+                          "noise")
+
+
+@pytest.mark.parametrize("objective", [stats.ACCURACY, stats.Objective("ppl", "min")])
+def test_the_method_comparisons_best_accuracy_is_the_best_trials(objective):
+    df = pd.DataFrame({"trial_id": ["a", "b", "c"], "pruning_method": ["taylor", "random", "taylor"],
+                       "acc_mean": [0.41, 0.45, 0.39], "ppl": [30.0, 80.0, 25.0]})
+    got = stats.method_comparison(df, objective)
+    chosen = df.loc[df[objective.metric].idxmax() if objective.mode == "max" else df[objective.metric].idxmin()]
+    assert got["best_acc"] == chosen["acc_mean"] and got["best_method"] == chosen["pruning_method"]
+    empty = stats.method_comparison(df.iloc[:0], objective)
+    assert (empty["best_acc"], empty["best_method"], empty["best_value"], empty["best_method_by_mean"]) == (
+        None, None, None, None)
