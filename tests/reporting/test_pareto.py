@@ -219,3 +219,14 @@ def test_a_dominated_point_within_the_uncertainty_is_named_tied_against_a_loop()
             assert set(expected) <= set(front.loc[j, "dominated_by"].split(";") if front.loc[j, "dominated_by"]
                                         else [])
         assert tied_somewhere  # the draw has ties to find
+
+
+def test_a_front_of_no_trials_has_a_fronts_columns_and_filters_like_one():
+    # front[front["on_front"]] must select rows on an empty front too: an object column would select columns instead
+    objectives = (Objective("acc_mean", "max"), Objective("ppl", "min"))
+    df = trials()
+    full, empty = pareto_front(df, objectives), pareto_front(df.iloc[:0], objectives)
+    assert {"on_front", "dominated_by", "tied_with"} <= set(empty.columns) and empty.attrs["left_out"] == 0
+    assert empty["on_front"].dtype == full["on_front"].dtype == bool
+    assert list(empty[empty["on_front"]].columns) == list(empty.columns)
+    assert list(full[full["on_front"]].columns) == list(full.columns)
