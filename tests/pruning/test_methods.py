@@ -43,6 +43,7 @@ def test_every_method_reaches_the_target_within_one_group(method, sparsity, seed
     plan.validate(lay)
     removed, target = plan.params_removed(lay), sparsity * lay.total_params
     assert target <= removed < target + max(A, M)
+    assert plan.method == method  # a plan (saved beside the model, named in its errors) says which method made it
 
 
 def test_taylor_ranking_is_global_when_the_weakest_groups_sit_in_one_layer():
