@@ -102,3 +102,23 @@ def test_the_grid_points_and_size_equal_loops_over_models_seeds_and_the_space(tm
 
 def test_an_experiment_without_recovery_reports_no_recovery_points(tmp_path):
     assert load_experiment(write_experiment(tmp_path, "none")).recovery_points() == 0
+
+
+def test_a_points_prune_config_is_the_one_written_by_hand(tmp_path):
+    from taylor_tune.config import PruneConfig
+
+    exp = experiment(tmp_path)
+    point = {"taylor_seq_len": 32, "taylor_num_samples": 8, "pruning_method": "blockwise"}
+    by_hand = dict(model="tiny-llama", sparsity=0.2, calibration="world", device="cpu", dtype="float32", seq_len=32,
+                   num_samples=8, method="blockwise")
+    assert exp.prune_config("tiny-llama", point) == PruneConfig(**by_hand)  # the calibration seed PruneConfig's own
+    assert exp.prune_config("tiny-llama", point, seed=3) == PruneConfig(**by_hand, seed=3)
+
+
+def test_a_dimension_neither_searched_nor_fixed_takes_its_default(tmp_path):
+    from taylor_tune.config import PruneConfig
+
+    exp = experiment(tmp_path)
+    assert exp.values_of("layerwise_max_ratio") == (PruneConfig.model_fields["layerwise_max_ratio"].default,)
+    assert exp.values_of("sparsity") == (0.2,) and exp.values_of("taylor_seq_len") == (16, 32)
+    assert exp.values_of("recovery_steps") == ()  # no recovery block
