@@ -69,3 +69,41 @@ def test_a_pareto_point_s_speed_error_combines_the_seeds_and_the_timing():
     assert table.loc["b0", "decode_speedup_se"] == pytest.approx(0.05)  # one seed: the timing's alone
     front = pareto.pareto_front(rows, (Objective("acc_mean", "max"), Objective("decode_speedup", "max")))
     assert front.set_index("point").loc["b0", "decode_speedup_se"] == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize("warmup, repeats", [(0, 1), (2, 3)])
+def test_the_rates_count_the_work_each_timed_forward_does(monkeypatch, warmup, repeats):
+    # A clock that advances by the tokens each forward processes: every rate is then exactly 1 token per second if
+    # (and only if) the measurement counts the work it times, and the forwards it makes are logged against the
+    # sequence written out by hand: untimed prompts, greedy steps that feed the argmax back with the growing cache.
+    import torch
+
+    from taylor_tune.evaluation import speed
+
+    model = tiny("tiny-llama")
+    clock, log = {"t": 0.0}, []
+    monkeypatch.setattr(speed.time, "perf_counter", lambda: clock["t"])
+
+    def before(module, args, kwargs):
+        ids, cache = kwargs["input_ids"], kwargs.get("past_key_values")
+        log.append((tuple(ids.shape), 0 if cache is None else cache.get_seq_length(), kwargs.get("use_cache"), ids))
+        clock["t"] += ids.numel()
+
+    def after(module, args, kwargs, output):
+        log[-1] = (*log[-1], output.logits[:, -1:].argmax(-1))
+
+    model.register_forward_pre_hook(before, with_kwargs=True)
+    model.register_forward_hook(after, with_kwargs=True)
+    spec = SpeedSpec(prefill_batch=2, prefill_len=12, decode_batch=3, prompt_len=5, new_tokens=4, repeats=repeats,
+                     warmup=warmup)
+    got = measure_speed(model, spec)
+    for rate in RATES:
+        assert got[rate] == 1.0 and got[f"{rate}_se"] == (None if repeats == 1 else 0.0)
+    runs = warmup + repeats
+    expected = [((2, 12), 0, False)] * runs
+    for batch in (1, 3):
+        expected += [((batch, 5), 0, True), *[((batch, 1), 5 + i, True) for i in range(4)]] * runs
+    assert [entry[:3] for entry in log] == expected
+    for previous, step in zip(log, log[1:]):
+        if step[0][1] == 1:  # a decode step reads the token its predecessor chose
+            assert torch.equal(step[3], previous[4])
