@@ -122,3 +122,80 @@ def test_a_dimension_neither_searched_nor_fixed_takes_its_default(tmp_path):
     assert exp.values_of("layerwise_max_ratio") == (PruneConfig.model_fields["layerwise_max_ratio"].default,)
     assert exp.values_of("sparsity") == (0.2,) and exp.values_of("taylor_seq_len") == (16, 32)
     assert exp.values_of("recovery_steps") == ()  # no recovery block
+
+
+def space_experiment(root, space: str):
+    """An experiment file in root/experiments/ whose search_space is the path `space`."""
+    (root / "experiments").mkdir(parents=True, exist_ok=True)
+    return write_experiment(root / "experiments", "spaced", search_space=space)
+
+
+def test_a_search_space_path_is_read_from_the_project_then_the_working_folder_or_as_absolute(tmp_path, monkeypatch):
+    # experiments/x.yaml names search_spaces/y.yaml from the project's root (the experiment folder's parent),
+    # wherever the command runs; a path found only from the working folder is read from there
+    import yaml
+
+    grid = {"taylor_seq_len": {"grid": [16, 24]}}
+    (tmp_path / "project" / "search_spaces").mkdir(parents=True)
+    (tmp_path / "project" / "search_spaces" / "y.yaml").write_text(yaml.safe_dump(grid))
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "z.yaml").write_text(yaml.safe_dump({"taylor_seq_len": {"grid": [8]}}))
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert load_experiment(space_experiment(tmp_path / "project", "search_spaces/y.yaml")).values_of(
+        "taylor_seq_len") == (16, 24)
+    assert load_experiment(space_experiment(tmp_path / "project", "z.yaml")).values_of("taylor_seq_len") == (8,)
+    absolute = str(tmp_path / "project" / "search_spaces" / "y.yaml")
+    assert load_experiment(space_experiment(tmp_path / "other", absolute)).values_of("taylor_seq_len") == (16, 24)
+
+
+def test_a_search_space_in_utf8_reads_under_an_ascii_locale(tmp_path):
+    # read as UTF-8 whatever the locale says: a comment in another language must not break a sweep on a server
+    # whose locale is C without Python's UTF-8 mode
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "search_spaces").mkdir()
+    (tmp_path / "search_spaces" / "y.yaml").write_text("# Größe der Stichprobe\ntaylor_seq_len: {grid: [16]}\n",
+                                                      encoding="utf-8")
+    path = space_experiment(tmp_path, "search_spaces/y.yaml")
+    code = ("import locale, sys; from taylor_tune.sweep.experiment import load_experiment; "
+            f"assert locale.getpreferredencoding(False).lower() in ('ascii', 'ansi_x3.4-1968'); "
+            f"print(load_experiment(sys.argv[1]).values_of('taylor_seq_len'))")
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env,
+                         encoding="utf-8")
+    assert out.returncode == 0, out.stderr[-800:]
+    assert out.stdout.strip() == "(16,)"
+
+
+def test_a_bad_search_space_names_what_it_holds_and_yamls_own_words_on_one_bounded_line(tmp_path):
+    import yaml
+
+    (tmp_path / "search_spaces").mkdir()
+    listed = tmp_path / "search_spaces" / "list.yaml"
+    listed.write_text("- 16\n- 32\n")
+    with pytest.raises(ConfigError, match=r"does not hold a mapping of dimensions \(it holds a list\)$"):
+        load_experiment(space_experiment(tmp_path, "search_spaces/list.yaml"))
+    broken = tmp_path / "search_spaces" / "broken.yaml"
+    broken.write_text("taylor_seq_len: [1, 2\n  pruning_method: x\n")
+    with pytest.raises(yaml.YAMLError) as parsed:
+        yaml.safe_load(broken.read_text())
+    with pytest.raises(ConfigError) as refused:
+        load_experiment(space_experiment(tmp_path, "search_spaces/broken.yaml"))
+    said = str(refused.value).split("is not valid YAML: ", 1)[1]
+    assert "\n" not in said and said.split() == str(parsed.value).split()
+    # a tag safe_load refuses, with a name of 2,000 characters: the message stops at 500
+    tagged = tmp_path / "search_spaces" / "tagged.yaml"
+    tagged.write_text(f"taylor_seq_len: !!python/object:{'a' * 2000} {{}}\n")
+    with pytest.raises(ConfigError) as long:
+        load_experiment(space_experiment(tmp_path, "search_spaces/tagged.yaml"))
+    assert len(str(long.value).split("is not valid YAML: ", 1)[1]) == 500
+
+
+def test_an_unreadable_experiment_file_is_called_an_experiment(tmp_path):
+    with pytest.raises(ConfigError, match=r"^cannot read experiment file .*none\.yaml: No such file"):
+        load_experiment(tmp_path / "none.yaml")
+    (tmp_path / "listed.yaml").write_text("- a\n")
+    with pytest.raises(ConfigError, match=r"expected a mapping of experiment keys, got list$"):
+        load_experiment(tmp_path / "listed.yaml")
