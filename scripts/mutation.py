@@ -3,30 +3,44 @@ module.
 
     python scripts/mutation.py run [--modules taylor_tune.reporting.stats,taylor_tune.jsonio]   # resumable
     python scripts/mutation.py score --json bench/out/mutation.json                              # the table
+    python scripts/mutation.py show taylor_tune.reporting.stats.x_summary__mutmut_3              # its change
 
-`run` lets mutmut test every mutant of the chosen modules (all of [tool.mutmut]'s when none are named) that has no
-verdict yet: stopping it keeps every verdict, and running it again continues (mutmut tests again only the functions
-whose source changed). Each mutant runs against the fast-tier tests that reach its function.
+`run` with no modules lets mutmut test every configured mutant that has no verdict yet (stopping keeps every verdict;
+running again continues; mutmut tests again only the functions whose source changed). Named modules are tested again
+whole, so their verdicts are fresh (a test added since counts once mutants/mutmut-stats.json, mutmut's map of which
+tests reach which function, is rebuilt: delete it). Each mutant runs against the fast-tier tests that reach its
+function.
 
 `score` reads mutmut's verdicts and counts, per module: killed (a test failed; a timeout counts as killed: the mutant
 changed behaviour enough to hang a test), survived (every test passed, or no fast-tier test reaches it), equivalent
-(listed in scripts/mutation_equivalents.txt with the reason no behaviour can change), and not yet checked. The score
-is killed / (killed + survived), equivalents left out.
+(a survivor whose change is listed in scripts/mutation_equivalents.yaml with the reason no behaviour can change), and
+not yet checked. The score is killed / (killed + survived), equivalents left out.
+
+An equivalent is listed by its function and its change (the lines it removes and adds), not by mutmut's number:
+mutmut numbers a function's mutants again whenever the file is mutated again, which would give a listed number to
+another mutant.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import difflib
+import functools
 import json
 import re
 import subprocess
 import sys
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
+
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 MUTMUT = [sys.executable, "-m", "mutmut"]
-EQUIVALENTS = ROOT / "scripts" / "mutation_equivalents.txt"
+EQUIVALENTS = ROOT / "scripts" / "mutation_equivalents.yaml"
+MUTANTS = ROOT / "mutants"
 # mutmut's words for each verdict -> ours
 VERDICTS = {"killed": "killed", "timeout": "killed", "survived": "survived", "no tests": "survived",
             "suspicious": "survived", "not checked": "unchecked", "skipped": "unchecked", "segfault": "killed",
@@ -39,16 +53,40 @@ def module_of(mutant: str) -> str:
     return re.split(r"\.x[_ǁ]", mutant, maxsplit=1)[0]
 
 
-def equivalents(path: Path = EQUIVALENTS) -> dict[str, str]:
-    """mutant name -> why it cannot change behaviour (one per line: `name  # reason`)."""
+def function_of(mutant: str) -> str:
+    """taylor_tune.reporting.stats.x_summary__mutmut_3 -> taylor_tune.reporting.stats.x_summary."""
+    return re.sub(r"__mutmut_\d+$", "", mutant)
+
+
+@functools.cache
+def _functions(path: Path) -> dict[str, str]:
+    """Every function of a file mutmut mutated: name -> source (the original as `<name>__mutmut_orig`)."""
+    text = path.read_text(encoding="utf-8")
+    return {node.name: ast.get_source_segment(text, node) for node in ast.walk(ast.parse(text))
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)}
+
+
+def change_of(mutant: str, root: Path = MUTANTS) -> str:
+    """The lines a mutant removes (`- `) and adds (`+ `) in its function, stripped, one per line."""
+    module, _, name = function_of(mutant).rpartition(".x")
+    functions = _functions(root / (module.replace(".", "/") + ".py"))
+    number = mutant.rsplit("__mutmut_", 1)[1]
+
+    def lines(suffix: str) -> list[str]:
+        source = functions[f"x{name}__mutmut_{suffix}"]
+        return [line.strip() for line in source.replace(f"__mutmut_{suffix}", "").splitlines()]
+
+    diff = difflib.unified_diff(lines("orig"), lines(number), lineterm="", n=0)
+    return "\n".join(f"{line[0]} {line[1:]}" for line in diff
+                     if line[:1] in "+-" and not line.startswith(("+++", "---")) and line[1:])
+
+
+def equivalents(path: Path = EQUIVALENTS) -> dict[tuple[str, str], str]:
+    """(function, change) -> why it cannot change behaviour: a YAML list of {function, change, why}."""
     if not path.is_file():
         return {}
-    out = {}
-    for line in path.read_text().splitlines():
-        if line.strip() and not line.lstrip().startswith("#"):
-            name, _, reason = line.partition("#")
-            out[name.strip()] = reason.strip()
-    return out
+    return {(entry["function"], entry["change"].strip()): entry["why"]
+            for entry in yaml.safe_load(path.read_text(encoding="utf-8")) or []}
 
 
 def verdicts(text: str) -> dict[str, str]:
@@ -61,13 +99,19 @@ def verdicts(text: str) -> dict[str, str]:
     return out
 
 
-def score(found: dict[str, str], equivalent: dict[str, str]) -> dict:
-    """Per module: the counts, the score and the survivors; and the totals."""
+def score(found: dict[str, str], equivalent: dict[tuple[str, str], str],
+          change: Callable[[str], str] = change_of) -> dict:
+    """Per module: the counts, the score and the survivors; and the totals. A survivor whose (function, change) is
+    listed in `equivalent` counts as equivalent."""
     counts: dict[str, Counter] = defaultdict(Counter)
     survivors: dict[str, list[str]] = defaultdict(list)
+    matched = set()
     for name, verdict in sorted(found.items()):
         module = module_of(name)
-        verdict = "equivalent" if name in equivalent else verdict
+        key = (function_of(name), change(name)) if verdict == "survived" else None
+        if key in equivalent:
+            verdict = "equivalent"
+            matched.add(key)
         counts[module][verdict] += 1
         if verdict == "survived":
             survivors[module].append(name)
@@ -78,7 +122,8 @@ def score(found: dict[str, str], equivalent: dict[str, str]) -> dict:
                 "unchecked": c["unchecked"], "score": c["killed"] / judged if judged else None}
 
     modules = {m: summary(c) | {"survivors": survivors[m]} for m, c in sorted(counts.items())}
-    return {"modules": modules, "total": summary(sum(counts.values(), Counter()))}
+    unmatched = sorted(f"{function}: {lines.splitlines()[-1]}" for function, lines in set(equivalent) - matched)
+    return {"modules": modules, "total": summary(sum(counts.values(), Counter())), "unmatched_equivalents": unmatched}
 
 
 def table(result: dict) -> str:
@@ -91,13 +136,19 @@ def table(result: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=("run", "score"))
+    parser.add_argument("command", choices=("run", "score", "show"))
+    parser.add_argument("mutants", nargs="*", help="show: mutant names")
     parser.add_argument("--modules", default="", help="comma-separated dotted module names (default: all configured)")
     parser.add_argument("--json", type=Path, help="score: write the counts and survivors here")
     args = parser.parse_args()
     if args.command == "run":
         names = [f"{m}.x*" for m in args.modules.split(",") if m]
         sys.exit(subprocess.run([*MUTMUT, "run", *names], cwd=ROOT).returncode)
+    if args.command == "show":  # in the form an entry of mutation_equivalents.yaml takes
+        for name in args.mutants:
+            print(f"- function: {function_of(name)}\n  change: |-\n" +
+                  "\n".join(f"    {line}" for line in change_of(name).splitlines()) + "\n  why: \n")
+        return
     out = subprocess.run([*MUTMUT, "results", "--all", "true"], cwd=ROOT, capture_output=True, text=True)
     if out.returncode:
         sys.exit(f"mutmut results failed ({out.returncode}): {out.stderr[-2000:]}")
@@ -106,6 +157,9 @@ def main() -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     print(table(result))
+    if result["unmatched_equivalents"]:  # killed since, or its module's mutants not (yet) tested
+        print(f"\n{len(result['unmatched_equivalents'])} listed equivalents match no survivor:",
+              *result["unmatched_equivalents"], sep="\n  ")
 
 
 if __name__ == "__main__":

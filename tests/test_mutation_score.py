@@ -1,8 +1,10 @@
-"""`make mutation`'s score (scripts/mutation.py) against a count by hand of mutmut's verdict lines."""
+"""`make mutation`'s score (scripts/mutation.py) against a count by hand of mutmut's verdict lines; a mutant's change
+read from a file laid out as mutmut writes it, and an equivalent recognized by its change whatever its number."""
 
 import collections
+import textwrap
 
-from scripts.mutation import equivalents, module_of, score, table, verdicts
+from scripts.mutation import change_of, equivalents, function_of, module_of, score, table, verdicts
 
 RESULTS = """\
     taylor_tune.jsonio.x_read_json__mutmut_1: killed
@@ -21,17 +23,22 @@ def test_the_score_per_module_equals_a_count_by_hand(tmp_path):
     found = verdicts(RESULTS)
     assert len(found) == 8 and found["taylor_tune.jsonio.x_read_json__mutmut_3"] == "killed"
     assert module_of("taylor_tune.reporting.stats.xǁObjectiveǁbest_index__mutmut_1") == "taylor_tune.reporting.stats"
-    listed = tmp_path / "equivalents.txt"
-    listed.write_text("# a comment line\ntaylor_tune.reporting.stats.x_wilson_interval__mutmut_6  # why: a reason\n")
+    listed = tmp_path / "equivalents.yaml"
+    listed.write_text("# a comment line\n- function: taylor_tune.reporting.stats.x_wilson_interval\n"
+                      "  change: |-\n    - if n > 0:\n    + if n >= 0:\n  why: a reason\n")
     equal = equivalents(listed)
-    assert equal == {"taylor_tune.reporting.stats.x_wilson_interval__mutmut_6": "why: a reason"}
-    result = score(found, equal)
+    assert equal == {("taylor_tune.reporting.stats.x_wilson_interval", "- if n > 0:\n+ if n >= 0:"): "a reason"}
+    changes = collections.defaultdict(lambda: "- a\n+ b", {
+        "taylor_tune.reporting.stats.x_wilson_interval__mutmut_6": "- if n > 0:\n+ if n >= 0:",
+        "taylor_tune.jsonio.x_read_json__mutmut_2": "- if n > 0:\n+ if n >= 0:"})  # same change, other function
+    result = score(found, equal, changes.__getitem__)
 
     by_hand = collections.defaultdict(collections.Counter)
     for line in RESULTS.splitlines()[:-1]:
         name, verdict = line.strip().rsplit(": ", 1)
         module = name.split(".x_")[0].split(".xǁ")[0]
-        kind = ("equivalent" if name in equal else "killed" if verdict in ("killed", "timeout")
+        kind = ("equivalent" if name.endswith("wilson_interval__mutmut_6") else "killed" if verdict in ("killed",
+                                                                                                       "timeout")
                 else "unchecked" if verdict == "not checked" else "survived")
         by_hand[module][kind] += 1
     for module, counts in by_hand.items():
@@ -43,3 +50,32 @@ def test_the_score_per_module_equals_a_count_by_hand(tmp_path):
         "taylor_tune.jsonio.x_read_json__mutmut_2", "taylor_tune.jsonio.x_write_json__mutmut_1"]
     assert result["total"]["killed"] == 3 and result["total"]["survived"] == 3 and result["total"]["score"] == 0.5
     assert "| taylor_tune.reporting.stats | 1 | 1 | 1 | 0 | 50.0% |" in table(result)
+    assert result["unmatched_equivalents"] == []
+    stale = {("taylor_tune.jsonio.x_write_json", "- a\n+ c"): "listed, but no survivor has this change"}
+    assert score(found, equal | stale, changes.__getitem__)["unmatched_equivalents"] == [
+        "taylor_tune.jsonio.x_write_json: + c"]
+
+
+def test_a_mutants_change_is_read_from_the_mutated_file_whatever_its_number(tmp_path):
+    # the layout mutmut writes: each function's original as <name>__mutmut_orig beside its numbered mutants
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "mod.py").write_text(textwrap.dedent("""\
+        def x_f__mutmut_orig(n):
+            a = n + 1
+            return a * 2
+        def x_f__mutmut_1(n):
+            a = n - 1
+            return a * 2
+        def x_f__mutmut_7(n):
+            a = n + 1
+            return a / 2
+        class C:
+            def xǁCǁg__mutmut_orig(self, k=0):
+                return k
+            def xǁCǁg__mutmut_2(self, k=1):
+                return k
+        """))
+    assert change_of("pkg.mod.x_f__mutmut_1", tmp_path) == "- a = n + 1\n+ a = n - 1"
+    assert change_of("pkg.mod.x_f__mutmut_7", tmp_path) == "- return a * 2\n+ return a / 2"
+    assert change_of("pkg.mod.xǁCǁg__mutmut_2", tmp_path) == "- def xǁCǁg(self, k=0):\n+ def xǁCǁg(self, k=1):"
+    assert function_of("pkg.mod.xǁCǁg__mutmut_2") == "pkg.mod.xǁCǁg"

@@ -160,8 +160,8 @@ def test_a_search_space_in_utf8_reads_under_an_ascii_locale(tmp_path):
                                                       encoding="utf-8")
     path = space_experiment(tmp_path, "search_spaces/y.yaml")
     code = ("import locale, sys; from taylor_tune.sweep.experiment import load_experiment; "
-            f"assert locale.getpreferredencoding(False).lower() in ('ascii', 'ansi_x3.4-1968'); "
-            f"print(load_experiment(sys.argv[1]).values_of('taylor_seq_len'))")
+            "assert locale.getpreferredencoding(False).lower() in ('ascii', 'ansi_x3.4-1968'); "
+            "print(load_experiment(sys.argv[1]).values_of('taylor_seq_len'))")
     env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env,
                          encoding="utf-8")
