@@ -148,3 +148,23 @@ def test_the_best_under_constraints_names_its_objective_and_takes_the_smaller_po
     assert got["satisfying"] == len(meeting) and got["best"]["point"] == min(t for a, t in meeting if a == best)
     none = pareto.best_under(df, (pareto.parse_constraint("ppl<5"),), MAX)
     assert none["best"] is None and none["reason"] == "no configuration meets every constraint"
+
+
+def test_the_best_under_no_constraints_is_the_best_configuration_of_all():
+    df = frame(8, seed=3)
+    got = pareto.best_under(df, (), MAX)
+    best = df.sort_values(["acc_mean", "trial_id"], ascending=[False, True]).iloc[0]
+    assert (got["satisfying"], got["of"], got["reason"]) == (8, 8, None)
+    assert got["best"]["point"] == best["trial_id"] and got["best"]["acc_mean"] == best["acc_mean"]
+    assert pareto.best_under(df, (), MIN)["best"]["point"] == df.loc[df["ppl"].idxmin(), "trial_id"]
+
+
+@pytest.mark.parametrize("ppls", [[1.0, 4.0], [30.0, 30.5], [12.0, 13.0, 90.0]])
+def test_a_configurations_perplexity_over_seeds_is_scipys_geometric_mean(ppls):
+    # one seed may reach perplexity 1 (a perfect prediction), and seeds may differ by less than one
+    from scipy.stats import gmean
+
+    df = pd.DataFrame({"trial_id": [f"t{i}" for i in range(len(ppls))], "pruning_method": "taylor",
+                       "seed": range(len(ppls)), "ppl": ppls})
+    table = pareto.configurations(df, ["ppl"])
+    assert len(table) == 1 and table.loc[0, "ppl"] == pytest.approx(gmean(ppls), rel=1e-12)
