@@ -5,6 +5,7 @@ property runs with few examples in the fast tier and many in the slow tier (the 
 - the normal and Wilson intervals against scipy, acc_mean's stderr against a loop;
 - the importance cache's key changes with every field;
 - every global-ranking plan meets its target with an overshoot under one group, for any layout and sparsity;
+- the uniform layout's MLP width against an enumeration of every allowed width's removal, in exact arithmetic;
 - perplexity's token count and value against an unbatched loop over windows;
 - the prefix scorer's packed, chunked scoring against one forward per request, the log-softmax split anywhere.
 """
@@ -174,6 +175,47 @@ def global_plans_meet_their_target(layout, sparsity, seed, method):
 test_global_plans_meet_their_target, test_global_plans_meet_their_target_many = both_tiers(
     {"layout": layouts(), "sparsity": st.floats(0.01, 0.9), "seed": st.integers(0, 1000),
      "method": st.sampled_from(["taylor", "magnitude", "random"])})(global_plans_meet_their_target)
+
+
+@st.composite
+def uniform_layouts(draw):
+    """A layout whose layers all have one shape, with a multiple that fits its MLP."""
+    from taylor_tune.pruning.plan import ModelLayout
+
+    layers, groups, channels = draw(st.integers(1, 6)), draw(st.integers(1, 8)), draw(st.integers(1, 80))
+    attn_params, mlp_params = draw(st.integers(1, 400)), draw(st.integers(1, 60))
+    per_layer = groups * attn_params + channels * mlp_params + draw(st.integers(0, 50))
+    total = per_layer * layers + draw(st.integers(0, 5000))
+    layout = ModelLayout((groups,) * layers, (channels,) * layers, attn_params, mlp_params, (per_layer,) * layers,
+                         total)
+    return layout, draw(st.integers(1, channels)), draw(st.integers(0, groups - 1))
+
+
+def uniform_width_by_enumeration(shaped, sparsity):
+    """mlp_width against every width a layer may keep (a multiple of `multiple`, or the full width), each one's
+    removal compared with the target in exact fractions: the nearest wins, ties the wider; None exactly when the
+    target asks for less than half a multiple of channels."""
+    from fractions import Fraction
+
+    from taylor_tune.pruning.plan import target_params
+    from taylor_tune.pruning.uniform import mlp_width
+
+    layout, multiple, attn_removed = shaped
+    n, c = layout.num_layers, layout.mlp_channels[0]
+    target = Fraction(target_params(layout, sparsity))
+    removal = {w: n * attn_removed * layout.attn_group_params + n * (c - w) * layout.mlp_channel_params
+               for w in range(1, c + 1) if w % multiple == 0 or w == c}
+    wanted = c - (target - n * attn_removed * layout.attn_group_params) / (n * layout.mlp_channel_params)
+    got = mlp_width(layout, sparsity, multiple, attn_removed)
+    if wanted < Fraction(multiple, 2):
+        assert got is None
+        return
+    best = min(removal, key=lambda w: (abs(removal[w] - target), -w))
+    assert got == best
+
+
+test_uniform_width_by_enumeration, test_uniform_width_by_enumeration_many = both_tiers(
+    {"shaped": uniform_layouts(), "sparsity": st.floats(0.0, 0.95)})(uniform_width_by_enumeration)
 
 
 # --- perplexity -------------------------------------------------------------------------------------------------

@@ -43,7 +43,8 @@ def mlp_width(layout: ModelLayout, sparsity: float, multiple: int, attn_removed:
 
 
 def _plan(method: str, scores: GroupScores, keep_groups: int, keep_channels: int) -> PrunePlan:
-    """Every layer keeps its `keep_groups` / `keep_channels` highest-scored groups (ties: the lower index stays)."""
+    """Every layer keeps its `keep_groups` / `keep_channels` highest-scored groups (ties: the lower index goes, as
+    in the global ranking)."""
     attn = tuple(tuple(sorted(s.argsort(kind="stable")[: len(s) - keep_groups].tolist())) for s in scores.attn)
     mlp = tuple(tuple(sorted(s.argsort(kind="stable")[: len(s) - keep_channels].tolist())) for s in scores.mlp)
     return PrunePlan(method, attn, mlp)

@@ -107,3 +107,99 @@ def test_the_rates_count_the_work_each_timed_forward_does(monkeypatch, warmup, r
     for previous, step in zip(log, log[1:]):
         if step[0][1] == 1:  # a decode step reads the token its predecessor chose
             assert torch.equal(step[3], previous[4])
+
+
+@pytest.mark.parametrize("work, seconds, se", [(64, 0.5, 0.01), (3, 2.0, 0.3), (1000, 0.02, 0.0)])
+def test_a_rates_error_is_the_delta_method_taken_numerically(work, seconds, se):
+    from taylor_tune.evaluation.speed import _rate
+
+    rate, rate_se = _rate(work, (seconds, se))
+    h = seconds * 1e-6
+    slope = (work / (seconds + h) - work / (seconds - h)) / (2 * h)  # d(work / t) / dt at t = seconds
+    assert rate == pytest.approx(work / seconds) and rate_se == pytest.approx(abs(slope) * se, rel=1e-6, abs=1e-12)
+    assert _rate(work, (seconds, None)) == (work / seconds, None)
+
+
+def test_on_cuda_a_run_is_timed_by_events_between_synchronizations(monkeypatch):
+    # the GPU path on this CPU: events and synchronize stand in for the device's, a clock the run advances
+    import torch
+
+    from taylor_tune.evaluation import speed
+
+    clock, log = {"ms": 0.0}, []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+
+        def record(self):
+            self.at = clock["ms"]
+            log.append("record")
+
+        def elapsed_time(self, end):
+            return end.at - self.at
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append(f"sync {device}"))
+    monkeypatch.setattr(speed.time, "perf_counter", lambda: pytest.fail("the wall clock times a CUDA run"))
+
+    def run():
+        log.append("run")
+        clock["ms"] += 250.0
+
+    assert speed._seconds(torch.device("cuda", 0), run) == 0.25
+    assert log == ["sync cuda:0", "record", "run", "record", "sync cuda:0"]
+
+
+def test_on_the_cpu_a_run_is_timed_by_the_wall_clock(monkeypatch):
+    import torch
+
+    from taylor_tune.evaluation import speed
+
+    ticks = iter([10.0, 10.75])
+    monkeypatch.setattr(speed.time, "perf_counter", lambda: next(ticks))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: pytest.fail("a CPU run synchronizes CUDA"))
+    assert speed._seconds(torch.device("cpu"), lambda: None) == 0.75
+
+
+GOOD = {"prefill_tokens_per_s": 0.5, "decode_tokens_per_s": 3, "decode_batch_tokens_per_s": 12.0,
+        "weight_bytes": 1024, "kv_cache_bytes": 64}
+
+
+@pytest.mark.parametrize("value", [0, 0.0, -1.0, True, "fast", None, math.inf, math.nan])
+def test_a_stored_rate_must_be_a_finite_positive_number(value):
+    assert checked_speed(GOOD) == GOOD  # slow rates (half a token a second) are rates
+    with pytest.raises(ValueError, match="^speed record: decode_tokens_per_s is .*, not a finite positive number$"):
+        checked_speed(GOOD | {"decode_tokens_per_s": value})
+
+
+@pytest.mark.parametrize("error", [None, 0.0, 0.5, 2])
+def test_a_stored_rates_error_may_be_unknown_zero_or_any_finite_positive_number(error):
+    assert checked_speed(GOOD | {"prefill_tokens_per_s_se": error})["prefill_tokens_per_s_se"] == error
+
+
+@pytest.mark.parametrize("error", [-0.1, True, "x", math.inf, math.nan])
+def test_a_stored_rates_error_that_is_no_number_or_negative_is_refused(error):
+    with pytest.raises(ValueError, match="^speed record: prefill_tokens_per_s_se is .*, not a finite number >= 0 or "
+                                         "null$"):
+        checked_speed(GOOD | {"prefill_tokens_per_s_se": error})
+
+
+def test_a_refused_value_is_shown_cut_to_40_characters():
+    long = "x" * 100
+    for field in ("weight_bytes", "decode_tokens_per_s_se"):
+        with pytest.raises(ValueError) as refused:
+            checked_speed(GOOD | {field: long})
+        assert f"{field} is {'x' * 40!r}, not" in str(refused.value)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_weight_bytes_are_every_parameters_and_buffers_bytes(dtype):
+    import torch
+
+    from taylor_tune.evaluation.speed import weight_bytes
+    from taylor_tune.sources.models import load_model
+
+    model = load_model("tiny-llama", device="cpu", dtype=getattr(torch, dtype))
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}  # a tied weight counts once
+    assert weight_bytes(model) == sum(t.nbytes for t in tensors.values())

@@ -246,6 +246,7 @@ def test_uniform_plan_against_enumeration(method, sparsity, multiple, seed):
     free = METHODS[method].plan(scores, lay, options(sparsity, seed=seed))
     plan = uniform_plan(free, scores, lay, sparsity, multiple)
     plan.validate(lay)
+    assert plan.method == free.method
     attn = round(sum(map(len, free.attn_removed)) / lay.num_layers)
     assert {len(a) for a in plan.attn_removed} == {attn}
     target = sparsity * lay.total_params
@@ -305,3 +306,56 @@ def test_uniform_with_a_loss_takes_the_attention_count_whose_plan_measures_lowes
     assert {C - len(m) for m in plan.mlp_removed} == {mlp_width(lay, 0.3, 8, best)}
     with pytest.raises(PlanError, match="uniform: every layer would need to keep less than half of 32"):
         uniform_plan(free, scores, lay, 0.9, 32)
+
+
+def one_layer(total: int = 128, channels: int = 64, groups: int = 4) -> ModelLayout:
+    """One layer, one parameter per group and channel: a target of s * total channels, exact in binary fractions."""
+    return ModelLayout((groups,), (channels,), 1, 1, (groups + channels,), total)
+
+
+def test_the_uniform_width_at_a_tie_is_the_wider_and_at_half_a_multiple_is_still_a_width():
+    from taylor_tune.pruning.uniform import mlp_width
+
+    lay = one_layer()
+    assert mlp_width(lay, 24 / 128, 16, 0) == 48  # 40 channels wanted: 32 and 48 are as near, the wider stays
+    assert mlp_width(lay, 56 / 128, 16, 0) == 16  # 8 wanted: exactly half a multiple still gets the narrowest
+    assert mlp_width(lay, 58.5 / 128, 16, 0) is None  # 5.5 wanted: under half a multiple
+    assert mlp_width(one_layer(channels=33), 3 / 128, 16, 0) == 32  # 30 wanted of 33: the multiple below the width
+    assert mlp_width(lay, 1 / 128, 1, 3) == 64  # the attention alone overshoots (66 wanted): the full width, no more
+
+
+def test_the_uniform_layout_needs_one_shape_and_a_multiple_no_wider_than_the_mlp():
+    from taylor_tune.pruning.uniform import mlp_width
+
+    uneven = ModelLayout((4, 3), (64, 64), 1, 1, (68, 67), 300)  # attention pruned, the MLP not
+    with pytest.raises(PlanError, match="layers differ in size"):
+        mlp_width(uneven, 0.1, 16, 0)
+    assert mlp_width(one_layer(), 0.0, 64, 0) == 64  # a multiple of the whole width: that width
+    with pytest.raises(PlanError, match="uniform_multiple: 65 is wider than the model's MLP"):
+        mlp_width(one_layer(), 0.0, 65, 0)
+
+
+def test_a_method_that_leaves_one_group_per_layer_gives_a_uniform_plan_that_leaves_one():
+    from taylor_tune.pruning.uniform import uniform_plan
+
+    lay, scores = layout(), random_scores(layout(), 0)
+    free = PrunePlan("taylor", tuple(tuple(range(G - 1)) for _ in range(8)), tuple(() for _ in range(8)))
+    plan = uniform_plan(free, scores, lay, 0.3, 8)
+    assert {len(a) for a in plan.attn_removed} == {G - 1}
+
+
+def test_the_uniform_plan_breaks_score_ties_by_index_as_the_global_ranking_does():
+    # 64 channels with tied scores: numpy's default sort is not stable at this length; the lower index goes first
+    from taylor_tune.pruning.plan import ranked_groups
+    from taylor_tune.pruning.uniform import uniform_plan
+
+    lay = layout()
+    rng = np.random.default_rng(0)
+    scores = GroupScores(tuple(rng.integers(0, 2, G).astype(float) for _ in range(8)),
+                         tuple(rng.integers(0, 2, C).astype(float) for _ in range(8)))
+    free = METHODS["taylor"].plan(scores, lay, options(0.2))
+    plan = uniform_plan(free, scores, lay, 0.2, 8)
+    for layer, (attn, mlp) in enumerate(zip(plan.attn_removed, plan.mlp_removed)):
+        order = ranked_groups(scores, [layer])
+        assert attn == tuple(sorted([i for _, _, i, kind in order if kind == "attn"][:len(attn)]))
+        assert mlp == tuple(sorted([i for _, _, i, kind in order if kind == "mlp"][:len(mlp)]))
