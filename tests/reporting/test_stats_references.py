@@ -337,3 +337,82 @@ def test_the_method_comparisons_best_accuracy_is_the_best_trials(objective):
     empty = stats.method_comparison(df.iloc[:0], objective)
     assert (empty["best_acc"], empty["best_method"], empty["best_value"], empty["best_method_by_mean"]) == (
         None, None, None, None)
+
+
+def best_by_hand(rows: list[dict], metric: str, mode: str) -> str:
+    """The best trial as best_trial's docstring states it, by a plain sort: the metric (a cell that is no number is
+    the worst), then the lower ppl (ranking by an accuracy) or the higher acc_mean (ranking by ppl), then the id."""
+    def number(cell) -> float:
+        try:
+            value = float(cell)
+        except (TypeError, ValueError):
+            return math.nan
+        return value
+
+    def key(row):
+        value = number(row[metric])
+        if metric == "ppl":
+            acc = number(row.get("acc_mean"))
+            tie = -acc if not math.isnan(acc) else math.inf
+        else:
+            ppl = number(row.get("ppl"))
+            tie = ppl if not math.isnan(ppl) else math.inf
+        return (math.isnan(value), 0.0 if math.isnan(value) else (value if mode == "min" else -value), tie,
+                row["trial_id"])
+    return min(rows, key=key)["trial_id"]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_best_trial_equals_a_plain_sort_with_ties_missing_cells_and_text(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 9))
+    acc = [float(v) for v in rng.choice([0.3, 0.4, 0.5], n)]  # few values: ties
+    ppl = [float(v) for v in rng.choice([20.0, 30.0, 45.5], n)]
+    for column in (acc, ppl):  # a missing or unreadable cell here and there
+        for i in rng.choice(n, int(rng.integers(0, 3)), replace=True):
+            column[i] = math.nan if rng.random() < 0.7 else "n/a"
+    ids = [f"t{i}" for i in rng.permutation(n)]
+    rows = [{"trial_id": t, "acc_mean": a, "ppl": p} for t, a, p in zip(ids, acc, ppl)]
+    df = pd.DataFrame(rows).astype({"acc_mean": object, "ppl": object})
+    for objective, other in ((stats.ACCURACY, "ppl"), (stats.Objective("ppl", "min"), "acc_mean")):
+        # the ranking metric and acc_mean may hold text (read as missing); ppl as a tie-break is a number or NaN
+        frame = df if other == "acc_mean" else df.assign(ppl=pd.to_numeric(df["ppl"], errors="coerce"))
+        want = best_by_hand(rows, objective.metric, objective.mode)
+        assert stats.best_trial(frame, objective)["trial_id"] == want
+        alone = best_by_hand([{k: v for k, v in r.items() if k != other} for r in rows], objective.metric,
+                             objective.mode)
+        assert stats.best_trial(frame.drop(columns=other), objective)["trial_id"] == alone
+
+
+def fanova_by_hand(df: pd.DataFrame, params: list[str], metric: str, mode: str, seed: int = 0) -> dict:
+    """Optuna's fANOVA over a study built here: one finished trial per row, the log of a perplexity."""
+    import optuna
+    from optuna.distributions import CategoricalDistribution
+    from optuna.importance import FanovaImportanceEvaluator, get_param_importances
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="minimize" if mode == "min" else "maximize")
+    for _, row in df.iterrows():
+        value = math.log(row[metric]) if metric == "ppl" else row[metric]
+        study.add_trial(optuna.trial.create_trial(
+            params={p: row[p] for p in params}, value=float(value),
+            distributions={p: CategoricalDistribution(sorted(set(df[p]), key=str)) for p in params}))
+    return get_param_importances(study, evaluator=FanovaImportanceEvaluator(seed=seed))
+
+
+@pytest.mark.parametrize("objective", [stats.ACCURACY, stats.Objective("ppl", "min")])
+def test_hyperparameter_importance_is_optunas_fanova_of_the_trials_with_seed_0(objective):
+    rng = np.random.default_rng(1)
+    df = pd.DataFrame({"trial_id": [f"t{i}" for i in range(24)],
+                       "pruning_method": rng.choice(["taylor", "layerwise", "blockwise"], 24),
+                       "taylor_seq_len": rng.choice([64, 128], 24), "taylor_num_samples": 32,
+                       "acc_mean": rng.uniform(0.3, 0.6, 24), "ppl": rng.uniform(20, 90, 24)})
+    got = stats.hyperparameter_importance(df, objective=objective)
+    want = fanova_by_hand(df.astype({"taylor_seq_len": int}), ["pruning_method", "taylor_seq_len"],
+                          objective.metric, objective.mode)
+    assert got["reason"] is None and got["constant"] == ["taylor_num_samples"]
+    assert got["of"] == ("log(ppl)" if objective.metric == "ppl" else "acc_mean")
+    assert got["importances"] == pytest.approx(dict(want), abs=1e-12)
+    other = fanova_by_hand(df, ["pruning_method", "taylor_seq_len"], objective.metric, objective.mode, seed=1)
+    assert stats.hyperparameter_importance(df, seed=1, objective=objective)["importances"] == pytest.approx(
+        dict(other), abs=1e-12)
