@@ -359,3 +359,12 @@ def test_the_uniform_plan_breaks_score_ties_by_index_as_the_global_ranking_does(
         order = ranked_groups(scores, [layer])
         assert attn == tuple(sorted([i for _, _, i, kind in order if kind == "attn"][:len(attn)]))
         assert mlp == tuple(sorted([i for _, _, i, kind in order if kind == "mlp"][:len(mlp)]))
+
+
+@pytest.mark.parametrize("method", ["taylor", "magnitude", "random"])
+def test_a_global_plan_that_meets_its_target_exactly_stops_there(method):
+    # one parameter per group and channel, a target of exactly 8 parameters: 8 groups go, not a ninth
+    lay = one_layer()
+    scores = GroupScores((np.random.default_rng(0).random(4),), (np.random.default_rng(1).random(64),))
+    plan = METHODS[method].plan(scores, lay, options(8 / 128))
+    assert plan.params_removed(lay) == 8

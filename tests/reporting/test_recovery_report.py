@@ -141,3 +141,41 @@ def test_with_the_pruned_model_evaluated_before_the_ranking_on_the_metric_and_th
     plain = pareto.pareto_front(synthetic_trials(), (ACCURACY, Objective("ppl", "min")))
     assert not any(c.startswith("before_recovery_") for c in plain)
     assert plots.pareto_data(plain, "model-a", (ACCURACY, Objective("ppl", "min"))).before_y == []
+
+
+def measured_before(configurations: int, seed: int = 0) -> pd.DataFrame:
+    """Recovered trials that were also evaluated before recovery (recovery.evaluate_before): `configurations`
+    pruning configurations x two seeds, one recovery setting."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for c in range(configurations):
+        for s in range(2):
+            rows.append({"trial_id": f"c{c}s{s}", "pruning_method": "taylor", "sparsity": 0.1 * (c + 1), "seed": s,
+                         "recovery_loss": "ce", "recovery_heldout_loss_before": 3 + rng.uniform(0, 1),
+                         "recovery_heldout_loss_after": 2.5 + rng.uniform(0, 1),
+                         "before_recovery_acc_mean": rng.uniform(0.3, 0.5), "acc_mean": rng.uniform(0.3, 0.5),
+                         "before_recovery_ppl": rng.uniform(20, 60), "ppl": rng.uniform(15, 50)})
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.parametrize("configurations", [2, 3, 12])
+@pytest.mark.parametrize("metric, mode", [("acc_mean", "max"), ("ppl", "min")])
+def test_the_ranking_on_the_sweeps_metric_before_and_after_equals_a_loop(configurations, metric, mode):
+    from taylor_tune.reporting.stats import Objective
+
+    df = measured_before(configurations, seed=configurations)
+    (got,) = recovery_comparison(df, Objective(metric, mode), seed=3)["rankings"]
+    means = df.groupby("sparsity")[[f"before_recovery_{metric}", metric]].mean()  # one row per configuration
+    pick = (lambda s: s.idxmax()) if mode == "max" else (lambda s: s.idxmin())
+    name = lambda sparsity: f"sparsity={sparsity}"
+    assert got["configurations"] == configurations and got["recovery"] == {"recovery_loss": "ce"}
+    on = got["on_metric"]
+    assert on["metric"] == metric
+    assert on["best_before"] == name(pick(means[f"before_recovery_{metric}"])) and on["best_after"] == name(
+        pick(means[metric]))
+    assert on["same_best"] == (pick(means[f"before_recovery_{metric}"]) == pick(means[metric]))
+    if configurations >= 3:  # the rank agreement, with the caller's bootstrap seed
+        want = kendall_tau(means[f"before_recovery_{metric}"].to_numpy(), means[metric].to_numpy(), seed=3)
+        assert {k: on[k] for k in ("tau", "ci95", "configurations")} == want
+    else:
+        assert "tau" not in on and got["reason"].startswith("fewer than three configurations")
