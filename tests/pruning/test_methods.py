@@ -368,3 +368,19 @@ def test_a_global_plan_that_meets_its_target_exactly_stops_there(method):
     scores = GroupScores((np.random.default_rng(0).random(4),), (np.random.default_rng(1).random(64),))
     plan = METHODS[method].plan(scores, lay, options(8 / 128))
     assert plan.params_removed(lay) == 8
+
+
+def test_the_planners_options_are_the_configs_settings():
+    # every setting a planner reads, each away from its default, reaches it (layerwise's cap as the config resolves it)
+    import dataclasses
+
+    config = PruneConfig(model="tiny-llama", sparsity=0.3, method="blockwise", layerwise_max_ratio=0.6,
+                         blockwise_layer_start=2, blockwise_layer_end=5, blockwise_attention="mlp_only",
+                         criterion="taylor_sum", seed=7, depth_criterion="angular")
+    loss = lambda plan: 0.0  # noqa: E731
+    options = PlanOptions.of(config, plan_loss=loss)
+    fields = {f.name for f in dataclasses.fields(PlanOptions)} - {"layerwise_max_ratio", "plan_loss"}
+    assert {name: getattr(options, name) for name in fields} == {name: getattr(config, name) for name in fields}
+    assert options.layerwise_max_ratio == config.layerwise_cap and options.plan_loss is loss
+    defaults = PruneConfig(model="tiny-llama")
+    assert all(getattr(config, name) != getattr(defaults, name) for name in fields)
