@@ -384,3 +384,62 @@ def test_the_planners_options_are_the_configs_settings():
     assert options.layerwise_max_ratio == config.layerwise_cap and options.plan_loss is loss
     defaults = PruneConfig(model="tiny-llama")
     assert all(getattr(config, name) != getattr(defaults, name) for name in fields)
+
+
+def layerwise_by_hand(scores: GroupScores, lay: ModelLayout, sparsity: float, cap: float):
+    """The module docstring's layerwise plan as plain loops: each layer drops its lowest groups (score, then attention
+    before MLP, then index) within its own budget, ratio x size, never a block's last group; then the lowest groups
+    of the whole model, in layers still under the cap, until the target is met. None where the target is not met.
+    The ratios are allocate_layer_ratios' (checked against water-filling above)."""
+    target = sparsity * lay.total_params
+    sizes = {0: lay.attn_group_params, 1: lay.mlp_channel_params}
+    left = {0: list(lay.attn_groups), 1: list(lay.mlp_channels)}
+    gone = {0: [set() for _ in range(lay.num_layers)], 1: [set() for _ in range(lay.num_layers)]}
+    taken = [0] * lay.num_layers
+
+    def groups(layers):
+        return sorted((float(s), layer, kind, i) for layer in layers
+                      for kind, arr in ((0, scores.attn[layer]), (1, scores.mlp[layer])) for i, s in enumerate(arr))
+
+    def take(layer, kind, i, limit):
+        if left[kind][layer] > 1 and taken[layer] + sizes[kind] <= limit and i not in gone[kind][layer]:
+            left[kind][layer] -= 1
+            gone[kind][layer].add(i)
+            taken[layer] += sizes[kind]
+
+    ratios = allocate_layer_ratios(layer_importance(scores, lay), np.array(lay.layer_params, dtype=float), target,
+                                   cap)
+    for layer in range(lay.num_layers):
+        for _, _, kind, i in groups([layer]):
+            take(layer, kind, i, ratios[layer] * lay.layer_params[layer])
+    for _, layer, kind, i in groups(range(lay.num_layers)):
+        if sum(taken) >= target:
+            break
+        take(layer, kind, i, cap * lay.layer_params[layer])
+    if sum(taken) < target:
+        return None
+    return tuple(tuple(sorted(s)) for s in gone[0]), tuple(tuple(sorted(s)) for s in gone[1])
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("sparsity, cap", [(0.1, 0.4), (0.3, 0.5), (0.4, 0.5), (0.45, 0.95)])
+def test_layerwise_equals_its_definition_as_loops(seed, sparsity, cap):
+    # one worthless layer in some draws: its ratio reaches the cap, and at 0.95 only a block's last group stops it
+    lay = layout()
+    scale = np.ones(8) if seed % 2 else np.r_[1e-6, np.ones(7)]
+    scores = random_scores(lay, seed, layer_scale=scale)
+    want = layerwise_by_hand(scores, lay, sparsity, cap)
+    if want is None:
+        with pytest.raises(PlanError):
+            plan_layerwise(scores, lay, options(sparsity, cap=cap))
+        return
+    plan = plan_layerwise(scores, lay, options(sparsity, cap=cap))
+    assert (plan.attn_removed, plan.mlp_removed) == want and plan.method == "layerwise"
+
+
+def test_layerwise_meeting_its_target_exactly_stops_there():
+    # one layer, one parameter per group: its own budget is exactly the 8 parameters of the target
+    lay = one_layer()
+    scores = GroupScores((np.random.default_rng(0).random(4),), (np.random.default_rng(1).random(64),))
+    plan = plan_layerwise(scores, lay, options(8 / 128, cap=0.5))
+    assert plan.params_removed(lay) == 8

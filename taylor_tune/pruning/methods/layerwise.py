@@ -57,14 +57,13 @@ def plan_layerwise(scores: GroupScores, layout: ModelLayout, options: PlanOption
     removed = {"attn": [set() for _ in left["attn"]], "mlp": [set() for _ in left["mlp"]]}
     layer_removed = [0] * layout.num_layers
 
-    def take(layer: int, index: int, kind: str, limit: float) -> bool:
+    def take(layer: int, index: int, kind: str, limit: float) -> None:
         size = layout.group_params(kind)
         if left[kind][layer] == 1 or layer_removed[layer] + size > limit or index in removed[kind][layer]:
-            return False
+            return
         left[kind][layer] -= 1
         removed[kind][layer].add(index)
         layer_removed[layer] += size
-        return True
 
     for layer in range(layout.num_layers):
         budget = ratios[layer] * layer_params[layer]
