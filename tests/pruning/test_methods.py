@@ -443,3 +443,14 @@ def test_layerwise_meeting_its_target_exactly_stops_there():
     scores = GroupScores((np.random.default_rng(0).random(4),), (np.random.default_rng(1).random(64),))
     plan = plan_layerwise(scores, lay, options(8 / 128, cap=0.5))
     assert plan.params_removed(lay) == 8
+
+
+def test_layerwise_allocation_at_its_edges():
+    params = np.full(2, 100.0)
+    # the cap holds exactly the target: every layer at the cap, not a refusal
+    assert allocate_layer_ratios(np.array([1.0, 3.0]), params, target=100.0, cap=0.5) == pytest.approx([0.5, 0.5])
+    # no importance anywhere (all zero): nothing tells the layers apart, so one ratio for all
+    ratios = allocate_layer_ratios(np.zeros(2), params, target=60.0, cap=0.5)
+    assert ratios.shape == (2,) and ratios == pytest.approx([0.3, 0.3])
+    with pytest.raises(PlanError, match=r"the layers hold only 100 of the 150 parameters to remove"):
+        allocate_layer_ratios(np.array([1.0, 3.0]), params, target=150.0, cap=0.5)
