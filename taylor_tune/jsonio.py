@@ -39,16 +39,20 @@ def json_safe(value):
 def open_own(path: Path, flags: int) -> int:
     """`os.open(path, flags | O_CREAT)` of a file of ours in a shared folder, never through a link: a symlink or a
     hard-linked file found at `path` (something else's file, which a write or a truncation would change) is removed
-    (the link only; what it points at is untouched), logged, and a file of our own is created in its place."""
+    (the link only; what it points at is untouched), logged, and a file of our own is created in its place.
+    `O_TRUNC` in `flags` truncates only once the file is known to be ours."""
     for _ in range(3):
         try:
-            fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            # opening with O_TRUNC would empty a hard-linked file before fstat could tell it is not ours
+            fd = os.open(path, flags & ~os.O_TRUNC | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         except OSError as error:
             if error.errno != errno.ELOOP:  # O_NOFOLLOW's answer for a symlink
                 raise
         else:
             info = os.fstat(fd)
             if info.st_nlink <= 1:
+                if flags & os.O_TRUNC:
+                    os.ftruncate(fd, 0)
                 return fd
             os.close(fd)
         log.warning("%s is a link to another file, not a file of ours: the link is removed", path)
@@ -111,7 +115,8 @@ def built_once(path: Path, fields: dict, build: Callable[[], object], read: Call
                part: str = "value") -> tuple[object, bool]:
     """(read(stored), built): the payload the entry at `path` holds for `fields` (`entry_text`), taken by `read`,
     which checks what it means and raises on anything it cannot use. An entry that is missing, another one's, not
-    what its checksum says, or refused by `read` is logged, removed and built again, once (`build()`'s value, stored
+    what its checksum says, or refused by `read` is logged (its path, the error's type and the first 200 characters
+    of its message), removed and built again, once (`build()`'s value, stored
     first): a damaged entry is never used. The first of the processes sharing the folder builds under a file lock
     (released when the file closes, also when the process dies); the others wait for it, then read."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,13 +1,15 @@
 """Group scores against an independent brute force: full autograd gradient of the mean loss, then loops."""
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
 import torch
 
 from taylor_tune.pruning.groups import describe_layout
-from taylor_tune.pruning.importance import compute_importance, magnitude_scores
+from taylor_tune.pruning.importance import check_importance, compute_importance, magnitude_scores
+from taylor_tune.pruning.plan import GroupScores
 from tests.helpers import calibration_ids, head_dim_of, tiny
 
 
@@ -132,6 +134,9 @@ def test_magnitude_scores_are_mean_absolute_or_squared_weights(p):
     parts = [attn.q_proj.weight[q], attn.q_proj.bias[q], attn.k_proj.weight[kv], attn.k_proj.bias[kv],
              attn.v_proj.weight[kv], attn.v_proj.bias[kv], attn.o_proj.weight[:, q]]
     assert scores.attn[1][g] == pytest.approx(sum(map(norm, parts)) / sum(t.numel() for t in parts), rel=1e-5)
+    if p == 2:  # the documented default is the l2 criterion
+        default = magnitude_scores(model, describe_layout(model))
+        assert all(np.array_equal(a, b) for a, b in zip(default.attn + default.mlp, scores.attn + scores.mlp))
 
 
 @pytest.mark.parametrize(
@@ -198,3 +203,39 @@ def test_prune_ranks_by_the_configured_criterion():
     # the sum favours the larger groups (attention groups), so here it removes none of them; the mean removes one
     removed = {c: sum(map(len, p.attn_removed)) for c, p in plans.items()}
     assert removed == {"taylor": 1, "taylor_sum": 0}
+
+
+@pytest.mark.parametrize("part", ["attention scores", "MLP scores", "layer_grad_mean", "layer_grad_norm"])
+@pytest.mark.parametrize("bad", [float("nan"), -1e-9, float("inf")])
+def test_check_importance_names_the_part_that_is_not_a_mean_of_absolute_values(part, bad):
+    model = tiny("tiny-llama-random")
+    layout = describe_layout(model)
+    good = compute_importance(model, layout, calibration_ids(2, 8), micro_batch_size=2)[2]
+    check_importance(good, layout)  # a real pass is accepted
+    spoil = lambda arrays, i: tuple(np.where(np.arange(len(a)) == 0, bad, a) if j == i else a
+                                    for j, a in enumerate(arrays))
+    layer = layout.num_layers - 1  # any layer, not only the first
+    changed = {
+        "attention scores": lambda: dataclasses.replace(good, scores=GroupScores(spoil(good.scores.attn, layer),
+                                                                                 good.scores.mlp)),
+        "MLP scores": lambda: dataclasses.replace(good, scores=GroupScores(good.scores.attn,
+                                                                           spoil(good.scores.mlp, layer))),
+        "layer_grad_mean": lambda: dataclasses.replace(good, grad_mean=spoil((good.grad_mean,), 0)[0]),
+        "layer_grad_norm": lambda: dataclasses.replace(good, grad_norm=spoil((good.grad_norm,), 0)[0]),
+    }[part]()
+    with pytest.raises(ValueError) as error:
+        check_importance(changed, layout)
+    others = {"attention scores", "MLP scores", "layer_grad_mean", "layer_grad_norm"} - {part}
+    assert part in str(error.value) and not any(o in str(error.value) for o in others)
+    assert "at 2 samples" in str(error.value)
+
+
+def test_check_importance_rejects_statistics_for_another_layer_count():
+    model = tiny("tiny-llama-random")
+    layout = describe_layout(model)
+    good = compute_importance(model, layout, calibration_ids(2, 8), micro_batch_size=2)[2]
+    n = layout.num_layers
+    for field, counts in (("grad_mean", f"{n - 1}/{n}"), ("grad_norm", f"{n}/{n - 1}")):
+        short = dataclasses.replace(good, **{field: getattr(good, field)[:-1]})
+        with pytest.raises(ValueError, match=f"for {counts} layers, the model has {n}"):
+            check_importance(short, layout)

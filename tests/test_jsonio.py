@@ -1,0 +1,209 @@
+"""jsonio on its own, fast: numbers as JSON against a decoder written here, digests against reordered and re-typed
+copies, and the trust boundary of a shared folder (links planted at a name, or under a temporary name between its
+removal and its creation) against the files they point at. The slow tier runs the same boundary through whole trials
+(tests/test_cache_integrity.py)."""
+
+import json
+import logging
+import math
+import os
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from taylor_tune import jsonio
+from taylor_tune.jsonio import built_once, digest, entry_text, json_safe, open_own, read_entry, write_json, write_text
+
+leaves = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.text(max_size=5),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.floats(allow_nan=True, allow_infinity=True).map(np.float64),
+    st.floats(width=32, allow_nan=True, allow_infinity=True).map(np.float32),
+    st.integers(-1000, 1000).map(np.int64),
+)
+values = st.recursive(leaves, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.lists(inner, max_size=4).map(tuple),
+    st.dictionaries(st.one_of(st.text(max_size=3), st.integers(0, 9)), inner, max_size=4),
+), max_leaves=12)
+
+
+def expected(value):
+    """What a file must give back for `value`, written without json_safe: NaN as None, ±inf as the strings."""
+    if isinstance(value, dict):
+        return {str(k): expected(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [expected(v) for v in value]
+    if isinstance(value, np.floating | float) and not isinstance(value, bool):
+        x = float(value)
+        return None if x != x else ("inf" if x == math.inf else "-inf" if x == -math.inf else x)
+    if isinstance(value, np.integer):
+        return int(value)
+    return value
+
+
+@settings(max_examples=60, deadline=None)
+@given(values)
+def test_json_safe_writes_what_a_strict_encoder_accepts_and_reads_back_as_the_value(value):
+    text = json.dumps(json_safe(value), allow_nan=False)  # raises on any NaN or inf left over
+    assert json.loads(text) == expected(value)
+
+
+def test_write_json_refuses_nothing_json_safe_handles_and_writes_one_value_per_line(tmp_path):
+    data = {"a": [1.5, float("inf")], "b": {"c": np.float32(-np.inf), "d": float("nan")}, "e": np.arange(2)}
+    text = write_json(tmp_path / "x.json", data).read_text()
+    assert json.loads(text) == {"a": [1.5, "inf"], "b": {"c": "-inf", "d": None}, "e": [0, 1]}
+    # committed results diff line by line: one value or bracket per line, nesting shown by a constant indent
+    lines = text.splitlines()
+    assert len(lines) == 14 and text.endswith("}\n")
+    unit, depth = len(lines[1]) - len(lines[1].lstrip()), 0
+    assert unit > 0
+    for line in lines:
+        depth -= line.strip().rstrip(",") in ("}", "]")
+        assert line == " " * (unit * depth) + line.lstrip()
+        depth += line.rstrip().endswith(("{", "["))
+    assert depth == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.dictionaries(st.text(max_size=4), st.integers() | st.text(max_size=4), min_size=2, max_size=6))
+def test_a_digest_does_not_depend_on_the_order_of_keys(fields):
+    reordered = dict(reversed(list(fields.items())))
+    assert list(reordered) != list(fields)
+    assert digest(reordered) == digest(fields) == digest(dict(sorted(fields.items())))
+
+
+def test_a_digest_takes_what_json_cannot_hold_as_its_text_and_tells_values_apart():
+    assert digest({"path": Path("/a/b"), "dtype": np.dtype("float32")}) == digest({"path": "/a/b", "dtype": "float32"})
+    assert len({digest({"n": 1}), digest({"n": 2}), digest({"m": 1}), digest({"n": "1"})}) == 4
+
+
+def test_an_entry_reads_back_only_for_its_fields_and_part_and_payload():
+    fields = {"model": "m", "n": 3}
+    text = entry_text(fields, "rows", [[1, 2], {"k": "a\nb"}])
+    assert read_entry(text, fields, "rows") == [[1, 2], {"k": "a\nb"}]
+    for other_fields, other_part in (({"model": "m", "n": 4}, "rows"), (fields, "value")):
+        with pytest.raises(ValueError, match="another one's"):
+            read_entry(text, other_fields, other_part)
+    header, payload = text.split("\n")
+    with pytest.raises(ValueError, match="checksum"):
+        read_entry(f"{header}\n{payload.replace('2', '3')}", fields, "rows")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_an_entry_refuses_a_payload_json_cannot_hold_and_stores_nothing(tmp_path, bad):
+    with pytest.raises(ValueError):
+        entry_text({}, "value", [1.0, bad])
+    path = tmp_path / "k.json"
+    with pytest.raises(ValueError):
+        built_once(path, {"a": 1}, lambda: {"x": bad}, dict)
+    assert not path.exists()
+
+
+def test_an_entry_written_in_the_documented_form_is_read_not_built_again(tmp_path):
+    path = tmp_path / "k.json"
+    path.write_text(entry_text({"a": [1, 2]}, "value", {"x": 1}))  # `part` left at its default: "value"
+    value, built = built_once(path, {"a": (1, 2)}, lambda: pytest.fail("built again"), dict)
+    assert (value, built) == ({"x": 1}, False)
+
+
+def test_a_refused_entry_is_logged_with_its_path_and_the_readers_error_then_built_once(tmp_path, caplog):
+    path = tmp_path / "k.json"
+    path.write_text(entry_text({"a": 1}, "value", [1, 2]))
+    reasons = iter([KeyError("x" * 500)])
+
+    def read(value):
+        error = next(reasons, None)
+        if error is not None:
+            raise error
+        return value
+
+    builds = []
+    with caplog.at_level(logging.WARNING, logger=jsonio.__name__):
+        value, built = built_once(path, {"a": 1}, lambda: builds.append(1) or [3], read)
+    assert (value, built, builds) == ([3], True, [1])
+    assert read_entry(path.read_text(), {"a": 1}, "value") == [3]
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert str(path) in message and "KeyError" in message
+    assert str(KeyError("x" * 500))[:200] in message and str(KeyError("x" * 500))[:201] not in message
+
+
+@pytest.fixture
+def no_umask():
+    old = os.umask(0)
+    yield
+    os.umask(old)
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_files_of_a_shared_folder_are_not_executable_or_writable_by_others(tmp_path, no_umask):
+    os.close(open_own(tmp_path / "a.lock", os.O_WRONLY))
+    write_text(tmp_path / "b.json", "{}")
+    for name in ("a.lock", "b.json"):
+        assert mode(tmp_path / name) & 0o600 == 0o600 and mode(tmp_path / name) & 0o133 == 0, oct(mode(tmp_path / name))
+
+
+@pytest.mark.parametrize("flags", [os.O_WRONLY | os.O_APPEND, os.O_WRONLY | os.O_TRUNC], ids=["append", "truncate"])
+@pytest.mark.parametrize("link", ["symlink", "hard link"])
+def test_open_own_replaces_a_link_found_at_its_name_and_leaves_its_target_alone(tmp_path, link, flags, caplog):
+    outside, path = tmp_path / "OUTSIDE", tmp_path / "k.lock"
+    outside.write_text("precious\n")
+    path.symlink_to(outside) if link == "symlink" else os.link(outside, path)
+    with caplog.at_level(logging.WARNING, logger=jsonio.__name__):
+        with os.fdopen(open_own(path, flags), "w") as handle:
+            handle.write("ours")
+    assert outside.read_text() == "precious\n" and path.read_text() == "ours"
+    assert not path.is_symlink() and path.stat().st_nlink == 1 and "is a link" in caplog.text
+
+
+def test_open_own_truncates_a_file_of_its_own_when_asked(tmp_path):
+    path = tmp_path / "k.lock"
+    path.write_text("an old, longer content")
+    with os.fdopen(open_own(path, os.O_WRONLY | os.O_TRUNC), "w") as handle:
+        handle.write("new")
+    assert path.read_text() == "new"
+    with os.fdopen(open_own(path, os.O_WRONLY | os.O_APPEND), "a") as handle:
+        handle.write("+")
+    assert path.read_text() == "new+"
+
+
+def test_open_own_refuses_a_link_planted_again_after_every_removal(tmp_path, monkeypatch):
+    outside, path = tmp_path / "OUTSIDE", tmp_path / "k.lock"
+    outside.write_text("precious\n")
+    path.symlink_to(outside)
+    unlink = Path.unlink
+
+    def replant(self, missing_ok=False):
+        unlink(self, missing_ok=missing_ok)
+        if self == path:
+            self.symlink_to(outside)
+
+    monkeypatch.setattr(Path, "unlink", replant)
+    with pytest.raises(OSError, match="again and again"):
+        open_own(path, os.O_WRONLY | os.O_TRUNC)
+    assert outside.read_text() == "precious\n"
+
+
+def test_write_text_refuses_a_link_planted_under_its_temporary_name_after_removing_the_old_one(tmp_path, monkeypatch):
+    """The race `write_text` closes: something plants a link at the temporary name between its unlink and its open."""
+    outside, path = tmp_path / "OUTSIDE", tmp_path / "x.json"
+    outside.write_text("precious\n")
+    unlink = Path.unlink
+
+    def plant_after(self, missing_ok=False):
+        unlink(self, missing_ok=missing_ok)
+        if self.name.endswith(".tmp") and not getattr(plant_after, "done", False):
+            plant_after.done = True
+            self.symlink_to(outside)
+
+    monkeypatch.setattr(Path, "unlink", plant_after)
+    with pytest.raises(OSError):
+        write_text(path, "new")
+    assert outside.read_text() == "precious\n" and not path.exists()
