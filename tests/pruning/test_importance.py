@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from taylor_tune.pruning.groups import describe_layout
+from taylor_tune.pruning.groups import describe_layout, prunable_parameters, reduce_to_groups
 from taylor_tune.pruning.importance import check_importance, compute_importance, magnitude_scores
 from taylor_tune.pruning.plan import GroupScores
 from tests.helpers import calibration_ids, head_dim_of, tiny
@@ -239,3 +239,66 @@ def test_check_importance_rejects_statistics_for_another_layer_count():
         short = dataclasses.replace(good, **{field: getattr(good, field)[:-1]})
         with pytest.raises(ValueError, match=f"for {counts} layers, the model has {n}"):
             check_importance(short, layout)
+
+
+def test_a_zero_score_is_accepted_only_a_negative_or_non_finite_one_refused():
+    model = tiny("tiny-llama-random")
+    layout = describe_layout(model)
+    good = compute_importance(model, layout, calibration_ids(2, 8), micro_batch_size=2)[2]
+    zero = GroupScores(tuple(np.zeros_like(a) for a in good.scores.attn), good.scores.mlp)
+    check_importance(dataclasses.replace(good, scores=zero, grad_mean=good.grad_mean * 0), layout)
+
+
+def test_snapshots_must_lie_between_one_sample_and_all_of_them():
+    model = tiny("tiny-llama-random")
+    layout = describe_layout(model)
+    ids = calibration_ids(3, 8)
+    one = compute_importance(model, layout, ids, snapshots=[1, 3])[1]  # one sample is a draw too
+    attn, mlp, _, _ = brute_force(model, ids[:1])
+    assert_scores_close(one.scores, attn, mlp)
+    for snapshots in ([0, 2], [-1], [4], [2, 4]):
+        with pytest.raises(ValueError, match=r"must lie in \[1, 3\]"):
+            compute_importance(model, layout, ids, snapshots=snapshots)
+
+
+def test_a_bf16_models_gradients_accumulate_in_fp32():
+    """Over 16 micro-batches of one sample, bf16 running sums would drift (~1e-4 of the largest score here); fp32
+    sums equal the float64 sum of the same per-sample bf16 gradients."""
+    model = tiny("tiny-llama-random").to(torch.bfloat16)
+    layout = describe_layout(model)
+    ids = calibration_ids(16, 16)
+    ours = compute_importance(model, layout, ids, micro_batch_size=1)[16].scores
+    reference = copy.deepcopy(model)
+    sums = {name: 0 for name, _ in reference.named_parameters()}
+    for i in range(16):
+        reference.zero_grad(set_to_none=True)
+        reference(input_ids=ids[i : i + 1], labels=ids[i : i + 1]).loss.backward()
+        for name, p in reference.named_parameters():
+            sums[name] = sums[name] + p.grad.double()
+    names = {id(p): name for name, p in reference.named_parameters()}
+    with torch.no_grad():
+        attn, mlp = reduce_to_groups(reference, lambda _, p: (p.double() * sums[names[id(p)]]).abs() / 16)
+    for kind, got, want, size in (("attn", ours.attn, attn, layout.attn_group_params),
+                                  ("mlp", ours.mlp, mlp, layout.mlp_channel_params)):
+        for g, w in zip(got, want):
+            w = w.double().numpy() / size
+            assert np.abs(g - w).max() <= 1e-5 * np.abs(w).max(), kind
+
+
+def test_no_gradient_reaches_embeddings_norms_or_the_head():
+    model = tiny("tiny-qwen2-random")
+    grouped = {id(p) for params in prunable_parameters(model) for _, p in params}
+    reached = []
+    for name, p in model.named_parameters():
+        if id(p) not in grouped:
+            p.register_post_accumulate_grad_hook(lambda _, name=name: reached.append(name))
+    compute_importance(model, describe_layout(model), calibration_ids(2, 8), micro_batch_size=1)
+    assert reached == [] and len(grouped) < len(list(model.parameters()))
+
+
+def test_the_progress_bar_counts_the_calibration_tokens(monkeypatch, capsys):
+    monkeypatch.setenv("TAYLOR_TUNE_PROGRESS", "1")
+    model = tiny("tiny-llama-random")
+    compute_importance(model, describe_layout(model), calibration_ids(3, 8), micro_batch_size=2)
+    shown = capsys.readouterr().err
+    assert "importance: 100%" in shown and "24.0/24.0" in shown and "tok/s" in shown
