@@ -297,8 +297,24 @@ def test_no_gradient_reaches_embeddings_norms_or_the_head():
 
 
 def test_the_progress_bar_counts_the_calibration_tokens(monkeypatch, capsys):
+    import functools
+
+    import taylor_tune.progress
+
     monkeypatch.setenv("TAYLOR_TUNE_PROGRESS", "1")
+    # every update drawn: tqdm skips those within 0.1 s of the last, so the final count would show only on slow runs
+    monkeypatch.setattr(taylor_tune.progress, "tqdm",
+                        functools.partial(taylor_tune.progress.tqdm, mininterval=0, miniters=1))
     model = tiny("tiny-llama-random")
     compute_importance(model, describe_layout(model), calibration_ids(3, 8), micro_batch_size=2)
     shown = capsys.readouterr().err
     assert "importance: 100%" in shown and "24.0/24.0" in shown and "tok/s" in shown
+
+
+def test_the_gradient_pass_builds_no_kv_cache():
+    """A KV cache is memory the backward pass never reads (on an 8B model, every layer's keys and values)."""
+    model = tiny("tiny-llama-random")
+    caches = []
+    model.register_forward_hook(lambda module, args, output: caches.append(output.past_key_values))
+    compute_importance(model, describe_layout(model), calibration_ids(3, 8), micro_batch_size=2)
+    assert caches == [None, None]

@@ -156,6 +156,35 @@ def test_validate_rejects_a_plan_that_empties_a_block():
         plan.validate(lay)
 
 
+NONE = ((), (), ())
+
+
+@pytest.mark.parametrize("attn, mlp, gone, match", [
+    (((), ()), NONE, (), "covers 2 layers"),  # each rule broken alone
+    (NONE, ((), ()), (), "covers 3 layers"),
+    (NONE, NONE, (1, 1), "must be unique"),
+    (NONE, NONE, (3,), "must be unique, in"),
+    (NONE, NONE, (-1,), "must be unique, in"),
+    (NONE, NONE, (0, 1, 2), "leave one"),
+    (((), (1,), ()), NONE, (1,), "no groups removed besides"),
+    (NONE, ((), (), (5,)), (2,), "no groups removed besides"),
+    (((2, 2), (), ()), NONE, (), "layer 0: attention indices must be unique"),
+    (((), (G,), ()), NONE, (), "layer 1: attention indices must be unique and in"),
+    (NONE, ((), (), (-1,)), (), "layer 2: MLP indices must be unique and in"),
+    (NONE, ((), tuple(range(C)), ()), (), "empty the MLP block"),
+])
+def test_validate_refuses_a_plan_that_breaks_any_one_rule(attn, mlp, gone, match):
+    with pytest.raises(PlanError, match=match):
+        PrunePlan("x", attn, mlp, gone).validate(layout(layers=3))
+
+
+@pytest.mark.parametrize("attn, mlp, gone", [
+    (NONE, NONE, ()), (NONE, NONE, (0, 2)), (((), (0, G - 1), ()), ((), tuple(range(C - 1)), ()), (0, 2)),
+])
+def test_validate_accepts_a_plan_that_keeps_every_rule(attn, mlp, gone):
+    PrunePlan("x", attn, mlp, gone).validate(layout(layers=3))
+
+
 def small_layout(g: int, layers: int = 6, c: int = 16, a: int = 40, m: int = 10) -> ModelLayout:
     """Coarse GQA as in the real models (SmolLM2: 3 KV groups, Qwen2.5-0.5B: 2): one attention group weighs as
     much as a/m MLP channels."""
