@@ -109,8 +109,9 @@ def test_layerwise_never_exceeds_its_cap_and_prunes_weak_layers_more(cap):
     assert ratios[0] >= ratios[-1]
 
 
-def test_layerwise_allocation_is_water_filling_under_the_cap():
-    importance = np.array([1.0, 2.0, 4.0, 8.0])
+@pytest.mark.parametrize("scale", [1e-9, 0.3, 1.0, 1e4])  # real layer importances are gradient-sized: far below 1
+def test_layerwise_allocation_is_water_filling_under_the_cap(scale):
+    importance = np.array([1.0, 2.0, 4.0, 8.0]) * scale
     params = np.full(4, 100.0)
     ratios = allocate_layer_ratios(importance, params, target=80.0, cap=0.3)
     assert (ratios * params).sum() == pytest.approx(80.0)
@@ -472,6 +473,16 @@ def test_layerwise_meeting_its_target_exactly_stops_there():
     scores = GroupScores((np.random.default_rng(0).random(4),), (np.random.default_rng(1).random(64),))
     plan = plan_layerwise(scores, lay, options(8 / 128, cap=0.5))
     assert plan.params_removed(lay) == 8
+
+
+def test_a_layer_of_zero_importance_takes_the_cap_without_a_numpy_warning():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # 1 / 0 is meant (inf, then the cap): no RuntimeWarning for a user to read
+        ratios = allocate_layer_ratios(np.array([0.0, 1e-3, 2e-3]), np.full(3, 100.0), target=90.0, cap=0.5)
+    # the other 40 parameters split inversely to importance: r1 * 1e-3 = r2 * 2e-3 and 100 (r1 + r2) = 40
+    assert ratios[0] == 0.5 and ratios[1:] == pytest.approx([0.4 * 2 / 3, 0.4 / 3])
 
 
 def test_layerwise_allocation_at_its_edges():
