@@ -3,6 +3,7 @@ read from a file laid out as mutmut writes it, and an equivalent recognized by i
 
 import collections
 import textwrap
+from pathlib import Path
 
 from scripts.mutation import change_of, equivalents, function_of, module_of, score, table, verdicts
 
@@ -79,3 +80,22 @@ def test_a_mutants_change_is_read_from_the_mutated_file_whatever_its_number(tmp_
     assert change_of("pkg.mod.x_f__mutmut_7", tmp_path) == "- return a * 2\n+ return a / 2"
     assert change_of("pkg.mod.xǁCǁg__mutmut_2", tmp_path) == "- def xǁCǁg(self, k=0):\n+ def xǁCǁg(self, k=1):"
     assert function_of("pkg.mod.xǁCǁg__mutmut_2") == "pkg.mod.xǁCǁg"
+
+
+def test_a_changed_sources_mutated_copy_is_dropped_and_an_unchanged_ones_kept(tmp_path):
+    import os
+
+    from scripts.mutation import drop_stale_copies
+
+    root, mutants = tmp_path, tmp_path / "mutants"
+    for name, changed in (("pkg/a.py", True), ("pkg/b.py", False)):
+        source, copy = root / name, mutants / name
+        source.parent.mkdir(parents=True, exist_ok=True)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        for path in (source, copy, copy.with_name(copy.name + ".meta"), copy.with_name(copy.name + ".spans")):
+            path.write_text("x")
+        os.utime(source, (1000, 2000 if changed else 500))
+        os.utime(copy, (1000, 1000))
+    (mutants / "pkg" / "c.py").write_text("copied, never mutated: no .meta")
+    assert drop_stale_copies(root, mutants) == [Path("pkg/a.py")]
+    assert sorted(p.name for p in (mutants / "pkg").iterdir()) == ["b.py", "b.py.meta", "b.py.spans", "c.py"]

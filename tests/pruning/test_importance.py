@@ -305,10 +305,13 @@ def test_the_progress_bar_counts_the_calibration_tokens(monkeypatch, capsys):
     # every update drawn: tqdm skips those within 0.1 s of the last, so the final count would show only on slow runs
     monkeypatch.setattr(taylor_tune.progress, "tqdm",
                         functools.partial(taylor_tune.progress.tqdm, mininterval=0, miniters=1))
-    model = tiny("tiny-llama-random")
-    compute_importance(model, describe_layout(model), calibration_ids(3, 8), micro_batch_size=2)
-    shown = capsys.readouterr().err
-    assert "importance: 100%" in shown and "24.0/24.0" in shown and "tok/s" in shown
+    model, ids = tiny("tiny-llama-random"), calibration_ids(3, 8)
+    capsys.readouterr()  # the calibration draw's own bar
+    compute_importance(model, describe_layout(model), ids, micro_batch_size=2)
+    lines = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if line.strip()]
+    assert lines and all(line.startswith("importance: ") for line in lines)
+    final = lines[-1]  # 3 sequences of 8 tokens, micro-batches of 2 then 1: 16 then 24 tokens
+    assert "| 24.0/24.0 [" in final and final.endswith("tok/s]") and lines[-2].split("|")[2].startswith(" 16.0/24.0")
 
 
 def test_the_gradient_pass_builds_no_kv_cache():
