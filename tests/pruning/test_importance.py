@@ -205,12 +205,18 @@ def test_prune_ranks_by_the_configured_criterion():
     assert removed == {"taylor": 1, "taylor_sum": 0}
 
 
-@pytest.mark.parametrize("part", ["attention scores", "MLP scores", "layer_grad_mean", "layer_grad_norm"])
-@pytest.mark.parametrize("bad", [float("nan"), -1e-9, float("inf")])
-def test_check_importance_names_the_part_that_is_not_a_mean_of_absolute_values(part, bad):
+@pytest.fixture(scope="module")
+def real_pass():
+    """(layout, importance) of a real two-sample pass: one for every test that spoils a copy of it."""
     model = tiny("tiny-llama-random")
     layout = describe_layout(model)
-    good = compute_importance(model, layout, calibration_ids(2, 8), micro_batch_size=2)[2]
+    return layout, compute_importance(model, layout, calibration_ids(2, 8), micro_batch_size=2)[2]
+
+
+@pytest.mark.parametrize("part", ["attention scores", "MLP scores", "layer_grad_mean", "layer_grad_norm"])
+@pytest.mark.parametrize("bad", [float("nan"), -1e-9, float("inf")])
+def test_check_importance_names_the_part_that_is_not_a_mean_of_absolute_values(part, bad, real_pass):
+    layout, good = real_pass
     check_importance(good, layout)  # a real pass is accepted
     spoil = lambda arrays, i: tuple(np.where(np.arange(len(a)) == 0, bad, a) if j == i else a
                                     for j, a in enumerate(arrays))
@@ -230,10 +236,8 @@ def test_check_importance_names_the_part_that_is_not_a_mean_of_absolute_values(p
     assert "at 2 samples" in str(error.value)
 
 
-def test_check_importance_rejects_statistics_for_another_layer_count():
-    model = tiny("tiny-llama-random")
-    layout = describe_layout(model)
-    good = compute_importance(model, layout, calibration_ids(2, 8), micro_batch_size=2)[2]
+def test_check_importance_rejects_statistics_for_another_layer_count(real_pass):
+    layout, good = real_pass
     n = layout.num_layers
     for field, counts in (("grad_mean", f"{n - 1}/{n}"), ("grad_norm", f"{n}/{n - 1}")):
         short = dataclasses.replace(good, **{field: getattr(good, field)[:-1]})
@@ -241,10 +245,8 @@ def test_check_importance_rejects_statistics_for_another_layer_count():
             check_importance(short, layout)
 
 
-def test_a_zero_score_is_accepted_only_a_negative_or_non_finite_one_refused():
-    model = tiny("tiny-llama-random")
-    layout = describe_layout(model)
-    good = compute_importance(model, layout, calibration_ids(2, 8), micro_batch_size=2)[2]
+def test_a_zero_score_is_accepted_only_a_negative_or_non_finite_one_refused(real_pass):
+    layout, good = real_pass
     zero = GroupScores(tuple(np.zeros_like(a) for a in good.scores.attn), good.scores.mlp)
     check_importance(dataclasses.replace(good, scores=zero, grad_mean=good.grad_mean * 0), layout)
 
