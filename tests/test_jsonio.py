@@ -12,14 +12,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from taylor_tune import jsonio
 from taylor_tune.jsonio import built_once, digest, entry_text, json_safe, open_own, read_entry, write_json, write_text
 
+specials = st.sampled_from([math.inf, -math.inf, math.nan])  # drawn often: plain floats rarely give them
 leaves = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.text(max_size=5),
+    st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.text(max_size=5), specials,
+    specials.map(np.float64), specials.map(np.float32),
     st.floats(allow_nan=True, allow_infinity=True),
     st.floats(allow_nan=True, allow_infinity=True).map(np.float64),
     st.floats(width=32, allow_nan=True, allow_infinity=True).map(np.float32),
@@ -47,6 +49,7 @@ def expected(value):
 
 @settings(max_examples=60, deadline=None)
 @given(values)
+@example({"a": [math.inf, -math.inf, np.float32(math.inf)], 1: (math.nan, np.float64(-math.inf))})
 def test_json_safe_writes_what_a_strict_encoder_accepts_and_reads_back_as_the_value(value):
     text = json.dumps(json_safe(value), allow_nan=False)  # raises on any NaN or inf left over
     assert json.loads(text) == expected(value)
