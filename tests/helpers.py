@@ -60,3 +60,14 @@ def write_lm_eval_task(task: str, data_file: Path, folder: Path, name: str | Non
     text = yaml.safe_dump({"include": str(_lm_eval_tasks_dir() / TASK_YAML[task]), "task": name, "tag": [], **override})
     (folder / f"{name}.yaml").write_text(text)
     return name
+
+
+def llama(**extra):
+    """A three-layer Llama built from its config (GQA, head_dim 8), with `extra` config fields such as
+    attention_bias, mlp_bias or tie_word_embeddings: the layouts no shipped tiny model has."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, **extra)
+    return LlamaForCausalLM(config).eval()

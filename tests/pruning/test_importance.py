@@ -10,7 +10,7 @@ import torch
 from taylor_tune.pruning.groups import describe_layout, prunable_parameters, reduce_to_groups
 from taylor_tune.pruning.importance import check_importance, compute_importance, magnitude_scores
 from taylor_tune.pruning.plan import GroupScores
-from tests.helpers import calibration_ids, head_dim_of, tiny
+from tests.helpers import calibration_ids, head_dim_of, llama, tiny
 
 
 def brute_force(model, ids, normalize: bool = True):
@@ -59,15 +59,16 @@ def _group_by_loops(model, normalize=True):
             sal(mlp.up_proj),
             sal(mlp.down_proj),
         )  # once per layer: a real MLP has thousands of channels
+        biases = [sal_b(p) for p in (mlp.gate_proj, mlp.up_proj) if p.bias is not None]  # Llama's mlp_bias
         for c in range(mlp.gate_proj.out_features):
-            total = gate[c].sum() + up[c].sum() + down[:, c].sum()
-            channels.append(float(total) / (3 * mlp.gate_proj.in_features if normalize else 1))
+            total = gate[c].sum() + up[c].sum() + down[:, c].sum() + sum(b[c] for b in biases)
+            channels.append(float(total) / (3 * mlp.gate_proj.in_features + len(biases) if normalize else 1))
         mlp_scores.append(np.array(channels))
         grads = [
             p.grad.flatten()
             for m in (at.q_proj, at.k_proj, at.v_proj, at.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
             for p in (m.weight, m.bias)
-            if p is not None and not (m is at.o_proj and p is m.bias)
+            if p is not None and not (m in (at.o_proj, mlp.down_proj) and p is m.bias)  # output biases: no group's
         ]
         flat = torch.cat(grads).double()  # fp64: an fp32 norm over millions of entries (a real layer) is off by ~1e-3
         grad_mean.append(float(flat.abs().mean()))
@@ -323,3 +324,16 @@ def test_the_gradient_pass_builds_no_kv_cache():
     model.register_forward_hook(lambda module, args, output: caches.append(output.past_key_values))
     compute_importance(model, describe_layout(model), calibration_ids(3, 8), micro_batch_size=2)
     assert caches == [None, None]
+
+
+def test_scores_with_every_bias_equal_brute_force():
+    """Llama with attention_bias and mlp_bias (no shipped model has MLP biases): q/k/v and gate/up biases belong to
+    their groups; o_proj's and down_proj's to none."""
+    model = llama(attention_bias=True, mlp_bias=True)
+    layout = describe_layout(model)
+    ids = calibration_ids(4, 16)
+    ours = compute_importance(model, layout, ids % model.config.vocab_size, micro_batch_size=3)[4]
+    attn, mlp, gmean, gnorm = brute_force(model, ids % model.config.vocab_size)
+    assert_scores_close(ours.scores, attn, mlp)
+    np.testing.assert_allclose(ours.grad_mean, gmean, rtol=1e-5)
+    np.testing.assert_allclose(ours.grad_norm, gnorm, rtol=1e-5)
