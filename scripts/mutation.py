@@ -95,7 +95,7 @@ def drop_stale_copies(root: Path = ROOT, mutants: Path = MUTANTS) -> list[Path]:
     mutmut 3.8.1 copies a source file into mutants/ only when no copy is there, then measures coverage
     (`mutate_only_covered_lines`) by running the tests on mutants/: for a changed file that is the old mutated copy,
     whose lines are not the new file's, so most of the new file's lines read as uncovered and get no mutants (uniform.py
-    got 40 of its 122). Without the copy, mutmut copies the new file, measures it, and mutates it whole."""
+    got 40 of its 125). Without the copy, mutmut copies the new file, measures it, and mutates it whole."""
     dropped = []
     for meta in sorted(mutants.rglob("*.py.meta")):
         copy = meta.with_suffix("")
