@@ -219,3 +219,174 @@ def test_a_refused_entry_says_which_check_it_failed():
             read_entry(other, fields, "rows")
     with pytest.raises(ValueError, match=r"^its payload does not match its checksum \(cut short or changed\)$"):
         read_entry(written.replace('" b"', '" c"'), fields, "rows")
+
+
+@pytest.fixture(scope="module")
+def piqa():
+    """The world's PIQA task (multiple choice, two choices per document), built by lm-eval itself."""
+    from lm_eval.tasks import get_task_dict
+
+    source, manager = zero_shot_module.task_source("piqa", "world")
+    (task,) = get_task_dict([source], manager).values()
+    return task
+
+
+def lm_eval_build(task, limit):
+    """What a plain pass builds: lm-eval's own `build_all_requests`, not patched here."""
+    def build():
+        task.build_all_requests(limit=limit)
+        return task.instances
+    return build
+
+
+def what_lm_eval_hands_the_scorer(lm, instances) -> dict:
+    """The reference: HFLM's own `loglikelihood` over the instances, the scorer's input recorded."""
+    lm.seen = []
+    lm.loglikelihood(instances, disable_tqdm=True)
+    return {strings: (list(context), list(continuation)) for strings, context, continuation in lm.seen}
+
+
+def described(instances) -> list:
+    return [(i.request_type, i.doc, i.arguments, i.idx, i.metadata) for i in instances]
+
+
+def test_a_pass_hands_the_scorer_lm_evals_own_tokens_built_or_read_back(piqa, tmp_path):
+    """Without a cache the pass returns lm-eval's instances and gives the scorer, for each (context, continuation),
+    the tokens HFLM's own loglikelihood computes; with a cache the first pass builds and stores them and the second
+    builds nothing (lm-eval is not called) and hands the scorer the same instances and tokens. Another limit builds
+    its own; the tokens are dropped when the pass's scoring ends."""
+    lm = recording_lm(load_tokenizer("tiny-llama"))
+    reference_instances = lm_eval_build(piqa, 4)()
+    reference = what_lm_eval_hands_the_scorer(lm, reference_instances)
+    assert len(reference) == len(reference_instances) == 8  # 4 documents × 2 choices
+
+    plain = PassRequests(lm)
+    with plain.scoring():
+        instances = plain(piqa, 4, lm_eval_build(piqa, 4))
+        assert {k: (list(c), list(t)) for k, (c, t) in lm.encoded.items()} == reference
+    assert described(instances) == described(reference_instances) and plain.built == 1
+    assert lm.encoded is None and plain.seconds > 0
+
+    cache, passes = RequestCache(tmp_path), []
+    for build in (lm_eval_build(piqa, 4), lambda: pytest.fail("lm-eval built the requests again")):
+        requests = PassRequests(lm, cache)
+        with requests.scoring():
+            instances = requests(piqa, 4, build)
+            passes.append((requests.built, described(instances), dict(lm.encoded), requests.seconds))
+    assert [built for built, *_ in passes] == [1, 0]
+    for _, instances, encoded, seconds in passes:
+        assert instances == described(reference_instances) and seconds > 0
+        assert {k: (list(c), list(t)) for k, (c, t) in encoded.items()} == reference
+    assert len(list(tmp_path.glob("*.json"))) == 1
+
+    other = PassRequests(lm, cache)
+    with other.scoring():
+        assert len(other(piqa, 3, lm_eval_build(piqa, 3))) == 6 and other.built == 1
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_the_key_holds_each_field_a_passs_requests_depend_on(piqa):
+    """The key's fields: the task's name, its documents within the limit, its definition, lm-eval's version, the
+    tokenizer's digest, the limit and the scorer. Each differs when what it names differs, and nothing else does."""
+    from importlib.metadata import version
+
+    from taylor_tune.compat.lm_eval import task_definition, task_documents
+    from taylor_tune.jsonio import digest
+
+    lm = recording_lm(load_tokenizer("tiny-llama"))
+    requests = PassRequests(lm)
+    fields = requests.fields(piqa, 4)
+    assert fields == {"task": "piqa_offline", "docs": digest(list(task_documents(piqa, 4))),
+                      "definition": digest(task_definition(piqa)), "lm_eval": version("lm_eval"),
+                      "tokenizer": tokenizer_digest(lm), "limit": 4, "scorer": "prefix"}
+    assert requests.fields(piqa, 4, dict(task_documents(piqa, 4))) == fields
+    assert requests.fields(piqa, 3)["docs"] != fields["docs"]
+    assert PassRequests(recording_lm(load_tokenizer("tiny-llama-random"))).fields(piqa, 4)["tokenizer"] \
+        != fields["tokenizer"]
+    lm.scorer = "hflm"
+    assert PassRequests(lm).fields(piqa, 4) == {**fields, "scorer": "hflm"}
+
+
+def test_stored_tokens_that_the_tokenizer_does_not_give_are_refused_and_built_again(piqa, tmp_path, monkeypatch,
+                                                                                     caplog):
+    """Every request tokenized again (RETOKENIZED above the count): a stored row whose tokens are not the
+    tokenizer's, with a valid checksum, is refused naming its document and request, and the pass builds again."""
+    from taylor_tune.compat.lm_eval import task_documents
+    from taylor_tune.evaluation import requests as requests_module
+    from taylor_tune.jsonio import entry_text
+
+    monkeypatch.setattr(requests_module, "RETOKENIZED", 100)
+    lm = recording_lm(load_tokenizer("tiny-llama"))
+    cache = RequestCache(tmp_path)
+    first = PassRequests(lm, cache)
+    with first.scoring():
+        first(piqa, 4, lm_eval_build(piqa, 4))
+    (entry,) = tmp_path.glob("*.json")
+    fields = first.fields(piqa, 4)
+    rows = read_entry(entry.read_text(), fields, "rows")
+    docs = dict(task_documents(piqa, 4))
+    for k, part in ((5, 6), (2, 7)):  # a context's, then a continuation's tokens
+        bad = json.loads(json.dumps(rows))
+        bad[k][part] = bad[k][part] + [bad[k][part][-1]]
+        doc_id, idx = bad[k][0], bad[k][1]
+        message = rf"^piqa_offline: document {doc_id}'s request {idx} holds other tokens than the tokenizer gives$"
+        with first.scoring(), pytest.raises(ValueError, match=message):
+            first._rows_to_instances(piqa, docs, bad)
+        entry.write_text(entry_text(fields, "rows", bad))
+        again = PassRequests(lm, cache)
+        with again.scoring():
+            again(piqa, 4, lm_eval_build(piqa, 4))
+        assert again.built == 1 and read_entry(entry.read_text(), fields, "rows") == rows
+    assert "holds other tokens" in caplog.text
+
+
+def test_checked_rows_take_every_request_of_the_pass_and_nothing_else(piqa):
+    """The rows lm-eval's requests give pass; each way a stored list can differ from a pass's requests is refused
+    with the task's name and what differs: not a list, a row of another shape or type, a document missing or
+    foreign, a choice missing or twice (a multiple-choice task has as many as the document's choices), and for any
+    other task requests not numbered 0..k-1."""
+    from types import SimpleNamespace
+
+    from taylor_tune.compat.lm_eval import task_documents
+    from taylor_tune.evaluation.requests import checked_rows
+
+    lm = recording_lm(load_tokenizer("tiny-llama"))
+    docs = dict(task_documents(piqa, 4))
+    rows = PassRequests(lm)._rows(lm_eval_build(piqa, 4)())
+    assert checked_rows(piqa, docs, rows) is rows
+    first_doc = rows[0][0]
+
+    def refused(bad, match, task=piqa):
+        with pytest.raises(ValueError, match=match):
+            checked_rows(task, docs, bad)
+
+    refused({"rows": rows}, r"^piqa_offline: the entry holds no list of requests$")
+    shape = (r"^piqa_offline: a request row is not "
+             r"\(doc_id, idx, type, repeats, context, continuation, tokens, tokens\)$")
+    for k, value in ((0, True), (0, "0"), (1, 1.0), (2, 1), (3, None), (4, ["a"]), (5, 5), (6, "1 2"), (7, 3)):
+        bad = [list(r) for r in rows]
+        bad[1][k] = value
+        refused(bad, shape)
+    for extra in ([], [0]):
+        bad = [list(r) for r in rows]
+        bad[2] = bad[2][:7] if not extra else bad[2] + extra
+        refused(bad, shape)
+    for k, token in ((6, 1.5), (7, "7"), (7, None)):
+        bad = [list(r) for r in rows]
+        bad[3][k] = bad[3][k] + [token]
+        refused(bad, shape)
+    refused([r for r in rows if r[0] != first_doc],
+            rf"^piqa_offline: the entry's requests miss documents \[{first_doc}\] / name unknown ones \[\]$")
+    refused(rows + [[99, 0, *rows[0][2:]]],
+            r"^piqa_offline: the entry's requests miss documents \[\] / name unknown ones \[99\]$")
+    refused([r for r in rows if (r[0], r[1]) != (first_doc, 1)],
+            rf"^piqa_offline: document {first_doc} has requests \[0\], expected 0\.\.1$")
+    refused(rows + [list(rows[0])], rf"^piqa_offline: document {first_doc} has requests \[0, 0, 1\], expected 0\.\.1$")
+    # a task that is not multiple choice: any count, numbered from 0
+    generative = SimpleNamespace(config=SimpleNamespace(task="gen"), OUTPUT_TYPE="loglikelihood",
+                                 doc_to_choice=lambda doc: pytest.fail("not a multiple-choice task"))
+    single = [r for r in rows if r[1] == 0]
+    assert checked_rows(generative, docs, single) is single
+    assert checked_rows(generative, docs, rows) is rows
+    refused([r for r in rows if (r[0], r[1]) != (first_doc, 0)],
+            rf"^gen: document {first_doc} has requests \[1\], expected 0\.\.0$", generative)
