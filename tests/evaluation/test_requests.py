@@ -305,6 +305,11 @@ def test_the_key_holds_each_field_a_passs_requests_depend_on(piqa):
         != fields["tokenizer"]
     lm.scorer = "hflm"
     assert PassRequests(lm).fields(piqa, 4) == {**fields, "scorer": "hflm"}
+    # a stock HFLM a notebook hands zero_shot names no scorer: its key says so
+    from lm_eval.models.huggingface import HFLM
+
+    stock = HFLM(pretrained=tiny("tiny-llama-random"), tokenizer=load_tokenizer("tiny-llama"), device="cpu")
+    assert not hasattr(stock, "scorer") and PassRequests(stock).fields(piqa, 4) == {**fields, "scorer": None}
 
 
 def test_stored_tokens_that_the_tokenizer_does_not_give_are_refused_and_built_again(piqa, tmp_path, monkeypatch,
