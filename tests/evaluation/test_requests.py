@@ -7,6 +7,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from lm_eval import simple_evaluate
@@ -134,6 +135,48 @@ def test_the_tokenizer_digest_follows_what_tokenizes(tmp_path):
     with_bos.add_bos_token = not lm.add_bos_token
     assert tokenizer_digest(with_bos) != tokenizer_digest(lm)
     assert tokenizer_digest(recording_lm(load_tokenizer("tiny-llama-random"))) != tokenizer_digest(lm)
+
+
+class SlowTokenizer:
+    """A tokenizer without a `backend_tokenizer` (a "slow" one): its vocabulary is its state."""
+
+    def __init__(self, vocab: dict, special: dict | None = None):
+        self.vocab, self.special_tokens_map = vocab, special or {"bos_token": "<s>"}
+
+    def get_vocab(self) -> dict:
+        return dict(self.vocab)
+
+
+class OtherSlowTokenizer(SlowTokenizer):
+    """Another class with the same state: another tokenizer (a class can add or strip tokens around the vocabulary)."""
+
+
+def stand_in(tokenizer, add_bos_token=False, prefix_token_id=1, backend="causal"):
+    return SimpleNamespace(tokenizer=tokenizer, add_bos_token=add_bos_token, prefix_token_id=prefix_token_id,
+                           backend=backend)
+
+
+def test_the_tokenizer_digest_reads_a_fast_tokenizers_whole_state_and_a_slow_ones_vocabulary(tmp_path):
+    """A fast tokenizer whose tokenizer.json differs only in its normalizer (lower-casing: the same vocabulary,
+    other tokens for "Hello") has another digest; a slow one is its vocabulary, in any order, its class and its
+    special tokens; each of HFLM's settings around it counts."""
+    world = load_tokenizer("tiny-llama")
+    world.save_pretrained(tmp_path / "lower")
+    spec = json.loads((tmp_path / "lower" / "tokenizer.json").read_text())
+    spec["normalizer"] = {"type": "Lowercase"}
+    (tmp_path / "lower" / "tokenizer.json").write_text(json.dumps(spec))
+    lower = load_tokenizer(str(tmp_path / "lower"))
+    assert lower.get_vocab() == world.get_vocab() and lower("Hello").input_ids != world("Hello").input_ids
+    assert tokenizer_digest(recording_lm(lower)) != tokenizer_digest(recording_lm(world))
+
+    vocab = {"a": 0, "b": 1, "<s>": 2}
+    digest = tokenizer_digest(stand_in(SlowTokenizer(vocab)))
+    assert tokenizer_digest(stand_in(SlowTokenizer(dict(reversed(vocab.items()))))) == digest
+    for other in (stand_in(SlowTokenizer({**vocab, "c": 3})), stand_in(SlowTokenizer({"a": 1, "b": 0, "<s>": 2})),
+                  stand_in(OtherSlowTokenizer(vocab)), stand_in(SlowTokenizer(vocab, {"bos_token": "a"})),
+                  stand_in(SlowTokenizer(vocab), add_bos_token=True), stand_in(SlowTokenizer(vocab), prefix_token_id=2),
+                  stand_in(SlowTokenizer(vocab), backend="seq2seq")):
+        assert tokenizer_digest(other) != digest
 
 
 KEY_FIELDS = """
@@ -266,6 +309,9 @@ def test_a_pass_hands_the_scorer_lm_evals_own_tokens_built_or_read_back(piqa, tm
         assert {k: (list(c), list(t)) for k, (c, t) in lm.encoded.items()} == reference
     assert described(instances) == described(reference_instances) and plain.built == 1
     assert lm.encoded is None and plain.seconds > 0
+    with plain.scoring():
+        plain(piqa, 2, lm_eval_build(piqa, 2))
+    assert plain.built == 2  # a pass counts every task lm-eval built
 
     cache, passes = RequestCache(tmp_path), []
     for build in (lm_eval_build(piqa, 4), lambda: pytest.fail("lm-eval built the requests again")):
@@ -279,10 +325,12 @@ def test_a_pass_hands_the_scorer_lm_evals_own_tokens_built_or_read_back(piqa, tm
         assert {k: (list(c), list(t)) for k, (c, t) in encoded.items()} == reference
     assert len(list(tmp_path.glob("*.json"))) == 1
 
-    other = PassRequests(lm, cache)
+    # one pass over two tasks that are not stored yet builds both; its time is within the wall time around it
+    other, start = PassRequests(lm, cache), time.perf_counter()
     with other.scoring():
-        assert len(other(piqa, 3, lm_eval_build(piqa, 3))) == 6 and other.built == 1
-    assert len(list(tmp_path.glob("*.json"))) == 2
+        assert len(other(piqa, 3, lm_eval_build(piqa, 3))) == 6 and len(other(piqa, 2, lm_eval_build(piqa, 2))) == 4
+    assert other.built == 2 and 0 < other.seconds <= time.perf_counter() - start
+    assert len(list(tmp_path.glob("*.json"))) == 3
 
 
 def test_the_key_holds_each_field_a_passs_requests_depend_on(piqa):
@@ -350,8 +398,6 @@ def test_checked_rows_take_every_request_of_the_pass_and_nothing_else(piqa):
     with the task's name and what differs: not a list, a row of another shape or type, a document missing or
     foreign, a choice missing or twice (a multiple-choice task has as many as the document's choices), and for any
     other task requests not numbered 0..k-1."""
-    from types import SimpleNamespace
-
     from taylor_tune.compat.lm_eval import task_documents
     from taylor_tune.evaluation.requests import checked_rows
 
