@@ -163,7 +163,7 @@ def test_open_own_replaces_a_link_found_at_its_name_and_leaves_its_target_alone(
         with os.fdopen(open_own(path, flags), "w") as handle:
             handle.write("ours")
     assert outside.read_text() == "precious\n" and path.read_text() == "ours"
-    assert not path.is_symlink() and path.stat().st_nlink == 1 and "is a link" in caplog.text
+    assert not path.is_symlink() and path.stat().st_nlink == 1 and f"{path} is a link" in caplog.text
 
 
 def test_open_own_truncates_a_file_of_its_own_when_asked(tmp_path):
@@ -175,6 +175,8 @@ def test_open_own_truncates_a_file_of_its_own_when_asked(tmp_path):
     with os.fdopen(open_own(path, os.O_WRONLY | os.O_APPEND), "a") as handle:
         handle.write("+")
     assert path.read_text() == "new+"
+    os.close(open_own(path, os.O_WRONLY | os.O_TRUNC))  # truncated to nothing, with nothing written
+    assert path.read_bytes() == b""
 
 
 def test_open_own_refuses_a_link_planted_again_after_every_removal(tmp_path, monkeypatch):

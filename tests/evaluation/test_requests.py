@@ -441,3 +441,21 @@ def test_checked_rows_take_every_request_of_the_pass_and_nothing_else(piqa):
     assert checked_rows(generative, docs, rows) is rows
     refused([r for r in rows if (r[0], r[1]) != (first_doc, 0)],
             rf"^gen: document {first_doc} has requests \[1\], expected 0\.\.0$", generative)
+
+
+def test_a_passs_seconds_add_up_the_time_of_each_task(piqa, tmp_path, monkeypatch):
+    """Each task's time is the clock's reading after it less the one before; a pass adds them (a clock that jumps:
+    3 s for the first task, built, and 5 s for the second, read back)."""
+    from taylor_tune.evaluation import requests as requests_module
+
+    lm, cache = recording_lm(load_tokenizer("tiny-llama")), RequestCache(tmp_path)
+    first = PassRequests(lm, cache)
+    with first.scoring():
+        first(piqa, 2, lm_eval_build(piqa, 2))
+    clock = iter([100.0, 103.0, 200.0, 205.0])
+    monkeypatch.setattr(requests_module, "time", SimpleNamespace(perf_counter=clock.__next__))
+    timed = PassRequests(lm, cache)
+    with timed.scoring():
+        timed(piqa, 3, lm_eval_build(piqa, 3))
+        timed(piqa, 2, lambda: pytest.fail("stored: not built again"))
+    assert (timed.seconds, timed.built) == (8.0, 1)
