@@ -3,6 +3,7 @@ copies, and the trust boundary of a shared folder (links planted at a name, or u
 removal and its creation) against the files they point at. The slow tier runs the same boundary through whole trials
 (tests/test_cache_integrity.py)."""
 
+import errno
 import json
 import logging
 import math
@@ -191,8 +192,9 @@ def test_open_own_refuses_a_link_planted_again_after_every_removal(tmp_path, mon
             self.symlink_to(outside)
 
     monkeypatch.setattr(Path, "unlink", replant)
-    with pytest.raises(OSError, match="again and again"):
+    with pytest.raises(OSError, match="again and again") as refused:
         open_own(path, os.O_WRONLY | os.O_TRUNC)
+    assert refused.value.errno == errno.ELOOP  # the error a symlink at an O_NOFOLLOW open gives: a caller can tell
     assert outside.read_text() == "precious\n"
 
 
@@ -212,3 +214,39 @@ def test_write_text_refuses_a_link_planted_under_its_temporary_name_after_removi
     with pytest.raises(OSError):
         write_text(path, "new")
     assert outside.read_text() == "precious\n" and not path.exists()
+
+
+def test_open_own_goes_on_when_another_process_removed_the_link_first(tmp_path, caplog):
+    """Two processes find the same link at a lock's name: the other one removes it between this one's warning and
+    its own removal. The removal finds nothing and this one creates its file."""
+    outside, path = tmp_path / "OUTSIDE", tmp_path / "k.lock"
+    outside.write_text("precious\n")
+    path.symlink_to(outside)
+
+    class OtherProcess(logging.Handler):
+        def emit(self, record):
+            path.unlink(missing_ok=True)
+
+    handler = OtherProcess(logging.WARNING)
+    jsonio.log.addHandler(handler)
+    try:
+        os.close(open_own(path, os.O_WRONLY))
+    finally:
+        jsonio.log.removeHandler(handler)
+    assert path.is_file() and not path.is_symlink() and outside.read_text() == "precious\n"
+
+
+def test_write_text_that_cannot_create_its_temporary_file_raises_that_error(tmp_path, monkeypatch):
+    """A write that fails before its temporary file exists (a full disk) raises the error it failed with, not the
+    cleanup's, and leaves the previous file as it was."""
+    path = write_text(tmp_path / "x.json", "old")
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(jsonio.os, "open", full)
+    with pytest.raises(OSError) as raised:
+        write_text(path, "new")
+    monkeypatch.undo()
+    assert raised.value.errno == errno.ENOSPC and path.read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.json"]

@@ -61,3 +61,29 @@ def test_every_bias_of_a_group_is_one_of_its_parameters(name):
     assert {n for n in names if n.endswith(".bias")} == owned and owned
     assert len(names) == len(set(names))
     assert all(dict(first.named_parameters())[n] is p for n, p in prunable_parameters(model)[0])
+
+
+def test_group_sums_are_fp32_whatever_torchs_default_dtype_and_the_value_sees_each_parameter_by_name():
+    """A notebook that set torch's default dtype to bf16 still gets fp32 sums, equal to the ones under the fp32
+    default; the value function is called once per prunable parameter with that parameter's own name."""
+    import torch
+
+    from taylor_tune.pruning.groups import reduce_to_groups
+
+    model = tiny("tiny-llama-random")
+    seen = []
+
+    def value(name, param):
+        seen.append((name, id(param)))
+        return param.detach().abs()
+
+    reference = reduce_to_groups(model, value)
+    assert seen == [(name, id(p)) for params in prunable_parameters(model) for name, p in params]
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        under_bf16 = reduce_to_groups(model, lambda _, p: p.detach().abs())
+    finally:
+        torch.set_default_dtype(saved)
+    for sums, expected in zip(under_bf16, reference):
+        assert all(s.dtype == torch.float32 and torch.equal(s, e) for s, e in zip(sums, expected))
