@@ -64,10 +64,11 @@ def write_lm_eval_task(task: str, data_file: Path, folder: Path, name: str | Non
 
 def llama(**extra):
     """A three-layer Llama built from its config (GQA, head_dim 8), with `extra` config fields such as
-    attention_bias, mlp_bias or tie_word_embeddings: the layouts no shipped tiny model has."""
+    attention_bias, mlp_bias, tie_word_embeddings or another num_hidden_layers: the layouts no shipped tiny model
+    has."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, **extra)
+    config = LlamaConfig(**dict(vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=3,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=8) | extra)
     return LlamaForCausalLM(config).eval()
