@@ -286,7 +286,12 @@ def what_lm_eval_hands_the_scorer(lm, instances) -> dict:
     """The reference: HFLM's own `loglikelihood` over the instances, the scorer's input recorded."""
     lm.seen = []
     lm.loglikelihood(instances, disable_tqdm=True)
-    return {strings: (list(context), list(continuation)) for strings, context, continuation in lm.seen}
+    return as_lists({strings: (context, continuation) for strings, context, continuation in lm.seen})
+
+
+def as_lists(encoded: dict) -> dict:
+    """(context, continuation) tokens as lists, whichever sequence type holds them."""
+    return {strings: (list(context), list(continuation)) for strings, (context, continuation) in encoded.items()}
 
 
 def described(instances) -> list:
@@ -306,7 +311,7 @@ def test_a_pass_hands_the_scorer_lm_evals_own_tokens_built_or_read_back(piqa, tm
     plain = PassRequests(lm)
     with plain.scoring():
         instances = plain(piqa, 4, lm_eval_build(piqa, 4))
-        assert {k: (list(c), list(t)) for k, (c, t) in lm.encoded.items()} == reference
+        assert as_lists(lm.encoded) == reference
     assert described(instances) == described(reference_instances) and plain.built == 1
     assert lm.encoded is None and plain.seconds > 0
     with plain.scoring():
@@ -322,7 +327,7 @@ def test_a_pass_hands_the_scorer_lm_evals_own_tokens_built_or_read_back(piqa, tm
     assert [built for built, *_ in passes] == [1, 0]
     for _, instances, encoded, seconds in passes:
         assert instances == described(reference_instances) and seconds > 0
-        assert {k: (list(c), list(t)) for k, (c, t) in encoded.items()} == reference
+        assert as_lists(encoded) == reference
     assert len(list(tmp_path.glob("*.json"))) == 1
 
     # one pass over two tasks that are not stored yet builds both; its time is within the wall time around it

@@ -92,8 +92,8 @@ def test_group_sums_are_fp32_whatever_torchs_default_dtype_and_the_value_sees_ea
 def test_a_one_layer_model_is_described_by_its_one_layer():
     """The group sizes read from a model's layers are the same with one layer as with three, and its one layer's
     parameters and the model's are counted by hand."""
-    one, three = describe_layout(llama(num_hidden_layers=1)), describe_layout(llama())
     model = llama(num_hidden_layers=1)
+    one, three = describe_layout(model), describe_layout(llama())
     assert (one.attn_group_params, one.mlp_channel_params) == (three.attn_group_params, three.mlp_channel_params)
     assert (one.attn_groups, one.mlp_channels) == ((2,), (24,))
     assert one.layer_params == (by_hand(model.model.layers[0]),) and one.total_params == by_hand(model)
