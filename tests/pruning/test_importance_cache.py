@@ -1,18 +1,37 @@
-"""The importance cache across processes: one computes while another waits, a live owner keeps its lock, and a
-killed owner's lock goes stale and is taken over. Real processes, real files; only the compute step is fake."""
+"""The importance cache: entries read back as written, keyed by every field, damaged ones computed again, a lock
+waited on, taken over when stale and kept alive by its owner's heartbeat (in one process, fast), and across
+processes (slow): one computes while another waits, a live owner keeps its lock, a killed owner's lock is taken over.
+Real files; only the compute step is a stand-in."""
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
+from taylor_tune.pruning.activations import ActivationStats, FeatureStats
+from taylor_tune.pruning.importance import Importance
+from taylor_tune.pruning.importance_cache import (
+    CHECKSUM,
+    ImportanceCache,
+    cache_key,
+    read_checked,
+    stats_from_tensors,
+    stats_to_tensors,
+    tensors_sha256,
+)
+from taylor_tune.pruning.plan import GroupScores
 from tests.sweep_helpers import REPO, wait_for
-
-pytestmark = pytest.mark.slow  # each case starts two Python processes that import torch
 
 
 def worker(root, seconds, out, *extra):
@@ -33,6 +52,7 @@ def computes(root):
     return (root / "computes").read_text().split() if (root / "computes").is_file() else []
 
 
+@pytest.mark.slow  # two Python processes that import torch
 def test_two_processes_compute_once_and_both_get_the_scores(tmp_path):
     root = tmp_path / "cache"
     first = worker(root, 2.0, tmp_path / "a.json")
@@ -46,6 +66,7 @@ def test_two_processes_compute_once_and_both_get_the_scores(tmp_path):
     assert not list(root.glob("*.lock")) and not list(root.glob(".*.tmp"))
 
 
+@pytest.mark.slow  # two Python processes that import torch
 def test_a_live_owner_keeps_its_lock_past_the_stale_age_by_its_heartbeat(tmp_path):
     root = tmp_path / "cache"
     options = ("--heartbeat-s", 0.2, "--stale-s", 1.0)
@@ -57,6 +78,7 @@ def test_a_live_owner_keeps_its_lock_past_the_stale_age_by_its_heartbeat(tmp_pat
     assert json.loads((tmp_path / "b.json").read_text())["event"] == "hit"
 
 
+@pytest.mark.slow  # two Python processes that import torch
 def test_a_killed_owners_lock_goes_stale_and_is_taken_over(tmp_path):
     root = tmp_path / "cache"
     options = ("--heartbeat-s", 0.2, "--stale-s", 1.0)
@@ -72,3 +94,193 @@ def test_a_killed_owners_lock_goes_stale_and_is_taken_over(tmp_path):
     assert json.loads((tmp_path / "b.json").read_text()) == {"event": "computed", "mlp": [3.0, 4.0, 5.0]}
     assert events(root) == ["takeover", "computed"] and computes(root) == [str(doomed.pid), str(heir.pid)]
     assert not (tmp_path / "a.json").exists() and not list(root.glob("*.lock")) and not list(root.glob(".*.tmp"))
+
+
+# In one process (fast): the entry, its key, damage, and the lock, with threads standing in for other trials.
+
+def importance(n: int, seed: int, layers: int = 3) -> Importance:
+    rng = np.random.default_rng(seed)
+    scores = GroupScores(tuple(rng.random(2) for _ in range(layers)), tuple(rng.random(5) for _ in range(layers)))
+    return Importance(n, scores, rng.random(layers), rng.random(layers))
+
+
+def assert_same(got: dict[int, Importance], want: dict[int, Importance]) -> None:
+    assert sorted(got) == sorted(want)
+    for n in want:
+        g, w = got[n], want[n]
+        assert g.num_samples == w.num_samples == n
+        for ours, theirs in zip((*g.scores.attn, *g.scores.mlp, g.grad_mean, g.grad_norm),
+                                (*w.scores.attn, *w.scores.mlp, w.grad_mean, w.grad_norm), strict=True):
+            assert ours.dtype == theirs.dtype and np.array_equal(ours, theirs)  # bit for bit
+
+
+class Compute:
+    """A compute step that counts its calls (and can wait for a signal, or fail)."""
+
+    def __init__(self, results, release: threading.Event | None = None, error: Exception | None = None):
+        self.results, self.release, self.error, self.calls = results, release, error, 0
+        self.started = threading.Event()
+
+    def __call__(self):
+        self.calls += 1
+        self.started.set()
+        if self.release is not None:
+            assert self.release.wait(30)
+        if self.error is not None:
+            raise self.error
+        return self.results
+
+
+FIELDS = {"model": "tiny-llama", "calibration": "world", "seq_len": 32, "seed": 0, "dtype": "float32",
+          "device": "cpu", "micro_batch_size": 4}
+
+
+def leftovers(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.suffix in (".lock", ".tmp"))
+
+
+def test_an_entry_reads_back_bit_for_bit_and_is_computed_once(tmp_path):
+    root, results = tmp_path / "cache", {4: importance(4, 0), 8: importance(8, 1)}
+    cache, compute = ImportanceCache(root), Compute(results)
+    assert cache.counters() == {"computed": 0, "hits": 0, "takeovers": 0}  # no log yet
+    assert_same(cache.get_or_compute(FIELDS, [4, 8], compute), results)
+    assert cache.last_event == "computed" and compute.calls == 1
+    again = ImportanceCache(root)  # another trial: counts in another order, fields in another order
+    assert_same(again.get_or_compute(dict(reversed(FIELDS.items())), [8, 4], Compute(None)), results)
+    assert again.last_event == "hit" and cache.counters() == {"computed": 1, "hits": 1, "takeovers": 0}
+    (entry,) = root.glob("*.safetensors")
+    with safe_open(str(entry), framework="pt") as handle:  # the fields are readable in the entry itself
+        assert {k: handle.metadata()[k] for k in FIELDS} == {k: str(v) for k, v in FIELDS.items()}
+    events = [json.loads(line) for line in (root / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["computed", "hit"] and events[0]["key"] == events[1]["key"]
+    assert all(e["pid"] == os.getpid() and e["host"] == socket.gethostname() for e in events)
+    assert events[0]["seq_len"] == "32" and events[0]["seconds"] >= 0
+    assert leftovers(root) == []
+
+
+def test_every_field_and_the_sample_counts_are_part_of_the_key(tmp_path):
+    cache = ImportanceCache(tmp_path / "cache")
+    cache.get_or_compute(FIELDS, [4, 8], Compute({4: importance(4, 0), 8: importance(8, 1)}))
+    others = [{**FIELDS, name: f"other {value}"} for name, value in FIELDS.items()] + [{**FIELDS, "extra": 1}]
+    for fields in others:
+        cache.get_or_compute(fields, [4, 8], Compute({4: importance(4, 2), 8: importance(8, 3)}))
+        assert cache.last_event == "computed", fields
+    cache.get_or_compute(FIELDS, [4], Compute({4: importance(4, 2)}))  # a subset of the counts: another entry
+    assert cache.last_event == "computed"
+    assert len(list((tmp_path / "cache").glob("*.safetensors"))) == len(others) + 2
+
+
+def test_the_checksum_covers_each_tensors_name_dtype_shape_and_every_byte():
+    tensors = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.tensor([1, 2], dtype=torch.int64)}
+    base = tensors_sha256(tensors)
+    assert tensors_sha256(dict(reversed(tensors.items()))) == base  # not the order of the dict
+    assert tensors_sha256({**tensors, "a": tensors["a"].t().contiguous().t()}) == base  # nor the memory layout
+    changed = [{"c": tensors["a"], "b": tensors["b"]}, {**tensors, "a": tensors["a"].double()},
+               {**tensors, "a": tensors["a"].reshape(3, 2)}, {**tensors, "b": torch.tensor([1, 3])},
+               {**tensors, "c": torch.zeros(0)}]
+    for byte in range(24):  # each byte of "a" alone
+        raw = tensors["a"].clone().reshape(-1).view(torch.uint8)
+        raw[byte] ^= 1
+        changed.append({**tensors, "a": raw.view(torch.float32).reshape(2, 3)})
+    digests = [tensors_sha256(t) for t in changed]
+    assert base not in digests and len(set(digests)) == len(digests)
+
+
+def test_an_entry_without_its_checksum_or_with_another_one_is_refused(tmp_path):
+    tensors = {"x": torch.ones(3)}
+    save_file(tensors, str(tmp_path / "none.safetensors"))
+    with pytest.raises(ValueError, match="carries no checksum"):
+        read_checked(tmp_path / "none.safetensors")
+    save_file({"x": torch.zeros(3)}, str(tmp_path / "other.safetensors"), metadata={CHECKSUM: tensors_sha256(tensors)})
+    with pytest.raises(ValueError, match="do not match their checksum"):
+        read_checked(tmp_path / "other.safetensors")
+    save_file(tensors, str(tmp_path / "ok.safetensors"), metadata={CHECKSUM: tensors_sha256(tensors)})
+    assert torch.equal(read_checked(tmp_path / "ok.safetensors")["x"], tensors["x"])
+
+
+@pytest.mark.parametrize("damage", ["a byte flipped", "cut short", "rejected by the check"])
+def test_a_damaged_entry_is_logged_removed_and_computed_again(tmp_path, caplog, damage):
+    root, results = tmp_path / "cache", {8: importance(8, 0)}
+    ImportanceCache(root).get_or_compute(FIELDS, [8], Compute(results))
+    (entry,) = root.glob("*.safetensors")
+    data = bytearray(entry.read_bytes())
+    if damage == "a byte flipped":
+        data[-3] ^= 0xFF
+    entry.write_bytes(bytes(data[:-8] if damage == "cut short" else data))
+
+    def check(imp):
+        if damage == "rejected by the check":
+            raise ValueError("scores of another shape")
+
+    cache, compute = ImportanceCache(root), Compute({8: importance(8, 5)})
+    with caplog.at_level("WARNING"):
+        assert_same(cache.get_or_compute(FIELDS, [8], compute, check=check), {8: importance(8, 5)})
+    assert compute.calls == 1 and cache.last_event == "computed"
+    events = [json.loads(line) for line in (root / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["computed", "damaged", "computed"]
+    assert events[1]["error"].startswith(("ValueError: ", "SafetensorError: ")) and events[1]["key"] in entry.name
+    assert entry.name in caplog.text and "computing it again" in caplog.text
+    assert_same(ImportanceCache(root).get_or_compute(FIELDS, [8], Compute(None)), {8: importance(8, 5)})
+
+
+def test_a_trial_waits_for_the_one_computing_and_reads_its_entry(tmp_path):
+    root, results, release = tmp_path / "cache", {8: importance(8, 0)}, threading.Event()
+    owner = Compute(results, release)
+    first = threading.Thread(target=ImportanceCache(root, heartbeat_s=0.05).get_or_compute,
+                             args=(FIELDS, [8], owner))
+    first.start()
+    assert owner.started.wait(30)
+    second, waited = ImportanceCache(root, poll_s=0.01, stale_s=0.3), Compute(None)
+    threading.Timer(0.6, release.set).start()  # twice the stale age: only the owner's heartbeat keeps the lock
+    got = second.get_or_compute(FIELDS, [8], waited)
+    first.join(30)
+    assert_same(got, results)
+    assert second.last_event == "hit" and waited.calls == 0 and owner.calls == 1
+    assert second.counters() == {"computed": 1, "hits": 1, "takeovers": 0} and leftovers(root) == []
+
+
+def test_a_lock_that_stopped_beating_is_taken_over(tmp_path):
+    root = tmp_path / "cache"
+    root.mkdir()
+    key = cache_key(**FIELDS, counts=[8])
+    lock = root / f"{key}.lock"
+    lock.write_text("{}")
+    os.utime(lock, (time.time() - 10, time.time() - 10))  # a killed owner's, 10 s old
+    cache, compute = ImportanceCache(root, stale_s=5), Compute({8: importance(8, 0)})
+    cache.get_or_compute(FIELDS, [8], compute)
+    assert compute.calls == 1 and cache.counters() == {"computed": 1, "hits": 0, "takeovers": 1}
+    lock.write_text("{}")  # a live one (just written), younger than the stale age: waited on, not taken
+    waiter = ImportanceCache(root, poll_s=0.01, stale_s=5)
+    threading.Timer(0.1, lock.unlink).start()
+    (root / f"{key}.safetensors").unlink()
+    waiter.get_or_compute(FIELDS, [8], Compute({8: importance(8, 0)}))
+    assert waiter.counters()["takeovers"] == 1 and waiter.last_event == "computed"
+
+
+def test_a_compute_that_fails_leaves_no_lock_no_entry_and_the_next_trial_computes(tmp_path):
+    root = tmp_path / "cache"
+    with pytest.raises(RuntimeError, match="out of memory"):
+        ImportanceCache(root).get_or_compute(FIELDS, [8], Compute(None, error=RuntimeError("out of memory")))
+    assert leftovers(root) == [] and not list(root.glob("*.safetensors"))
+    cache = ImportanceCache(root, stale_s=3600)  # a lock left behind would make this wait an hour
+    cache.get_or_compute(FIELDS, [8], Compute({8: importance(8, 0)}))
+    assert cache.last_event == "computed"
+
+
+def test_activation_statistics_and_extra_tensors_go_through_the_same_entry(tmp_path):
+    rng = np.random.default_rng(0)
+    part = lambda width: FeatureStats(int(rng.integers(1, 1000)), rng.random(width), rng.random(width))
+    stats = {4: ActivationStats((part(6), part(6)), (part(9), part(9))), 8: ActivationStats((part(6), part(6)),
+                                                                                           (part(9), part(9)))}
+    root = tmp_path / "cache"
+    for event in ("computed", "hit"):
+        cache = ImportanceCache(root)
+        got = cache.get_or_compute(FIELDS, [4, 8], Compute(stats), extra_tensors=lambda: {"also": torch.ones(2)},
+                                   encode=stats_to_tensors, decode=stats_from_tensors)
+        assert cache.last_event == event and sorted(got) == [4, 8]
+        for n in stats:
+            for ours, theirs in zip(got[n].attn + got[n].mlp, stats[n].attn + stats[n].mlp, strict=True):
+                assert ours.tokens == theirs.tokens and type(ours.tokens) is int
+                assert np.array_equal(ours.mean, theirs.mean) and np.array_equal(ours.m2, theirs.m2)
+    (entry,) = root.glob("*.safetensors")
+    assert torch.equal(read_checked(entry)["also"], torch.ones(2))

@@ -1,0 +1,105 @@
+"""zero_shot's accounting against a recomputation from lm-eval's own per-item records, and its failures named by
+where they came from. Real lm-eval on the offline world with a tiny model (about a second a call)."""
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+import taylor_tune.evaluation.zero_shot as zs
+from taylor_tune.config import ZERO_SHOT_TASKS, build_eval_spec
+from taylor_tune.errors import EvaluationError
+from taylor_tune.evaluation.scorer import make_lm
+from taylor_tune.sources.models import load_model, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return make_lm(load_model("tiny-llama"), load_tokenizer("tiny-llama"), 16)
+
+
+@pytest.fixture
+def lm_eval_calls(monkeypatch):
+    """Every call zero_shot makes to lm-eval's real simple_evaluate, with what it returned."""
+    real, calls = zs.simple_evaluate, []
+
+    def recorded(**kwargs):
+        calls.append({"tasks": kwargs["tasks"]})
+        calls[-1]["result"] = real(**kwargs)
+        return calls[-1]["result"]
+
+    monkeypatch.setattr(zs, "simple_evaluate", recorded)
+    return calls
+
+
+def spec(**kw):
+    return build_eval_spec({"task_data": "world", "ppl": None, "limit": 16, **kw})
+
+
+def test_each_tasks_numbers_equal_a_recomputation_from_the_items(lm, lm_eval_calls):
+    """Per task: the metric's mean and standard error over the items lm-eval scored, both metrics, the item count,
+    and the two halves by document parity, all recomputed with pandas from lm-eval's per-item samples."""
+    out, seconds = zs.zero_shot(lm, spec(metrics={"boolq": "acc", "piqa": "acc"}), "world")
+    ((call,),) = [lm_eval_calls]  # one lm-eval call for all seven tasks
+    assert len(call["tasks"]) == len(ZERO_SHOT_TASKS) and seconds > 0
+    samples = call["result"]["samples"]
+    assert set(out) == set(ZERO_SHOT_TASKS)
+    halves_differ = metrics_differ = False
+    for task, entry in out.items():
+        items = pd.DataFrame(samples[f"{task}_offline"])
+        metric = {"boolq": "acc", "piqa": "acc", "winogrande": "acc", "arc_easy": "acc"}.get(task, "acc_norm")
+        assert entry["metric"] == metric and entry["n"] == len(items) == 16
+        for name in ("acc", "acc_norm"):
+            if name in items:
+                assert entry[name] == pytest.approx(items[name].mean(), abs=1e-12)
+                sem = items[name].std(ddof=1) / math.sqrt(len(items))
+                assert entry[f"{name}_stderr"] == pytest.approx(sem, abs=1e-12)
+            else:
+                assert entry[name] is None and entry[f"{name}_stderr"] is None
+        assert (entry["score"], entry["score_stderr"]) == (entry[metric], entry[f"{metric}_stderr"])
+        even = items["doc_id"] % 2 == 0
+        assert entry["score_sel"] == pytest.approx(items.loc[even, metric].mean(), abs=1e-12)
+        assert entry["score_heldout"] == pytest.approx(items.loc[~even, metric].mean(), abs=1e-12)
+        assert (entry["n_sel"], entry["n_heldout"]) == (even.sum(), (~even).sum())
+        halves_differ |= entry["score_sel"] != entry["score_heldout"]
+        metrics_differ |= "acc_norm" in items and entry["acc"] != entry["acc_norm"]
+    assert halves_differ and metrics_differ  # the world at this limit tells each swap apart
+
+
+def test_split_scores_of_no_items_in_a_half_is_none_not_a_division_by_zero():
+    assert zs.split_scores([{"doc_id": 4, "acc": 1.0}, {"doc_id": 0, "acc": 0.0}], "acc") == {
+        "score_sel": 0.5, "n_sel": 2, "score_heldout": None, "n_heldout": 0}
+    assert zs.split_scores([], "acc_norm") == {"score_sel": None, "n_sel": 0, "score_heldout": None, "n_heldout": 0}
+
+
+def test_out_of_memory_is_the_models_failure_and_is_not_run_again_task_by_task(lm_eval_calls):
+    """A forward that fails as a GPU out of memory does (the error type exists without one): reported for the pass,
+    not blamed on a task, and not repeated task by task."""
+    model = load_model("tiny-llama")
+
+    def out_of_memory(module, args):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
+
+    model.register_forward_pre_hook(out_of_memory)
+    with pytest.raises(EvaluationError, match=r"^zero-shot: OutOfMemoryError: CUDA out of memory\. Tried to allocate "
+                                              r"2\.00 GiB$"):
+        zs.zero_shot(make_lm(model, load_tokenizer("tiny-llama"), 16), spec(tasks="boolq,piqa"), "world")
+    assert len(lm_eval_calls) == 1
+
+
+def test_a_failure_no_task_repeats_alone_is_reported_for_the_pass(lm, monkeypatch):
+    """The pooled call fails, every task alone passes: the error is the pass's, with its type and first line."""
+    real, calls = zs.simple_evaluate, []
+
+    def first_call_fails(**kwargs):
+        calls.append(len(kwargs["tasks"]))
+        if len(calls) == 1:
+            raise RuntimeError("pooled batch broke\nsecond line not shown")
+        return real(**kwargs)
+
+    monkeypatch.setattr(zs, "simple_evaluate", first_call_fails)
+    with pytest.raises(EvaluationError) as caught:
+        zs.zero_shot(lm, spec(tasks="boolq,piqa"), "world")
+    assert str(caught.value) == "zero-shot: RuntimeError: pooled batch broke"
+    assert calls == [2, 1, 1]  # the pass, then each task alone
