@@ -4,6 +4,7 @@ processes (slow): one computes while another waits, a live owner keeps its lock,
 Real files; only the compute step is a stand-in."""
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -117,13 +118,16 @@ def assert_same(got: dict[int, Importance], want: dict[int, Importance]) -> None
 class Compute:
     """A compute step that counts its calls (and can wait for a signal, or fail)."""
 
-    def __init__(self, results, release: threading.Event | None = None, error: Exception | None = None):
-        self.results, self.release, self.error, self.calls = results, release, error, 0
+    def __init__(self, results, release: threading.Event | None = None, error: Exception | None = None,
+                 during=None):
+        self.results, self.release, self.error, self.calls, self.during = results, release, error, 0, during
         self.started = threading.Event()
 
     def __call__(self):
         self.calls += 1
         self.started.set()
+        if self.during is not None:
+            self.during()
         if self.release is not None:
             assert self.release.wait(30)
         if self.error is not None:
@@ -140,10 +144,16 @@ def leftovers(root: Path) -> list[str]:
 
 
 def test_an_entry_reads_back_bit_for_bit_and_is_computed_once(tmp_path):
-    root, results = tmp_path / "cache", {4: importance(4, 0), 8: importance(8, 1)}
-    cache, compute = ImportanceCache(root), Compute(results)
-    assert cache.counters() == {"computed": 0, "hits": 0, "takeovers": 0}  # no log yet
+    root, results = tmp_path / "sweep" / "cache", {4: importance(4, 0), 8: importance(8, 1)}  # parents made too
+    lock = root / f"{cache_key(**FIELDS, counts=[4, 8])}.lock"
+    held_by = []
+    compute = Compute(results, during=lambda: (held_by.append(json.loads(lock.read_text())), time.sleep(0.05)))
+    cache, before = ImportanceCache(root), time.time()
+    assert cache.counters() == {"computed": 0, "hits": 0, "takeovers": 0} and cache.last_event is None  # nothing yet
+    started = time.perf_counter()
     assert_same(cache.get_or_compute(FIELDS, [4, 8], compute), results)
+    elapsed = time.perf_counter() - started
+    assert held_by == [{"host": socket.gethostname(), "pid": os.getpid()}]  # the lock says who holds it
     assert cache.last_event == "computed" and compute.calls == 1
     again = ImportanceCache(root)  # another trial: counts in another order, fields in another order
     assert_same(again.get_or_compute(dict(reversed(FIELDS.items())), [8, 4], Compute(None)), results)
@@ -154,7 +164,8 @@ def test_an_entry_reads_back_bit_for_bit_and_is_computed_once(tmp_path):
     events = [json.loads(line) for line in (root / "events.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events] == ["computed", "hit"] and events[0]["key"] == events[1]["key"]
     assert all(e["pid"] == os.getpid() and e["host"] == socket.gethostname() for e in events)
-    assert events[0]["seq_len"] == "32" and events[0]["seconds"] >= 0
+    assert before <= events[0]["time"] <= events[1]["time"] <= time.time()
+    assert events[0]["seq_len"] == "32" and 0.05 <= events[0]["seconds"] <= elapsed  # the compute's own time
     assert leftovers(root) == []
 
 
@@ -219,8 +230,62 @@ def test_a_damaged_entry_is_logged_removed_and_computed_again(tmp_path, caplog, 
     events = [json.loads(line) for line in (root / "events.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events] == ["computed", "damaged", "computed"]
     assert events[1]["error"].startswith(("ValueError: ", "SafetensorError: ")) and events[1]["key"] in entry.name
-    assert entry.name in caplog.text and "computing it again" in caplog.text
+    assert f"entry {entry.name} does not read back ({events[1]['error']}); computing it again" in caplog.text
+    assert cache.counters() == {"computed": 2, "hits": 0, "takeovers": 0}  # a damaged entry is not a hit
     assert_same(ImportanceCache(root).get_or_compute(FIELDS, [8], Compute(None)), {8: importance(8, 5)})
+
+
+def damaged_entry(root: Path) -> tuple[Path, bytes]:
+    """An entry whose checksum does not match (a byte of its tensors flipped), and its bytes."""
+    ImportanceCache(root).get_or_compute(FIELDS, [8], Compute({8: importance(8, 0)}))
+    (entry,) = root.glob("*.safetensors")
+    data = bytearray(entry.read_bytes())
+    data[-3] ^= 0xFF
+    entry.write_bytes(bytes(data))
+    return entry, bytes(data)
+
+
+def test_an_entry_found_damaged_a_second_time_is_an_error_not_a_loop(tmp_path):
+    """Damaged, removed; meanwhile another trial holds the lock and writes the entry damaged again: the second
+    damage is raised (a state to look at), not removed and computed forever."""
+    root = tmp_path / "cache"
+    entry, data = damaged_entry(root)
+    lock = root / f"{cache_key(**FIELDS, counts=[8])}.lock"
+    lock.write_text("{}")  # the other trial's, live
+
+    def other_trial():
+        assert wait_for(lambda: not entry.exists(), 30)  # this trial removed the damaged entry
+        entry.write_bytes(data)
+        lock.unlink()
+
+    writer = threading.Thread(target=other_trial)
+    writer.start()
+    compute = Compute({8: importance(8, 1)})
+    with pytest.raises(ValueError, match="do not match their checksum"):
+        ImportanceCache(root, poll_s=0.01).get_or_compute(FIELDS, [8], compute)
+    writer.join(30)
+    assert compute.calls == 0
+
+
+def test_a_damaged_entry_that_another_trial_removes_first_is_computed_again(tmp_path):
+    """Two trials find the entry damaged at once; the other removes it between this one's warning and its removal."""
+    root = tmp_path / "cache"
+    entry, _ = damaged_entry(root)
+    removed = []
+
+    class RemovesTheEntry(logging.Handler):
+        def emit(self, record):
+            entry.unlink()
+            removed.append(record.getMessage())
+
+    handler = RemovesTheEntry(logging.WARNING)
+    logging.getLogger("taylor_tune.pruning.importance_cache").addHandler(handler)
+    try:
+        cache = ImportanceCache(root)
+        cache.get_or_compute(FIELDS, [8], Compute({8: importance(8, 1)}))
+    finally:
+        logging.getLogger("taylor_tune.pruning.importance_cache").removeHandler(handler)
+    assert len(removed) == 1 and cache.last_event == "computed" and entry.is_file()
 
 
 def test_a_trial_waits_for_the_one_computing_and_reads_its_entry(tmp_path):
@@ -265,6 +330,18 @@ def test_a_compute_that_fails_leaves_no_lock_no_entry_and_the_next_trial_compute
     cache = ImportanceCache(root, stale_s=3600)  # a lock left behind would make this wait an hour
     cache.get_or_compute(FIELDS, [8], Compute({8: importance(8, 0)}))
     assert cache.last_event == "computed"
+
+
+def test_an_owner_whose_lock_was_taken_from_it_still_stores_and_returns_its_scores(tmp_path):
+    """A slow owner's lock judged stale and removed by another trial while it computes: its finished scores are
+    still written and returned; the missing lock is no error."""
+    root = tmp_path / "cache"
+    lock = root / f"{cache_key(**FIELDS, counts=[8])}.lock"
+    cache = ImportanceCache(root)
+    assert_same(cache.get_or_compute(FIELDS, [8], Compute({8: importance(8, 0)}, during=lock.unlink)),
+                {8: importance(8, 0)})
+    assert cache.last_event == "computed" and not lock.exists()
+    assert_same(ImportanceCache(root).get_or_compute(FIELDS, [8], Compute(None)), {8: importance(8, 0)})
 
 
 def test_activation_statistics_and_extra_tensors_go_through_the_same_entry(tmp_path):
