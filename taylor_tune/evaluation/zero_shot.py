@@ -67,6 +67,11 @@ def task_source(task: str, task_data: str) -> tuple[str | dict, object]:
     return offline_task_config(task, path), _task_manager(False)
 
 
+def result_name(source: str | dict) -> str:
+    """The name lm-eval keys a task's results by: the hub task's own, or the offline config's."""
+    return source if isinstance(source, str) else source["task"]
+
+
 def _metric(results: dict, name: str) -> float | None:
     value = results.get(f"{name},none")
     return None if value in (None, "N/A") else float(value)
@@ -119,8 +124,7 @@ def zero_shot(lm, spec: EvalSpec, task_data: str,
                 raise _failure(task, task_error) from None
         raise _failure(None, error) from None
     seconds = time.perf_counter() - start
-    # lm-eval keys results by the task's own name: the hub task's, or the offline config's
-    names = {task: source if isinstance(source, str) else source["task"] for task, (source, _) in sources.items()}
+    names = {task: result_name(source) for task, (source, _) in sources.items()}
     out = {}
     for task, name in names.items():
         raw = result["results"][name]

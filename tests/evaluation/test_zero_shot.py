@@ -1,7 +1,9 @@
 """zero_shot's accounting against a recomputation from lm-eval's own per-item records, and its failures named by
 where they came from. Real lm-eval on the offline world with a tiny model (about a second a call)."""
 
+import logging
 import math
+import time
 
 import pandas as pd
 import pytest
@@ -10,6 +12,7 @@ import torch
 import taylor_tune.evaluation.zero_shot as zs
 from taylor_tune.config import ZERO_SHOT_TASKS, build_eval_spec
 from taylor_tune.errors import EvaluationError
+from taylor_tune.evaluation.requests import PassRequests
 from taylor_tune.evaluation.scorer import make_lm
 from taylor_tune.sources.models import load_model, load_tokenizer
 
@@ -37,12 +40,18 @@ def spec(**kw):
     return build_eval_spec({"task_data": "world", "ppl": None, "limit": 16, **kw})
 
 
-def test_each_tasks_numbers_equal_a_recomputation_from_the_items(lm, lm_eval_calls):
+def test_each_tasks_numbers_equal_a_recomputation_from_the_items(lm, lm_eval_calls, caplog):
     """Per task: the metric's mean and standard error over the items lm-eval scored, both metrics, the item count,
     and the two halves by document parity, all recomputed with pandas from lm-eval's per-item samples."""
-    out, seconds = zs.zero_shot(lm, spec(metrics={"boolq": "acc", "piqa": "acc"}), "world")
+    requests, started = PassRequests(lm), time.perf_counter()
+    with caplog.at_level(logging.INFO, logger="taylor_tune.evaluation.zero_shot"):
+        out, seconds = zs.zero_shot(lm, spec(metrics={"boolq": "acc", "piqa": "acc"}), "world", requests)
     ((call,),) = [lm_eval_calls]  # one lm-eval call for all seven tasks
-    assert len(call["tasks"]) == len(ZERO_SHOT_TASKS) and seconds > 0
+    assert len(call["tasks"]) == len(ZERO_SHOT_TASKS) and 0 < seconds <= time.perf_counter() - started
+    assert requests.built == len(ZERO_SHOT_TASKS)  # the pass's requests came from the object given
+    lines = [r.getMessage() for r in caplog.records if r.name == "taylor_tune.evaluation.zero_shot"]
+    assert lines == [f"{t}: {e['metric']} {e['score']:.4f} (n={e['n']})" for t, e in out.items()] + [
+        f"zero-shot: 7 tasks, {7 * 16} items in {seconds:.1f}s"]
     samples = call["result"]["samples"]
     assert set(out) == set(ZERO_SHOT_TASKS)
     halves_differ = metrics_differ = False
@@ -67,6 +76,20 @@ def test_each_tasks_numbers_equal_a_recomputation_from_the_items(lm, lm_eval_cal
     assert halves_differ and metrics_differ  # the world at this limit tells each swap apart
 
 
+def test_results_are_read_under_the_name_lm_eval_gives_each_task():
+    """A hub task by its registered name, an offline one by its config's (what lm-eval keys `results` by)."""
+    assert zs.result_name("piqa") == "piqa"
+    assert zs.result_name(zs.task_source("piqa", "world")[0]) == "piqa_offline"
+
+
+def test_one_item_has_no_standard_error(lm):
+    """lm-eval reports a standard error over one item as "N/A": no number, not a failure."""
+    out, _ = zs.zero_shot(lm, spec(limit=1, tasks="boolq,arc_easy"), "world")
+    assert out["boolq"]["n"] == out["arc_easy"]["n"] == 1
+    assert out["boolq"]["acc_stderr"] is None and out["arc_easy"]["acc_norm_stderr"] is None
+    assert out["arc_easy"]["score"] in (0.0, 1.0) and out["arc_easy"]["score_stderr"] is None
+
+
 def test_split_scores_of_no_items_in_a_half_is_none_not_a_division_by_zero():
     assert zs.split_scores([{"doc_id": 4, "acc": 1.0}, {"doc_id": 0, "acc": 0.0}], "acc") == {
         "score_sel": 0.5, "n_sel": 2, "score_heldout": None, "n_heldout": 0}
@@ -88,18 +111,30 @@ def test_out_of_memory_is_the_models_failure_and_is_not_run_again_task_by_task(l
     assert len(lm_eval_calls) == 1
 
 
-def test_a_failure_no_task_repeats_alone_is_reported_for_the_pass(lm, monkeypatch):
-    """The pooled call fails, every task alone passes: the error is the pass's, with its type and first line."""
+@pytest.mark.parametrize("message, piqa_fails, expected", [
+    ("pooled batch broke\nsecond line not shown", False, "zero-shot: RuntimeError: pooled batch broke"),
+    ("", False, "zero-shot: RuntimeError: "),  # an error without a message
+    ("pooled batch broke", True, "task piqa: ValueError: piqa row 3 broke"),
+])
+def test_a_failure_is_named_by_the_task_that_repeats_it_alone_or_else_the_pass(lm, monkeypatch, message, piqa_fails,
+                                                                                expected):
+    """The pooled call fails; then each task runs alone: the first that fails names the error (its type and first
+    line), and if none does, the error is the pass's."""
     real, calls = zs.simple_evaluate, []
 
-    def first_call_fails(**kwargs):
-        calls.append(len(kwargs["tasks"]))
+    def failing(**kwargs):
+        names = [t["task"] for t in kwargs["tasks"]]
+        calls.append(names)
         if len(calls) == 1:
-            raise RuntimeError("pooled batch broke\nsecond line not shown")
+            raise RuntimeError(message)
+        if piqa_fails and names == ["piqa_offline"]:
+            raise ValueError("piqa row 3 broke\ntraceback follows")
         return real(**kwargs)
 
-    monkeypatch.setattr(zs, "simple_evaluate", first_call_fails)
+    monkeypatch.setattr(zs, "simple_evaluate", failing)
     with pytest.raises(EvaluationError) as caught:
-        zs.zero_shot(lm, spec(tasks="boolq,piqa"), "world")
-    assert str(caught.value) == "zero-shot: RuntimeError: pooled batch broke"
-    assert calls == [2, 1, 1]  # the pass, then each task alone
+        zs.zero_shot(lm, spec(tasks="boolq,piqa,arc_easy"), "world")
+    assert str(caught.value) == expected
+    alone = [["boolq_offline"], ["piqa_offline"]] if piqa_fails else [[f"{t}_offline"] for t in ("boolq", "piqa",
+                                                                                                   "arc_easy")]
+    assert calls == [["boolq_offline", "piqa_offline", "arc_easy_offline"], *alone]  # the pass, then each alone
