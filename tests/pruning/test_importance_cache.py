@@ -295,8 +295,8 @@ def test_a_trial_waits_for_the_one_computing_and_reads_its_entry(tmp_path):
                              args=(FIELDS, [8], owner))
     first.start()
     assert owner.started.wait(30)
-    second, waited = ImportanceCache(root, poll_s=0.01, stale_s=0.3), Compute(None)
-    threading.Timer(0.6, release.set).start()  # twice the stale age: only the owner's heartbeat keeps the lock
+    second, waited = ImportanceCache(root, poll_s=0.01, stale_s=0.5), Compute(None)  # ten heartbeats
+    threading.Timer(1.0, release.set).start()  # twice the stale age: only the owner's heartbeat keeps the lock
     got = second.get_or_compute(FIELDS, [8], waited)
     first.join(30)
     assert_same(got, results)
