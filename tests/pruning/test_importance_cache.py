@@ -291,17 +291,34 @@ def test_a_damaged_entry_that_another_trial_removes_first_is_computed_again(tmp_
 def test_a_trial_waits_for_the_one_computing_and_reads_its_entry(tmp_path):
     root, results, release = tmp_path / "cache", {8: importance(8, 0)}, threading.Event()
     owner = Compute(results, release)
-    first = threading.Thread(target=ImportanceCache(root, heartbeat_s=0.05).get_or_compute,
-                             args=(FIELDS, [8], owner))
+    first = threading.Thread(target=ImportanceCache(root).get_or_compute, args=(FIELDS, [8], owner))
     first.start()
     assert owner.started.wait(30)
-    second, waited = ImportanceCache(root, poll_s=0.01, stale_s=0.5), Compute(None)  # ten heartbeats
-    threading.Timer(1.0, release.set).start()  # twice the stale age: only the owner's heartbeat keeps the lock
+    second, waited = ImportanceCache(root, poll_s=0.01), Compute(None)
+    threading.Timer(0.2, release.set).start()
     got = second.get_or_compute(FIELDS, [8], waited)
     first.join(30)
     assert_same(got, results)
     assert second.last_event == "hit" and waited.calls == 0 and owner.calls == 1
     assert second.counters() == {"computed": 1, "hits": 1, "takeovers": 0} and leftovers(root) == []
+
+
+def test_the_owner_refreshes_its_lock_while_it_computes_and_stops_after(tmp_path):
+    """The heartbeat that keeps a live owner's lock younger than the stale age (the waiting side, against real
+    processes, is the slow test above): the lock aged by 100 s during the compute is fresh again a few beats later."""
+    root = tmp_path / "cache"
+    lock = root / f"{cache_key(**FIELDS, counts=[8])}.lock"
+    ages = []
+
+    def age_the_lock_and_look_again():
+        old = time.time() - 100
+        os.utime(lock, (old, old))
+        time.sleep(0.4)  # eight beats of 0.05 s
+        ages.append(time.time() - lock.stat().st_mtime)
+
+    ImportanceCache(root, heartbeat_s=0.05).get_or_compute(
+        FIELDS, [8], Compute({8: importance(8, 0)}, during=age_the_lock_and_look_again))
+    assert ages[0] < 50 and not lock.exists()
 
 
 def test_a_lock_that_stopped_beating_is_taken_over(tmp_path):
