@@ -331,15 +331,33 @@ def kendall_tau(before, after, draws: int = 2000, seed: int = 0) -> dict:
     undefined tau, is skipped)."""
     x, y = np.asarray(before, dtype=float), np.asarray(after, dtype=float)
     tau = float(stats.kendalltau(x, y).statistic)
-    rng, taus = np.random.default_rng(seed), []
-    for _ in range(draws):
-        pick = rng.integers(0, len(x), len(x))
-        if len(set(pick.tolist())) > 2:
-            value = stats.kendalltau(x[pick], y[pick]).statistic
-            if np.isfinite(value):
-                taus.append(value)
-    low, high = np.percentile(taus, [2.5, 97.5]) if taus else (math.nan, math.nan)
+    picks = np.random.default_rng(seed).integers(0, len(x), (draws, len(x)))
+    taus = _tau_b_rows(x[picks], y[picks])
+    taus = taus[(_distinct_per_row(picks) > 2) & np.isfinite(taus)]
+    low, high = np.percentile(taus, [2.5, 97.5]) if len(taus) else (math.nan, math.nan)
     return {"tau": tau, "ci95": [float(low), float(high)], "configurations": len(x)}
+
+
+def _tau_b_rows(x: np.ndarray, y: np.ndarray, cells: int = 1 << 22) -> np.ndarray:
+    """Kendall's tau-b of each row pair at once (the bootstrap's thousands of resamples, where one scipy call per
+    resample was most of a report's time): (concordant - discordant) / sqrt(pairs untied in x * pairs untied in y),
+    over the pairs i < j; nan where either is constant. In blocks of rows, so no sign matrix exceeds `cells`."""
+    n = x.shape[1]
+    out = np.full(len(x), math.nan)
+    step = max(1, cells // max(1, n * n))
+    for start in range(0, len(x), step):
+        sx = np.sign(x[start:start + step, :, None] - x[start:start + step, None, :])
+        sy = np.sign(y[start:start + step, :, None] - y[start:start + step, None, :])
+        untied = np.count_nonzero(sx, axis=(1, 2)) * np.count_nonzero(sy, axis=(1, 2)) / 4.0
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out[start:start + step] = np.clip((sx * sy).sum(axis=(1, 2)) / 2.0 / np.sqrt(untied), -1.0, 1.0)
+    return out
+
+
+def _distinct_per_row(picks: np.ndarray) -> np.ndarray:
+    """How many distinct values each row holds."""
+    ordered = np.sort(picks, axis=1)
+    return 1 + np.count_nonzero(np.diff(ordered, axis=1), axis=1) if ordered.shape[1] else np.zeros(len(picks), int)
 
 
 BEFORE, AFTER = "recovery_heldout_loss_before", "recovery_heldout_loss_after"

@@ -105,6 +105,19 @@ def test_kendall_tau_interval_equals_a_bootstrap_by_hand(seed):
     assert stats.kendall_tau(x, y, seed=seed)["ci95"] == pytest.approx(bootstrap_by_hand(x, y, 2000, seed), abs=1e-12)
 
 
+@pytest.mark.parametrize("cells", [1, 50, 1 << 22])  # a block of one row, blocks that split the rows, one block
+def test_tau_b_of_many_rows_at_once_equals_scipy_row_by_row(cells):
+    rng = np.random.default_rng(2)
+    for n in (1, 2, 3, 7, 20):
+        x = np.round(rng.normal(0, 2, (9, n)))  # ties in both
+        y = np.round(x + rng.normal(0, 2, (9, n)))
+        x[0], y[1] = 1.0, 2.0  # a constant row in each: tau-b undefined
+        got = stats._tau_b_rows(x, y, cells=cells)
+        for k in range(len(x)):
+            want = scipy_stats.kendalltau(x[k], y[k]).statistic if n > 1 else math.nan
+            assert got[k] == pytest.approx(want, abs=1e-12, nan_ok=True), (n, k)
+
+
 def test_kendall_tau_interval_is_nan_where_no_resample_has_three_configurations():
     got = stats.kendall_tau([1.0, 2.0], [2.0, 1.0], draws=50)
     assert got["tau"] == -1.0 and all(math.isnan(v) for v in got["ci95"]) and got["configurations"] == 2

@@ -71,7 +71,9 @@ def test_a_short_second_text_is_refused(tmp_path):
 
 
 def test_a_draw_larger_than_the_text_is_refused_naming_its_size(tmp_path, monkeypatch):
-    exp = experiment(tmp_path, taylor_num_samples={"grid": [2, 100000]})
+    text = tmp_path / "own.txt"  # the draw of 100000 x 48 cannot fit, the one of 2 x 48 would
+    text.write_text("\n\n".join(f"word{i} of a calibration text." for i in range(3000)))
+    exp = experiment(tmp_path, NO_TEXT, taylor_num_samples={"grid": [2, 100000]}, calibration={"grid": [str(text)]})
     drawn = []
     real = preflight.draw_calibration
     monkeypatch.setattr(preflight, "draw_calibration", lambda config, tok: drawn.append(config) or real(config, tok))
