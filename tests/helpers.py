@@ -20,6 +20,15 @@ def calibration_ids(num_samples: int, seq_len: int, seed: int = 0) -> torch.Tens
     return load_calibration(byte_tokenizer(), "sample", seq_len=seq_len, num_samples=num_samples, seed=seed)
 
 
+def equal_layers(g: int, c: int, a: int, m: int, layers: int):
+    """A ModelLayout of `layers` equal layers (g attention groups of a parameters, c MLP channels of m), nothing
+    outside them."""
+    from taylor_tune.pruning.plan import ModelLayout
+
+    per_layer = g * a + c * m
+    return ModelLayout((g,) * layers, (c,) * layers, a, m, (per_layer,) * layers, per_layer * layers)
+
+
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 

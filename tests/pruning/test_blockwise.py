@@ -16,11 +16,7 @@ from taylor_tune.pruning.methods.blockwise import (
     removal_loss,
 )
 from taylor_tune.pruning.plan import GroupScores, ModelLayout
-
-
-def layout(g: int, c: int, a: int, m: int, layers: int) -> ModelLayout:
-    per_layer = g * a + c * m
-    return ModelLayout((g,) * layers, (c,) * layers, a, m, (per_layer,) * layers, per_layer * layers)
+from tests.helpers import equal_layers as layout
 
 
 def options(**kw) -> PlanOptions:

@@ -10,6 +10,7 @@ from taylor_tune.pruning.methods.blockwise import plan_blockwise
 from taylor_tune.pruning.methods.layerwise import allocate_layer_ratios, layer_importance, plan_layerwise
 from taylor_tune.pruning.methods.taylor import plan_taylor
 from taylor_tune.pruning.plan import GroupScores, ModelLayout, PrunePlan
+from tests.helpers import equal_layers
 
 G, C, A, M, NORMS = 8, 64, 50, 15, 10  # groups, channels, group sizes (MLP outweighs attention, as in LLMs), norms
 
@@ -189,8 +190,7 @@ def test_validate_accepts_a_plan_that_keeps_every_rule(attn, mlp, gone):
 def small_layout(g: int, layers: int = 6, c: int = 16, a: int = 40, m: int = 10) -> ModelLayout:
     """Coarse GQA as in the real models (SmolLM2: 3 KV groups, Qwen2.5-0.5B: 2): one attention group weighs as
     much as a/m MLP channels."""
-    per_layer = g * a + c * m
-    return ModelLayout((g,) * layers, (c,) * layers, a, m, (per_layer,) * layers, per_layer * layers)
+    return equal_layers(g, c, a, m, layers)
 
 
 def reference_attention_count(scores, lay, rule, sparsity):
