@@ -14,7 +14,9 @@ then recovered (LoRA, ce on the wiki calibration articles, N steps) and measured
 taylor, layerwise, blockwise, magnitude and random), usually with `--num-samples 128 --sparsities 0.2
 --recover-steps 0` (the issue's calibration: wiki, 128 x 64, seed 0).
 
-Resumable: the record (--json) keeps every finished run, and a rerun skips them. --table prints its tables.
+Resumable: the record (--json) keeps every finished run, and a rerun skips them; every measured calibration loss of a
+candidate plan is kept beside it (.losses.json), so a row stopped inside measured_loss's greedy search goes on where
+it stopped. --table prints its tables.
 With --no-speed the runs measure quality only (it does not depend on what else the machine runs); --speeds later
 times every finished run that has no timing beside the unpruned model, on a quiet machine: the depth cuts rebuilt
 from their recorded layers (measured_loss is not searched again), the others pruned again from the importance cache.
@@ -31,6 +33,7 @@ from their recorded layers (measured_loss is not searched again), the others pru
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -46,7 +49,8 @@ from taylor_tune.evaluation.perplexity import perplexity
 from taylor_tune.evaluation.speed import measure_speed, speed_ratios
 from taylor_tune.jsonio import write_json
 from taylor_tune.pruning.apply import remove_layers
-from taylor_tune.pruning.prune import ImportanceCache, prune
+from taylor_tune.pruning.measured import plan_loss
+from taylor_tune.pruning.prune import STAGES, ImportanceCache, make_plan, plan, start
 from taylor_tune.recovery.train import heldout_ids, recover, recovery_ids
 from taylor_tune.reporting import stats
 from taylor_tune.sources.data import load_ppl_text
@@ -98,6 +102,48 @@ def quality(model, tokenizer, model_name: str, args) -> dict:
     return row
 
 
+class LossMemo:
+    """Every candidate plan's measured calibration loss, kept on disk (--json with the suffix .losses.json): the
+    greedy measured-loss search of one large-model row takes hours of forwards, and a process stopped inside a row
+    starts the row again; with the memo it repeats no forward it finished. Keyed by everything the loss depends on:
+    the model, the calibration draw, the dtype, the micro-batch and the plan."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.values = json.loads(path.read_text()) if path.is_file() else {}
+        self.measured = self.remembered = 0
+
+    def wrap(self, config: PruneConfig, loss):
+        def remembered(candidate) -> float:
+            key = hashlib.sha256(repr((
+                config.model, config.calibration, config.seq_len, config.num_samples, config.seed, config.dtype,
+                config.micro_batch_size, candidate.layers_removed, candidate.attn_removed, candidate.mlp_removed,
+            )).encode()).hexdigest()
+            if key in self.values:
+                self.remembered += 1
+            else:
+                self.values[key] = loss(candidate)
+                self.measured += 1
+                write_json(self.path, self.values)
+            return self.values[key]
+
+        return remembered
+
+
+def pruned(config: PruneConfig, cache: ImportanceCache, memo: LossMemo):
+    """`prune(config)`, its plan stage's measured losses read from and written to `memo`."""
+    def remembered_plan(pruning) -> dict[str, float]:
+        begin = time.perf_counter()
+        loss = memo.wrap(config, plan_loss(pruning.model, pruning.calibration.ids, config.micro_batch_size))
+        pruning.plan = make_plan(config, pruning.scores, pruning.layout, loss, pruning.similarity)
+        return {"plan_s": time.perf_counter() - begin}
+
+    pruning = start(config, cache=cache)
+    for stage in STAGES:
+        pruning.timings |= (remembered_plan if stage is plan else stage)(pruning)
+    return pruning
+
+
 def config_of(model_name: str, sparsity: float, name: str, configs: dict, num_samples: int) -> PruneConfig:
     return PruneConfig(model=model_name, sparsity=sparsity, seq_len=64, num_samples=num_samples, calibration="wiki",
                        device="cpu", dtype="float32", seed=0, **configs[name][1])
@@ -122,7 +168,7 @@ def mean_speed(first: dict, last: dict | None) -> dict:
 
 
 def run(model_name: str, sparsity: float, name: str, args, cache: ImportanceCache, recover_steps: int = 0,
-        unrecovered: dict | None = None) -> dict:
+        unrecovered: dict | None = None, memo: LossMemo | None = None) -> dict:
     """One configuration measured; with recover_steps, its `unrecovered` run's model rebuilt (a depth cut from its
     recorded layers: measured_loss's greedy search is not run twice), recovered, and measured again."""
     start = time.perf_counter()
@@ -139,10 +185,14 @@ def run(model_name: str, sparsity: float, name: str, args, cache: ImportanceCach
         row |= {"recovery_loss_before": recovered.loss_before, "recovery_loss_after": recovered.loss_after,
                 "recovery_s": recovered.seconds}
     else:
-        result = prune(config_of(model_name, sparsity, name, configs, args.num_samples), cache=cache)
+        memo = memo or LossMemo(args.json.with_suffix(".losses.json"))
+        before = memo.measured, memo.remembered
+        result = pruned(config_of(model_name, sparsity, name, configs, args.num_samples), cache, memo)
         model, tokenizer = result.model, result.tokenizer
         row = {"family": configs[name][0], "pruning_ratio": result.diagnostics["pruning_ratio"],
                "layers_removed": list(result.plan.layers_removed), "prune_s": time.perf_counter() - start}
+        if memo.measured + memo.remembered > sum(before):  # prune_s then counts only the losses measured here
+            row["plan_losses"] = {"measured": memo.measured - before[0], "remembered": memo.remembered - before[1]}
         if not args.no_speed:
             row |= timed_beside_unpruned(model_name, model)
     row |= quality(model, tokenizer, model_name, args)
@@ -165,7 +215,8 @@ def rebuilt(model_name: str, sparsity: float, name: str, row: dict, args, cache:
         remove_layers(model, tuple(row["layers_removed"]))
         reached = 1 - sum(p.numel() for p in model.parameters()) / total
     else:
-        result = prune(config_of(model_name, sparsity, name, configs, args.num_samples), cache=cache)
+        result = pruned(config_of(model_name, sparsity, name, configs, args.num_samples), cache,
+                        LossMemo(args.json.with_suffix(".losses.json")))
         model, reached = result.model, result.diagnostics["pruning_ratio"]
     if abs(reached - row["pruning_ratio"]) > 1e-3:
         raise RuntimeError(f"{name}: rebuilt at {reached:.4f} of the parameters removed, recorded "
