@@ -194,3 +194,108 @@ def test_blockwise_measured_loss_keeps_the_plan_whose_pruned_model_has_the_lowes
         losses[candidate] = calibration_loss(apply_plan(load_model("tiny-llama"), candidate),
                                              result.calibration_ids[:LOSS_SEQUENCES], 4)
     assert len(losses) > 1 and result.plan == min(losses, key=losses.get)
+
+
+@pytest.mark.parametrize("removed", [(), (1, 1), (-1,), (4,), (9,), (0, 1, 2, 3), (0, 1, 2, 3, 3)])
+def test_removing_no_layer_a_layer_twice_one_out_of_range_or_every_layer_is_refused(removed):
+    from taylor_tune.errors import PlanError
+    from taylor_tune.pruning.apply import remove_layers
+    from tests.helpers import llama
+
+    model = llama(num_hidden_layers=4)
+    with pytest.raises(PlanError, match=rf"^depth: cannot remove layers {list(removed)} of 4$".replace("[", r"\[")):
+        remove_layers(model, removed)
+    assert len(model.model.layers) == model.config.num_hidden_layers == 4  # untouched
+
+
+def test_only_the_per_layer_lists_of_the_config_are_cut():
+    """A config list as long as the layers is per-layer; `architectures` is not, even when it is (two entries, two
+    layers)."""
+    from taylor_tune.pruning.apply import remove_layers
+    from tests.helpers import llama
+
+    model = llama(num_hidden_layers=2, architectures=["LlamaForCausalLM", "LlamaModel"])
+    model.config.per_layer_note = ["first", "second"]  # a per-layer list the code cannot know by name
+    remove_layers(model, (0,))
+    assert model.config.architectures == ["LlamaForCausalLM", "LlamaModel"]
+    assert model.config.per_layer_note == ["second"] and model.config.num_hidden_layers == 1
+
+
+def _with_bias(model, name: str):
+    """`model` with a random bias on every layer's `name` projection (o_proj or down_proj), as FLAP's compensation
+    leaves it."""
+    for layer in model.model.layers:
+        linear = layer.self_attn.o_proj if name == "o_proj" else layer.mlp.down_proj
+        if linear.bias is None:
+            noise = torch.randn(linear.out_features, generator=torch.Generator().manual_seed(1))
+            linear.bias = torch.nn.Parameter(noise)
+    return model
+
+
+def _stock_builds(model, name: str) -> bool:
+    """Whether the model's stock class, built from its config, gives `name` a bias (the independent answer)."""
+    stock = type(model)(model.config)
+    layer = stock.model.layers[0]
+    return (layer.self_attn.o_proj if name == "o_proj" else layer.mlp.down_proj).bias is not None
+
+
+OUTPUT_BIAS_CASES = {  # name -> (model builder, the projections given a bias after building)
+    "llama": ("llama", {}, ()), "llama, o_proj biased": ("llama", {}, ("o_proj",)),
+    "llama, down_proj biased": ("llama", {}, ("down_proj",)),
+    "llama attention_bias": ("llama", {"attention_bias": True}, ()),
+    "llama attention_bias, down_proj biased": ("llama", {"attention_bias": True}, ("down_proj",)),
+    "llama mlp_bias": ("llama", {"mlp_bias": True}, ()),
+    "llama mlp_bias, o_proj biased": ("llama", {"mlp_bias": True}, ("o_proj",)),
+    "qwen2 attention_bias, o_proj biased": ("qwen2", {"attention_bias": True}, ("o_proj",)),
+    "qwen2, down_proj biased": ("qwen2", {}, ("down_proj",)),
+}
+
+
+def _build(kind: str, extra: dict):
+    if kind == "llama":
+        from tests.helpers import llama
+        return llama(**extra)
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, **extra)).eval()
+
+
+@pytest.mark.parametrize("case", sorted(OUTPUT_BIAS_CASES))
+def test_an_output_bias_is_found_exactly_where_the_stock_class_would_not_build_it(case):
+    from taylor_tune.pruning.apply import _output_bias
+
+    kind, extra, biased = OUTPUT_BIAS_CASES[case]
+    model = _build(kind, extra)
+    for name in biased:
+        _with_bias(model, name)
+    want = any(getattr(model.model.layers[0].self_attn if n == "o_proj" else model.model.layers[0].mlp, n).bias
+               is not None and not _stock_builds(model, n) for n in ("o_proj", "down_proj"))
+    assert _output_bias(model) is want
+    assert want == any(n for n in biased if not _stock_builds(model, n))  # the cases hold both answers
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_uniform_llama_with_output_biases_saves_stock_with_every_bias_in_its_dtype(tmp_path, dtype, ids):
+    """Stock Llama builds every projection's bias or none: the others get zero biases of the model's dtype, so the
+    folder loads with no missing or unexpected weight and the same logits."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import llama
+
+    model = _with_bias(llama(), "down_proj").to(dtype)
+    ids = ids % 64
+    before = logits(model, ids)
+    folder = save_pruned(model, tmp_path / "m")
+    assert "auto_map" not in (folder / "config.json").read_text()
+    with safe_open(str(folder / "model.safetensors"), "pt") as weights:
+        kinds = {weights.get_tensor(k).dtype for k in weights.keys()}
+        biases = {k for k in weights.keys() if k.endswith(".bias")}
+    assert kinds == {dtype}
+    assert len(biases) == 3 * 7  # three layers, seven projections each
+    stock, info = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    # the zero biases change nothing (bfloat16: a loaded model keeps its rotary frequencies in float32, and an added
+    # zero can round a sum differently: a few ulps)
+    torch.testing.assert_close(logits(stock, ids), before, rtol=0, atol=1e-6 if dtype == torch.float32 else 4e-3)
