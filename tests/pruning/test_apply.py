@@ -1,5 +1,7 @@
 """The physically pruned model against the original with the same groups zeroed, and what must survive pruning."""
 
+import json
+
 import pytest
 import torch
 
@@ -299,3 +301,82 @@ def test_a_uniform_llama_with_output_biases_saves_stock_with_every_bias_in_its_d
     # the zero biases change nothing (bfloat16: a loaded model keeps its rotary frequencies in float32, and an added
     # zero can round a sum differently: a few ulps)
     torch.testing.assert_close(logits(stock, ids), before, rtol=0, atol=1e-6 if dtype == torch.float32 else 4e-3)
+
+
+def _qwen2(layers: int = 2, **extra):
+    """A Qwen2 built from a config without head_dim (its attention then takes hidden_size / num_attention_heads)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, **extra)
+    assert config.to_dict().get("head_dim") is None
+    return Qwen2ForCausalLM(config).eval()
+
+
+def _plan(attn, mlp) -> PrunePlan:
+    return PrunePlan("by_hand", tuple(tuple(a) for a in attn), tuple(tuple(m) for m in mlp))
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_a_uniform_cut_of_a_config_without_head_dim_saves_stock_and_reloads_the_same(tmp_path, ids, layers):
+    """Half the heads gone: hidden_size / num_attention_heads is then twice the head size, so the saved config must
+    say head_dim; one layer as well as two (the first layer's shape is the layout's)."""
+    from transformers import AutoModelForCausalLM
+
+    model = apply_plan(_qwen2(layers), _plan([(0,)] * layers, [(1, 5, 7)] * layers))
+    ids = ids % 64
+    folder = save_pruned(model, tmp_path / "m")
+    assert "auto_map" not in (folder / "config.json").read_text()
+    stock = AutoModelForCausalLM.from_pretrained(folder)
+    assert (stock.config.num_attention_heads, stock.config.num_key_value_heads, stock.config.intermediate_size,
+            stock.config.num_hidden_layers) == (2, 1, 21, layers)
+    torch.testing.assert_close(logits(stock, ids), logits(model, ids), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["layers of two shapes", "uniform with an output bias"])
+def test_a_pruned_folder_loads_in_plain_transformers_with_its_own_modeling_file(tmp_path, ids, case):
+    """What a folder that is not stock promises: plain transformers with trust_remote_code builds the class config.json
+    names through its auto_map from the copied modeling file, and computes what the pruned model did."""
+    from transformers import AutoModelForCausalLM
+
+    if case == "layers of two shapes":
+        model = apply_plan(_qwen2(), _plan([(0,), ()], [(1,), (2, 3)]))
+    else:
+        model = _with_bias(apply_plan(_qwen2(), _plan([(1,), (1,)], [(), ()])), "o_proj")
+    ids = ids % 64
+    folder = save_pruned(model, tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    manifest = json.loads((folder / "pruned_layout.json").read_text())
+    assert manifest["uniform"] is False and ("pruned_output_bias" in config) is (case != "layers of two shapes")
+    plain = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    assert type(plain).__name__ in config["architectures"] and type(plain).__module__.endswith("taylor_tune_pruned")
+    torch.testing.assert_close(logits(plain, ids), logits(model, ids), rtol=0, atol=1e-6)
+
+
+def test_a_pruned_folder_is_written_into_new_parents_and_over_an_earlier_one(tmp_path, ids):
+    from tests.helpers import llama
+
+    ids = ids % 64
+    first = apply_plan(llama(), _plan([(0,)] * 3, [(0,)] * 3))
+    second = apply_plan(llama(), _plan([(1,)] * 3, [(4, 5)] * 3))
+    folder = tmp_path / "runs" / "trial_1" / "pruned"
+    assert save_pruned(first, folder) == folder
+    save_pruned(second, folder)  # a trial run again writes over its folder
+    again = load_pruned(folder)
+    assert again.config.intermediate_size == 22
+    torch.testing.assert_close(logits(again, ids), logits(second, ids), rtol=0, atol=1e-6)
+
+
+def test_the_zero_biases_of_a_stock_llama_are_made_where_its_weights_are():
+    """On the meta device here (a GPU's case without a GPU): each new bias on its weight's device and dtype."""
+    from taylor_tune.pruning.apply import _stock_biases
+    from tests.helpers import llama
+
+    model = _with_bias(llama(), "o_proj").to(device="meta", dtype=torch.bfloat16)
+    _stock_biases(model)
+    for layer in model.model.layers:
+        for linear in (*(getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
+                       *(getattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))):
+            assert (linear.bias.device, linear.bias.dtype) == (linear.weight.device, linear.weight.dtype)
+    assert model.config.attention_bias and model.config.mlp_bias
