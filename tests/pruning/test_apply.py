@@ -338,6 +338,7 @@ def test_a_uniform_cut_of_a_config_without_head_dim_saves_stock_and_reloads_the_
 def test_a_pruned_folder_loads_in_plain_transformers_with_its_own_modeling_file(tmp_path, ids, case):
     """What a folder that is not stock promises: plain transformers with trust_remote_code builds the class config.json
     names through its auto_map from the copied modeling file, and computes what the pruned model did."""
+    from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     if case == "layers of two shapes":
@@ -352,6 +353,12 @@ def test_a_pruned_folder_loads_in_plain_transformers_with_its_own_modeling_file(
     plain = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
     assert type(plain).__name__ in config["architectures"] and type(plain).__module__.endswith("taylor_tune_pruned")
     torch.testing.assert_close(logits(plain, ids), logits(model, ids), rtol=0, atol=1e-6)
+    # the manifest's layers are the shapes of the weights written (8: the head size)
+    with safe_open(str(folder / "model.safetensors"), "pt") as weights:
+        rows = lambda layer, name: weights.get_slice(f"model.layers.{layer}.{name}.weight").get_shape()[0]
+        assert manifest["layers"] == [{"num_attention_heads": rows(i, "self_attn.q_proj") // 8,
+                                       "num_key_value_heads": rows(i, "self_attn.k_proj") // 8,
+                                       "intermediate_size": rows(i, "mlp.gate_proj")} for i in range(2)]
 
 
 def test_a_pruned_folder_is_written_into_new_parents_and_over_an_earlier_one(tmp_path, ids):
@@ -380,3 +387,22 @@ def test_the_zero_biases_of_a_stock_llama_are_made_where_its_weights_are():
                        *(getattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))):
             assert (linear.bias.device, linear.bias.dtype) == (linear.weight.device, linear.weight.dtype)
     assert model.config.attention_bias and model.config.mlp_bias
+
+
+@pytest.mark.parametrize("source, world", [("tiny-llama", "world"), ("smollm2-135m", "real"), (None, "hub")])
+def test_a_pruned_folder_takes_the_world_of_the_model_it_was_pruned_from(tmp_path, source, world):
+    from taylor_tune.sources.data import world_of
+    from tests.helpers import llama
+
+    folder = save_pruned(apply_plan(llama(), _plan([(0,)] * 3, [()] * 3)), tmp_path / "m", source_model=source)
+    assert world_of(str(folder)) == world
+
+
+def test_a_plan_is_applied_where_the_weights_are():
+    """On the meta device (a GPU's case without a GPU): every new projection on its old one's device and dtype."""
+    from tests.helpers import llama
+
+    model = llama().to(device="meta", dtype=torch.bfloat16)
+    apply_plan(model, _plan([(0,), (), (1,)], [(1, 2), (3,), ()]))
+    assert {(p.device.type, p.dtype) for p in model.parameters()} == {("meta", torch.bfloat16)}
+    assert [layer.mlp.gate_proj.out_features for layer in model.model.layers] == [22, 23, 24]
