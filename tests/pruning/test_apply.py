@@ -406,3 +406,4 @@ def test_a_plan_is_applied_where_the_weights_are():
     apply_plan(model, _plan([(0,), (), (1,)], [(1, 2), (3,), ()]))
     assert {(p.device.type, p.dtype) for p in model.parameters()} == {("meta", torch.bfloat16)}
     assert [layer.mlp.gate_proj.out_features for layer in model.model.layers] == [22, 23, 24]
+    assert [layer.mlp.intermediate_size for layer in model.model.layers] == [22, 23, 24]  # what it says of itself
