@@ -168,7 +168,7 @@ def mean_speed(first: dict, last: dict | None) -> dict:
 
 
 def run(model_name: str, sparsity: float, name: str, args, cache: ImportanceCache, recover_steps: int = 0,
-        unrecovered: dict | None = None, memo: LossMemo | None = None) -> dict:
+        unrecovered: dict | None = None) -> dict:
     """One configuration measured; with recover_steps, its `unrecovered` run's model rebuilt (a depth cut from its
     recorded layers: measured_loss's greedy search is not run twice), recovered, and measured again."""
     start = time.perf_counter()
@@ -185,14 +185,13 @@ def run(model_name: str, sparsity: float, name: str, args, cache: ImportanceCach
         row |= {"recovery_loss_before": recovered.loss_before, "recovery_loss_after": recovered.loss_after,
                 "recovery_s": recovered.seconds}
     else:
-        memo = memo or LossMemo(args.json.with_suffix(".losses.json"))
-        before = memo.measured, memo.remembered
+        memo = LossMemo(args.json.with_suffix(".losses.json"))
         result = pruned(config_of(model_name, sparsity, name, configs, args.num_samples), cache, memo)
         model, tokenizer = result.model, result.tokenizer
         row = {"family": configs[name][0], "pruning_ratio": result.diagnostics["pruning_ratio"],
                "layers_removed": list(result.plan.layers_removed), "prune_s": time.perf_counter() - start}
-        if memo.measured + memo.remembered > sum(before):  # prune_s then counts only the losses measured here
-            row["plan_losses"] = {"measured": memo.measured - before[0], "remembered": memo.remembered - before[1]}
+        if memo.measured + memo.remembered:  # prune_s then counts only the losses measured here
+            row["plan_losses"] = {"measured": memo.measured, "remembered": memo.remembered}
         if not args.no_speed:
             row |= timed_beside_unpruned(model_name, model)
     row |= quality(model, tokenizer, model_name, args)

@@ -257,10 +257,7 @@ def _build(kind: str, extra: dict):
     if kind == "llama":
         from tests.helpers import llama
         return llama(**extra)
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, **extra)).eval()
+    return _qwen2(**extra)
 
 
 @pytest.mark.parametrize("case", sorted(OUTPUT_BIAS_CASES))
