@@ -12,12 +12,13 @@ from taylor_tune.sweep.trial import TrialConfig, run_trial
 from tests.test_refused_before_work import experiment, nothing_started, one_line, run
 
 
-def a_trial(recovery: RecoverySpec | None) -> TrialConfig:
+def a_trial(recovery: RecoverySpec | None, *, model: str = "tiny-llama", sparsity: float = 0.4, seq_len: int = 32,
+            num_samples: int = 16, windows: int = 8, batch_size: int = 16, items: int = 20) -> TrialConfig:
     return TrialConfig(
-        prune=PruneConfig(model="tiny-llama", method="taylor", sparsity=0.4, seq_len=32, num_samples=16,
+        prune=PruneConfig(model=model, method="taylor", sparsity=sparsity, seq_len=seq_len, num_samples=num_samples,
                           calibration="world", device="cpu", dtype="float32"),
-        evaluation=Evaluation(tasks="piqa", task_data="world", ppl="world", ppl_max_windows=8, batch_size=16,
-                              fidelities=[20], speed=None),
+        evaluation=Evaluation(tasks="piqa", task_data="world", ppl="world", ppl_max_windows=windows,
+                              batch_size=batch_size, fidelities=[items], speed=None),
         recovery=recovery,
     )
 
@@ -65,3 +66,94 @@ def test_recovery_on_the_real_world_text_needs_it_fetched(capsys, tmp_path, monk
     monkeypatch.setenv("TAYLOR_TUNE_HOME", str(tmp_path / "empty_home"))
     code, _, err = run(capsys, "sweep", experiment(tmp_path, recovery={"data": "wiki"}))
     one_line(code, err, "recovery.data:", "taylor-tune fetch wiki")
+
+
+def test_a_recovery_stage_reports_the_losses_of_the_models_it_trains_and_the_evaluation_scores_the_recovered_one(
+        tmp_path, monkeypatch):
+    """The recovery stage of a trial, fast (4 steps of a random tiny model) and against plain-torch recomputations:
+    the held-out loss before is the pruned model's next-token cross-entropy on the held-out windows, after is the
+    recovered model's (each reported with its perplexity, exp); the curve's point and the training-loss means are the
+    steps' own losses averaged since the last point; the evaluation scores the recovered model; evaluate_before is
+    exactly the evaluation of a trial without recovery; a kd recovery's teacher is the model as the trial loaded it."""
+    import math
+
+    import torch
+
+    from taylor_tune import schema
+    from taylor_tune.evaluation.evaluate import Evaluator
+    from taylor_tune.pruning import prune as pruning_stages
+    from taylor_tune.sources.models import load_tokenizer
+    from taylor_tune.sweep import trial as trial_module
+
+    seen, loads = {}, []
+    recover = trial_module.recover
+
+    def spied(model, ids, held, spec, **kwargs):
+        seen.update(held=held.clone(), teacher=kwargs.get("teacher"))
+        seen["result"] = recover(model, ids, held, spec, **kwargs)
+        return seen["result"]
+
+    monkeypatch.setattr(trial_module, "recover", spied)
+    for module in (trial_module, pruning_stages):
+        real = module.load_model
+        monkeypatch.setattr(module, "load_model", lambda spec, real=real, name=module.__name__, **kwargs:
+                            loads.append((name, spec, kwargs)) or real(spec, **kwargs))
+
+    def a_tiny_trial(recovery: RecoverySpec | None) -> TrialConfig:  # a random model: no training before
+        return a_trial(recovery, model="tiny-llama-random", sparsity=0.3, seq_len=16, num_samples=4, windows=2,
+                       batch_size=8, items=4)
+
+    def cross_entropy(model, ids: torch.Tensor) -> float:  # every predicted token of every window weighs the same
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[:, :-1]
+        return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)))
+
+    spec = RecoverySpec(data="world", steps=4, lr=5e-3, warmup_steps=1, micro_batch_size=2, seq_len=16,
+                        lora_dropout=0.0, eval_every=2, heldout_windows=3, evaluate_before=True)
+    reports = []
+    recovered = run_trial(a_tiny_trial(spec), tmp_path / "r", report=lambda m: reports.append(dict(m)))
+    result, held = seen["result"], seen["held"]
+    assert seen["teacher"] is None and [name for name, _, _ in loads] == [pruning_stages.__name__]  # ce: no teacher
+    assert [r["stage"] for r in reports] == ["pruned", "recovery_2", "recovered", "ppl", "zero_shot_4"]
+    assert [r["recovery_point"] for r in reports[1:3]] == [1, 2] and reports[2]["recovery_step"] == 4
+    assert [s.name for s in trial_module.trial_stages(a_tiny_trial(spec))] == [
+        "unpruned_speed", "start", "load", "score", "plan", "apply", "pruned", "before_recovery", "recovery",
+        "evaluator", "ppl", "zero_shot_0"]  # evaluated before, recovered, evaluated after
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["recovery"] == spec.model_dump(mode="json")
+    settings = spec.model_dump()  # the recovery's settings are columns of its row, as a search varies them
+    assert {c: recovered[c] for c in schema.RECOVERY_DIMENSIONS} == {
+        c: settings[f] for c, f in schema.RECOVERY_DIMENSIONS.items()}
+
+    pruned = pruning_stages.prune(a_tiny_trial(spec).prune).model  # the trial's pruned model, before recovery
+    assert held.shape == (3, 16)
+    assert recovered["recovery_heldout_loss_before"] == pytest.approx(cross_entropy(pruned, held), rel=1e-5)
+    assert recovered["recovery_heldout_loss_after"] == pytest.approx(cross_entropy(result.model, held), rel=1e-5)
+    assert recovered["recovery_heldout_loss"] == recovered["recovery_heldout_loss_after"]
+    for when in ("before", "after"):
+        assert recovered[f"recovery_heldout_ppl_{when}"] == pytest.approx(
+            math.exp(recovered[f"recovery_heldout_loss_{when}"]), rel=1e-12)
+    steps = result.train_loss
+    assert len(steps) == 4 and all(loss > 0 for loss in steps)
+    assert reports[1]["recovery_heldout_loss"] == result.curve[1][1]
+    assert reports[1]["recovery_train_loss"] == pytest.approx((steps[0] + steps[1]) / 2, rel=1e-12)
+    assert recovered["recovery_train_loss"] == pytest.approx((steps[2] + steps[3]) / 2, rel=1e-12)
+    assert recovered["recovery_train_loss_last"] == steps[3]
+    assert recovered["recovery_s"] == result.seconds > 0
+
+    evaluation = Evaluator(result.model, load_tokenizer("tiny-llama-random"),
+                           a_tiny_trial(None).evaluation.spec(None), model_name="tiny-llama-random")
+    assert recovered["ppl"] == pytest.approx(evaluation.perplexity().ppl, rel=1e-9)  # the recovered model's
+
+    plain = run_trial(a_tiny_trial(None), tmp_path / "p")
+    assert recovered["before_recovery_ppl"] == plain["ppl"] != recovered["ppl"]
+    assert {k: recovered[f"before_recovery_{k}"] for k in ("acc_mean", "acc_piqa", "acc_piqa_stderr", "acc_piqa_n")} \
+        == {k: plain[k] for k in ("acc_mean", "acc_piqa", "acc_piqa_stderr", "acc_piqa_n")}
+    assert recovered["before_recovery_s"] > 0
+
+    loads.clear()
+    kd = run_trial(a_tiny_trial(spec.model_copy(update={"loss": "kd", "evaluate_before": False})), tmp_path / "kd")
+    (_, teacher_spec, teacher), (_, pruned_spec, pruned_load) = sorted(
+        loads, key=lambda load: load[0] != trial_module.__name__)
+    assert (teacher_spec, teacher) == (pruned_spec, pruned_load)  # the unpruned model, loaded as the trial's own
+    assert sum(p.numel() for p in seen["teacher"].parameters()) == kd["params_count_before"]
+    assert not any(k.startswith("before_recovery") for k in kd)

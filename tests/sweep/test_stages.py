@@ -43,12 +43,16 @@ def recorded(monkeypatch):
 
 
 def test_a_trial_runs_its_stages_in_order_from_one_list_and_asks_the_service_once(tmp_path, monkeypatch):
-    seen, reports = recorded(monkeypatch), []
+    from taylor_tune.sweep.tune.scheduler import PASS
+
+    seen, reports, passes = recorded(monkeypatch), [], []
     cache = str(tmp_path / "sweep" / "importance_cache")
-    first = run_trial(a_trial(cache), tmp_path / "a", report=lambda m: reports.append(m["stage"]))
+    first = run_trial(a_trial(cache), tmp_path / "a",
+                      report=lambda m: reports.append(m["stage"]) or passes.append(m.get(PASS)))
     # a miss: the service draws once (the largest sample count, inside the score stage) and computes
     assert seen == EXPECTED[:4] + ["service", "draw"] + EXPECTED[4:]
     assert reports == ["pruned", "speed", "ppl", "zero_shot_2", "zero_shot_4"]
+    assert passes == [None, None, None, 0, 1]  # each zero-shot report's pass: the rung FidelityASHA counts it at
     assert first["importance_cache"] == "computed" and first["stage"] == "done"
 
     seen.clear()

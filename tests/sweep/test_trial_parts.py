@@ -1,0 +1,162 @@
+"""What one trial writes and measures, against independent computations: its configuration columns, its per-layer
+analysis (from the pruned model's own shapes), the unpruned model it times (loaded as the trial's own model, one
+measurement per resolved dtype), and the machine a measurement is of."""
+
+import json
+import time
+
+import pytest
+import torch
+
+from taylor_tune import schema
+from taylor_tune.config import PruneConfig, SpeedSpec
+from taylor_tune.pruning import prune as pruning_stages
+from taylor_tune.sources.models import load_model
+from taylor_tune.sweep import trial as trial_module
+from taylor_tune.sweep.experiment import Evaluation
+from taylor_tune.sweep.trial import TrialConfig, completed_metrics, run_trial, trial_columns
+
+SPEED = SpeedSpec(prefill_batch=1, prefill_len=8, decode_batch=2, prompt_len=4, new_tokens=2, context=64, repeats=1,
+                  warmup=0)
+
+
+def a_trial(cache_dir: str | None, *, dtype: str = "float32", speed: SpeedSpec | None = None, **prune) -> TrialConfig:
+    return TrialConfig(
+        prune=PruneConfig(**{"model": "tiny-llama-random", "method": "taylor", "seq_len": 16, "num_samples": 4,
+                             "calibration": "world", "device": "cpu", "dtype": dtype, **prune}),
+        evaluation=Evaluation(tasks="piqa", task_data="world", ppl=None, batch_size=8, fidelities=[2], speed=speed),
+        sample_counts=(4,), cache_dir=cache_dir,
+    )
+
+
+def test_a_trials_columns_are_the_tables_names_for_each_setting_it_ran_with():
+    config = PruneConfig(model="tiny-qwen2", method="blockwise", seq_len=24, num_samples=6, seed=3, sparsity=0.3,
+                         layerwise_max_ratio=0.7, blockwise_layer_start=1, blockwise_layer_end=2,
+                         blockwise_attention="mlp_only", criterion="wanda_sp", calibration="sample", uniform=True,
+                         depth_criterion="angular", depth_share=0.5)
+    values = config.model_dump()
+    # the consolidated table's five identifying columns (docs/specification.md §3), named as the table names them
+    expected = {"model": "tiny-qwen2", "pruning_method": "blockwise", "taylor_seq_len": 24, "taylor_num_samples": 6,
+                "seed": 3}
+    expected |= {column: values[field] for column, field in schema.DIMENSIONS.items()}
+    assert trial_columns(config) == expected
+    assert set(expected) == set(schema.CONFIG_COLUMNS) | set(schema.DIMENSIONS)
+
+
+def test_a_trials_layer_analysis_is_what_its_pruned_model_kept(tmp_path):
+    """layer_analysis.json (the report's per-layer plots read it) against the pruned and unpruned models' own weights:
+    each layer's share of parameters removed, the attention groups (k_proj rows / head size) and MLP channels
+    (gate_proj rows) kept, and the gradient statistics the importance pass stored."""
+    from safetensors.torch import load_file
+
+    trial = a_trial(str(tmp_path / "sweep" / "importance_cache"), sparsity=0.3)
+    trial = trial.model_copy(update={"sample_counts": (4, 8)})
+    folder = tmp_path / "trials" / "t"  # its parents made
+    metrics = run_trial(trial, folder)
+    layers = json.loads((folder / "layer_analysis.json").read_text())
+    assert metrics["importance_cache"] == "computed" and metrics["output_dir"] == str(folder)
+    record = json.loads((folder / "config.json").read_text())
+    # without recovery, the record an older sweep's finished trial holds: no recovery key (so it is found finished)
+    assert TrialConfig.model_validate(record) == trial and "recovery" not in record
+    assert completed_metrics(folder, trial) == metrics | {"stage": schema.zero_shot_stage(2)}  # as its last report
+    assert list((tmp_path / "sweep" / "requests").iterdir())  # the sweep's zero-shot requests, for its next trials
+    # the pruning's summary keeps every pruning stage's seconds, as the trial reported them
+    timings = json.loads((folder / "pruning_summary.json").read_text())["timings_s"]
+    stages = ("calibration_s", "load_s", "importance_s", "plan_s", "apply_s", "prune_s")
+    assert {k: timings[k] for k in stages} == {k: metrics[k] for k in stages}
+    # the pass stored every sample count of the search: a trial of 8 samples reads it
+    more = trial.model_copy(update={"prune": trial.prune.model_copy(update={"num_samples": 8})})
+    assert run_trial(more, tmp_path / "t8")["importance_cache"] == "hit"
+    # without a sweep's cache, its data named `auto` (the tiny model's world), run again in the same folder: no cache
+    # column, the same pruning and the same evaluation
+    auto = Evaluation(tasks="piqa", task_data="auto", ppl="auto", ppl_max_windows=2, batch_size=8, fidelities=[2],
+                      speed=None)
+    alone = trial.model_copy(update={"cache_dir": None, "evaluation": auto})
+    again = run_trial(alone, folder, output_dir="storage/t")
+    assert "importance_cache" not in again and again["output_dir"] == "storage/t"
+    assert TrialConfig.model_validate(json.loads((folder / "config.json").read_text())) == alone
+    assert completed_metrics(folder, trial) is None  # the folder now holds another configuration's trial
+    assert completed_metrics(folder, alone) == again | {"stage": schema.zero_shot_stage(2)}
+    assert json.loads((folder / "layer_analysis.json").read_text()) == layers
+    assert (again["acc_piqa"], again["acc_piqa_n"]) == (metrics["acc_piqa"], metrics["acc_piqa_n"])
+    world = trial.model_copy(update={"cache_dir": None, "evaluation": auto.model_copy(
+        update={"task_data": "world", "ppl": "world"})})
+    assert run_trial(world, tmp_path / "world")["ppl"] == again["ppl"]
+    assert {k: metrics[k] for k in schema.CONFIG_COLUMNS} == {
+        "model": "tiny-llama-random", "pruning_method": "taylor", "taylor_seq_len": 16, "taylor_num_samples": 4,
+        "seed": 0}
+
+    # the trial's pruned model, rebuilt: pruning is deterministic for a config
+    pruned = pruning_stages.prune(trial.prune).model
+    original = load_model("tiny-llama-random")
+    head = original.config.head_dim
+    count = lambda layer: sum(p.numel() for p in layer.parameters())
+    entry = next((tmp_path / "sweep" / "importance_cache").glob("*.safetensors"))
+    stored = load_file(str(entry))
+    assert len(layers) == original.config.num_hidden_layers
+    for i, (row, before, after) in enumerate(zip(layers, original.model.layers, pruned.model.layers)):
+        removed = 1 - count(after) / count(before)
+        assert row["layer"] == i
+        assert row["pruning_ratio"] == pytest.approx(removed, abs=1e-12)
+        assert row["retention_ratio"] == pytest.approx(1 - removed, abs=1e-12)
+        assert row["attention_groups_kept"] == after.self_attn.k_proj.out_features // head
+        assert row["mlp_channels_kept"] == after.mlp.gate_proj.out_features
+        assert row["grad_mean"] == pytest.approx(float(stored["n4.layer_grad_mean"][i]), rel=1e-6)
+        assert row["grad_norm"] == pytest.approx(float(stored["n4.layer_grad_norm"][i]), rel=1e-6)
+    assert 0 < sum(r["pruning_ratio"] for r in layers)  # something was cut
+    assert "peak_gpu_memory_bytes" not in metrics  # a CPU trial claims no GPU memory
+
+
+def test_the_unpruned_model_timed_is_the_trials_own_and_is_measured_once_per_resolved_dtype(tmp_path, monkeypatch):
+    """The unpruned speed a trial's speedups divide by: loaded exactly as the trial loads the model it prunes (device,
+    dtype, remote code, seed), in that dtype (its weight bytes), measured by the first trial of a dtype and read by
+    the next (auto on a CPU is float32), and its seconds within the trial's own wall time."""
+    loads = []
+    for module in (trial_module, pruning_stages):
+        real = module.load_model
+        monkeypatch.setattr(module, "load_model", lambda spec, real=real, name=module.__name__, **kwargs:
+                            loads.append((name, spec, kwargs)) or real(spec, **kwargs))
+    cache = str(tmp_path / "sweep" / "importance_cache")
+    runs = []
+    for i, dtype in enumerate(["auto", "bfloat16", "float32"]):
+        loads.clear()
+        start, began = time.perf_counter(), time.time()
+        metrics = run_trial(a_trial(cache, dtype=dtype, speed=SPEED), tmp_path / str(i))
+        runs.append((metrics, (time.perf_counter() - start, began, time.time()), list(loads)))
+
+    for metrics, (wall, began, ended), seen in runs[:2]:  # measured
+        trial_first = sorted(seen, key=lambda load: load[0] != trial_module.__name__)
+        (_, timed_spec, timed), (_, pruned_spec, pruned) = trial_first
+        assert (timed_spec, timed) == (pruned_spec, pruned)
+        assert 0 < metrics["unpruned_speed_s"] < wall
+        # the pruned model timed inside the trial's own window, after waiting its turn at the node's timing lock
+        assert began <= metrics["speed_timed_from"] <= metrics["speed_timed_to"] <= ended
+        assert 0 <= metrics["speed_wait_s"] < wall and metrics["speed_reused"] is False
+        assert 0 < metrics["speed_s"] < wall and "peak_gpu_memory_bytes" not in metrics  # a CPU trial
+    third, _, seen = runs[2]
+    assert [name for name, _, _ in seen] == [pruning_stages.__name__]  # read: only the model to prune was loaded
+    assert "unpruned_speed_s" not in third
+    # the same pruned shapes in the same dtype as the first trial: its measurement read, nothing timed
+    assert third["speed_reused"] is True and "speed_timed_from" not in third and "speed_wait_s" not in third
+    assert third["decode_tokens_per_s"] == runs[0][0]["decode_tokens_per_s"]
+    assert {k: v for k, v in third.items() if k.startswith("unpruned_")} == {
+        k: v for k, v in runs[0][0].items() if k.startswith("unpruned_") and k != "unpruned_speed_s"}
+
+    def held(dtype: torch.dtype) -> int:  # every tensor the model holds (the rotary frequencies too), in bytes
+        model = load_model("tiny-llama-random", dtype=dtype)
+        return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+    fp32, bf16 = held(torch.float32), held(torch.bfloat16)
+    assert bf16 < fp32 and [m["unpruned_weight_bytes"] for m, _, _ in runs] == [fp32, bf16, fp32]
+    assert len(list((tmp_path / "sweep" / "unpruned_speed").glob("*.json"))) == 2
+
+
+def test_a_measurement_is_of_the_gpu_it_ran_on_or_of_this_host(monkeypatch):
+    """Speed entries are keyed by what they measured: a CUDA device's own name (each index asked by itself), or the
+    CPU of this host. The CUDA query is replaced (this machine has no GPU); tests/test_gpu.py runs it for real."""
+    import socket
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: f"GPU {torch.device(device).index}")
+    assert trial_module.machine(torch.device("cuda:1")) == "GPU 1"
+    assert trial_module.machine(torch.device("cuda", 0)) == "GPU 0"
+    assert trial_module.machine(torch.device("cpu")) == f"cpu@{socket.gethostname()}"
