@@ -110,7 +110,8 @@ def test_a_trials_layer_analysis_is_what_its_pruned_model_kept(tmp_path):
 def test_the_unpruned_model_timed_is_the_trials_own_and_is_measured_once_per_resolved_dtype(tmp_path, monkeypatch):
     """The unpruned speed a trial's speedups divide by: loaded exactly as the trial loads the model it prunes (device,
     dtype, remote code, seed), in that dtype (its weight bytes), measured by the first trial of a dtype and read by
-    the next (auto on a CPU is float32), and its seconds within the trial's own wall time."""
+    the next (auto on a CPU is float32 on the CPU), and its seconds within the trial's own wall time; the pruned
+    model's speed likewise, per layer shapes and dtype."""
     loads = []
     for module in (trial_module, pruning_stages):
         real = module.load_model
@@ -118,10 +119,12 @@ def test_the_unpruned_model_timed_is_the_trials_own_and_is_measured_once_per_res
                             loads.append((name, spec, kwargs)) or real(spec, **kwargs))
     cache = str(tmp_path / "sweep" / "importance_cache")
     runs = []
-    for i, dtype in enumerate(["auto", "bfloat16", "float32"]):
+    # uniform cuts: the same layer shapes in every dtype, so only the dtype tells their pruned measurements apart
+    for i, (dtype, device) in enumerate([("auto", "cpu"), ("bfloat16", "cpu"), ("float32", "auto")]):
         loads.clear()
         start, began = time.perf_counter(), time.time()
-        metrics = run_trial(a_trial(cache, dtype=dtype, speed=SPEED), tmp_path / str(i))
+        trial = a_trial(cache, dtype=dtype, speed=SPEED, device=device, uniform=True, sparsity=0.3)
+        metrics = run_trial(trial, tmp_path / str(i))
         runs.append((metrics, (time.perf_counter() - start, began, time.time()), list(loads)))
 
     for metrics, (wall, began, ended), seen in runs[:2]:  # measured
@@ -133,7 +136,8 @@ def test_the_unpruned_model_timed_is_the_trials_own_and_is_measured_once_per_res
         assert began <= metrics["speed_timed_from"] <= metrics["speed_timed_to"] <= ended
         assert 0 <= metrics["speed_wait_s"] < wall and metrics["speed_reused"] is False
         assert 0 < metrics["speed_s"] < wall and "peak_gpu_memory_bytes" not in metrics  # a CPU trial
-    third, _, seen = runs[2]
+    assert runs[0][0]["params_count"] == runs[1][0]["params_count"] == runs[2][0]["params_count"]
+    third, _, seen = runs[2]  # auto: this CPU, as the first trial's
     assert [name for name, _, _ in seen] == [pruning_stages.__name__]  # read: only the model to prune was loaded
     assert "unpruned_speed_s" not in third
     # the same pruned shapes in the same dtype as the first trial: its measurement read, nothing timed
