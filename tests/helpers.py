@@ -81,3 +81,15 @@ def llama(**extra):
     config = LlamaConfig(**dict(vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=3,
                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8) | extra)
     return LlamaForCausalLM(config).eval()
+
+
+def record_loads(monkeypatch, *modules) -> list[tuple[str, str, dict]]:
+    """Every `load_model` call made through each module's own name, as (module name, model, keyword arguments); the
+    real load still runs. A test compares two loads' arguments (the unpruned model a trial times or distils from is
+    loaded as the trial's own model)."""
+    loads = []
+    for module in modules:
+        real = module.load_model
+        monkeypatch.setattr(module, "load_model", lambda spec, real=real, name=module.__name__, **kwargs:
+                            loads.append((name, spec, kwargs)) or real(spec, **kwargs))
+    return loads

@@ -9,6 +9,7 @@ from taylor_tune.config import PruneConfig, RecoverySpec
 from taylor_tune.sources.world import heldout_path
 from taylor_tune.sweep.experiment import Evaluation
 from taylor_tune.sweep.trial import TrialConfig, run_trial
+from tests.helpers import record_loads
 from tests.test_refused_before_work import experiment, nothing_started, one_line, run
 
 
@@ -85,7 +86,7 @@ def test_a_recovery_stage_reports_the_losses_of_the_models_it_trains_and_the_eva
     from taylor_tune.sources.models import load_tokenizer
     from taylor_tune.sweep import trial as trial_module
 
-    seen, loads = {}, []
+    seen, loads = {}, record_loads(monkeypatch, trial_module, pruning_stages)
     recover = trial_module.recover
 
     def spied(model, ids, held, spec, **kwargs):
@@ -94,10 +95,6 @@ def test_a_recovery_stage_reports_the_losses_of_the_models_it_trains_and_the_eva
         return seen["result"]
 
     monkeypatch.setattr(trial_module, "recover", spied)
-    for module in (trial_module, pruning_stages):
-        real = module.load_model
-        monkeypatch.setattr(module, "load_model", lambda spec, real=real, name=module.__name__, **kwargs:
-                            loads.append((name, spec, kwargs)) or real(spec, **kwargs))
 
     def a_tiny_trial(recovery: RecoverySpec | None) -> TrialConfig:  # a random model: no training before
         return a_trial(recovery, model="tiny-llama-random", sparsity=0.3, seq_len=16, num_samples=4, windows=2,
@@ -152,8 +149,7 @@ def test_a_recovery_stage_reports_the_losses_of_the_models_it_trains_and_the_eva
 
     loads.clear()
     kd = run_trial(a_tiny_trial(spec.model_copy(update={"loss": "kd", "evaluate_before": False})), tmp_path / "kd")
-    (_, teacher_spec, teacher), (_, pruned_spec, pruned_load) = sorted(
-        loads, key=lambda load: load[0] != trial_module.__name__)
-    assert (teacher_spec, teacher) == (pruned_spec, pruned_load)  # the unpruned model, loaded as the trial's own
+    teacher_load, pruned_load = sorted(loads, key=lambda load: load[0] != trial_module.__name__)
+    assert teacher_load[1:] == pruned_load[1:]  # the unpruned model, loaded as the trial's own
     assert sum(p.numel() for p in seen["teacher"].parameters()) == kd["params_count_before"]
     assert not any(k.startswith("before_recovery") for k in kd)

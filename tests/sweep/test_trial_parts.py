@@ -15,6 +15,7 @@ from taylor_tune.sources.models import load_model
 from taylor_tune.sweep import trial as trial_module
 from taylor_tune.sweep.experiment import Evaluation
 from taylor_tune.sweep.trial import TrialConfig, completed_metrics, run_trial, trial_columns
+from tests.helpers import record_loads
 
 SPEED = SpeedSpec(prefill_batch=1, prefill_len=8, decode_batch=2, prompt_len=4, new_tokens=2, context=64, repeats=1,
                   warmup=0)
@@ -112,11 +113,7 @@ def test_the_unpruned_model_timed_is_the_trials_own_and_is_measured_once_per_res
     dtype, remote code, seed), in that dtype (its weight bytes), measured by the first trial of a dtype and read by
     the next (auto on a CPU is float32 on the CPU), and its seconds within the trial's own wall time; the pruned
     model's speed likewise, per layer shapes and dtype."""
-    loads = []
-    for module in (trial_module, pruning_stages):
-        real = module.load_model
-        monkeypatch.setattr(module, "load_model", lambda spec, real=real, name=module.__name__, **kwargs:
-                            loads.append((name, spec, kwargs)) or real(spec, **kwargs))
+    loads = record_loads(monkeypatch, trial_module, pruning_stages)
     cache = str(tmp_path / "sweep" / "importance_cache")
     runs = []
     # uniform cuts: the same layer shapes in every dtype, so only the dtype tells their pruned measurements apart
@@ -128,9 +125,8 @@ def test_the_unpruned_model_timed_is_the_trials_own_and_is_measured_once_per_res
         runs.append((metrics, (time.perf_counter() - start, began, time.time()), list(loads)))
 
     for metrics, (wall, began, ended), seen in runs[:2]:  # measured
-        trial_first = sorted(seen, key=lambda load: load[0] != trial_module.__name__)
-        (_, timed_spec, timed), (_, pruned_spec, pruned) = trial_first
-        assert (timed_spec, timed) == (pruned_spec, pruned)
+        timed_load, pruned_load = sorted(seen, key=lambda load: load[0] != trial_module.__name__)
+        assert timed_load[1:] == pruned_load[1:]  # the same model, device, dtype, remote code and seed
         assert 0 < metrics["unpruned_speed_s"] < wall
         # the pruned model timed inside the trial's own window, after waiting its turn at the node's timing lock
         assert began <= metrics["speed_timed_from"] <= metrics["speed_timed_to"] <= ended
