@@ -6,6 +6,7 @@ model input (`(context + continuation)[-(max_length + 1):][:-1]`) computed here.
 
 import pytest
 import torch
+import torch.nn.functional as F
 from lm_eval import simple_evaluate
 
 from taylor_tune.config import build_eval_spec, build_prune_config
@@ -346,3 +347,237 @@ def test_flex_attention_scores_every_request_as_sdpa_does():
     assert_same_answers(flex, sdpa)
     assert flex_scores == sdpa_scores
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_the_flex_block_mask_computes_each_rows_own_blocks_on_the_segments_device(monkeypatch):
+    """The BlockMask's block map (which 128 x 128 blocks the kernel computes) row by row against the additive mask
+    reduced to blocks by hand: a block is computed iff some query in it sees some key in it. Two rows whose maps
+    differ (one 256-position pack; two packs of 128, so the second pack's queries see nothing of the first block).
+    Made on the segments' device whatever accelerator the machine has (one faked here that is not the scores')."""
+    from taylor_tune.evaluation.scorer import additive_mask, block_mask
+
+    lm = make_lm(load_model("tiny-llama-random"), load_tokenizer("tiny-llama-random"), 2, "prefix")
+    batch = [[Pack(tuple(range(1, 256)), [(0, [5, 6])])],
+             [Pack(tuple(range(1, 128)), [(1, [7, 8])]), Pack(tuple(range(2, 129)), [(2, [9, 10])])]]
+    assert [sum(p.length for p in row) for row in batch] == [256, 256]
+    _, _, segment, prefix_of, _ = lm._prepare(batch).inputs
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("meta"))
+    mask = block_mask(segment, prefix_of)
+    allowed = additive_mask(segment, prefix_of, torch.float32)[:, 0] == 0  # [rows, 256, 256]
+    by_block = allowed.reshape(2, 2, 128, 2, 128).any(dim=4).any(dim=2)  # [rows, query block, key block]
+    assert by_block[0].tolist() == [[True, False], [True, True]] and by_block[1].tolist() == [[True, False],
+                                                                                              [False, True]]
+    dense = mask.to_dense()
+    assert dense.device == segment.device and dense.shape == (2, 1, 2, 2)
+    assert torch.equal(dense[:, 0].bool(), by_block)
+
+
+def test_the_pass_tokens_are_scored_and_library_bars_follow_tqdm_disable(monkeypatch, capfd):
+    """A request whose tokens the pass has (`encoded`: lm-eval's tokenization done once per pass, or read from the
+    cache) is scored from those tokens, never tokenized again: tokens chosen here, unlike the tokenizer's, give a
+    plain forward pass's answers of these tokens. lm-eval's "Tokenizing inputs" and HFLM's "Running loglikelihood
+    requests" bars are drawn with an explicit disable=False (tqdm's own TQDM_DISABLE then does nothing): the scorer
+    passes the variable on, with the pass's tokens or without; the bars are hidden as well when the caller asks."""
+    from lm_eval.api.instance import Instance
+
+    model, tokenizer = load_model("tiny-llama-random"), load_tokenizer("tiny-llama-random")
+    requests = [Instance("loglikelihood", {}, (f"The answer {i} is", f" word {i}"), i) for i in range(3)]
+    chosen = {r.args: ([40 + i, 41, 42, 43], [50 + i, 51]) for i, r in enumerate(requests)}
+
+    def run(lm, disable_tqdm=None) -> tuple[str, list]:
+        capfd.readouterr()
+        got = lm.loglikelihood(requests) if disable_tqdm is None else lm.loglikelihood(requests, disable_tqdm)
+        return capfd.readouterr().err, got
+
+    for scorer, tokens in (("hflm", None), ("hflm", chosen), ("prefix", chosen)):
+        lm = make_lm(model, tokenizer, 4, scorer)
+        lm.encoded = tokens
+        monkeypatch.delenv("TQDM_DISABLE", raising=False)
+        shown, answers = run(lm)
+        if tokens is not None:
+            assert answers == [pytest.approx(reference(model, *tokens[r.args], 512), abs=1e-4) for r in requests]
+        if scorer == "hflm":  # the prefix scorer draws a bar of its own (taylor_tune.progress)
+            assert "Running loglikelihood requests" in shown
+            assert ("Tokenizing inputs" in shown) == (tokens is None)
+        hidden_by_caller, by_caller = run(lm, True)
+        monkeypatch.setenv("TQDM_DISABLE", "1")
+        hidden_by_variable, by_variable = run(lm)
+        for hidden in (hidden_by_caller, hidden_by_variable):
+            assert "Tokenizing" not in hidden and "loglikelihood requests" not in hidden
+        assert by_caller == by_variable == answers
+
+
+def test_auto_on_a_cpu_is_a_fixed_batch_of_16_as_documented(monkeypatch):
+    """docs/evaluation.md: batch size `auto` is 16 on a CPU (lm-eval's search probes GPU memory). Both scorers
+    forward what a batch of 16 forwards: the prefix scorer the planner's batches of 16 rows, HFLM 16 requests a pass,
+    and lm-eval's probe is never called."""
+    model, tokenizer = load_model("tiny-llama-random"), load_tokenizer("tiny-llama-random")
+    requests = [(("q", i), [i + 1, *range(2, 2 + i % 7)], [(i + j) % 60 + 1 for j in range(1 + i % 4)])
+                for i in range(40)]  # every context its own (first token), so HFLM shares no forward
+    planned = plan_batches(plan_packs([(c, e) for _, c, e in requests], 512), 16)
+    expected = {"prefix": [(len(batch), sum(pack.length for pack in batch[0])) for batch in planned],
+                "hflm": [16, 16, 8]}
+    assert max(rows for rows, _ in expected["prefix"]) == 16
+    forward = model.forward
+    for scorer in ("prefix", "hflm"):
+        lm = make_lm(model, tokenizer, "auto", scorer)
+        monkeypatch.setattr(lm, "_detect_batch_size", lambda *a, **k: pytest.fail("probed"))
+        shapes = []
+
+        def recording(*args, **kwargs):  # HFLM passes the ids by position, the prefix scorer by name
+            shapes.append(tuple(kwargs.get("input_ids", args[0] if args else None).shape))
+            return forward(*args, **kwargs)
+
+        monkeypatch.setattr(model, "forward", recording)
+        lm._loglikelihood_tokens(requests, disable_tqdm=True)
+        assert (shapes if scorer == "prefix" else [rows for rows, _ in shapes]) == expected[scorer], scorer
+
+
+def test_flex_attention_gives_the_model_the_block_mask_of_its_batch(monkeypatch):
+    """With `attention` "flex" the model is called under transformers' flex_attention and given the FlexAttention
+    block mask of its batch (block by block the mask `block_mask` builds from the batch's segments), never the
+    additive one; afterwards its attention is what it was. (The answers under FlexAttention against SDPA's: the slow
+    test below and tests/test_gpu.py; FlexAttention on a CPU compiles for a minute.) The model here returns zero
+    logits of the kept positions, recording what it was given."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from taylor_tune.evaluation.scorer import block_mask
+
+    model, tokenizer = load_model("tiny-llama-random"), load_tokenizer("tiny-llama-random")
+    requests = _requests(6)
+    lm = make_lm(model, tokenizer, 4, "prefix")
+    lm.attention = "flex"
+    seen = []
+
+    def recording(input_ids=None, attention_mask=None, logits_to_keep=None, **kwargs):
+        seen.append((input_ids, attention_mask, model.config._attn_implementation))
+        return type("Output", (), {"logits": torch.zeros(int(logits_to_keep.sum()), model.config.vocab_size)})
+
+    monkeypatch.setattr(model, "forward", recording)
+    lm._loglikelihood_tokens(requests, disable_tqdm=True)
+    batches = plan_batches(plan_packs([(c, e) for _, c, e in requests], lm.max_length), 4)
+    assert len(seen) == len(batches) > 1 and model.config._attn_implementation == "sdpa"
+    for batch, (ids, mask, implementation) in zip(batches, seen, strict=True):
+        inputs = lm._prepare(batch).inputs
+        assert torch.equal(ids, inputs[0]) and implementation == "flex_attention" and isinstance(mask, BlockMask)
+        assert torch.equal(mask.to_dense(), block_mask(inputs[2], inputs[3]).to_dense())
+
+
+def test_make_lm_refuses_an_lm_eval_whose_hflm_lacks_what_the_prefix_scorer_reads(monkeypatch):
+    """The scorer reads HFLM's attributes (compat.lm_eval.HFLM_ATTRIBUTES): an lm-eval whose HFLM instance lacks one
+    (faked by one more name on the list) is refused when the scorer is made, naming it, not mid-pass."""
+    from taylor_tune.compat import CompatError
+    from taylor_tune.compat import lm_eval as compat
+
+    monkeypatch.setattr(compat, "HFLM_ATTRIBUTES", (*compat.HFLM_ATTRIBUTES, "gone_in_this_version"))
+    model, tokenizer = load_model("tiny-llama-random"), load_tokenizer("tiny-llama-random")
+    for scorer in ("prefix", "hflm"):
+        with pytest.raises(CompatError, match=r"HFLM\(\)\.gone_in_this_version"):
+            make_lm(model, tokenizer, 4, scorer)
+
+
+def test_both_scorers_refuse_the_requests_hflm_refuses_and_answer_none_with_nothing():
+    """HFLM's preconditions on a request's tokens (a context; a continuation within the window) hold for the prefix
+    scorer too: each malformed request is refused by both. The prefix scorer refuses an empty continuation as well
+    (nothing to score: HFLM's own check of it sits in a branch this request does not reach). No requests, no answers."""
+    model, tokenizer = _short_window_model(8), load_tokenizer("tiny-llama")
+    fine = (("q", "fine"), [5, 6], [7])
+    refused = {"hflm": [(("q", "no context"), [], [5, 6]), (("q", "too long"), [5, 6], list(range(1, 10)))]}
+    refused["prefix"] = [*refused["hflm"], (("q", "no continuation"), [5, 6], [])]
+    for scorer, malformed in refused.items():
+        lm = make_lm(model, tokenizer, 4, scorer)
+        for request in malformed:
+            with pytest.raises(AssertionError):
+                lm._loglikelihood_tokens([request, fine], disable_tqdm=True)
+        assert lm._loglikelihood_tokens([], disable_tqdm=True) == []
+        assert lm._loglikelihood_tokens([fine], disable_tqdm=True) == [pytest.approx(reference(model, [5, 6], [7], 8),
+                                                                                     abs=1e-4)]
+
+
+class RecordingHook:
+    """lm-eval's cache hook (what its request cache, `use_cache`, stores each answer through), recording."""
+
+    def __init__(self):
+        self.added = []
+
+    def add_partial(self, attr, req, res):
+        self.added.append((attr, req, res))
+
+
+def test_answers_reach_lm_evals_cache_hook_as_hflm_gives_them():
+    """Every answer goes to lm-eval's cache hook under its request's key, as HFLM's own `_loglikelihood_tokens` gives
+    it (a rolling window's pieces, whose key is None, are cached per document by the caller: not here)."""
+    model, tokenizer = load_model("tiny-llama-random"), load_tokenizer("tiny-llama-random")
+    requests = _requests(12) + [(None, [7, 8, 9, 10], [11, 12]), (None, [7, 8, 9, 10], [13])]
+    added = {}
+    for scorer in ("prefix", "hflm"):
+        lm = make_lm(model, tokenizer, 4, scorer)
+        lm.set_cache_hook(hook := RecordingHook())
+        lm._loglikelihood_tokens(requests, disable_tqdm=True)
+        added[scorer] = sorted(hook.added, key=lambda entry: entry[1])
+    assert len(added["hflm"]) == 12 and [(a, k) for a, k, _ in added["prefix"]] == [(a, k) for a, k, _ in
+                                                                                     added["hflm"]]
+    for (*_, (ll, greedy)), (*_, (ref_ll, ref_greedy)) in zip(added["prefix"], added["hflm"], strict=True):
+        assert abs(ll - ref_ll) <= 1e-4 and greedy == ref_greedy
+
+
+def test_the_prefix_scorers_own_bar_counts_requests(monkeypatch, capfd):
+    """The prefix scorer's bar (taylor_tune.progress, forced on here as on a terminal) is named zero-shot and counts
+    requests up to their number."""
+    monkeypatch.setenv("TAYLOR_TUNE_PROGRESS", "1")
+    lm = make_lm(load_model("tiny-llama-random"), load_tokenizer("tiny-llama-random"), 4, "prefix")
+    capfd.readouterr()
+    lm._loglikelihood_tokens(_requests(7), disable_tqdm=True)
+    drawn = capfd.readouterr().err
+    assert "zero-shot:" in drawn and "0/7" in drawn and "req/s" in drawn
+
+
+def test_the_log_softmax_is_taken_in_chunks_within_the_bound(monkeypatch):
+    """SOFTMAX_ELEMENTS bounds each float32 log-softmax over the vocabulary: every chunk holds at most that many
+    elements (whole rows; one row when the bound is one row), together every kept position once; the answers are a
+    plain forward pass's."""
+    from taylor_tune.evaluation import scorer
+
+    model, tokenizer = load_model("tiny-llama-random"), load_tokenizer("tiny-llama-random")
+    requests = _requests(10)
+    expected = [reference(model, ctx, cont, 512) for _, ctx, cont in requests]
+    vocab, log_softmax = model.config.vocab_size, F.log_softmax
+    for rows in (1, 3):
+        chunks = []
+
+        def recording(x, *args, **kwargs):
+            chunks.append(tuple(x.shape))
+            return log_softmax(x, *args, **kwargs)
+
+        monkeypatch.setattr(scorer, "SOFTMAX_ELEMENTS", rows * vocab)
+        monkeypatch.setattr(scorer.F, "log_softmax", recording)
+        lm = make_lm(model, tokenizer, 16, "prefix")
+        got = lm._loglikelihood_tokens(requests, disable_tqdm=True)
+        monkeypatch.setattr(scorer.F, "log_softmax", log_softmax)
+        kept = sum(pack.length - len(pack.prefix) + 1 for pack in plan_packs([(c, e) for _, c, e in requests], 512))
+        assert all(n <= rows and width == vocab for n, width in chunks) and sum(n for n, _ in chunks) == kept
+        for (ll, greedy), (ref_ll, ref_greedy) in zip(got, expected, strict=True):
+            assert abs(ll - ref_ll) <= 1e-4 and greedy == ref_greedy
+
+
+def test_a_fixed_batch_is_rows_only_and_auto_without_a_budget_is_16_rows_of_the_widest_pack(monkeypatch):
+    """A fixed batch of 32 forwards the planner's batches of 32 rows, whatever their tokens (no token budget); `auto`
+    on a CPU with no budget given holds 16 rows of the widest pack in tokens (the planner's batches at that budget)."""
+    model, tokenizer = load_model("tiny-llama-random"), load_tokenizer("tiny-llama-random")
+    requests = _requests(60)
+    packs = plan_packs([(c, e) for _, c, e in requests], 512)
+    forward = model.forward
+    for batch_size, planned in ((32, plan_batches(packs, 32)),
+                                ("auto", plan_batches(packs, None, budget=16 * packs[0].length))):
+        lm = make_lm(model, tokenizer, 32, "prefix")
+        lm.batch_size_per_gpu = batch_size
+        shapes = []
+
+        def recording(*args, input_ids=None, **kwargs):
+            shapes.append(tuple(input_ids.shape))
+            return forward(*args, input_ids=input_ids, **kwargs)
+
+        monkeypatch.setattr(model, "forward", recording)
+        lm._loglikelihood_tokens(requests, disable_tqdm=True)
+        assert shapes == [(len(batch), sum(pack.length for pack in batch[0])) for batch in planned], batch_size
+    assert plan_batches(packs, 32) != plan_batches(packs, None, budget=16 * packs[0].length)  # the two cases differ
