@@ -522,8 +522,8 @@ def test_answers_reach_lm_evals_cache_hook_as_hflm_gives_them():
 
 
 def test_the_prefix_scorers_own_bar_counts_requests(monkeypatch, capfd):
-    """The prefix scorer's bar (taylor_tune.progress, forced on here as on a terminal) is named zero-shot and counts
-    requests up to their number."""
+    """The prefix scorer's bar (taylor_tune.progress, forced on here as on a terminal) is named zero-shot, counts
+    requests (their number its total) and updates by a batch's requests (a bad count fails in tqdm)."""
     monkeypatch.setenv("TAYLOR_TUNE_PROGRESS", "1")
     lm = make_lm(load_model("tiny-llama-random"), load_tokenizer("tiny-llama-random"), 4, "prefix")
     capfd.readouterr()
