@@ -217,6 +217,19 @@ def _requests(count: int = 24):
             for i in range(count)]
 
 
+def record_forward_shapes(monkeypatch, model) -> list[tuple[int, int]]:
+    """Replaces model.forward (for the test) by one that records each pass's input_ids shape and runs the original;
+    the list it returns fills as passes run. HFLM passes the ids by position, the prefix scorer by name."""
+    shapes, forward = [], model.forward
+
+    def recording(*args, **kwargs):
+        shapes.append(tuple(kwargs.get("input_ids", args[0] if args else None).shape))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", recording)
+    return shapes
+
+
 def test_auto_batches_are_sized_from_the_data_and_a_budget_never_by_a_probe(monkeypatch):
     """Issue 30, point 1: with batch_size auto, no forward pass is wider than the widest pack of the data or holds
     more tokens than the budget (injected here; on CUDA it comes from the free memory), lm-eval's probe at the
@@ -227,13 +240,7 @@ def test_auto_batches_are_sized_from_the_data_and_a_budget_never_by_a_probe(monk
     lm = make_lm(model, tokenizer, 4, "prefix")
     lm.batch_size_per_gpu, lm.token_budget = "auto", 60
     monkeypatch.setattr(lm, "_detect_batch_size", lambda *a, **k: pytest.fail("probed at the maximum context"))
-    shapes, forward = [], model.forward
-
-    def recording(*args, input_ids=None, **kwargs):
-        shapes.append(tuple(input_ids.shape))
-        return forward(*args, input_ids=input_ids, **kwargs)
-
-    monkeypatch.setattr(model, "forward", recording)
+    shapes = record_forward_shapes(monkeypatch, model)
     got = lm._loglikelihood_tokens(requests, disable_tqdm=True)
     widest = max(pack.length for pack in plan_packs([(c, e) for _, c, e in requests], lm.max_length))
     assert len(shapes) > 1 and all(width <= widest and (rows * width <= 60 or rows == 1) for rows, width in shapes)
@@ -418,17 +425,11 @@ def test_auto_on_a_cpu_is_a_fixed_batch_of_16_as_documented(monkeypatch):
     expected = {"prefix": [(len(batch), sum(pack.length for pack in batch[0])) for batch in planned],
                 "hflm": [16, 16, 8]}
     assert max(rows for rows, _ in expected["prefix"]) == 16
-    forward = model.forward
+    shapes = record_forward_shapes(monkeypatch, model)
     for scorer in ("prefix", "hflm"):
         lm = make_lm(model, tokenizer, "auto", scorer)
         monkeypatch.setattr(lm, "_detect_batch_size", lambda *a, **k: pytest.fail("probed"))
-        shapes = []
-
-        def recording(*args, **kwargs):  # HFLM passes the ids by position, the prefix scorer by name
-            shapes.append(tuple(kwargs.get("input_ids", args[0] if args else None).shape))
-            return forward(*args, **kwargs)
-
-        monkeypatch.setattr(model, "forward", recording)
+        shapes.clear()
         lm._loglikelihood_tokens(requests, disable_tqdm=True)
         assert (shapes if scorer == "prefix" else [rows for rows, _ in shapes]) == expected[scorer], scorer
 
@@ -566,18 +567,12 @@ def test_a_fixed_batch_is_rows_only_and_auto_without_a_budget_is_16_rows_of_the_
     model, tokenizer = load_model("tiny-llama-random"), load_tokenizer("tiny-llama-random")
     requests = _requests(60)
     packs = plan_packs([(c, e) for _, c, e in requests], 512)
-    forward = model.forward
+    shapes = record_forward_shapes(monkeypatch, model)
     for batch_size, planned in ((32, plan_batches(packs, 32)),
                                 ("auto", plan_batches(packs, None, budget=16 * packs[0].length))):
         lm = make_lm(model, tokenizer, 32, "prefix")
         lm.batch_size_per_gpu = batch_size
-        shapes = []
-
-        def recording(*args, input_ids=None, **kwargs):
-            shapes.append(tuple(input_ids.shape))
-            return forward(*args, input_ids=input_ids, **kwargs)
-
-        monkeypatch.setattr(model, "forward", recording)
+        shapes.clear()
         lm._loglikelihood_tokens(requests, disable_tqdm=True)
         assert shapes == [(len(batch), sum(pack.length for pack in batch[0])) for batch in planned], batch_size
     assert plan_batches(packs, 32) != plan_batches(packs, None, budget=16 * packs[0].length)  # the two cases differ
