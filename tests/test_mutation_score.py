@@ -82,6 +82,37 @@ def test_a_mutants_change_is_read_from_the_mutated_file_whatever_its_number(tmp_
     assert function_of("pkg.mod.xǁCǁg__mutmut_2") == "pkg.mod.xǁCǁg"
 
 
+def test_functions_are_read_as_ast_get_source_segment_gives_them(tmp_path):
+    """_functions reads every function's source from one split of the text: the same text as ast's own
+    get_source_segment (which splits it again per function) of the text as read, with non-ASCII names and strings
+    (columns are bytes), a comment after the last line, one-line and nested functions, decorators, a form feed (a
+    line end to str.splitlines, not to ast) and Windows line ends."""
+    import ast
+
+    from scripts.mutation import _functions
+
+    text = textwrap.dedent("""\
+        import functools
+        def xǁCǁg__mutmut_orig(self, k="ä"): return k  # one line, non-ASCII before the end
+        @functools.cache
+        def f(n):
+            def inner(m):  # nested
+                return "€" + m
+            return inner(n)  # a comment after the function's end
+        class C:
+            \f
+            async def h(self):
+                return 1; x = 2
+        """)
+    for name, source in (("unix.py", text), ("windows.py", text.replace("\n", "\r\n"))):
+        (tmp_path / name).write_bytes(source.encode())
+        read = (tmp_path / name).read_text(encoding="utf-8")
+        expected = {node.name: ast.get_source_segment(read, node) for node in ast.walk(ast.parse(read))
+                    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)}
+        assert set(expected) == {"xǁCǁg__mutmut_orig", "f", "inner", "h"}
+        assert _functions(tmp_path / name) == expected, name
+
+
 def test_a_changed_sources_mutated_copy_is_dropped_and_an_unchanged_ones_kept(tmp_path):
     import os
 

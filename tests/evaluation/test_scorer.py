@@ -230,6 +230,19 @@ def record_forward_shapes(monkeypatch, model) -> list[tuple[int, int]]:
     return shapes
 
 
+def zero_logits_model(monkeypatch, model) -> list[tuple]:
+    """Replaces model.forward (for the test) by a stand-in that records what each pass is given (ids, mask, the
+    attention implementation it runs under) and returns logits of zero for the kept positions; no model runs."""
+    seen = []
+
+    def recording(input_ids=None, attention_mask=None, logits_to_keep=None, **kwargs):
+        seen.append((input_ids, attention_mask, model.config._attn_implementation))
+        return type("Output", (), {"logits": torch.zeros(int(logits_to_keep.sum()), model.config.vocab_size)})
+
+    monkeypatch.setattr(model, "forward", recording)
+    return seen
+
+
 def test_auto_batches_are_sized_from_the_data_and_a_budget_never_by_a_probe(monkeypatch):
     """Issue 30, point 1: with batch_size auto, no forward pass is wider than the widest pack of the data or holds
     more tokens than the budget (injected here; on CUDA it comes from the free memory), lm-eval's probe at the
@@ -438,8 +451,8 @@ def test_flex_attention_gives_the_model_the_block_mask_of_its_batch(monkeypatch)
     """With `attention` "flex" the model is called under transformers' flex_attention and given the FlexAttention
     block mask of its batch (block by block the mask `block_mask` builds from the batch's segments), never the
     additive one; afterwards its attention is what it was. (The answers under FlexAttention against SDPA's: the slow
-    test below and tests/test_gpu.py; FlexAttention on a CPU compiles for a minute.) The model here returns zero
-    logits of the kept positions, recording what it was given."""
+    test below and tests/test_gpu.py; FlexAttention on a CPU compiles for a minute.) The model here is the zero-logits
+    stand-in, recording what it was given."""
     from torch.nn.attention.flex_attention import BlockMask
 
     from taylor_tune.evaluation.scorer import block_mask
@@ -448,13 +461,7 @@ def test_flex_attention_gives_the_model_the_block_mask_of_its_batch(monkeypatch)
     requests = _requests(6)
     lm = make_lm(model, tokenizer, 4, "prefix")
     lm.attention = "flex"
-    seen = []
-
-    def recording(input_ids=None, attention_mask=None, logits_to_keep=None, **kwargs):
-        seen.append((input_ids, attention_mask, model.config._attn_implementation))
-        return type("Output", (), {"logits": torch.zeros(int(logits_to_keep.sum()), model.config.vocab_size)})
-
-    monkeypatch.setattr(model, "forward", recording)
+    seen = zero_logits_model(monkeypatch, model)
     lm._loglikelihood_tokens(requests, disable_tqdm=True)
     batches = plan_batches(plan_packs([(c, e) for _, c, e in requests], lm.max_length), 4)
     assert len(seen) == len(batches) > 1 and model.config._attn_implementation == "sdpa"
@@ -576,3 +583,121 @@ def test_a_fixed_batch_is_rows_only_and_auto_without_a_budget_is_16_rows_of_the_
         lm._loglikelihood_tokens(requests, disable_tqdm=True)
         assert shapes == [(len(batch), sum(pack.length for pack in batch[0])) for batch in planned], batch_size
     assert plan_batches(packs, 32) != plan_batches(packs, None, budget=16 * packs[0].length)  # the two cases differ
+
+
+def test_sdpa_gives_the_model_the_additive_mask_under_its_own_attention(monkeypatch):
+    """With `attention` "sdpa" (the default) the model runs under its own attention implementation, never switched
+    to flex_attention, and is given the additive mask of its batch's segments in its own dtype."""
+    from taylor_tune.evaluation.scorer import additive_mask
+
+    model, tokenizer = load_model("tiny-llama-random"), load_tokenizer("tiny-llama-random")
+    requests = _requests(6)
+    lm = make_lm(model, tokenizer, 4, "prefix")
+    assert lm.attention == "sdpa"
+    seen = zero_logits_model(monkeypatch, model)
+    lm._loglikelihood_tokens(requests, disable_tqdm=True)
+    batches = plan_batches(plan_packs([(c, e) for _, c, e in requests], lm.max_length), 4)
+    assert len(seen) == len(batches) > 1
+    for batch, (ids, mask, implementation) in zip(batches, seen, strict=True):
+        inputs = lm._prepare(batch).inputs
+        assert implementation == "sdpa" and torch.equal(ids, inputs[0])
+        assert torch.equal(mask, additive_mask(inputs[2], inputs[3], model.dtype))
+
+
+def test_answers_are_float64_sums_of_the_tokens_float32_log_probabilities(monkeypatch):
+    """A continuation's log-likelihood is the float64 sum of its tokens' float32 log-probabilities, in float64 up to
+    the answer (no float32 on the way back): with a model whose logits are all zero each token's is float32(-log V),
+    so n tokens sum to exactly n times that; the greedy check is argmax's first index, token 0 (lm-eval's tie rule)."""
+    model, tokenizer = load_model("tiny-llama-random"), load_tokenizer("tiny-llama-random")
+    per_token = float(F.log_softmax(torch.zeros(model.config.vocab_size), dim=-1)[0])  # float32's value
+    requests = [(("q", n), [5 + n, 6], [(7 * n + j) % 50 + 1 for j in range(n)]) for n in range(1, 12)]
+    requests += [(("zero", 1), [3], [0, 0]), (("zero", 2), [4], [0, 9])]
+    assert any(float(torch.tensor(n * per_token, dtype=torch.float32)) != n * per_token for n in range(1, 12))
+    zero_logits_model(monkeypatch, model)
+    got = make_lm(model, tokenizer, 4, "prefix")._loglikelihood_tokens(requests, disable_tqdm=True)
+    assert got == [(len(cont) * per_token, all(token == 0 for token in cont)) for _, _, cont in requests]
+
+
+def allowed_by_hand(batch: list[list[Pack]], width: int) -> torch.Tensor:
+    """[rows, width, width], who sees whom, position by position from the packs' layout (a pack: its prefix, then each
+    continuation but its last token): a prefix position sees its pack's prefix up to itself, a continuation position
+    that prefix and its own continuation up to itself, padding only itself."""
+    allowed = torch.zeros(len(batch), width, width, dtype=torch.bool)
+    for r, packs in enumerate(batch):
+        owner = []  # (pack, continuation or None for the prefix) of each real position of the row
+        for k, pack in enumerate(packs):
+            owner += [(k, None)] * len(pack.prefix)
+            for index, cont in pack.members:
+                owner += [(k, index)] * (len(cont) - 1)
+        for i in range(width):
+            for j in range(i + 1):
+                if i == j:
+                    allowed[r, i, j] = True
+                elif i < len(owner):
+                    (pack_i, member_i), (pack_j, member_j) = owner[i], owner[j]
+                    allowed[r, i, j] = pack_i == pack_j and member_j in (None, member_i)
+    return allowed
+
+
+def test_a_prepared_batchs_mask_is_who_sees_whom_by_hand():
+    """The additive mask of a prepared batch allows exactly what the packs say, written by hand position by position
+    (allowed_by_hand): padding sees only itself, never a real position, also when every real position is a segment
+    of its own (so that the padding's own numbers come right after the real ones)."""
+    from taylor_tune.evaluation.scorer import additive_mask
+
+    lm = make_lm(load_model("tiny-llama-random"), load_tokenizer("tiny-llama-random"), 2, "prefix")
+    cases = ([([1], [2, 3]), ([1], [4, 5]), ([6], [7, 8])],  # segments of one position each; padding after the last
+             [([1, 2, 3, 4], [5, 6]), ([1, 2, 3, 4], [7, 8, 9]), ([10, 11], [12]), ([10, 11], [13, 14]),
+              ([20, 21], [23, 24]), ([30], [31, 32, 33, 34, 35, 36])])
+    padded = 0
+    for requests in cases:
+        for batch in plan_batches(plan_packs(requests, 512), 2):
+            _, _, segment, prefix_of, keep = lm._prepare(batch).inputs
+            padded += int((segment < 0).sum())
+            got = additive_mask(segment, prefix_of, torch.float32)[:, 0] == 0
+            assert torch.equal(got, allowed_by_hand(batch, segment.shape[1]))
+    assert padded > 1
+
+
+def test_the_additive_mask_is_made_on_the_segments_device():
+    """additive_mask builds on the segments' device whatever it is (the meta device stands in for an accelerator:
+    a mask or a column index made on the CPU beside it fails or lands on the CPU), in the dtype asked for."""
+    from taylor_tune.evaluation.scorer import additive_mask
+
+    segment = torch.tensor([[0, 0, 1, -4], [2, 3, -7, -8]])
+    prefix_of = torch.tensor([[0, 0, 0, -4], [2, 2, -7, -8]])
+    on_cpu = additive_mask(segment, prefix_of, torch.float16)
+    on_meta = additive_mask(segment.to("meta"), prefix_of.to("meta"), torch.float16)
+    assert on_meta.device.type == "meta" and on_meta.shape == on_cpu.shape == (2, 1, 4, 4)
+    assert on_meta.dtype == on_cpu.dtype == torch.float16
+
+
+def test_out_of_memory_plans_the_passes_left_at_half_the_budget(monkeypatch):
+    """After an out-of-memory pass the passes not yet done (the failed one's on) are the planner's at half the budget,
+    and the halving stops at one token: one-token packs that fail two to a pass at a budget of 2 then go one by one."""
+    model, tokenizer = _long_context_model(), load_tokenizer("tiny-llama")
+    forward = model.forward
+    for requests, budget, holds in ((_requests(), 80, 40), ([(("q", i), [i + 1], [i + 20]) for i in range(5)], 2, 1)):
+        expected = make_lm(model, tokenizer, 4, "prefix")._loglikelihood_tokens(requests, disable_tqdm=True)
+        packs = plan_packs([(c, e) for _, c, e in requests], 512)
+        planned = plan_batches(packs, None, budget=budget)
+        failed = next(d for d, batch in enumerate(planned)
+                      if len(batch) > 1 and len(batch) * sum(p.length for p in batch[0]) > holds)
+        done = [id(pack) for batch in planned[:failed] for row in batch for pack in row]
+        passes = planned[:failed] + plan_batches([p for p in packs if id(p) not in done], None, budget=budget // 2)
+        lm = make_lm(model, tokenizer, 4, "prefix")
+        lm.batch_size_per_gpu, lm.token_budget = "auto", budget
+        shapes = []
+
+        def tight(*args, input_ids=None, _holds=holds, _shapes=shapes, **kwargs):  # a device that holds `holds`
+            if input_ids.numel() > _holds and input_ids.shape[0] > 1:
+                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+            _shapes.append(tuple(input_ids.shape))
+            return forward(*args, input_ids=input_ids, **kwargs)
+
+        monkeypatch.setattr(model, "forward", tight)
+        got = lm._loglikelihood_tokens(requests, disable_tqdm=True)
+        monkeypatch.setattr(model, "forward", forward)
+        assert shapes == [(len(batch), sum(p.length for p in batch[0])) for batch in passes], budget
+        for (ll, greedy), (ref_ll, ref_greedy) in zip(got, expected, strict=True):
+            assert abs(ll - ref_ll) <= 1e-5 and greedy == ref_greedy
