@@ -652,7 +652,7 @@ def test_a_prepared_batchs_mask_is_who_sees_whom_by_hand():
     padded = 0
     for requests in cases:
         for batch in plan_batches(plan_packs(requests, 512), 2):
-            _, _, segment, prefix_of, keep = lm._prepare(batch).inputs
+            _, _, segment, prefix_of, _ = lm._prepare(batch).inputs
             padded += int((segment < 0).sum())
             got = additive_mask(segment, prefix_of, torch.float32)[:, 0] == 0
             assert torch.equal(got, allowed_by_hand(batch, segment.shape[1]))
