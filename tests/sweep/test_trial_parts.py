@@ -44,6 +44,24 @@ def test_a_trials_columns_are_the_tables_names_for_each_setting_it_ran_with():
     assert set(expected) == set(schema.CONFIG_COLUMNS) | set(schema.DIMENSIONS)
 
 
+def test_a_finished_trials_infinite_metrics_read_back_as_the_floats_it_reported(tmp_path):
+    """A collapsed model's perplexity is inf and a ratio may be -inf: evaluation.json holds them as "inf" / "-inf"
+    (JSON has neither: jsonio), and a resumed sweep reads the finished trial's metrics back as the floats the trial
+    reported, compared with the metrics written (NaN, written as null, reads back as None, as Tune's own JSON does)."""
+    import math
+
+    from taylor_tune.jsonio import write_json
+
+    trial = a_trial(str(tmp_path / "cache"))
+    write_json(tmp_path / "config.json", trial.record())
+    reported = {"stage": schema.zero_shot_stage(trial.evaluation.fidelities[-1]), "ppl": math.inf,
+                "decode_speedup": -math.inf, "acc_mean": 0.25, "pruning_method": "taylor"}
+    write_json(tmp_path / "evaluation.json", reported | {"grad_min": math.nan, "tasks": ["piqa"], "limit": 2})
+    got = completed_metrics(tmp_path, trial)
+    assert got == reported | {"grad_min": None}
+    assert type(got["ppl"]) is float and type(got["decode_speedup"]) is float
+
+
 def test_a_trials_layer_analysis_is_what_its_pruned_model_kept(tmp_path):
     """layer_analysis.json (the report's per-layer plots read it) against the pruned and unpruned models' own weights:
     each layer's share of parameters removed, the attention groups (k_proj rows / head size) and MLP channels
