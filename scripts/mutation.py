@@ -2,14 +2,16 @@
 module.
 
     python scripts/mutation.py run [--modules taylor_tune.reporting.stats,taylor_tune.jsonio]   # resumable
+    python scripts/mutation.py run --unjudged --modules taylor_tune.evaluation.scorer           # only those left
     python scripts/mutation.py score --json bench/out/mutation.json                              # the table
     python scripts/mutation.py show taylor_tune.reporting.stats.x_summary__mutmut_3              # its change
 
 `run` with no modules lets mutmut test every configured mutant that has no verdict yet (stopping keeps every verdict;
 running again continues; mutmut tests again only the functions whose source changed). Named modules are tested again
 whole, so their verdicts are fresh (a test added since counts once mutants/mutmut-stats.json, mutmut's map of which
-tests reach which function, is rebuilt: delete it). Each mutant runs against the fast-tier tests that reach its
-function.
+tests reach which function, is rebuilt: delete it); with `--unjudged`, only their mutants without a verdict, named one
+by one (mutmut skips judged mutants only when it is given no names). Each mutant runs against the fast-tier tests
+that reach its function.
 
 `score` reads mutmut's verdicts and counts, per module: killed (a test failed; a timeout counts as killed: the mutant
 changed behaviour enough to hang a test), survived (every test passed, or no fast-tier test reaches it), equivalent
@@ -118,6 +120,18 @@ def drop_stale_copies(root: Path = ROOT, mutants: Path = MUTANTS) -> list[Path]:
     return dropped
 
 
+def unjudged(modules: list[str], mutants: Path = MUTANTS) -> list[str]:
+    """The named modules' mutants that have no verdict yet, from the .meta file mutmut keeps beside each mutated copy
+    (a module not mutated yet has none: nothing to name)."""
+    names = []
+    for module in modules:
+        meta = mutants / (module.replace(".", "/") + ".py.meta")
+        if meta.is_file():
+            verdict = json.loads(meta.read_text(encoding="utf-8"))["exit_code_by_key"]
+            names += [name for name, code in verdict.items() if code is None]
+    return names
+
+
 def verdicts(text: str) -> dict[str, str]:
     """`mutmut results --all true`'s lines -> mutant name -> our verdict."""
     out = {}
@@ -169,9 +183,15 @@ def main() -> None:
     parser.add_argument("mutants", nargs="*", help="show: mutant names")
     parser.add_argument("--modules", default="", help="comma-separated dotted module names (default: all configured)")
     parser.add_argument("--json", type=Path, help="score: write the counts and survivors here")
+    parser.add_argument("--unjudged", action="store_true", help="run: only the named modules' mutants with no verdict")
     args = parser.parse_args()
     if args.command == "run":
-        names = [f"{m}.x*" for m in args.modules.split(",") if m]
+        modules = [m for m in args.modules.split(",") if m]
+        if args.unjudged and not modules:
+            sys.exit("--unjudged needs --modules (with no modules, run already tests only the mutants not judged)")
+        names = unjudged(modules) if args.unjudged else [f"{m}.x*" for m in modules]
+        if args.unjudged and not names:
+            sys.exit(f"nothing left to judge in {args.modules} (or not mutated yet: run it without --unjudged)")
         for path in drop_stale_copies():
             print(f"{path} changed since it was mutated: mutated afresh")
         sys.exit(subprocess.run([*MUTMUT, "run", *names], cwd=ROOT).returncode)

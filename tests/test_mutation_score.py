@@ -130,3 +130,24 @@ def test_a_changed_sources_mutated_copy_is_dropped_and_an_unchanged_ones_kept(tm
     (mutants / "pkg" / "c.py").write_text("copied, never mutated: no .meta")
     assert drop_stale_copies(root, mutants) == [Path("pkg/a.py")]
     assert sorted(p.name for p in (mutants / "pkg").iterdir()) == ["b.py", "b.py.meta", "b.py.spans", "c.py"]
+
+
+def test_unjudged_names_each_mutant_without_a_verdict_of_the_named_modules_only(tmp_path):
+    """`run --unjudged` names to mutmut the mutants whose verdict in mutmut's .meta file is still None (1 killed, 0
+    survived, -6 suspicious are verdicts), of the modules named and no other; a module never mutated has no file."""
+    import json
+
+    from scripts.mutation import unjudged
+
+    verdicts = {"pkg.a": {"pkg.a.x_f__mutmut_1": 1, "pkg.a.x_f__mutmut_2": None, "pkg.a.xǁCǁg__mutmut_1": 0,
+                          "pkg.a.xǁCǁg__mutmut_2": None, "pkg.a.x_h__mutmut_1": -6},
+                "pkg.sub.b": {"pkg.sub.b.x_k__mutmut_1": None}}
+    for module, codes in verdicts.items():
+        meta = tmp_path / (module.replace(".", "/") + ".py.meta")
+        meta.parent.mkdir(parents=True, exist_ok=True)
+        meta.write_text(json.dumps({"exit_code_by_key": codes, "durations_by_key": {}}), encoding="utf-8")
+    expected = {module: [name for name, code in codes.items() if code is None] for module, codes in verdicts.items()}
+    assert unjudged(["pkg.a"], tmp_path) == expected["pkg.a"] == ["pkg.a.x_f__mutmut_2", "pkg.a.xǁCǁg__mutmut_2"]
+    assert unjudged(["pkg.sub.b", "pkg.a"], tmp_path) == expected["pkg.sub.b"] + expected["pkg.a"]
+    assert unjudged(["pkg.never_mutated"], tmp_path) == []
+
