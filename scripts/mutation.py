@@ -189,11 +189,12 @@ def main() -> None:
         modules = [m for m in args.modules.split(",") if m]
         if args.unjudged and not modules:
             sys.exit("--unjudged needs --modules (with no modules, run already tests only the mutants not judged)")
-        names = unjudged(modules) if args.unjudged else [f"{m}.x*" for m in modules]
-        if args.unjudged and not names:
-            sys.exit(f"nothing left to judge in {args.modules} (or not mutated yet: run it without --unjudged)")
-        for path in drop_stale_copies():
+        for path in drop_stale_copies():  # first: a dropped copy's verdicts must not be named below
             print(f"{path} changed since it was mutated: mutated afresh")
+        if not args.unjudged:
+            names = [f"{m}.x*" for m in modules]
+        elif not (names := unjudged(modules)):
+            sys.exit(f"nothing left to judge in {args.modules} (or not mutated yet: run it without --unjudged)")
         sys.exit(subprocess.run([*MUTMUT, "run", *names], cwd=ROOT).returncode)
     if args.command == "show":  # in the form an entry of mutation_equivalents.yaml takes
         for name in args.mutants:
