@@ -6,6 +6,7 @@ import json
 import pytest
 
 from taylor_tune.config import PruneConfig, RecoverySpec
+from taylor_tune.recovery.train import instruction_batches, recovery_data
 from taylor_tune.sources.world import heldout_path
 from taylor_tune.sweep.experiment import Evaluation
 from taylor_tune.sweep.trial import TrialConfig, run_trial
@@ -14,11 +15,12 @@ from tests.test_refused_before_work import experiment, nothing_started, one_line
 
 
 def a_trial(recovery: RecoverySpec | None, *, model: str = "tiny-llama", sparsity: float = 0.4, seq_len: int = 32,
-            num_samples: int = 16, windows: int = 8, batch_size: int = 16, items: int = 20) -> TrialConfig:
+            num_samples: int = 16, windows: int = 8, batch_size: int = 16, items: int = 20,
+            ppl: str | None = "world") -> TrialConfig:
     return TrialConfig(
         prune=PruneConfig(model=model, method="taylor", sparsity=sparsity, seq_len=seq_len, num_samples=num_samples,
                           calibration="world", device="cpu", dtype="float32"),
-        evaluation=Evaluation(tasks="piqa", task_data="world", ppl="world", ppl_max_windows=windows,
+        evaluation=Evaluation(tasks="piqa", task_data="world", ppl=ppl, ppl_max_windows=windows,
                               batch_size=batch_size, fidelities=[items], speed=None),
         recovery=recovery,
     )
@@ -75,7 +77,9 @@ def test_a_recovery_stage_reports_the_losses_of_the_models_it_trains_and_the_eva
     the held-out loss before is the pruned model's next-token cross-entropy on the held-out windows, after is the
     recovered model's (each reported with its perplexity, exp); the curve's point and the training-loss means are the
     steps' own losses averaged since the last point; the evaluation scores the recovered model; evaluate_before is
-    exactly the evaluation of a trial without recovery; a kd recovery's teacher is the model as the trial loaded it."""
+    exactly the evaluation of a trial without recovery; a kd recovery's teacher is the model as the trial loaded it.
+    `auto` texts are the model's world (the recovery text, and the held-out text when the evaluation has none);
+    instruction data's response mask reaches the training; every point reports its step, counted to the end."""
     import math
 
     import torch
@@ -85,34 +89,36 @@ def test_a_recovery_stage_reports_the_losses_of_the_models_it_trains_and_the_eva
     from taylor_tune.pruning import prune as pruning_stages
     from taylor_tune.sources.models import load_tokenizer
     from taylor_tune.sweep import trial as trial_module
+    from tests.recovery.test_instructions import RECORDS
 
     seen, loads = {}, record_loads(monkeypatch, trial_module, pruning_stages)
     recover = trial_module.recover
 
     def spied(model, ids, held, spec, **kwargs):
-        seen.update(held=held.clone(), teacher=kwargs.get("teacher"))
+        seen.update(held=held.clone(), teacher=kwargs.get("teacher"), mask=kwargs.get("mask"))
         seen["result"] = recover(model, ids, held, spec, **kwargs)
         return seen["result"]
 
     monkeypatch.setattr(trial_module, "recover", spied)
 
-    def a_tiny_trial(recovery: RecoverySpec | None) -> TrialConfig:  # a random model: no training before
+    def a_tiny_trial(recovery: RecoverySpec | None, ppl: str | None = "world") -> TrialConfig:  # random: untrained
         return a_trial(recovery, model="tiny-llama-random", sparsity=0.3, seq_len=16, num_samples=4, windows=2,
-                       batch_size=8, items=4)
+                       batch_size=8, items=4, ppl=ppl)
 
     def cross_entropy(model, ids: torch.Tensor) -> float:  # every predicted token of every window weighs the same
         with torch.no_grad():
             logits = model(input_ids=ids).logits[:, :-1]
         return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)))
 
-    spec = RecoverySpec(data="world", steps=4, lr=5e-3, warmup_steps=1, micro_batch_size=2, seq_len=16,
+    spec = RecoverySpec(data="auto", steps=4, lr=5e-3, warmup_steps=1, micro_batch_size=2, seq_len=16,
                         lora_dropout=0.0, eval_every=2, heldout_windows=3, evaluate_before=True)
     reports = []
     recovered = run_trial(a_tiny_trial(spec), tmp_path / "r", report=lambda m: reports.append(dict(m)))
     result, held = seen["result"], seen["held"]
     assert seen["teacher"] is None and [name for name, _, _ in loads] == [pruning_stages.__name__]  # ce: no teacher
     assert [r["stage"] for r in reports] == ["pruned", "recovery_2", "recovered", "ppl", "zero_shot_4"]
-    assert [r["recovery_point"] for r in reports[1:3]] == [1, 2] and reports[2]["recovery_step"] == 4
+    assert [r["recovery_point"] for r in reports[1:3]] == [1, 2]
+    assert [r["recovery_step"] for r in reports[1:3]] == [2, 4]
     assert [s.name for s in trial_module.trial_stages(a_tiny_trial(spec))] == [
         "unpruned_speed", "start", "load", "score", "plan", "apply", "pruned", "before_recovery", "recovery",
         "evaluator", "ppl", "zero_shot_0"]  # evaluated before, recovered, evaluated after
@@ -131,6 +137,10 @@ def test_a_recovery_stage_reports_the_losses_of_the_models_it_trains_and_the_eva
             math.exp(recovered[f"recovery_heldout_loss_{when}"]), rel=1e-12)
     steps = result.train_loss
     assert len(steps) == 4 and all(loss > 0 for loss in steps)
+    # `auto` recovery text: the world's draw; the first step trains the pruned model itself (LoRA's B = 0)
+    world = recovery_data(load_tokenizer("tiny-llama-random"), spec.model_copy(update={"data": "world"}),
+                          "tiny-llama-random")[0]
+    assert steps[0] == pytest.approx(cross_entropy(pruned, world[:2]), rel=1e-5)
     assert reports[1]["recovery_heldout_loss"] == result.curve[1][1]
     assert reports[1]["recovery_train_loss"] == pytest.approx((steps[0] + steps[1]) / 2, rel=1e-12)
     assert recovered["recovery_train_loss"] == pytest.approx((steps[2] + steps[3]) / 2, rel=1e-12)
@@ -148,7 +158,19 @@ def test_a_recovery_stage_reports_the_losses_of_the_models_it_trains_and_the_eva
     assert recovered["before_recovery_s"] > 0
 
     loads.clear()
-    kd = run_trial(a_tiny_trial(spec.model_copy(update={"loss": "kd", "evaluate_before": False})), tmp_path / "kd")
+    alpaca = tmp_path / "alpaca.jsonl"
+    alpaca.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    kd_spec = spec.model_copy(update={"loss": "kd", "evaluate_before": False, "data": str(alpaca), "eval_every": 1,
+                                      "seq_len": 160})  # prompts: 154-228 tokens here
+    reports.clear()
+    kd = run_trial(a_tiny_trial(kd_spec, ppl=None), tmp_path / "kd", report=lambda m: reports.append(dict(m)))
+    assert [r["stage"] for r in reports] == ["pruned", "recovery_1", "recovery_2", "recovery_3", "recovered",
+                                            "zero_shot_4"]
+    assert [(r["recovery_step"], r["recovery_point"]) for r in reports[1:5]] == [(1, 1), (2, 2), (3, 3), (4, 4)]
+    # no perplexity text: the held-out windows are the model's world's held-out text, as the first trial's
+    assert torch.equal(seen["held"].flatten()[:held.numel()], held.flatten())
+    responses = instruction_batches(load_tokenizer("tiny-llama-random"), RECORDS, kd_spec)[1]
+    assert torch.equal(seen["mask"], responses) and 0 < int(responses.sum()) < responses.numel()
     teacher_load, pruned_load = sorted(loads, key=lambda load: load[0] != trial_module.__name__)
     assert teacher_load[1:] == pruned_load[1:]  # the unpruned model, loaded as the trial's own
     assert sum(p.numel() for p in seen["teacher"].parameters()) == kd["params_count_before"]
