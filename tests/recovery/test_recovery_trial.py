@@ -16,11 +16,11 @@ from tests.test_refused_before_work import experiment, nothing_started, one_line
 
 def a_trial(recovery: RecoverySpec | None, *, model: str = "tiny-llama", sparsity: float = 0.4, seq_len: int = 32,
             num_samples: int = 16, windows: int = 8, batch_size: int = 16, items: int = 20,
-            ppl: str | None = "world") -> TrialConfig:
+            ppl: str | None = "world", task_data: str = "world") -> TrialConfig:
     return TrialConfig(
         prune=PruneConfig(model=model, method="taylor", sparsity=sparsity, seq_len=seq_len, num_samples=num_samples,
                           calibration="world", device="cpu", dtype="float32"),
-        evaluation=Evaluation(tasks="piqa", task_data="world", ppl=ppl, ppl_max_windows=windows,
+        evaluation=Evaluation(tasks="piqa", task_data=task_data, ppl=ppl, ppl_max_windows=windows,
                               batch_size=batch_size, fidelities=[items], speed=None),
         recovery=recovery,
     )
@@ -81,6 +81,7 @@ def test_a_recovery_stage_reports_the_losses_of_the_models_it_trains_and_the_eva
     `auto` texts are the model's world (the recovery text, and the held-out text when the evaluation has none);
     instruction data's response mask reaches the training; every point reports its step, counted to the end."""
     import math
+    import time
 
     import torch
 
@@ -101,9 +102,9 @@ def test_a_recovery_stage_reports_the_losses_of_the_models_it_trains_and_the_eva
 
     monkeypatch.setattr(trial_module, "recover", spied)
 
-    def a_tiny_trial(recovery: RecoverySpec | None, ppl: str | None = "world") -> TrialConfig:  # random: untrained
+    def a_tiny_trial(recovery: RecoverySpec | None, ppl: str | None = "auto") -> TrialConfig:  # random: untrained
         return a_trial(recovery, model="tiny-llama-random", sparsity=0.3, seq_len=16, num_samples=4, windows=2,
-                       batch_size=8, items=4, ppl=ppl)
+                       batch_size=8, items=4, ppl=ppl, task_data="auto")
 
     def cross_entropy(model, ids: torch.Tensor) -> float:  # every predicted token of every window weighs the same
         with torch.no_grad():
@@ -112,8 +113,10 @@ def test_a_recovery_stage_reports_the_losses_of_the_models_it_trains_and_the_eva
 
     spec = RecoverySpec(data="auto", steps=4, lr=5e-3, warmup_steps=1, micro_batch_size=2, seq_len=16,
                         lora_dropout=0.0, eval_every=2, heldout_windows=3, evaluate_before=True)
-    reports = []
-    recovered = run_trial(a_tiny_trial(spec), tmp_path / "r", report=lambda m: reports.append(dict(m)))
+    reports, start = [], time.perf_counter()
+    in_sweep = a_tiny_trial(spec).model_copy(update={"cache_dir": str(tmp_path / "sweep" / "importance_cache")})
+    recovered = run_trial(in_sweep, tmp_path / "r", report=lambda m: reports.append(dict(m)))
+    wall = time.perf_counter() - start
     result, held = seen["result"], seen["held"]
     assert seen["teacher"] is None and [name for name, _, _ in loads] == [pruning_stages.__name__]  # ce: no teacher
     assert [r["stage"] for r in reports] == ["pruned", "recovery_2", "recovered", "ppl", "zero_shot_4"]
@@ -155,7 +158,9 @@ def test_a_recovery_stage_reports_the_losses_of_the_models_it_trains_and_the_eva
     assert recovered["before_recovery_ppl"] == plain["ppl"] != recovered["ppl"]
     assert {k: recovered[f"before_recovery_{k}"] for k in ("acc_mean", "acc_piqa", "acc_piqa_stderr", "acc_piqa_n")} \
         == {k: plain[k] for k in ("acc_mean", "acc_piqa", "acc_piqa_stderr", "acc_piqa_n")}
-    assert recovered["before_recovery_s"] > 0
+    assert 0 < recovered["before_recovery_s"] < wall
+    # in a sweep, the evaluation before recovery built the pass's requests into the sweep's cache; the one after read
+    assert recovered["zero_shot_4_requests_built"] == 0 and plain["zero_shot_4_requests_built"] == 1
 
     loads.clear()
     alpaca = tmp_path / "alpaca.jsonl"
