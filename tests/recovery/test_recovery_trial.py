@@ -156,6 +156,8 @@ def test_a_recovery_stage_reports_the_losses_of_the_models_it_trains_and_the_eva
 
     plain = run_trial(a_tiny_trial(None), tmp_path / "p")
     assert recovered["before_recovery_ppl"] == plain["ppl"] != recovered["ppl"]
+    searchable = (*schema.CONFIG_COLUMNS, *schema.DIMENSIONS)  # beside the recovery's: the pruning's, as without it
+    assert {c: recovered[c] for c in searchable} == {c: plain[c] for c in searchable}
     assert {k: recovered[f"before_recovery_{k}"] for k in ("acc_mean", "acc_piqa", "acc_piqa_stderr", "acc_piqa_n")} \
         == {k: plain[k] for k in ("acc_mean", "acc_piqa", "acc_piqa_stderr", "acc_piqa_n")}
     assert 0 < recovered["before_recovery_s"] < wall
