@@ -102,6 +102,7 @@ def test_text_and_markdown_name_every_section_in_english(report):
     ):
         assert title in text and title in markdown
     assert "nan" not in text.lower().replace("nan-", "")
+    assert "Recovery: before and after" not in text  # no recovery columns: no recovery section
 
 
 @pytest.mark.slow
