@@ -8,13 +8,14 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
-import torch
 
 from taylor_tune.sources.assets import ASSETS, fetch, require
 from tests.helpers import ARCHS
 
 
 def pytest_collection_modifyitems(config, items):
+    import torch  # here, not at the top: pytest-xdist's controller loads this file and needs no torch
+
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

@@ -1,13 +1,20 @@
-"""Helpers shared by tests: tiny models and calibration tokens."""
+"""Helpers shared by tests: tiny models and calibration tokens. torch is imported where it is used: conftest reads
+ARCHS from here, and pytest-xdist's controller, which runs no test, then starts its workers without loading torch."""
+
+from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 ARCHS = ["tiny-llama-random", "tiny-qwen2-random", "tiny-mistral-random"]
 
 
 def tiny(name: str, seed: int = 0):
+    import torch
+
     from taylor_tune.sources.models import load_model
 
     return load_model(name, device="cpu", dtype=torch.float32, seed=seed)
@@ -35,6 +42,8 @@ def head_dim_of(config) -> int:
 
 def mask_groups(model, plan):
     """`model` with the plan's groups set to zero, index by index (not through apply.py); in place."""
+    import torch
+
     cfg = model.config
     d, rep = head_dim_of(cfg), cfg.num_attention_heads // cfg.num_key_value_heads
     with torch.no_grad():
@@ -75,6 +84,7 @@ def llama(**extra):
     """A three-layer Llama built from its config (GQA, head_dim 8), with `extra` config fields such as
     attention_bias, mlp_bias, tie_word_embeddings or another num_hidden_layers: the layouts no shipped tiny model
     has."""
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
