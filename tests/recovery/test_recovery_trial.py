@@ -141,8 +141,8 @@ def test_a_recovery_stage_reports_the_losses_of_the_models_it_trains_and_the_eva
     steps = result.train_loss
     assert len(steps) == 4 and all(loss > 0 for loss in steps)
     # `auto` recovery text: the world's draw; the first step trains the pruned model itself (LoRA's B = 0)
-    world = recovery_data(load_tokenizer("tiny-llama-random"), spec.model_copy(update={"data": "world"}),
-                          "tiny-llama-random")[0]
+    tokenizer = load_tokenizer("tiny-llama-random")
+    world = recovery_data(tokenizer, spec.model_copy(update={"data": "world"}), "tiny-llama-random")[0]
     assert steps[0] == pytest.approx(cross_entropy(pruned, world[:2]), rel=1e-5)
     assert reports[1]["recovery_heldout_loss"] == result.curve[1][1]
     assert reports[1]["recovery_train_loss"] == pytest.approx((steps[0] + steps[1]) / 2, rel=1e-12)
@@ -150,7 +150,7 @@ def test_a_recovery_stage_reports_the_losses_of_the_models_it_trains_and_the_eva
     assert recovered["recovery_train_loss_last"] == steps[3]
     assert recovered["recovery_s"] == result.seconds > 0
 
-    evaluation = Evaluator(result.model, load_tokenizer("tiny-llama-random"),
+    evaluation = Evaluator(result.model, tokenizer,
                            a_tiny_trial(None).evaluation.spec(None), model_name="tiny-llama-random")
     assert recovered["ppl"] == pytest.approx(evaluation.perplexity().ppl, rel=1e-9)  # the recovered model's
 
@@ -176,7 +176,7 @@ def test_a_recovery_stage_reports_the_losses_of_the_models_it_trains_and_the_eva
     assert [(r["recovery_step"], r["recovery_point"]) for r in reports[1:5]] == [(1, 1), (2, 2), (3, 3), (4, 4)]
     # no perplexity text: the held-out windows are the model's world's held-out text, as the first trial's
     assert torch.equal(seen["held"].flatten()[:held.numel()], held.flatten())
-    responses = instruction_batches(load_tokenizer("tiny-llama-random"), RECORDS, kd_spec)[1]
+    responses = instruction_batches(tokenizer, RECORDS, kd_spec)[1]
     assert torch.equal(seen["mask"], responses) and 0 < int(responses.sum()) < responses.numel()
     teacher_load, pruned_load = sorted(loads, key=lambda load: load[0] != trial_module.__name__)
     assert teacher_load[1:] == pruned_load[1:]  # the unpruned model, loaded as the trial's own
