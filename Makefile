@@ -52,9 +52,11 @@ test: lint
 
 # The quick tier (< 1 min): the linter, then no Ray cluster, no lm-eval run over a task, nothing fetched. One pytest
 # worker per core (pytest-xdist), each test module on one worker (its module fixtures built once), one torch thread
-# per worker: the tests are small models, so threads inside a worker only contend with the other workers.
+# per worker: the tests are small models, so threads inside a worker only contend with the other workers. Bytecode
+# caching on even where the environment turns it off (PYTHONDONTWRITEBYTECODE, as on the project's machines): without
+# it each worker rewrites and compiles every test module's asserts, and every subprocess the package, on every run.
 test-fast: lint
-	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -q -n auto --dist loadscope -m "not slow and not real and not gpu"
+	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -q -n auto --dist loadscope -m "not slow and not real and not gpu"
 
 # The fast tier against the curated mutations of scripts/mutants.py, each in a temporary copy (~10 min on 2 cores)
 mutants: setup
