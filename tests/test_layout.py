@@ -11,6 +11,7 @@ The imports are read with `ast`, so nothing is imported to check them.
 """
 
 import ast
+import functools
 import shutil
 from pathlib import Path
 
@@ -48,10 +49,16 @@ def room(module: str) -> str:
 
 def imports(path: Path, package: Path) -> list[tuple[str, int, bool]]:
     """(imported module, line, at module level) for every import in the file; relative imports resolved."""
-    tree = ast.parse(path.read_text(), filename=str(path))
     here = module_name(path, package).split(".")
     if path.name != "__init__.py":
         here = here[:-1]
+    return list(imports_in(path.read_text(), tuple(here)))
+
+
+@functools.cache  # by the text: each planted case copies the package, and all but one of its files are unchanged
+def imports_in(text: str, here: tuple[str, ...]) -> tuple[tuple[str, int, bool], ...]:
+    here = list(here)
+    tree = ast.parse(text)
     top = {id(node) for node in tree.body}
     found = []
     for node in ast.walk(tree):
@@ -64,7 +71,7 @@ def imports(path: Path, package: Path) -> list[tuple[str, int, bool]]:
             # `from taylor_tune.sources import data` imports the module taylor_tune.sources.data
             names = [f"{base}.{alias.name}" for alias in node.names] if base.startswith("taylor_tune") else [base]
             found += [(name, node.lineno, id(node) in top) for name in names]
-    return found
+    return tuple(found)
 
 
 def project_files(package: Path) -> dict[str, Path]:

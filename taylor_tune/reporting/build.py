@@ -8,6 +8,7 @@ under constraints, and what recovery fine-tuning changed. `render` prints a Repo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import pandas as pd
 
@@ -35,13 +36,19 @@ class ModelReport:
     lead: stats.Lead
     seeds: dict
     heldout: dict
-    importance: dict
     speed: pd.DataFrame | None = None  # quality against measured speed, per trial (None: no trial measured it)
     objective: stats.Objective = stats.ACCURACY
     front_objectives: tuple[stats.Objective, ...] = ()  # what the Pareto front trades off (empty: no front)
     front: pd.DataFrame | None = None  # pareto.pareto_front: every configuration, the front first
     constrained: dict | None = None  # pareto.best_under, when constraints were asked for
     recovery: dict | None = None  # stats.recovery_comparison, when the trials recovered
+    seed: int = 0  # fANOVA's
+
+    @cached_property
+    def importance(self) -> dict:
+        """stats.hyperparameter_importance of the valid trials, computed when first read: Optuna's fANOVA is most of
+        a report's build time, and a reader after the best configuration or the front need not wait for it."""
+        return stats.hyperparameter_importance(self.valid, seed=self.seed, objective=self.objective)
 
 
 @dataclass
@@ -103,10 +110,9 @@ def model_report(table: TrialTable, model: str, z: float = stats.Z95, seed: int 
         ppl=stats.correlation(valid, "ppl", "acc_mean"),
         best=best, best_stderr=None if best is None else stats.plain(best["acc_mean_stderr"]),
         lead=stats.lead_of_best(valid, tasks, z, objective), seeds=stats.seed_spread(valid, objective), heldout=heldout,
-        importance=stats.hyperparameter_importance(valid, seed=seed, objective=objective),
         speed=stats.speed_quality(valid), objective=objective, front_objectives=front_of,
         front=pareto.pareto_front(valid, front_of, z) if front_of and len(valid) else None, constrained=constrained,
-        recovery=stats.recovery_comparison(valid, objective, seed=seed),
+        recovery=stats.recovery_comparison(valid, objective, seed=seed), seed=seed,
     )
 
 

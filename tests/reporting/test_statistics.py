@@ -171,6 +171,16 @@ def test_fanova_puts_the_importance_on_the_only_parameter_that_matters():
     assert "no variance" in stats.hyperparameter_importance(flat)["reason"]
 
 
+def test_a_reports_importance_is_fanova_with_its_seed_computed_once_when_first_read(monkeypatch):
+    real, calls = stats.hyperparameter_importance, []
+    monkeypatch.setattr(stats, "hyperparameter_importance", lambda *a, **k: calls.append(k) or real(*a, **k))
+    m = build_report(synthetic_trials(), seed=3).models["model-a"]
+    assert calls == []  # building the report ran no fANOVA
+    want = real(m.valid, seed=3, objective=m.objective)
+    assert want != real(m.valid, seed=0, objective=m.objective)  # the seed shows in the numbers
+    assert m.importance == want and m.importance is m.importance and len(calls) == 1
+
+
 def test_value_of_search_equals_a_lookup_by_hand(report, table):
     vos = report.value_of_search.set_index(["config_of", "applied_to"])
     for source, target in [("model-a", "model-b"), ("model-b", "model-a"), ("model-a", "model-a")]:
