@@ -47,12 +47,16 @@ def room(module: str) -> str:
     return "cli" if parts[1:2] in (["cli"], ["__main__"]) else "root"
 
 
-def imports(path: Path, package: Path) -> list[tuple[str, int, bool]]:
+def imports(path: Path, package: Path) -> tuple[tuple[str, int, bool], ...]:
     """(imported module, line, at module level) for every import in the file; relative imports resolved."""
     here = module_name(path, package).split(".")
     if path.name != "__init__.py":
         here = here[:-1]
-    return list(imports_in(path.read_text(), tuple(here)))
+    try:
+        return imports_in(path.read_text(), tuple(here))
+    except SyntaxError as error:  # the cache is by text alone, so the file is named here
+        error.filename = str(path)
+        raise
 
 
 @functools.cache  # by the text: each planted case copies the package, and all but one of its files are unchanged
