@@ -1,5 +1,6 @@
 """Shared fixtures: the real offline world's assets, the three tiny architectures, and the gpu marker."""
 
+import gc
 import os
 
 # No test may reach the hub: fail fast instead of waiting on timeouts.
@@ -22,6 +23,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Every module a session imports (torch, transformers, lm-eval) lives until the process ends, yet each full collection
+# of the garbage collector walks all of it again: during collection, during the tests, and at exit, where the run waits
+# for each xdist worker's finalization (BENCHMARKS.md). Frozen objects are skipped by the collector (gc.freeze); what
+# the tests themselves make is still collected.
+def pytest_collectreport(report):
+    gc.freeze()
+
+
+def pytest_unconfigure(config):
+    gc.freeze()
 
 
 @pytest.fixture(params=ARCHS)
