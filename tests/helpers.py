@@ -20,6 +20,18 @@ def tiny(name: str, seed: int = 0):
     return load_model(name, device="cpu", dtype=torch.float32, seed=seed)
 
 
+def fast_diagonal(first: list, second: list) -> list:
+    """Every pair of `first` x `second` for pytest.mark.parametrize; the pairs off the diagonal carry the slow marker,
+    so the fast tier still meets each value of each axis once and `make test` runs the whole grid."""
+    import pytest
+
+    longer = max(len(first), len(second))
+    diagonal = {(k % len(first), k % len(second)) for k in range(longer)}
+    return [pytest.param(a, b, id="-".join(str(v).removeprefix("torch.") for v in (a, b)),
+                         marks=() if (i, j) in diagonal else pytest.mark.slow)
+            for i, a in enumerate(first) for j, b in enumerate(second)]
+
+
 def calibration_ids(num_samples: int, seq_len: int, seed: int = 0) -> torch.Tensor:
     from taylor_tune.sources.calibration import load_calibration
     from taylor_tune.sources.models import byte_tokenizer

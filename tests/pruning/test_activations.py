@@ -19,7 +19,7 @@ from taylor_tune.pruning.importance_cache import ImportanceCache
 from taylor_tune.pruning.methods import METHODS, PlanOptions
 from taylor_tune.pruning.prune import prune
 from taylor_tune.sources.models import load_model
-from tests.helpers import calibration_ids, tiny
+from tests.helpers import calibration_ids, fast_diagonal, tiny
 
 TRAINED = ["tiny-llama", "tiny-qwen2", "tiny-mistral"]
 
@@ -98,8 +98,7 @@ def held_at_mean(model, plan, inputs):
     return handles
 
 
-@pytest.mark.parametrize("name", TRAINED)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name, dtype", fast_diagonal(TRAINED, [torch.float32, torch.float64]))
 def test_flap_compensation_equals_the_original_with_removed_features_at_their_mean(name, dtype):
     """float64: equal to 1e-9 (the algebra); float32: within 1e-5 of the logits' scale (max |logit|, the rounding of
     two summation orders through every layer)."""
