@@ -18,9 +18,12 @@ instead of its 32,768, so that every id has one). Then, per shape:
   so the groups are ranked by the random method's seeded scores and the layers by `last`: on a homogeneous decoder
   every depth criterion removes the same number of equal layers, and the speed of a shape does not depend on which
   groups it kept;
-- with `--profile LIMIT`, where the prefix scorer's time goes at LIMIT items per task (torch.profiler): the time the
-  device had a kernel running against the wall time, kernel time by kind (matmul, attention, other), the host's
-  seconds in batch preparation and in enqueueing the forwards;
+- `prefix_fused`: the prefix scorer with its decoder layers compiled (`evaluation.fused`); passes may repeat (the
+  first prefix pass builds the requests, the later ones read them, as a sweep's later trials do), and `--last` names
+  passes to run after everything else;
+- with `--profile LIMIT`, where the prefix scorer's time goes at LIMIT items per task (torch.profiler; each pass of
+  `--profile-passes`): the time the device had a kernel running against the wall time, kernel time by kind (matmul,
+  attention, other), the host's seconds in batch preparation and in enqueueing the forwards;
 - `run_trial` as a sweep runs it, with that cache (its requests read back, as in every later trial of the model):
   taylor importance at each --importance SAMPLESxSEQ_LEN, prune, speed against the unpruned model, perplexity on the
   held-out Wikipedia text, the full zero-shot evaluation of the seven real tasks with the default settings; seconds
@@ -152,22 +155,25 @@ def _reset(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def trial(folder: Path, params: int, samples: int, seq_len: int, args, device: torch.device, cache: Path) -> dict:
+def trial(folder: Path, params: int, samples: int, seq_len: int, args, device: torch.device, cache: Path,
+          uniform: bool = False) -> dict:
     """One `run_trial` at samples x seq_len with the product's defaults (speed, perplexity, full evaluation) and a
     sweep's caches under `cache`; the importance pass's TFLOP/s counts forward and backward as 6 x parameters x
     tokens."""
     config = PruneConfig(model=str(folder), method="taylor", sparsity=0.2, seq_len=seq_len, num_samples=samples,
                          calibration="wiki", micro_batch_size=args.micro_batch_size, device=args.device,
-                         dtype=args.dtype)
+                         dtype=args.dtype, uniform=uniform)
     evaluation = Evaluation(tasks="all", task_data="real", ppl="wiki", ppl_max_windows=args.ppl_windows,
                             fidelities=(args.limit,), speed=SpeedSpec(**args.speed))
     _reset(device)
+    torch._dynamo.reset()  # as in a trial's own process: no compiled graph in memory (Inductor's disk cache stays)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as trial_dir:
         metrics = run_trial(TrialConfig(prune=config, evaluation=evaluation, cache_dir=str(cache / "importance_cache")),
                             trial_dir)
     final, stages = schema.zero_shot_stage(args.limit), schema.stage_seconds(metrics)
-    return {"samples": samples, "seq_len": seq_len, "wall_s": time.perf_counter() - start, "stages_s": stages,
+    return {"samples": samples, "seq_len": seq_len, "uniform": uniform, "wall_s": time.perf_counter() - start,
+            "stages_s": stages,
             "requests_s": metrics[schema.requests_key(final)],
             "requests_built": metrics[schema.requests_key(final, "_built")],
             "importance_tflops": 6 * params * samples * seq_len / stages["importance"] / 1e12,
@@ -203,27 +209,47 @@ def families(folder: Path, sparsity: float, args, device: torch.device, dtype: t
     return rows
 
 
+# evaluation passes: (scorer, fused, attention). prefix is the default; prefix_fused the same scorer with its decoder
+# layers compiled; prefix_flex FlexAttention's block mask; hflm lm-eval's own. (In bench/gpu_h200_fused.json, run
+# while fused was the default on CUDA, "prefix" was fused and "prefix_eager" was today's "prefix": its rows say which.)
+PASSES = {"prefix": ("prefix", False, "sdpa"), "prefix_fused": ("prefix", True, "sdpa"),
+          "prefix_flex": ("prefix", False, "flex"), "hflm": ("hflm", False, "sdpa")}
+
+
+def evaluator_for(model, folder: Path, name: str, cache: Path) -> Evaluator:
+    """The Evaluator of pass `name` (PASSES) with a sweep's request cache under `cache` (every pass but hflm reads
+    what the first stored)."""
+    scorer, fused, attention = PASSES[name]
+    spec = EvalSpec(tasks="all", task_data="real", ppl=None, scorer=scorer, fused=fused)
+    requests = RequestCache(cache / "requests") if scorer == "prefix" else None
+    evaluator = Evaluator(model, load_tokenizer(str(folder)), spec, model_name=str(folder), request_cache=requests)
+    evaluator.lm.attention = attention
+    return evaluator
+
+
 def evaluation(folder: Path, params: int, args, device: torch.device, dtype: torch.dtype, cache: Path,
                passes: list[str]) -> dict:
-    """The full evaluation of the unpruned model by each of `passes` (prefix, prefix_flex, hflm), with the default
-    batch sizing; the prefix pass stores its requests in the request cache of a sweep under `cache`."""
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map={"": device}).eval()
-    tokenizer = load_tokenizer(str(folder))
+    """The full evaluation of the unpruned model by each of `passes` (PASSES), with the default batch sizing; the
+    first prefix pass stores its requests in the request cache of a sweep under `cache`, the later ones read them.
+    Each pass starts as a sweep's later trial does, in a new process: the model loaded again and no compiled graph
+    in memory (torch._dynamo.reset; Inductor's kernels on disk stay, as they do on a sweep's node)."""
     out = {}
     for name in passes:
         _reset(device)
-        spec = EvalSpec(tasks="all", task_data="real", ppl=None, scorer="hflm" if name == "hflm" else "prefix")
-        requests = RequestCache(cache / "requests") if name != "hflm" else None  # flex reads what prefix stored
-        evaluator = Evaluator(model, tokenizer, spec, model_name=str(folder), request_cache=requests)
-        if name == "prefix_flex":
-            evaluator.lm.attention = "flex"
+        torch._dynamo.reset()
+        start = time.perf_counter()
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map={"": device}).eval()
+        load = time.perf_counter() - start
+        evaluator = evaluator_for(model, folder, name, cache)
         shots = evaluator.zero_shot(args.limit)
         out[name] = {"seconds": shots.seconds, "requests_s": shots.requests_seconds,
-                       "requests_built": shots.requests_built, "tokens": shots.tokens,
-                       "tokens_per_s": shots.tokens / shots.seconds,
-                       "tflops": 2 * params * shots.tokens / shots.seconds / 1e12, "acc_mean": shots.acc_mean,
-                       "items": sum(e["n"] for e in shots.tasks.values()), "peak_gib": _peak(device)}
-    del model
+                     "requests_built": shots.requests_built, "tokens": shots.tokens,
+                     "tokens_per_s": shots.tokens / shots.seconds, "load_s": load,
+                     "fused": bool(getattr(evaluator.lm, "fused", False)),
+                     "compiled_graphs": getattr(evaluator.lm, "compiled_graphs", 0),
+                     "tflops": 2 * params * shots.tokens / shots.seconds / 1e12, "acc_mean": shots.acc_mean,
+                     "items": sum(e["n"] for e in shots.tasks.values()), "peak_gib": _peak(device)}
+        del model, evaluator
     return out
 
 
@@ -258,8 +284,15 @@ KERNEL_KINDS = (("matmul", ("gemm", "nvjet", "cutlass", "xmma", "matmul", "cubla
                 ("softmax", ("softmax",)), ("copy", ("memcpy", "memset")))
 
 
+# Inductor's fused pointwise, reduction and persistent kernels are named after the operations they feed, an attention
+# among them: they are elementwise work ("other") whatever their name says
+FUSED_ELEMENTWISE = ("triton_poi", "triton_red", "triton_per")
+
+
 def kernel_kind(name: str) -> str:
     lowered = name.lower()
+    if lowered.startswith(FUSED_ELEMENTWISE):
+        return "other"
     return next((kind for kind, marks in KERNEL_KINDS if any(m in lowered for m in marks)), "other")
 
 
@@ -273,18 +306,18 @@ def busy_seconds(intervals: list[tuple[float, float]]) -> float:
     return total / 1e6
 
 
-def profile_prefix(folder: Path, limit: int, args, device: torch.device, dtype: torch.dtype, cache: Path) -> dict:
-    """Where the prefix scorer's time goes, at `limit` items per task: a first pass builds the requests and warms the
-    kernels, a second is timed plainly, a third under torch.profiler. From the third: the time the device had a
-    kernel running (union of kernel intervals) against the wall time, the kernels' time by kind and the longest
-    kernels, the host's own operators, and the host seconds in batch preparation and in enqueueing forwards."""
+def profile_prefix(folder: Path, limit: int, args, device: torch.device, dtype: torch.dtype, cache: Path,
+                   name: str = "prefix") -> dict:
+    """Where pass `name`'s time goes (PASSES: prefix or prefix_fused), at `limit` items per task: a first pass builds
+    the requests and warms the kernels (compiles them, fused), a second is timed plainly, a third under
+    torch.profiler. From the third: the time the device had a kernel running (union of kernel intervals) against the
+    wall time, the kernels' time by kind and the longest kernels, the host's own operators, and the host seconds in
+    batch preparation and in enqueueing forwards."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map={"": device}).eval()
-    spec = EvalSpec(tasks="all", task_data="real", ppl=None, scorer="prefix")
-    evaluator = Evaluator(model, load_tokenizer(str(folder)), spec, model_name=str(folder),
-                          request_cache=RequestCache(cache / "requests"))
+    evaluator = evaluator_for(model, folder, name, cache)
     evaluator.zero_shot(limit)
     plain = evaluator.zero_shot(limit)
     lm, host = evaluator.lm, {"prepare": 0.0, "forward": 0.0}
@@ -323,7 +356,7 @@ def profile_prefix(folder: Path, limit: int, args, device: torch.device, dtype: 
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:15]
     ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
     busy = busy_seconds([(e.time_range.start, e.time_range.end) for e in kernels])
-    out = {"limit": limit, "items": sum(e["n"] for e in shots.tasks.values()),
+    out = {"pass": name, "fused": bool(lm.fused), "limit": limit, "items": sum(e["n"] for e in shots.tasks.values()),
            "plain_seconds": plain.seconds, "plain_requests_s": plain.requests_seconds,
            "profiled_seconds": wall, "profiled_requests_s": shots.requests_seconds,
            "tokens_forwarded": lm.tokens_forwarded - forwarded, "tokens_unpadded": lm.tokens_unpadded - unpadded,
@@ -337,27 +370,47 @@ def profile_prefix(folder: Path, limit: int, args, device: torch.device, dtype: 
     return out
 
 
+def attempt(measure, device: torch.device) -> dict:
+    """measure()'s result, or {"error": ...}: one failed measurement of a lease does not cost the ones after it."""
+    try:
+        return measure()
+    except Exception as error:  # noqa: BLE001 - recorded, and the run goes on
+        _reset(device)
+        return {"error": f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"}
+
+
 def _gib(value: float | None) -> str:
     return "–" if value is None else f"{value:.1f}"
 
 
 def table(data: dict) -> str:
     lines = [f"{data['machine']['device']} · torch {data['machine']['torch']} · {data['date']}", "",
-             "| shape | parameters | pass | items | seconds | of which requests | tokens | tokens/s | TFLOP/s | "
-             "peak GiB |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| shape | parameters | pass | fused | items | seconds | of which requests | requests built | "
+             "graphs compiled | tokens | tokens/s | TFLOP/s | peak GiB |",
+             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, shape in data["shapes"].items():
         for scorer, e in shape.get("evaluation", {}).items():
-            lines.append(f"| {name} | {shape['params'] / 1e9:.2f}B | {scorer} | {e['items']} | {e['seconds']:.1f} | "
-                         f"{e['requests_s']:.1f} | {e['tokens']:,} | {e['tokens_per_s']:,.0f} | {e['tflops']:.1f} | "
-                         f"{_gib(e['peak_gib'])} |")
-    lines += ["", "| shape | samples × seq_len | trial s | unpruned speed | load | importance (TFLOP/s) | prune | "
-              "speed | ppl | zero-shot (requests) | peak GiB |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            if "seconds" not in e:  # failed, or started and cut by a time limit
+                lines.append(f"| {name} | {shape['params'] / 1e9:.2f}B | {scorer} | | {e.get('error', 'not finished')} "
+                             "| | | | | | | | |")
+                continue
+            fused = {True: "yes", False: "no"}.get(e.get("fused"), "–")
+            lines.append(f"| {name} | {shape['params'] / 1e9:.2f}B | {scorer} | {fused} | {e['items']} | "
+                         f"{e['seconds']:.1f} | "
+                         f"{e['requests_s']:.1f} | {e.get('requests_built', '–')} | {e.get('compiled_graphs', '–')} | "
+                         f"{e['tokens']:,} | {e['tokens_per_s']:,.0f} | {e['tflops']:.1f} | {_gib(e['peak_gib'])} |")
+    lines += ["", "| shape | samples × seq_len | layout | trial s | unpruned speed | load | importance (TFLOP/s) | "
+              "prune | speed | ppl | zero-shot (requests) | peak GiB |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, shape in data["shapes"].items():
         for t in shape.get("trials", []):
+            if "error" in t:
+                lines.append(f"| {name} | {t['error']} |")
+                continue
             s = t["stages_s"]
             shot = next((v for k, v in s.items() if k.startswith("zero_shot_")), 0)
-            lines.append(f"| {name} | {t['samples']} × {t['seq_len']} | {t['wall_s']:.1f} | "
+            lines.append(f"| {name} | {t['samples']} × {t['seq_len']} | "
+                         f"{'uniform' if t.get('uniform') else 'free'} | {t['wall_s']:.1f} | "
                          f"{s.get('unpruned_speed', 0):.1f} | {s.get('load', 0):.1f} | {s.get('importance', 0):.1f} "
                          f"({t['importance_tflops']:.1f}) | {s.get('prune', 0):.1f} | {s.get('speed', 0):.1f} | "
                          f"{s.get('ppl', 0):.1f} | {shot:.1f} ({t['requests_s']:.1f}) | {_gib(t['peak_gib'])} |")
@@ -385,12 +438,15 @@ def table(data: dict) -> str:
                   f"{r['micro_batch_size']} | {r['seconds']:.1f} | {r['tflops']:.1f} | {_gib(r['weights_gib'])} | "
                   f"{_gib(r['peak_gib'])} |" if "error" not in r else f"| {r['shape']} | – | {r['samples']} × "
                   f"{r['seq_len']} | – | – | – | – | {r['error']} |" for r in peaks]
-    for name, shape in data["shapes"].items():
-        prof = shape.get("profile")
-        if not prof:
+    profiles = [(name, prof) for name, shape in data["shapes"].items()
+                for prof in ([shape["profile"]] if "profile" in shape else list(shape.get("profiles", {}).values()))]
+    for name, prof in profiles:
+        if "error" in prof:
+            lines += ["", f"{name}: profile failed: {prof['error']}"]
             continue
         wall = prof["profiled_seconds"]
-        lines += ["", f"{name}: where the prefix scorer's time goes ({prof['items']} items, {prof['limit']} per task; "
+        lines += ["", f"{name}: where the {prof.get('pass', 'prefix')} pass's time goes ({prof['items']} items, "
+                  f"{prof['limit']} per task; "
                   f"plain pass {prof['plain_seconds']:.1f} s of which requests {prof['plain_requests_s']:.1f} s; "
                   f"under the profiler {wall:.1f} s, {prof['forwards']} forwards, "
                   f"{prof['tokens_forwarded']:,} tokens forwarded of which padding "
@@ -420,8 +476,16 @@ def main() -> None:
     parser.add_argument("--shapes", default=None, help="comma-separated subset of the shapes")
     parser.add_argument("--importance", default=None, help="SAMPLESxSEQ_LEN,... (default 128x512,256x512); none: "
                         "no trial")
-    parser.add_argument("--passes", default="prefix,hflm", help="evaluation passes, any of prefix, prefix_flex, hflm; "
-                        "none: only the trials")
+    parser.add_argument("--passes", default="prefix,hflm", help="evaluation passes in order, any of prefix, "
+                        "prefix_fused, prefix_flex, hflm, repeats allowed (the first prefix pass builds the "
+                        "requests, the later ones read them); hflm and prefix_flex run after the trials; none: only "
+                        "the trials")
+    parser.add_argument("--last", default=None, help="passes run after everything else (e.g. a baseline a time "
+                        "limit may cut)")
+    parser.add_argument("--profile-passes", default="prefix", help="the passes --profile profiles, any of prefix, "
+                        "prefix_fused")
+    parser.add_argument("--trial-layouts", default="free", help="the trials' width layouts: free, uniform or both "
+                        "(free,uniform)")
     parser.add_argument("--families", type=float, default=None, metavar="SPARSITY",
                         help="the speed of depth, width and mixed cuts at this sparsity (decode at batch 1 and 16)")
     parser.add_argument("--limit", type=int, default=None, help="items per task (default every item)")
@@ -450,8 +514,12 @@ def main() -> None:
     runs = [tuple(int(v) for v in pair.split("x")) for pair in (args.importance or (
         "8x32" if args.small else "128x512,256x512")).split(",") if pair != "none"]
     args.passes = [name for name in args.passes.split(",") if name != "none"]
-    if not set(args.passes) <= {"prefix", "prefix_flex", "hflm"}:
-        parser.error(f"--passes: any of prefix, prefix_flex, hflm (or none), not {','.join(args.passes)}")
+    args.last = [name for name in (args.last or "").split(",") if name]
+    args.trial_layouts = [{"free": False, "uniform": True}[v] for v in args.trial_layouts.split(",")]
+    for flag, names in (("--passes", args.passes), ("--last", args.last),
+                        ("--profile-passes", args.profile_passes.split(","))):
+        if not set(names) <= set(PASSES):
+            parser.error(f"{flag}: any of {', '.join(PASSES)} (or none), not {','.join(names)}")
     if args.small:
         args.limit, args.ppl_windows = args.limit or 3, args.ppl_windows or 4
         args.device, args.dtype = "cpu", "float32"
@@ -485,27 +553,36 @@ def main() -> None:
             start = time.perf_counter()
             params = build_folder(shape, folder, device, dtype, args.tokenizers)
             entry = data["shapes"][name] = {"params": params, "build_s": time.perf_counter() - start, "trials": []}
-            first = [p for p in args.passes if p == "prefix"]
-            if first:
-                entry["evaluation"] = evaluation(folder, params, args, device, dtype, cache, first)
+            late = [p for p in args.passes if p in ("hflm", "prefix_flex")]  # after the trials, in the order given
+
+            def run_passes(names: list[str]) -> None:
+                for pass_name in names:  # one at a time: a pass cut by a time limit still says when it started
+                    evaluations = entry.setdefault("evaluation", {})
+                    key = pass_name if pass_name not in evaluations else f"{pass_name}#{len(evaluations)}"
+                    evaluations[key] = {"started": time.time()}
+                    write_json(args.json, data)
+                    evaluations[key] = attempt(lambda: evaluation(folder, params, args, device, dtype, cache,
+                                                                  [pass_name])[pass_name], device)
+                    write_json(args.json, data)
+
+            run_passes([p for p in args.passes if p not in late])
             write_json(args.json, data)
             if args.profile is not None:
-                entry["profile"] = profile_prefix(folder, args.profile, args, device, dtype, cache)
-                write_json(args.json, data)
+                for pass_name in args.profile_passes.split(","):
+                    entry.setdefault("profiles", {})[pass_name] = attempt(lambda: profile_prefix(
+                        folder, args.profile, args, device, dtype, cache, pass_name), device)
+                    write_json(args.json, data)
             if args.families is not None:
                 entry["families_sparsity"] = args.families
                 entry["families_decode_batch"] = args.family_speed["decode_batch"]
                 entry["families"] = families(folder, args.families, args, device, dtype)
                 write_json(args.json, data)
             for samples, seq_len in runs:
-                entry["trials"].append(trial(folder, params, samples, seq_len, args, device, cache))
-                write_json(args.json, data)
-            for late in [p for p in args.passes if p not in first]:  # the others last, in the order given
-                entry[f"{late}_started"] = time.time()  # a pass cut by a time limit still says how long it ran
-                write_json(args.json, data)
-                entry.setdefault("evaluation", {}).update(evaluation(folder, params, args, device, dtype, cache,
-                                                                     [late]))
-                write_json(args.json, data)
+                for uniform in args.trial_layouts:
+                    entry["trials"].append(attempt(lambda: trial(folder, params, samples, seq_len, args, device,
+                                                                 cache, uniform), device))
+                    write_json(args.json, data)
+            run_passes(late + args.last)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
             shutil.rmtree(cache, ignore_errors=True)

@@ -144,7 +144,8 @@ def _add_evaluate(subparsers) -> None:
     p.add_argument("--model", required=True, help="hub id, folder (pruned or not) or a built-in tiny model")
     p.add_argument("--output", required=True, help="JSON file for the results")
     _add_field_options(
-        p, EvalSpec, ("tasks", "task_data", "limit", "batch_size", "scorer", "ppl", "ppl_window", "ppl_max_windows")
+        p, EvalSpec, ("tasks", "task_data", "limit", "batch_size", "scorer", "fused", "ppl", "ppl_window",
+                         "ppl_max_windows")
     )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])

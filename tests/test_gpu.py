@@ -143,3 +143,33 @@ def test_flex_attention_scores_like_sdpa_on_cuda(dtype):
         return
     truth, _ = responses(flex_model(torch.float32), tokenizer, "prefix", batch_size="auto", limit=20)
     assert_as_accurate(flex, sdpa, truth)
+
+
+@pytest.mark.parametrize("dtype", [
+    torch.float32,
+    pytest.param(torch.bfloat16, marks=pytest.mark.xfail(
+        strict=False, reason="failed its bound once in two runs on an H200 (2026-11-28, BENCHMARKS): why the fused "
+        "bf16 pass can land further from the fp32 truth than HFLM's bf16 pass is not yet known; fused stays off by "
+        "default")),
+])
+def test_fused_prefix_scorer_on_cuda_scores_like_hflm(dtype, monkeypatch):
+    """The prefix scorer with its decoder layers compiled (fused) on the device it is for: fp32, HFLM's
+    log-likelihoods within 1e-4 and the same accuracies; bf16, as near the fp32 truth as HFLM's bf16 pass, within one
+    unit roundoff (BF16_UNIT_ROUNDOFF)."""
+    import tests.evaluation.test_scorer as scoring
+    from taylor_tune.evaluation.scorer import make_lm
+
+    tokenizer = load_tokenizer("tiny-llama")
+    model = load_model("tiny-llama", device="cuda", dtype=dtype).eval()
+    theirs, their_scores = scoring.responses(model, tokenizer, "hflm", batch_size="auto", limit=20)
+    lms = []
+    monkeypatch.setattr(scoring, "make_lm", lambda *a, **k: lms.append(make_lm(*a, **k, fused=True)) or lms[-1])
+    ours, our_scores = scoring.responses(model, tokenizer, "prefix", batch_size="auto", limit=20)
+    assert lms[0].fused and lms[0].compiled_graphs >= 1
+    if dtype == torch.float32:
+        scoring.assert_same_answers(ours, theirs)
+        assert our_scores == their_scores
+        return
+    truth, _ = scoring.responses(load_model("tiny-llama", device="cuda", dtype=torch.float32).eval(), tokenizer,
+                                 "hflm", batch_size="auto", limit=20)
+    assert_as_accurate(ours, theirs, truth)

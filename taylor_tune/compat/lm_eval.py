@@ -79,6 +79,7 @@ def building_requests(build: Callable) -> Iterator[None]:
         if any(arguments.get(name, value) != value for name, value in PLAIN_BUILD.items()) \
                 or arguments.get("cache_requests"):
             return saved(self, limit=limit, **arguments)
+        listed_documents(self)
         self._instances = build(self, limit, lm_eval_build)
 
     Task.build_all_requests = patched
@@ -86,6 +87,16 @@ def building_requests(build: Callable) -> Iterator[None]:
         yield
     finally:
         Task.build_all_requests = saved
+
+
+def listed_documents(task) -> None:
+    """The task's documents held as a list for the rest of the pass. lm-eval reads them through `eval_docs` three times
+    a pass (the request cache's key, building the requests, scoring the answers), each time formatting datasets'
+    rows one by one and, for a task with `process_docs` (HellaSwag), running that again; converted once (pyarrow's
+    own conversion, the same dicts), the later reads iterate a list."""
+    docs = task.eval_docs
+    listed = docs.to_list() if hasattr(docs, "to_list") else list(docs)
+    setattr(task, "test_docs" if task.has_test_docs() else "validation_docs", lambda: listed)
 
 
 def task_documents(task, limit: int | None) -> list[tuple[int, dict]]:

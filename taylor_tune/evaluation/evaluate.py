@@ -108,7 +108,8 @@ class Evaluator:
     def lm(self):
         """The lm-eval scorer of the zero-shot passes, made on first use and kept for the later passes."""
         if self._lm is None:
-            self._lm = make_lm(self.model, self.tokenizer, self.spec.batch_size, self.spec.scorer)
+            self._lm = make_lm(self.model, self.tokenizer, self.spec.batch_size, self.spec.scorer,
+                               self.spec.fused)
         return self._lm
 
     def zero_shot(self, limit: int | None) -> ZeroShotResult:

@@ -142,7 +142,7 @@ def checked_rows(task, docs: dict, rows: object) -> list:
     for row in rows:
         if not (isinstance(row, list) and len(row) == len(ROW_TYPES)
                 and all(isinstance(v, t) and not isinstance(v, bool) for v, t in zip(row, ROW_TYPES))
-                and all(isinstance(t, int) for t in row[6] + row[7])):
+                and set(map(type, row[6])) | set(map(type, row[7])) <= {int}):  # bools are not token ids
             raise ValueError(f"{name}: a request row is not (doc_id, idx, type, repeats, context, continuation, "
                              "tokens, tokens)")
         per_doc.setdefault(row[0], []).append(row[1])

@@ -19,7 +19,8 @@ built there from the segments (`attention`: "sdpa", an additive [rows, 1, width,
 attention; or "flex", a FlexAttention block mask computed from the same segments, with the model's attention switched
 to transformers' flex_attention for the call); every continuation's log-likelihood and greedy check are computed there
 (one log-softmax over the kept positions, in chunks, one gather, sums by `index_add_`); and the answers come back in
-one copy per batch, queued behind the batch's work while the host prepares the next batch.
+one copy per batch, queued behind the batch's work while the host prepares the next batch. With `fused` the
+decoder layers run compiled for the pass (`evaluation.fused`): the same computation with its elementwise kernels fused.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 from lm_eval.models.huggingface import HFLM
 
 from taylor_tune.compat.lm_eval import check
+from taylor_tune.evaluation.fused import compiled_layers
 from taylor_tune.progress import bar
 
 
@@ -95,18 +97,21 @@ def plan_batches(packs: list[Pack], rows: int | None, budget: int | None = None)
     """Forward passes of `rows` rows each (or rows × width ≤ `budget` tokens): the longest pack not yet placed sets
     the batch's width, and every row is filled first-fit with the packs that follow (longest first), so that short
     items fill the padding beside long ones instead of adding rows."""
-    batches, batch, width = [], [], 0
+    batches, batch, filled, width = [], [], [], 0  # filled[i]: the tokens batch[i] holds
     for pack in packs:  # longest first
-        row = next((r for r in batch if sum(p.length for p in r) + pack.length <= width), None)
+        length = pack.length
+        row = next((i for i, used in enumerate(filled) if used + length <= width), None)
         if row is not None:
-            row.append(pack)
+            batch[row].append(pack)
+            filled[row] += length
             continue
         if batch and (len(batch) == rows or (budget and (len(batch) + 1) * width > budget)):
             batches.append(batch)
-            batch = []
+            batch, filled = [], []
         if not batch:
-            width = pack.length
+            width = length
         batch.append([pack])
+        filled.append(length)
     return batches + [batch] if batch else batches
 
 
@@ -184,6 +189,8 @@ class PrefixLM(_Scorer):
     tokens_unpadded = 0
     token_budget: int | None = None  # tokens per forward pass with batch_size "auto"; None: from the free memory
     attention: str = "sdpa"  # or "flex": the packed mask as a FlexAttention block mask (see the module's docstring)
+    fused: bool = False  # the decoder layers compiled for each pass (evaluation.fused)
+    compiled_graphs = 0  # graphs the fused passes traced (1 per model class when all goes as designed)
 
     def _budget(self, packs: list[Pack]) -> int:
         if self.token_budget is not None:
@@ -279,9 +286,10 @@ class PrefixLM(_Scorer):
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
         if self.backend != "causal":
             return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
+        max_length = self.max_length  # a property that resolves the model's config on every read
         for _, context, continuation in requests:
-            assert len(context) > 0 and 0 < len(continuation) <= self.max_length  # HFLM's own preconditions
-        packs = plan_packs([(context, continuation) for _, context, continuation in requests], self.max_length)
+            assert len(context) > 0 and 0 < len(continuation) <= max_length  # HFLM's own preconditions
+        packs = plan_packs([(context, continuation) for _, context, continuation in requests], max_length)
         results: list[tuple[float, bool] | None] = [None] * len(requests)
         pbar = bar(
             len(requests), "zero-shot", unit="req"
@@ -306,7 +314,8 @@ class PrefixLM(_Scorer):
         done, retried, pending = 0, False, None
         on_cuda = self.device.type == "cuda"
         prepared = self._prepare(batches[0]) if batches else None
-        with attention_implementation(self.model, "flex_attention") if self.attention == "flex" else nullcontext():
+        with (attention_implementation(self.model, "flex_attention") if self.attention == "flex" else nullcontext(),
+              compiled_layers(self.model) if self.fused else nullcontext() as compiled):
             while done < len(batches):
                 try:
                     scored = self._forward(prepared)
@@ -333,12 +342,14 @@ class PrefixLM(_Scorer):
                 prepared = self._prepare(batches[done]) if done < len(batches) else None
             if pending is not None:
                 collect(pending)
+        self.compiled_graphs += compiled.graphs if compiled is not None else 0
         pbar.close()
         return results
 
 
-def make_lm(model, tokenizer, batch_size: int | str, scorer: str = "prefix") -> HFLM:
-    """The lm-eval LM for an in-memory model on its own device, in its own dtype; log-softmax in float32."""
+def make_lm(model, tokenizer, batch_size: int | str, scorer: str = "prefix", fused: bool = False) -> HFLM:
+    """The lm-eval LM for an in-memory model on its own device, in its own dtype; log-softmax in float32. `fused`:
+    the prefix scorer's decoder layers compiled for each pass (`evaluation.fused`)."""
     device = next(model.parameters()).device
     if batch_size == "auto" and device.type != "cuda":
         batch_size = 16  # lm-eval's auto search probes GPU memory; on CPU a fixed size is faster and predictable
@@ -349,4 +360,6 @@ def make_lm(model, tokenizer, batch_size: int | str, scorer: str = "prefix") -> 
              softmax_dtype=torch.float32)
     check(lm)  # the HFLM internals PrefixLM relies on
     lm.scorer = scorer
+    if fused and scorer == "prefix":
+        lm.fused = True
     return lm

@@ -464,3 +464,25 @@ def test_a_passs_seconds_add_up_the_time_of_each_task(piqa, tmp_path, monkeypatc
         timed(piqa, 3, lm_eval_build(piqa, 3))
         timed(piqa, 2, lambda: pytest.fail("stored: not built again"))
     assert (timed.seconds, timed.built) == (8.0, 1)
+
+
+def test_listed_documents_are_the_documents_lm_eval_iterates_and_later_reads_skip_datasets(monkeypatch):
+    """Each task's documents held as a list equal what lm-eval's own `eval_docs` iterates (datasets' row formatting,
+    HellaSwag's process_docs), in order; afterwards a read of `eval_docs` is the list, no formatting of a row."""
+    import datasets.formatting.formatting as formatting
+    from lm_eval.tasks import get_task_dict
+
+    from taylor_tune.compat.lm_eval import listed_documents, task_documents
+    from taylor_tune.config import ZERO_SHOT_TASKS
+    from taylor_tune.evaluation.zero_shot import task_source
+
+    for name in ZERO_SHOT_TASKS:
+        source, manager = task_source(name, "world")
+        (task,) = get_task_dict([source], manager).values()
+        own = list(task.eval_docs)
+        listed_documents(task)
+        formatted = []
+        monkeypatch.setattr(formatting, "format_table", lambda *a, **k: formatted.append(1))
+        assert task.eval_docs == own and len(own) > 0, name
+        assert task_documents(task, 5) == list(enumerate(own[:5])) and not formatted, name
+        monkeypatch.undo()

@@ -4,6 +4,8 @@ References: lm-eval's own HFLM on the same model and requests, and a plain forwa
 model input (`(context + continuation)[-(max_length + 1):][:-1]`) computed here.
 """
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -701,3 +703,39 @@ def test_out_of_memory_plans_the_passes_left_at_half_the_budget(monkeypatch):
         assert shapes == [(len(batch), sum(p.length for p in batch[0])) for batch in passes], budget
         for (ll, greedy), (ref_ll, ref_greedy) in zip(got, expected, strict=True):
             assert abs(ll - ref_ll) <= 1e-5 and greedy == ref_greedy
+
+
+@pytest.mark.slow
+def test_fused_scoring_gives_the_eager_answers_on_layers_of_different_widths_with_one_graph(monkeypatch):
+    """The prefix scorer with its decoder layers compiled (fused) against the same scorer eager, fp32 on CPU,
+    every request within 1e-4 and the same accuracies, on a pruned model whose layers differ in width and head
+    count; the layers share one compiled graph (at most one more where a layer keeps a single key-value head, a
+    size Dynamo specializes) instead of one per shape, and are eager again after the pass."""
+    result = _pruned_tiny_qwen2()
+    model, tokenizer = result.model.eval(), result.tokenizer
+    layers = model.model.layers
+    shapes = {(layer.self_attn.q_proj.out_features, layer.self_attn.k_proj.out_features,
+               layer.mlp.gate_proj.out_features) for layer in layers}
+    assert len(shapes) >= 3
+    eager, eager_scores = responses(model, tokenizer, "prefix", batch_size=3, limit=12)
+    lms, eager_lm = [], make_lm
+
+    def fused_lm(*args, **kwargs):
+        lms.append(eager_lm(*args, **kwargs, fused=True))
+        return lms[-1]
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(sys.modules[__name__], "make_lm", fused_lm)
+    fused, fused_scores = responses(model, tokenizer, "prefix", batch_size=3, limit=12)
+    assert_same_answers(fused, eager)
+    assert fused_scores == eager_scores
+    kv_heads = {layer.self_attn.k_proj.out_features // layer.self_attn.head_dim for layer in layers}
+    assert lms[0].fused and 1 <= lms[0].compiled_graphs <= 1 + (1 in kv_heads and len(kv_heads) > 1)
+    assert not any("forward" in vars(layer) for layer in layers)  # given back
+
+
+def test_fused_is_off_by_default_and_refused_for_hflm():
+    assert build_eval_spec({}).fused is False
+    assert build_eval_spec({"fused": "true"}).fused is True  # as the CLI's --fused true gives it
+    with pytest.raises(ConfigError, match="fused"):
+        build_eval_spec({"scorer": "hflm", "fused": True})

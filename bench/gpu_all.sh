@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Issue 67's GPU measurements as two device calls of at most 10 minutes each, on one H100 or H200. Prepare here first:
+#   bash ../shared/gpu/prepare.sh && .venv/bin/python bench/bench_gpu.py --pack-tokenizers .device/tokenizers.tgz
+# then, there, from the project's root (carry .device/whl .device/assets.tgz .device/remote.sh .device/tokenizers.tgz):
+#   bash bench/gpu_all.sh 1    # the fused scorer's gpu tests; the 8B evaluation: first trial (requests built, compile
+#                              # cold), a later trial's (requests and kernels cached), the profiles before (eager) and
+#                              # after (fused), a 128 x 512 trial, and last the eager pass over every item
+#   bash bench/gpu_all.sh 2    # every gpu-marked test; lm-eval's HFLM on the same shape
+# Each writes its results under $OUT as it goes (a call cut by its limit still returns what was done).
+set -uo pipefail
+step=${1:?usage: gpu_all.sh 1|2}  # not "part": remote.sh loops over a variable of that name
+source .device/remote.sh
+mkdir -p /tmp/tok && tar xzf .device/tokenizers.tgz -C /tmp/tok
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+bench=(python3 bench/bench_gpu.py --shapes llama-3-8b --tokenizers /tmp/tok)
+case $step in
+1)
+  python3 -m pytest -q -m gpu tests/test_gpu.py -k fused 2>&1 | tail -3 | tee "$OUT/tests_fused.txt"
+  "${bench[@]}" --passes prefix_fused,prefix_fused --profile 300 --profile-passes prefix,prefix_fused \
+      --importance 128x512 --last prefix --json "$OUT/gpu_fused.json" 2>&1 | grep -v "it/s\]" | tail -40
+  ;;
+2)
+  python3 -m pytest -q -m gpu tests/test_gpu.py tests/recovery/test_recovery.py 2>&1 | tail -3 | tee "$OUT/tests.txt"
+  "${bench[@]}" --passes hflm --importance none --json "$OUT/gpu_hflm.json" 2>&1 | grep -v "it/s\]" | tail -20
+  ;;
+esac
