@@ -31,6 +31,9 @@ def write_experiment(folder: Path, name: str, **changes) -> Path:
 
 
 FAULTS = Path(__file__).resolve().parent / "faults"  # a sitecustomize that injects faults (see its docstring)
+# This test process's Ray temp root (RAY_TMPDIR): every Ray a test starts keeps its session there, so that cleaning up
+# stops only what the tests started, never a user's Ray on the same machine. Short: Ray's socket paths must stay short.
+RAY_TEMP = Path("/tmp") / f"ttr-{os.getpid()}"
 
 
 def env(**faults: str) -> dict:
@@ -38,7 +41,8 @@ def env(**faults: str) -> dict:
     extra = {}
     if faults:
         extra = {**faults, "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULTS), os.environ.get("PYTHONPATH")]))}
-    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1", **extra}
+    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1",
+            "RAY_TMPDIR": str(RAY_TEMP), **extra}
 
 
 def sweep_command(experiment: Path, *extra: str) -> list[str]:
@@ -83,24 +87,47 @@ def wait_for(predicate, timeout: float, poll: float = 0.5) -> bool:
     return False
 
 
-def ray_processes(started_after: float) -> list[psutil.Process]:
-    found = []
+def ray_processes(started_after: float, temp: Path = RAY_TEMP) -> list[psutil.Process]:
+    """The Ray processes a test started: those created since `started_after` whose command line names its temp root
+    `temp` (GCS, raylet, dashboard, agents: their session folder is under it), and every process they started (a
+    worker renames itself `ray::...` and names no folder). A process outside that tree is never included."""
+    found: dict[int, psutil.Process] = {}
     for proc in psutil.process_iter(["cmdline", "create_time"]):
-        cmd = " ".join(proc.info["cmdline"] or [])
-        if proc.info["create_time"] >= started_after - 1 and (
-            "ray::" in cmd or "/ray/" in cmd or "raylet" in cmd or "gcs_server" in cmd
-        ):
-            found.append(proc)
-    return found
+        if proc.info["create_time"] >= started_after - 1 and str(temp) in " ".join(proc.info["cmdline"] or []):
+            found[proc.pid] = proc
+            try:
+                found.update((child.pid, child) for child in proc.children(recursive=True))
+            except psutil.Error:
+                pass
+    return list(found.values())
 
 
-def kill_ray_started_after(started_after: float) -> None:
-    """Stop what a test started: Ray processes created since `started_after` (a SIGKILLed driver leaves some)."""
-    for proc in ray_processes(started_after):
+def kill_ray_started_after(started_after: float, temp: Path = RAY_TEMP) -> None:
+    """Stop what a test started (`ray_processes`): a SIGKILLed driver leaves some of its Ray behind."""
+    for proc in ray_processes(started_after, temp):
         try:
             proc.kill()
         except psutil.Error:
             pass
+
+
+def submit_job(command: list[str], log_path: Path, job_env: dict, cwd: Path, attempts: int = 30,
+               pause: float = 2, settle: float = 10) -> subprocess.Popen:
+    """`ray job submit ...` (blocking, its output to `log_path`), submitted again while the head's job agent is still
+    starting: right after `ray start` the head answers "No available agent to submit job" at once and starts
+    nothing. A submission still running after `settle` seconds went through. Bounded: after `attempts` tries `pause`
+    seconds apart the last answer stands."""
+    for attempt in range(attempts):
+        with open(log_path, "w") as log:
+            job = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=job_env, cwd=cwd)
+        try:
+            job.wait(timeout=settle)
+        except subprocess.TimeoutExpired:
+            return job  # submitted and running
+        if "No available agent" not in log_path.read_text() or attempt == attempts - 1:
+            return job
+        time.sleep(pause)
+    raise AssertionError("unreachable")
 
 
 def _from_analysis(experiment_dir: Path, expression: str):

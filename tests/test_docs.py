@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # flags of other tools the pages show (Ray's CLI): not ours to check
 OTHER_TOOLS = {"--address", "--working-dir", "--runtime-env-json", "--metrics-export-port", "--entrypoint-num-gpus",
-               "--head", "--dashboard-host", "--model_args", "--model", "--tasks"}
+               "--head", "--dashboard-host", "--model_args", "--model", "--tasks", "--no-wait", "--submission-id",
+               "--follow"}
 FENCE = re.compile(r"^```([a-z]*)\n(.*?)^```", re.S | re.M)
 
 

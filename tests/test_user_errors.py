@@ -102,6 +102,7 @@ def test_a_sweep_does_not_resume_from_a_folder_other_users_can_write(capsys, tmp
     folder.mkdir(parents=True)
     (folder / "tuner.pkl").write_bytes(b"\x80\x05N.")
     (folder / "experiment_state-2026-01-01_00-00-00.json").write_text("{}")
+    (folder / "taylor_tune_experiment.json").write_text("{}")  # a taylor_tune sweep's folder
     check_resume_trust(str(folder))  # yours alone: fine
     (folder / "tuner.pkl").chmod(0o664)
     check_resume_trust(str(folder))  # group-writable: every file of a user whose umask is 002
@@ -112,6 +113,37 @@ def test_a_sweep_does_not_resume_from_a_folder_other_users_can_write(capsys, tmp
     one_line(code, err, "is writable by every user, and resuming the sweep would unpickle its state")
     monkeypatch.setenv("TAYLOR_TUNE_TRUST_EXPERIMENT", "1")
     check_resume_trust(str(folder))
+
+
+class Planted:
+    """A pickle that, unpickled, writes the file it names: what a hostile tuner.pkl does."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def test_a_tune_folder_taylor_tune_did_not_write_is_refused_before_anything_in_it_is_read(capsys, tmp_path,
+                                                                                          monkeypatch):
+    """Issue 62, finding 1: a plain Ray Tune experiment's folder (state, no taylor_tune settings record) named by a
+    sweep: one line, exit 2, nothing unpickled (the planted tuner.pkl writes no marker), nothing written into it."""
+    import json
+    import pickle
+
+    folder = tmp_path / "sweeps" / "exp"
+    folder.mkdir(parents=True)
+    marker = tmp_path / "unpickled"
+    (folder / "tuner.pkl").write_bytes(pickle.dumps(Planted(marker)))
+    (folder / "experiment_state-2026-01-01_00-00-00.json").write_text(json.dumps({"trial_data": []}))
+    before = sorted(p.name for p in folder.iterdir())
+    code, _, err = run(capsys, "sweep", experiment(tmp_path))
+    one_line(code, err, "holds a Ray Tune experiment (experiment_state-2026-01-01_00-00-00.json, tuner.pkl) that "
+             "taylor_tune did not write")
+    assert not marker.exists() and sorted(p.name for p in folder.iterdir()) == before
+    pickle.loads((folder / "tuner.pkl").read_bytes())  # the plant works: unpickling it would have run it
+    assert marker.exists()
 
 
 def test_one_driver_per_experiment_folder(capsys, tmp_path):
@@ -232,6 +264,7 @@ def test_a_damaged_experiment_state_is_not_resumed_over_and_status_reads_the_int
     folder = tmp_path / "sweeps" / "exp"
     folder.mkdir(parents=True)
     (folder / "tuner.pkl").write_bytes(b"\x80\x05N.")
+    (folder / "taylor_tune_experiment.json").write_text("{}")  # a taylor_tune sweep's folder
     trial = {"trial_id": "t_00000", "status": "TERMINATED", "config": {"model": "tiny-llama"}}
     intact = json.dumps({"trial_data": [[json.dumps(trial), json.dumps({"last_result": {}})]]})
     (folder / "experiment_state-2026-01-01_00-00-00.json").write_text(intact)

@@ -15,6 +15,8 @@ from taylor_tune.errors import ConfigError
 from taylor_tune.jsonio import write_text
 from taylor_tune.sweep.experiment import Evaluation, Experiment, Resources, Search
 
+SAVED_EXPERIMENT = "taylor_tune_experiment.json"  # the settings a sweep started with, written before Tune saves state
+
 
 def check_experiment_folder(experiment: Experiment) -> None:
     """`<storage_path>/<name>` is a folder or does not exist yet (a local path)."""
@@ -23,6 +25,22 @@ def check_experiment_folder(experiment: Experiment) -> None:
     folder = Path(experiment.storage_path) / experiment.name
     if folder.exists() and not folder.is_dir():
         raise ConfigError(f"name: {folder} is a file, not an experiment folder; choose another name or storage_path")
+
+
+def check_ours(folder: str) -> None:
+    """A folder that holds a Tune experiment's state (`tuner.pkl`, `experiment_state-*.json`) but not the settings
+    record every taylor_tune sweep writes before Tune saves anything (`SAVED_EXPERIMENT`) is another program's: a
+    resume would unpickle its state, so it is refused before anything in it is read (TAYLOR_TUNE_TRUST_EXPERIMENT=1
+    opts in, as for `check_resume_trust`)."""
+    root = Path(folder)
+    if "://" in folder or not root.is_dir() or os.environ.get("TAYLOR_TUNE_TRUST_EXPERIMENT") == "1":
+        return
+    tune_state = [p.name for p in (*root.glob("tuner.pkl"), *root.glob("experiment_state-*.json"))]
+    if tune_state and not (root / SAVED_EXPERIMENT).is_file():
+        found = ", ".join(sorted(tune_state)[:2])
+        raise ConfigError(f"{folder} holds a Ray Tune experiment ({found}) that taylor_tune did not write (no "
+                          f"{SAVED_EXPERIMENT}); resuming would unpickle its state: choose another name or "
+                          "storage_path, or set TAYLOR_TUNE_TRUST_EXPERIMENT=1 if you trust it")
 
 
 def check_resume_trust(folder: str) -> None:
@@ -86,8 +104,6 @@ def _parses(path: Path) -> bool:
     except (OSError, ValueError, UnicodeDecodeError, AttributeError):
         return False
 
-
-SAVED_EXPERIMENT = "taylor_tune_experiment.json"
 
 
 def _flat(value, prefix: str = "") -> dict:

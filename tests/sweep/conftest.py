@@ -20,6 +20,7 @@ from tests.sweep_helpers import (
     kill_ray_started_after,
     scrape,
     screenshot,
+    submit_job,
     wait_for,
 )
 
@@ -66,69 +67,51 @@ def smoke(tmp_path_factory):
                         f"--temp-dir={temp}", "--disable-usage-stats"],
                        check=True, env=ray_env, capture_output=True, timeout=120)
         runtime_env = json.dumps({"env_vars": {"TAYLOR_TUNE_METRICS_FLUSH_S": "4"}})  # the driver's last values get out
-        with open(log_path, "w") as log:
-            job = subprocess.Popen(
-                [
-                    str(bin_dir / "ray"),
-                    "job",
-                    "submit",
-                    "--address",
-                    f"http://127.0.0.1:{dashboard}",
-                    "--runtime-env-json",
-                    runtime_env,
-                    "--",
-                    str(bin_dir / "taylor-tune"),
-                    "sweep",
-                    str(REPO / "experiments" / "smoke.yaml"),
-                    "--storage",
-                    str(storage),
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=ray_env,
-                cwd=REPO,
-            )
-            deadline = time.time() + 900
-            while job.poll() is None and time.time() < deadline:
+        job = submit_job([str(bin_dir / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{dashboard}",
+                          "--runtime-env-json", runtime_env, "--", str(bin_dir / "taylor-tune"), "sweep",
+                          str(REPO / "experiments" / "smoke.yaml"), "--storage", str(storage)],
+                         log_path, ray_env, REPO)
+        deadline = time.time() + 900
+        while job.poll() is None and time.time() < deadline:
+            try:
+                run.samples.update(scrape(f"http://127.0.0.1:{metrics}/metrics"))
+                run.jobs = requests.get(f"http://127.0.0.1:{dashboard}/api/jobs/", timeout=5).json()
+            except (OSError, ValueError):
+                pass  # the agent or the dashboard is still starting
+            if run.path.is_dir():  # `taylor-tune status` while the sweep runs, as a user would watch it
                 try:
-                    run.samples.update(scrape(f"http://127.0.0.1:{metrics}/metrics"))
-                    run.jobs = requests.get(f"http://127.0.0.1:{dashboard}/api/jobs/", timeout=5).json()
-                except (OSError, ValueError):
-                    pass  # the agent or the dashboard is still starting
-                if run.path.is_dir():  # `taylor-tune status` while the sweep runs, as a user would watch it
-                    try:
-                        run.statuses.append(sweep_status(str(run.path)))
-                    except ConfigError:
-                        pass  # no state saved yet
-                running = [
-                    j
-                    for j in run.jobs
-                    if "taylor-tune sweep" in j.get("entrypoint", "") and j.get("status") == "RUNNING"
-                ]
-                if running and run.dashboard_cli is None:
-                    run.dashboard_cli = subprocess.run(
-                        [str(bin_dir / "taylor-tune"), "dashboard", str(run.path)],
-                        capture_output=True,
-                        text=True,
-                        timeout=120,
-                        env={**ray_env, "RAY_ADDRESS": f"127.0.0.1:{port}"},
-                    )
-                if running and run.screenshot is None and run.screenshot_error is None:
-                    if shutil.which("chromium") is None:
-                        run.screenshot_error = "Debian's chromium is not installed"
-                    else:
-                        ARTIFACTS.mkdir(exist_ok=True)
-                        shot = screenshot(f"http://127.0.0.1:{dashboard}/#/jobs", ARTIFACTS / "ray_dashboard_jobs.png",
-                                          tmp_path_factory.mktemp("chromium"))
-                        run.screenshot = ARTIFACTS / "ray_dashboard_jobs.png"
-                        run.screenshot_error = None if shot.returncode == 0 else shot.stderr[-2000:]
-                time.sleep(1)
-            if job.poll() is None:
-                job.kill()
-            job.wait()
+                    run.statuses.append(sweep_status(str(run.path)))
+                except ConfigError:
+                    pass  # no state saved yet
+            running = [
+                j
+                for j in run.jobs
+                if "taylor-tune sweep" in j.get("entrypoint", "") and j.get("status") == "RUNNING"
+            ]
+            if running and run.dashboard_cli is None:
+                run.dashboard_cli = subprocess.run(
+                    [str(bin_dir / "taylor-tune"), "dashboard", str(run.path)],
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                    env={**ray_env, "RAY_ADDRESS": f"127.0.0.1:{port}"},
+                )
+            if running and run.screenshot is None and run.screenshot_error is None:
+                if shutil.which("chromium") is None:
+                    run.screenshot_error = "Debian's chromium is not installed"
+                else:
+                    ARTIFACTS.mkdir(exist_ok=True)
+                    shot = screenshot(f"http://127.0.0.1:{dashboard}/#/jobs", ARTIFACTS / "ray_dashboard_jobs.png",
+                                      tmp_path_factory.mktemp("chromium"))
+                    run.screenshot = ARTIFACTS / "ray_dashboard_jobs.png"
+                    run.screenshot_error = None if shot.returncode == 0 else shot.stderr[-2000:]
+            time.sleep(1)
+        if job.poll() is None:
+            job.kill()
+        job.wait()
         run.samples.update(scrape(f"http://127.0.0.1:{metrics}/metrics"))
     finally:
-        kill_ray_started_after(started)  # the head node's processes and everything they started, by PID
+        kill_ray_started_after(started, temp)  # the head node's processes and everything they started
     assert wait_for(
         lambda: not [p for p in psutil.process_iter(["cmdline"]) if str(temp) in " ".join(p.info["cmdline"] or [])], 30
     )

@@ -158,3 +158,34 @@ def test_the_best_gauge_of_a_perplexity_sweep_keeps_each_models_lowest_final_val
         callback.on_trial_result(0, [], None, {"model": model, "stage": stage, "ppl": ppl, "acc_mean": 0.9 - ppl / 100})
     final = [(m, v) for m, stage, v in results if stage == "zero_shot_all"]
     assert callback.best == {m: min(v for n, v in final if n == m) for m, _ in final}
+
+
+def test_metric_tags_reach_ray_in_ascii_whatever_the_model_path_holds():
+    """Issue 62, finding 6: Ray's metrics take ASCII tags only (its own record raises UnicodeEncodeError, with or
+    without a cluster); a model folder named /data/modèle reaches them escaped, each value still distinct."""
+    from taylor_tune.sweep.tune.metrics import SweepMetricsCallback, TrialMetrics, tags
+
+    trial = TrialMetrics("expérience", "/data/modèle", "t_0")
+    trial.observe({"stage": "load", "load_seconds": 1.0, "importance_cache": "hit", "peak_gpu_memory_bytes": 5})
+    callback = SweepMetricsCallback("expérience", "zero_shot_all", flush_s=0)
+    callback.on_trial_result(0, [], None, {"model": "/data/modèle", "stage": "zero_shot_all", "acc_mean": 0.5})
+    assert tags(model="/data/modèle") == {"model": "/data/mod\\xe8le"}
+    assert tags(model="/data/modèle") != tags(model="/data/modele") and tags(a="plain") == {"a": "plain"}
+
+
+@pytest.mark.slow
+def test_a_sweep_of_a_model_in_a_folder_with_a_non_ascii_name_finishes(tmp_path):
+    """The same through the CLI, where a user meets it: one trial of tiny-llama saved under a non-ASCII folder."""
+    from taylor_tune.sources.models import load_model, load_tokenizer
+
+    folder = tmp_path / "modèle"
+    load_model("tiny-llama").save_pretrained(folder)
+    load_tokenizer("tiny-llama").save_pretrained(folder)
+    experiment = write_experiment(
+        tmp_path, "ascii", models=[str(folder)],
+        search_space={"taylor_seq_len": {"grid": [16]}, "taylor_num_samples": {"grid": [8]},
+                      "pruning_method": {"grid": ["taylor"]}},
+        evaluation={**SMALL["evaluation"], "speed": None},
+    )
+    proc = run_sweep_to_end(experiment)
+    assert "1 finished, 0 errored" in proc.stdout, proc.stdout[-2000:]

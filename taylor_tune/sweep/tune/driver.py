@@ -25,6 +25,7 @@ from taylor_tune.schema import zero_shot_stage
 from taylor_tune.sweep.experiment import Experiment, check_models, check_sources
 from taylor_tune.sweep.folder import (
     check_experiment_folder,
+    check_ours,
     check_resume_trust,
     check_state_intact,
     check_storage,
@@ -57,6 +58,7 @@ def validate(experiment: Experiment) -> None:
     this machine cannot give (local runs)."""
     check_storage(experiment.storage_path)
     check_experiment_folder(experiment)
+    check_ours(experiment_path(experiment))
     check_resume_trust(experiment_path(experiment))
     check_state_intact(experiment_path(experiment))
     check_sources(experiment)

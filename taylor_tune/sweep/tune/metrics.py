@@ -54,12 +54,18 @@ def _metrics() -> dict:
     }
 
 
+def tags(**values: str) -> dict[str, str]:
+    """Tag values as Ray takes them: ASCII only (Ray refuses any other character, and a model path such as
+    /data/modèle is a tag), other characters escaped as Python writes them (\\xe8), so every value stays distinct."""
+    return {key: str(value).encode("ascii", "backslashreplace").decode("ascii") for key, value in values.items()}
+
+
 class TrialMetrics:
     """Emits what a trial's reports newly contain: each stage's duration once, the cache event once, the peak."""
 
     def __init__(self, experiment: str, model: str, trial: str):
-        self.tags = {"experiment": experiment, "model": model}
-        self.trial = trial
+        self.tags = tags(experiment=experiment, model=model)
+        self.trial = tags(trial=trial)["trial"]
         self.seen: set[str] = set()
 
     def observe(self, metrics: dict) -> None:
@@ -67,12 +73,12 @@ class TrialMetrics:
         for stage, seconds in stage_seconds(metrics).items():
             if stage not in self.seen and seconds > 0:  # Ray's Counter takes positive increments only
                 self.seen.add(stage)
-                m["stage_seconds"].inc(float(seconds), tags={**self.tags, "stage": stage})
-                m["stage_runs"].inc(1, tags={**self.tags, "stage": stage})
+                m["stage_seconds"].inc(float(seconds), tags={**self.tags, **tags(stage=stage)})
+                m["stage_runs"].inc(1, tags={**self.tags, **tags(stage=stage)})
         event = metrics.get("importance_cache")
         if event and "cache" not in self.seen:
             self.seen.add("cache")
-            m["cache"].inc(1, tags={"experiment": self.tags["experiment"], "event": event})
+            m["cache"].inc(1, tags={"experiment": self.tags["experiment"], **tags(event=event)})
         if isinstance(metrics.get("peak_gpu_memory_bytes"), (int, float)):
             m["gpu"].set(float(metrics["peak_gpu_memory_bytes"]), tags={**self.tags, "trial": self.trial})
 
@@ -102,7 +108,7 @@ class SweepMetricsCallback(Callback):
         for trial in trials:
             counts[STATES.get(trial.status, "pending")] += 1
         for state, n in counts.items():
-            _metrics()["trials"].set(n, tags={"experiment": self.experiment, "state": state})
+            _metrics()["trials"].set(n, tags=tags(experiment=self.experiment, state=state))
 
     def on_step_end(self, iteration, trials, **info) -> None:
         self._counts(trials)
@@ -112,8 +118,8 @@ class SweepMetricsCallback(Callback):
         if result.get("stage") == self.final_stage and model and isinstance(value, (int, float)):
             if model not in self.best or self.sign * value > self.sign * self.best[model]:
                 self.best[model] = float(value)
-                _metrics()["best"].set(float(value), tags={"experiment": self.experiment, "model": model,
-                                                           "metric": self.metric, "mode": self.mode})
+                _metrics()["best"].set(float(value), tags=tags(experiment=self.experiment, model=model,
+                                                               metric=self.metric, mode=self.mode))
 
     def on_experiment_end(self, trials, **info) -> None:
         self._counts(trials)
