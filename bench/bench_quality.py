@@ -17,9 +17,10 @@ on 2 CPU cores: spread it over sessions).
     python bench/bench_quality.py --json bench/quality.json --figure bench/quality.png   # and as a figure
 
 A variant is `field=value` of the prune config, e.g. `criterion=taylor_sum` or `blockwise_attention=mlp_only`;
-it applies to the methods it concerns (criterion: taylor, layerwise, blockwise, magnitude; blockwise_attention:
-blockwise), or to those named after `@` (`criterion=l2@blockwise`: LLM-Pruner's L2 baseline). The `blockwise` rows
-use blockwise_attention closest_ratio unless a variant sets it (the product's default is now measured_loss).
+it applies to the methods it concerns (criterion: taylor, layerwise, blockwise, and magnitude for l1 or l2;
+blockwise_attention: blockwise), or to those named after `@` (`criterion=l2@blockwise`: LLM-Pruner's L2
+baseline). The `blockwise` rows use blockwise_attention closest_ratio unless a variant sets it (the product's
+default is now measured_loss).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from taylor_tune.config import ZERO_SHOT_TASKS, EvalSpec, build_prune_config
+from taylor_tune.config import METHOD_CRITERIA, ZERO_SHOT_TASKS, EvalSpec, build_prune_config
 from taylor_tune.evaluation.perplexity import perplexity
 from taylor_tune.evaluation.scorer import make_lm
 from taylor_tune.evaluation.zero_shot import zero_shot
@@ -52,8 +53,13 @@ VARIANT_METHODS = {
 
 
 def variant_methods(variant: str) -> tuple[str, ...]:
+    """The methods a variant applies to: those named after `@`, else those of its setting that use the value (a
+    criterion only where the method ranks by it: magnitude takes l1 and l2, not taylor_sum)."""
     setting, _, methods = variant.partition("@")
-    return tuple(methods.split(",")) if methods else VARIANT_METHODS[setting.split("=")[0]]
+    if methods:
+        return tuple(methods.split(","))
+    field, _, value = setting.partition("=")
+    return tuple(m for m in VARIANT_METHODS[field] if field != "criterion" or value in METHOD_CRITERIA[m])
 
 
 def measure_ppl(model, tokenizer, args) -> dict:

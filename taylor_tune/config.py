@@ -23,6 +23,10 @@ METHODS = ("taylor", "layerwise", "blockwise", "magnitude", "random", "depth")
 # depth: which whole layers go (pruning/depth.py)
 DEPTH_CRITERIA = ("block_influence", "angular", "taylor", "measured_loss", "last")
 CRITERIA = ("taylor", "taylor_sum", "l1", "l2", "wanda_sp", "flap")
+# The criteria each method ranks by. A criterion the method does not use is refused, never recorded as if it had been
+# used; the default (taylor) stands for "none asked" with magnitude (which then ranks by l2), random and depth.
+METHOD_CRITERIA = {"taylor": CRITERIA, "layerwise": CRITERIA, "blockwise": CRITERIA, "magnitude": ("l1", "l2"),
+                   "random": (), "depth": ()}
 BLOCKWISE_ATTENTION_RULES = ("closest_ratio", "measured_loss", "mlp_only", "min_loss")
 # blockwise's attention rule when none is asked for (BENCHMARKS.md, pruning quality, says why)
 DEFAULT_BLOCKWISE_ATTENTION = "measured_loss"  # BENCHMARKS.md: blockwise attention rules on the real models
@@ -134,6 +138,15 @@ class PruneConfig(BaseModel):
         start, end = self.blockwise_layer_start, self.blockwise_layer_end
         if start is not None and end is not None and end <= start:
             raise ValueError(f"blockwise_layer_end ({end}) must be greater than blockwise_layer_start ({start})")
+        return self
+
+    @model_validator(mode="after")
+    def _criterion_used(self) -> PruneConfig:
+        used = METHOD_CRITERIA[self.method]
+        if self.criterion != "taylor" and self.criterion not in used:
+            ranks = f"ranks by {' or '.join(used)} only" if used else "ranks by no criterion"
+            raise ValueError(f"criterion: {self.method} {ranks}, so {self.criterion} would be recorded without being "
+                             "used; leave criterion unset for it, or choose taylor, layerwise or blockwise")
         return self
 
     @model_validator(mode="after")

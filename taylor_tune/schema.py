@@ -10,7 +10,7 @@ defined below. Pure: imports neither torch nor ray.
 
 from __future__ import annotations
 
-from taylor_tune.config import ZERO_SHOT_TASKS
+from taylor_tune.config import CRITERIA, METHOD_CRITERIA, ZERO_SHOT_TASKS
 
 # Search dimensions and the PruneConfig fields they set: the paper's three as the source tables spell them, every
 # other pruning setting a search may vary under its own name. Every trial reports all of them as columns.
@@ -34,7 +34,7 @@ SEARCHABLE = (*DIMENSIONS, *RECOVERY_DIMENSIONS)
 # What identifies a trial's configuration in every table.
 # the methods that rank by PruneConfig.criterion (pruning.methods' Scoring.CRITERION): the report names a method with
 # another criterion than taylor as method+criterion (taylor+flap, layerwise+wanda_sp), so the baselines compare apart
-CRITERION_METHODS = ("taylor", "layerwise", "blockwise")
+CRITERION_METHODS = tuple(method for method, used in METHOD_CRITERIA.items() if used == CRITERIA)
 CONFIG_COLUMNS = ("model", "pruning_method", "taylor_seq_len", "taylor_num_samples", "seed")
 
 # The stages of a trial before its zero-shot passes, in order; each zero-shot pass is a stage of its own.

@@ -275,3 +275,18 @@ def test_a_damaged_experiment_state_is_not_resumed_over_and_status_reads_the_int
     code, out, err = run(capsys, "status", folder)
     assert code == 0, err
     assert out.startswith("trials: 1 (pending 0, running 0, finished 1, errored 0)")
+
+
+@pytest.mark.parametrize("method, criterion, ranks", [("random", "flap", "ranks by no criterion"),
+                                                      ("magnitude", "wanda_sp", "ranks by l1 or l2 only"),
+                                                      ("depth", "l2", "ranks by no criterion")])
+def test_a_criterion_the_method_does_not_use_is_refused_not_recorded(capsys, tmp_path, method, criterion, ranks):
+    """Issue 62, finding 4: `prune --method random --criterion flap` exited 0 and its summary named a criterion the
+    method never used. Refused in one line before the model loads; magnitude's own l1 is taken."""
+    code, _, err = run(capsys, "prune", "--model", "tiny-llama", "--method", method, "--criterion", criterion,
+                       "--output", tmp_path / "out")
+    one_line(code, err, f"criterion: {method} {ranks}, so {criterion} would be recorded without being used")
+    assert not (tmp_path / "out").exists()
+    from taylor_tune.config import build_prune_config
+
+    assert build_prune_config({"model": "tiny-llama", "method": "magnitude", "criterion": "l1"}).criterion == "l1"
