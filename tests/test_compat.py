@@ -44,7 +44,7 @@ def test_a_missing_hflm_attribute_fails_loudly():
 def test_the_saved_state_is_read_as_json_and_a_changed_layout_fails_loudly(tmp_path):
     from pyarrow import fs
 
-    from taylor_tune.compat import ray
+    from taylor_tune.compat import tune_state as ray
 
     state = {"trial_id": "a_00000", "status": "TERMINATED", "config": {"model": "m"},
              "storage": {"_type": "CLOUDPICKLE_FALLBACK", "value": "00"}}  # stays an opaque dict: never unpickled

@@ -11,7 +11,7 @@ import time
 import pytest
 from pyarrow import fs
 
-from taylor_tune.compat.ray import saved_trials
+from taylor_tune.compat.tune_state import saved_trials
 from tests.sweep_helpers import kill_ray_started_after, run_sweep, write_experiment
 
 pytestmark = pytest.mark.slow

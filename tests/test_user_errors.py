@@ -290,3 +290,20 @@ def test_a_criterion_the_method_does_not_use_is_refused_not_recorded(capsys, tmp
     from taylor_tune.config import build_prune_config
 
     assert build_prune_config({"model": "tiny-llama", "method": "magnitude", "criterion": "l1"}).criterion == "l1"
+
+
+@pytest.mark.parametrize("state", ['{"foo": 1, "trial_data": "x"}', '{"trial_data": [1, 2]}', '[1, 2]',
+                                   '{"trial_data": [["{}", "[]"]]}'])
+def test_a_state_that_is_not_tunes_is_named_as_such_by_status_and_report(capsys, tmp_path, state):
+    """Issue 62, finding 7: a folder whose experiment_state-*.json is not a Tune state (another program's, or
+    damaged): status blamed a Ray upgrade, report exited 0 after writing 9 files. Now both: one line naming the file
+    as not Tune's, exit 2, nothing written."""
+    folder = tmp_path / "exp"
+    folder.mkdir()
+    (folder / "experiment_state-2026-01-01_00-00-00.json").write_text(state)
+    expected = "experiment_state-2026-01-01_00-00-00.json is not a Tune experiment state"
+    code, _, err = run(capsys, "status", folder)
+    one_line(code, err, expected)
+    code, _, err = run(capsys, "report", folder, "--output", tmp_path / "out")
+    one_line(code, err, expected)
+    assert not (tmp_path / "out").exists()

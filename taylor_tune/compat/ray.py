@@ -1,17 +1,11 @@
-"""Ray 2.60's private and developer names: the layout of the saved experiment state, read as JSON only, a
-trial's own storage paths from inside its trainable, and a local Ray whose services listen on loopback only.
-
-Ray's `Trial` turns a saved RUNNING into PENDING when it loads (it loads to resume), so a live sweep's states
-come from the saved state file itself, read through a pyarrow filesystem (local or cloud)."""
+"""Ray 2.60's private and developer names: a trial's own storage paths from inside its trainable, and a local Ray
+whose services listen on loopback only. The saved experiment state's layout is `tune_state` (it needs no Ray)."""
 
 from __future__ import annotations
 
-import json
-
 from taylor_tune.compat import missing
+from taylor_tune.compat.tune_state import TESTED
 
-TESTED = "2.60"
-STATE_KEYS = ("trial_id", "status", "config")
 STORAGE_ATTRIBUTES = ("trial_working_directory", "trial_fs_path", "storage_filesystem")
 
 
@@ -23,45 +17,6 @@ def trial_storage(context):
     storage = context.get_storage()
     missing("ray", TESTED, [f"StorageContext.{n}" for n in STORAGE_ATTRIBUTES if not hasattr(storage, n)])
     return storage
-
-
-def saved_trials(filesystem, root: str) -> tuple[list[dict], float | None]:
-    """Every trial of the experiment's newest `experiment_state-*.json`, read as plain JSON: trial_id, status, config
-    and last_result, and when the file was saved (epoch seconds; None if unknown). A newest file that does not
-    parse gives way to the one before it.
-
-    Nothing is unpickled: Ray stores some fields as cloudpickle blobs (`CLOUDPICKLE_FALLBACK`), and its own readers
-    (`ExperimentAnalysis`, `Tuner.restore`) load them, running whatever code a planted blob names. Here such a value
-    stays an opaque dict that is never read. Raises FileNotFoundError without a state file, ValueError for one that
-    does not parse (a driver rewrites it every second, not atomically), CompatError for one of another layout."""
-    from pyarrow import fs
-
-    infos = filesystem.get_file_info(fs.FileSelector(root, recursive=False))
-    names = (i for i in infos if i.base_name.startswith("experiment_state-") and i.base_name.endswith(".json"))
-    states = sorted(i.path for i in names)
-    if not states:
-        raise FileNotFoundError(f"no experiment_state-*.json in {root}")
-    # named by the time each run started: the newest run's state sorts last; one that does not parse (half written
-    # by a live driver, or damaged) gives way to the one before it
-    for newest in reversed(states):
-        try:
-            with filesystem.open_input_stream(newest) as stream:
-                saved = json.loads(stream.read().decode("utf-8"))
-            break
-        except (ValueError, UnicodeDecodeError):
-            if newest == states[0]:
-                raise
-    if not isinstance(saved, dict) or not isinstance(saved.get("trial_data"), list):
-        missing("ray", TESTED, ["experiment_state.trial_data"])
-    trials = []
-    for entry in saved["trial_data"]:
-        state, runtime = (json.loads(part) for part in entry)
-        gone = [f"trial state {key}" for key in STATE_KEYS if key not in state]
-        missing("ray", TESTED, gone)
-        trials.append({"trial_id": state["trial_id"], "status": state["status"], "config": state["config"],
-                       "last_result": runtime.get("last_result") or {}})
-    mtime = filesystem.get_file_info(newest).mtime
-    return trials, None if mtime is None else mtime.timestamp()
 
 
 def init_local(**kwargs) -> None:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from taylor_tune.compat import CompatError
+from taylor_tune.compat.tune_state import saved_trials
 from taylor_tune.errors import ReportError
 from taylor_tune.reporting.stats import ACCURACY, Objective
 from taylor_tune.schema import CONFIG_COLUMNS, SPEED_METRICS, is_recovery_stage, task_columns, task_key
@@ -186,6 +188,11 @@ def read_experiment(location: str, filesystem=None) -> pd.DataFrame:
                         and filesystem.get_file_info(posixpath.join(e.path, "params.json")).type == pafs.FileType.File)
     if not trial_dirs and not any(e.base_name.startswith("experiment_state-") for e in entries):
         raise ReportError(f"{location}: not a Tune experiment folder (no trial folders, no experiment_state-*.json)")
+    if not trial_dirs:  # a sweep that has started and has no trial yet, or a state that is not Tune's at all
+        try:
+            saved_trials(filesystem, root)
+        except (ValueError, UnicodeDecodeError, CompatError) as error:
+            raise ReportError(f"{location}: not a readable Tune experiment ({error})") from None
     rows = pd.DataFrame([read_trial(filesystem, d) for d in trial_dirs])
     if "://" in str(location) and given is None and len(rows):  # keep the scheme: s3://bucket/... not bucket/...
         scheme = str(location).split("://", 1)[0]

@@ -7,7 +7,7 @@ import time
 
 import pandas as pd
 
-from taylor_tune.compat.ray import saved_trials
+from taylor_tune.compat.tune_state import saved_trials
 from taylor_tune.errors import ConfigError
 from taylor_tune.reporting import stats
 from taylor_tune.reporting.frame import open_filesystem

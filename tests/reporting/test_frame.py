@@ -278,6 +278,9 @@ def test_a_folder_that_is_not_an_experiment_is_refused_and_an_empty_experiment_i
     (tmp_path / "empty").mkdir()
     with pytest.raises(ReportError, match="not a Tune experiment folder"):
         read_experiment(str(tmp_path / "empty"))
-    (tmp_path / "started").mkdir()
-    (tmp_path / "started" / "experiment_state-2026-11-21_00-00-00.json").write_text("{}")
+    (tmp_path / "started").mkdir()  # a sweep that started: Tune's state, no trial yet
+    (tmp_path / "started" / "experiment_state-2026-11-21_00-00-00.json").write_text('{"trial_data": []}')
     assert read_experiment(str(tmp_path / "started")).empty
+    (tmp_path / "started" / "experiment_state-2026-11-21_00-00-00.json").write_text("{}")  # not Tune's state
+    with pytest.raises(ReportError, match="is not a Tune experiment state"):
+        read_experiment(str(tmp_path / "started"))
