@@ -3,6 +3,7 @@ more than ~200 characters of a bad value echoed, nothing recorded that blocks th
 Each case failed on 1faffce (a traceback, a 312 MB error line, a hang, a silently accepted value)."""
 
 import copy
+import json
 import re
 import time
 
@@ -224,3 +225,35 @@ def test_a_folder_with_only_pickled_weights_is_refused(capsys, tmp_path, pruned)
                        "2", "--output", tmp_path / "e.json")
     one_line(code, err, "holds no safetensors weights (it has pytorch_model.bin: pickled weights, never loaded)")
     assert re.search(r"save_pretrained\(\.\.\., safe_serialization=True\)", err)
+
+
+# ---------------------------------------------------------------- issue 62: recovery refused before the run
+
+
+ALPACA = {"instruction": "Name the colour of the sky on a clear day.", "input": "", "output": "Blue."}
+
+
+@pytest.mark.parametrize("case, changes, expected", [
+    ("rank", {"recovery": {"lora_rank": 100000}},
+     "recovery.lora_rank: 100000 is larger than tiny-llama's hidden size"),
+    ("steps", {"recovery": {"steps": 1000000000000}}, "recovery.steps: 1000000000000 steps of 1 x 4 sequences"),
+    ("text steps", {"recovery": {"steps": 100000, "data": "world"}},
+     "tokens, and the recovery text world holds at most"),
+    ("window", {"recovery": {"seq_len": 32, "data": "ALPACA"}},
+     "recovery.seq_len: 32 tokens hold only the prompt of every record drawn"),
+    ("empty text", {"recovery": {"data": "EMPTY"}}, "empty.txt holds at most 0"),
+    ("binary text", {"recovery": {"data": "BINARY"}}, "is not a UTF-8 text file"),
+])
+def test_a_recovery_that_cannot_do_what_it_says_is_refused_before_ray(capsys, tmp_path, case, changes, expected):
+    """Issue 62, findings 2, 3 and 5: a LoRA rank far beyond the model's width and a step count whose token tensors
+    outgrow the machine ate 8-10 GB and never finished; a window the prompts fill trained on nothing and reported a
+    recovery; an empty or binary recovery text failed after pruning with a traceback. Each is refused in one line
+    before Ray starts, nothing written."""
+    (tmp_path / "alpaca.jsonl").write_text("".join(json.dumps(ALPACA) + "\n" for _ in range(3)))
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "binary.txt").write_bytes(bytes(range(256)) * 8)
+    files = {"ALPACA": tmp_path / "alpaca.jsonl", "EMPTY": tmp_path / "empty.txt", "BINARY": tmp_path / "binary.txt"}
+    recovery = {k: str(files.get(v, v)) if k == "data" else v for k, v in changes["recovery"].items()}
+    code, _, err = run(capsys, "sweep", experiment(tmp_path, recovery=recovery))
+    one_line(code, err, expected)
+    nothing_started(tmp_path)

@@ -11,14 +11,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from taylor_tune.config import RecoverySpec
+from taylor_tune.errors import CalibrationError
 from taylor_tune.pruning.measured import calibration_loss
 from taylor_tune.recovery.losses import distillation_loss, next_token_loss
-from taylor_tune.sources.calibration import load_calibration
+from taylor_tune.sources.calibration import load_calibration, load_documents
 from taylor_tune.sources.data import load_ppl_text, resolve_text
 from taylor_tune.sources.instructions import is_instruction_data, load_instructions, prompt_and_response
 
@@ -50,11 +52,26 @@ def recovery_ids(tokenizer, spec: RecoverySpec, model_name: str | None) -> torch
                             num_samples=spec.sequences, seed=spec.seed)
 
 
+def head_ids(tokenizer, text: str, limit: int, **kwargs) -> list[int]:
+    """The tokens of `text`, of which at least the first `limit` are right, tokenizing a prefix that grows (x4) until
+    it gives more than `limit` + 16 tokens: the cost follows `limit`, not the text (a 50 MB response is never
+    tokenized whole). Cutting a text changes only the tokens of its last word, beyond the margin kept."""
+    size = max(256, 8 * limit)
+    while True:
+        ids = tokenizer(text[:size], **kwargs)["input_ids"]
+        if size >= len(text):
+            return ids
+        if len(ids) > limit + 16:
+            return ids[:limit]
+        size *= 4
+
+
 def instruction_batches(tokenizer, records: list[dict], spec: RecoverySpec) -> tuple[torch.Tensor, torch.Tensor]:
     """[spec.sequences, seq_len] token ids of Alpaca prompts and their responses (drawn without replacement in a
     seeded order, again in a new order when the set is smaller), and the mask of the response tokens (the loss's
     targets; the end-of-sequence token included). Cut at seq_len (LLM-Pruner's cutoff), padded on the right, which
-    a causal model's earlier positions never see."""
+    a causal model's earlier positions never see. A draw in which every prompt fills the window, so that no response
+    token is kept, is refused (CalibrationError): it would train on nothing and report a recovery."""
     import random
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
@@ -62,16 +79,22 @@ def instruction_batches(tokenizer, records: list[dict], spec: RecoverySpec) -> t
     rng, order = random.Random(spec.seed), []
     ids = torch.full((spec.sequences, spec.seq_len), pad, dtype=torch.long)
     mask = torch.zeros((spec.sequences, spec.seq_len), dtype=torch.long)
+    shortest = None  # the shortest prompt drawn, in tokens
     for row in range(spec.sequences):
         if not order:
             order = list(range(len(records)))
             rng.shuffle(order)
         prompt, response = prompt_and_response(records[order.pop()])
-        head = tokenizer(prompt)["input_ids"]  # the tokenizer's own special tokens (a BOS) lead
-        tail = tokenizer(response, add_special_tokens=False)["input_ids"] + eos
+        head = head_ids(tokenizer, prompt, spec.seq_len)  # the tokenizer's own special tokens (a BOS) lead
+        tail = head_ids(tokenizer, response, spec.seq_len, add_special_tokens=False) + eos
         tokens = (head + tail)[: spec.seq_len]
         ids[row, : len(tokens)] = torch.tensor(tokens)
         mask[row, len(head): len(tokens)] = 1
+        shortest = len(head) if shortest is None else min(shortest, len(head))
+    if not mask.any():
+        raise CalibrationError(f"recovery.seq_len: {spec.seq_len} tokens hold only the prompt of every record drawn "
+                               f"(the shortest is {shortest} tokens), so no response token would be trained on; "
+                               f"raise recovery.seq_len above {shortest}")
     return ids, mask
 
 
@@ -81,6 +104,35 @@ def recovery_data(tokenizer, spec: RecoverySpec, model_name: str | None) -> tupl
     if is_instruction_data(spec.data):
         return instruction_batches(tokenizer, load_instructions(spec.data), spec)
     return recovery_ids(tokenizer, spec, model_name), None
+
+
+# The most instruction rows a check before the run tokenizes: the first rows of the trial's own draw.
+CHECKED_ROWS = 256
+
+
+def check_recovery_data(tokenizer, spec: RecoverySpec, model_name: str | None, memory_bytes: int) -> None:
+    """CalibrationError, before the run, where `recovery_data` could not give what `spec` asks: token tensors larger
+    than `memory_bytes` (ids and mask, int64: the step count sets their size), more text tokens than the text can
+    hold (at most one per UTF-8 byte: refused without tokenizing), the text's own draw (an empty or unreadable file),
+    or, for a local instruction file, no response token kept in the first CHECKED_ROWS rows drawn."""
+    needed = spec.sequences * spec.seq_len
+    if 16 * needed > memory_bytes:
+        raise CalibrationError(f"recovery.steps: {spec.steps} steps of {spec.grad_accum} x {spec.micro_batch_size} "
+                               f"sequences of {spec.seq_len} tokens are {16 * needed / 2**30:.1f} GiB of token ids "
+                               f"before any training, more than the {memory_bytes / 2**30:.1f} GiB this machine has")
+    if is_instruction_data(spec.data):
+        if Path(spec.data).is_file():
+            rows = -(-CHECKED_ROWS // (spec.micro_batch_size * spec.grad_accum))
+            instruction_batches(tokenizer, load_instructions(spec.data), spec.model_copy(
+                update={"steps": min(spec.steps, rows), "warmup_steps": 0}))
+        return
+    text = resolve_text(spec.data, model_name)
+    documents = load_documents(text)
+    most = sum(len(d.encode("utf-8")) for d in documents) + 2 * len(documents)
+    if needed > most:
+        raise CalibrationError(f"recovery.steps: {spec.sequences} sequences of {spec.seq_len} tokens are {needed} "
+                               f"tokens, and the recovery text {text} holds at most {most}")
+    recovery_ids(tokenizer, spec, model_name)
 
 
 def heldout_ids(tokenizer, text: str, spec: RecoverySpec) -> torch.Tensor:

@@ -9,10 +9,13 @@ calibration draw each model's tokenizer makes is drawn once.
 
 from __future__ import annotations
 
+import os
+
 from taylor_tune.errors import CalibrationError, ConfigError, PlanError
 from taylor_tune.pruning.prune import check_plan, draw_calibration, draws_calibration, meta_layout
+from taylor_tune.recovery.train import check_recovery_data
 from taylor_tune.sources.data import resolve_text
-from taylor_tune.sources.models import load_tokenizer
+from taylor_tune.sources.models import load_model_config, load_tokenizer
 from taylor_tune.sweep.experiment import Experiment
 
 # The dimensions a plan depends on (seq_len, num_samples and the calibration text change the scores, not whether a
@@ -68,3 +71,31 @@ def check_calibration_sizes(experiment: Experiment) -> None:
             except CalibrationError as error:
                 raise ConfigError(f"search_space: the largest draw of {model} ({most} x {longest} tokens) does not "
                                   f"fit: {error}") from None
+
+
+def memory_bytes() -> int:
+    """This machine's physical memory: the bound of what one trial may allocate before its model is even loaded."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_recovery(experiment: Experiment) -> None:
+    """Every recovery of the space can do what its settings say, on every model, before Ray starts: a LoRA rank no
+    larger than the model's hidden size (every targeted projection has it on one side, so an update's rank cannot
+    exceed it: a larger rank only adds memory, 100,000 took 8-10 GB of a 96-wide model), and the recovery data
+    (`recovery.train.check_recovery_data`): its size bounded, the text holding the draw, responses kept."""
+    if experiment.recovery is None:
+        return
+    trust = bool(experiment.prune.get("trust_remote_code"))
+    specs = {spec.model_dump_json(): spec for spec in map(experiment.recovery_spec, experiment.space_points())}
+    for model in experiment.models:
+        hidden = load_model_config(model, trust_remote_code=trust).hidden_size
+        tokenizer = load_tokenizer(model, trust_remote_code=trust)
+        for spec in specs.values():
+            if spec.lora_rank > hidden:
+                raise ConfigError(f"recovery.lora_rank: {spec.lora_rank} is larger than {model}'s hidden size "
+                                  f"{hidden}; a LoRA update's rank cannot exceed it, so a larger rank adds only "
+                                  f"memory: choose at most {hidden}")
+            try:
+                check_recovery_data(tokenizer, spec, model, memory_bytes())
+            except CalibrationError as error:
+                raise ConfigError(f"{error} (recovery of {model})") from None

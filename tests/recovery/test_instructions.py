@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from taylor_tune.config import RecoverySpec
+from taylor_tune.errors import CalibrationError
 from taylor_tune.recovery.losses import distillation_loss, next_token_loss
 from taylor_tune.recovery.train import instruction_batches, recover, recovery_data
 from taylor_tune.sources.data import DatasetSource
@@ -76,8 +77,11 @@ def test_each_row_is_the_alpaca_prompt_then_the_response_and_only_the_response_i
         assert set(ids[row, real:].tolist()) <= {pad}
     # each record once before any twice (a seeded order, then a new one)
     assert sorted(seen[:3]) == sorted(r["output"] for r in RECORDS) == sorted(seen[3:])
-    cut = instruction_batches(tokenizer, RECORDS, spec.model_copy(update={"seq_len": 8}))[1]
-    assert not cut.any()  # the prompt fills 8 tokens: nothing of the response survives the cutoff
+    # the prompt fills 8 tokens, nothing of any response survives the cutoff: refused, not trained on nothing
+    shortest = min(len(tokenizer(alpaca_text(r))["input_ids"]) for r in RECORDS)
+    with pytest.raises(CalibrationError, match=f"recovery.seq_len: 8 tokens hold only the prompt of every record "
+                                               f"drawn \\(the shortest is {shortest} tokens\\)"):
+        instruction_batches(tokenizer, RECORDS, spec.model_copy(update={"seq_len": 8}))
 
 
 def test_records_load_through_datasets_as_from_the_file(tmp_path):
@@ -121,3 +125,30 @@ def test_a_bad_instruction_file_is_refused_before_ray(capsys, tmp_path, content,
     code, _, err = run(capsys, "sweep", experiment(tmp_path, recovery={"data": str(bad)}))
     one_line(code, err, "recovery.data:", expected)
     nothing_started(tmp_path)
+
+
+def test_a_huge_response_is_tokenized_only_as_far_as_the_window_needs():
+    """Issue 62, finding 2: a record whose output is megabytes was tokenized whole before the cut to seq_len (8-10 GB
+    and no end for 50 MB). Now the tokenizer sees a prefix sized from seq_len, and the row equals the whole text's
+    tokens cut at seq_len."""
+    from taylor_tune.recovery.train import head_ids
+
+    tokenizer = load_tokenizer("tiny-llama")
+    huge = {"instruction": "Repeat the words.", "input": "", "output": "the words " * 500_000}  # 5 MB
+    lengths = []
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def __call__(self, text, **kwargs):
+            lengths.append(len(text))
+            return tokenizer(text, **kwargs)
+
+    spec = RecoverySpec(steps=1, micro_batch_size=1, seq_len=256)
+    ids, mask = instruction_batches(Spy(), [huge], spec)
+    assert max(lengths) <= 8 * 256 * 4 and mask.any()
+    prompt = tokenizer(alpaca_text(huge))["input_ids"]
+    whole = tokenizer(huge["output"][:100_000], add_special_tokens=False)["input_ids"]  # far more than the window
+    assert ids[0].tolist() == (prompt + whole)[:256]
+    assert head_ids(tokenizer, "short text", 64) == tokenizer("short text")["input_ids"]

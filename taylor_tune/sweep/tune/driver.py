@@ -34,7 +34,7 @@ from taylor_tune.sweep.folder import (
     set_aside_damaged_state,
 )
 from taylor_tune.sweep.lock import driver_lock
-from taylor_tune.sweep.preflight import check_calibration_sizes, check_plans
+from taylor_tune.sweep.preflight import check_calibration_sizes, check_plans, check_recovery
 from taylor_tune.sweep.status import sweep_status  # noqa: F401 (where callers found it before)
 from taylor_tune.sweep.tune.console import ConsoleCallback
 from taylor_tune.sweep.tune.metrics import SweepMetricsCallback
@@ -65,6 +65,7 @@ def validate(experiment: Experiment) -> None:
     check_models(experiment)
     check_plans(experiment)
     check_calibration_sizes(experiment)
+    check_recovery(experiment)
     gpu = experiment.resources.gpu
     local = not os.environ.get("RAY_ADDRESS")
     if local and experiment.resources.cpu > (os.cpu_count() or 1):
