@@ -85,13 +85,18 @@ def scores(metrics):
     return {k: v for k, v in metrics.items() if k.startswith("acc_")}
 
 
+@pytest.mark.parametrize("swapped", [(7,), (5, 7)], ids=["tokens", "text-and-tokens"])
 @pytest.mark.parametrize("checksum", [False, True], ids=["stale-checksum", "recomputed-checksum"])
-def test_a_request_entry_with_two_choices_tokens_swapped_is_rebuilt(clean, tmp_path, checksum):
+def test_a_request_entry_with_two_choices_swapped_is_rebuilt(clean, tmp_path, checksum, swapped):
+    """The tokens of two choices swapped, or (issue 62, finding 4) their text and tokens together, so that text and
+    tokens agree and only lm-eval's own choice for each request can tell (PIQA 0.0 on dc4d04a)."""
     clean_folder, clean_metrics, _ = clean
     experiment = seeded(clean_folder, tmp_path)
     path, header, rows = json_entry(experiment / "requests", task="piqa_offline")
-    first, second = (i for i, row in enumerate(rows) if row[0] == rows[0][0])  # one document's two choices
-    rows[first][7], rows[second][7] = rows[second][7], rows[first][7]
+    for doc in {row[0] for row in rows}:  # every document's two choices
+        first, second = (i for i, row in enumerate(rows) if row[0] == doc)
+        for column in swapped:
+            rows[first][column], rows[second][column] = rows[second][column], rows[first][column]
     rewrite(path, header, rows, checksum=checksum)
     metrics = run_trial(trial(experiment), experiment / "trial")
     assert metrics["zero_shot_6_requests_built"] == 1  # PIQA's entry, refused and built again; HellaSwag's read
@@ -109,15 +114,16 @@ def test_a_request_entry_missing_rows_is_rebuilt_not_an_error(clean, tmp_path):
     assert metrics["zero_shot_6_requests_built"] == 1 and scores(metrics) == scores(clean_metrics)
 
 
-@pytest.mark.parametrize("damage", ["times-100-stale-checksum", "empty-recomputed-checksum",
-                                    "negative-recomputed-checksum"])
+@pytest.mark.parametrize("damage", ["times-100-stale-checksum", "times-100-recomputed-checksum",
+                                    "empty-recomputed-checksum", "negative-recomputed-checksum"])
 def test_an_unpruned_speed_record_that_is_altered_or_incomplete_is_measured_again(clean, tmp_path, damage):
     """Finding 2 (a record x100) and 3 (`"measured": {}`, every trial errored with KeyError): measured again."""
     clean_folder, _, _ = clean
     experiment = seeded(clean_folder, tmp_path)
     path, header, measured = json_entry(experiment / "unpruned_speed")
-    if damage.startswith("times-100"):
-        rewrite(path, header, {k: None if v is None else v * 100 for k, v in measured.items()}, checksum=False)
+    if damage.startswith("times-100"):  # recomputed: only the trial's own measurement shows it (issue 62, finding 4)
+        rewrite(path, header, {k: None if v is None else v * 100 for k, v in measured.items()},
+                checksum=damage.endswith("recomputed-checksum"))
     elif damage.startswith("empty"):
         rewrite(path, header, {}, checksum=True)
     else:

@@ -151,8 +151,16 @@ def checked_rows(task, docs: dict, rows: object) -> list:
         raise ValueError(f"{name}: the entry's requests miss documents {missing[:5]} / name unknown ones "
                          f"{foreign[:5]}")
     multiple_choice = getattr(task, "OUTPUT_TYPE", None) == "multiple_choice"
+    choices = {doc_id: task.doc_to_choice(docs[doc_id]) for doc_id in per_doc} if multiple_choice else {}
     for doc_id, idxs in per_doc.items():
-        expected = len(task.doc_to_choice(docs[doc_id])) if multiple_choice else len(idxs)
+        expected = len(choices[doc_id]) if multiple_choice else len(idxs)
         if sorted(idxs) != list(range(expected)):
             raise ValueError(f"{name}: document {doc_id} has requests {sorted(idxs)[:8]}, expected 0..{expected - 1}")
+    if multiple_choice:  # each request names its own choice (lm-eval's construct_requests), not another's
+        delimiter, in_context = task.config.target_delimiter, bool(getattr(task, "multiple_input", False))
+        for doc_id, idx, _, _, context, continuation, *_ in rows:
+            choice = choices[doc_id][idx]
+            if not (context.endswith(choice) if in_context else continuation == f"{delimiter}{choice}"):
+                raise ValueError(f"{name}: document {doc_id}'s request {idx} holds other text than its choice "
+                                 f"{choice[:40]!r} (lm-eval's own request for it)")
     return rows

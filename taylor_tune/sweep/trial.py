@@ -10,6 +10,7 @@ evaluation); the artifacts go to `trial_dir`. The importance comes from the swee
 from __future__ import annotations
 
 import json
+import logging
 import math
 import socket
 import time
@@ -25,7 +26,7 @@ from taylor_tune import schema
 from taylor_tune.config import PruneConfig, RecoverySpec
 from taylor_tune.evaluation.evaluate import Evaluator
 from taylor_tune.evaluation.requests import RequestCache
-from taylor_tune.evaluation.speed import checked_speed, measure_speed, speed_ratios
+from taylor_tune.evaluation.speed import SPEEDUPS, checked_speed, measure_speed, speed_ratios
 from taylor_tune.jsonio import built_once, digest, json_safe, write_json
 from taylor_tune.pruning import prune as stages
 from taylor_tune.pruning.prune import ImportanceCache, Pruning, layer_shapes, summary_dict
@@ -34,6 +35,8 @@ from taylor_tune.sources.data import resolve_text
 from taylor_tune.sources.models import load_model, resolve_device, resolve_dtype
 from taylor_tune.sweep.experiment import Evaluation
 from taylor_tune.sweep.lock import timing_lock
+
+log = logging.getLogger(__name__)
 
 
 class TrialConfig(BaseModel):
@@ -63,10 +66,11 @@ def trial_columns(config: PruneConfig, recovery: RecoverySpec | None = None) -> 
     return columns
 
 
-def unpruned_speed(trial: TrialConfig) -> tuple[dict, float | None]:
+def unpruned_speed(trial: TrialConfig, *, again: bool = False) -> tuple[dict, float | None]:
     """The unpruned model's speed (`measure_speed`) on this trial's device, and the seconds measuring it cost this
     trial (None when read). Measured once per model, dtype, device and settings in a sweep: the first trial to ask
-    measures under a file lock, the others read its result."""
+    measures under a file lock, the others read its result. `again`: the sweep's record is dropped and measured anew
+    (a record the trial's own measurement shows to be implausible)."""
     config, spec = trial.prune, trial.evaluation.speed
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
@@ -92,6 +96,8 @@ def unpruned_speed(trial: TrialConfig) -> tuple[dict, float | None]:
         measured, spent["seconds"] = measure()
         return measured
 
+    if again:
+        path.unlink(missing_ok=True)
     measured, _ = built_once(path, fields, build, checked_speed, part="measured")
     return measured, spent.get("seconds")
 
@@ -126,6 +132,7 @@ class TrialRun:
     metrics: dict[str, Any]
     pruning: Pruning | None = None
     unpruned: dict | None = None  # the unpruned model's speed, when the trial measures speed
+    unpruned_read: bool = False  # read from the sweep's record (not measured by this trial)
     evaluator: Evaluator | None = None
     report: Callable[[dict], None] = lambda metrics: None  # what Tune hears (run_trial's `report`)
     on_gpu: bool = False
@@ -149,6 +156,7 @@ def measure_unpruned(run: TrialRun) -> dict:
     if run.trial.evaluation.speed is None:
         return {}
     run.unpruned, seconds = unpruned_speed(run.trial)
+    run.unpruned_read = seconds is None
     if run.on_gpu:
         torch.cuda.reset_peak_memory_stats()
     return {} if seconds is None else {"unpruned_speed_s": seconds}  # None: read from the sweep's record
@@ -207,8 +215,23 @@ def measure_pruned_speed(run: TrialRun) -> dict:
                   "speed": spec.model_dump(), "layers": layer_shapes(model)}
         path = Path(run.trial.cache_dir).parent / "pruned_speed" / f"{digest(fields)[:24]}.json"
         measured, _ = built_once(path, fields, measure, checked_speed, part="measured")
-    return (measured | speed_ratios(measured, run.unpruned) | {f"unpruned_{k}": v for k, v in run.unpruned.items()}
+    ratios, again = speed_ratios(measured, run.unpruned), {}
+    if run.unpruned_read and not plausible(ratios):  # a record damaged in a way its checks cannot see: measure it
+        log.warning("the sweep's unpruned speed record gives %s against this trial's own measurement: measured "
+                    "again", ", ".join(f"{k} {ratios[k]:.3g}" for k in SPEEDUPS))
+        run.unpruned, seconds = unpruned_speed(run.trial, again=True)
+        ratios, again = speed_ratios(measured, run.unpruned), {"unpruned_speed_s": seconds or 0.0}
+    return (measured | ratios | {f"unpruned_{k}": v for k, v in run.unpruned.items()} | again
             | timing | {"speed_reused": not timing, "stage": "speed", "speed_s": time.perf_counter() - start})
+
+
+# A speedup beyond this factor either way is read as a damaged unpruned record, not a measurement: no structured
+# pruning the tool allows makes a model twenty times faster or slower
+PLAUSIBLE_SPEEDUP = 20.0
+
+
+def plausible(ratios: dict) -> bool:
+    return all(1 / PLAUSIBLE_SPEEDUP <= ratios[k] <= PLAUSIBLE_SPEEDUP for k in SPEEDUPS)
 
 
 def recover_pruned(run: TrialRun) -> dict:
