@@ -130,3 +130,38 @@ def test_a_fetched_file_changed_in_the_cache_is_refused_where_it_is_used(tmp_pat
     (folder / "config.json").unlink()
     with pytest.raises(AssetError, match="config.json is missing"):
         assets.require("smollm2-135m")
+
+
+def test_an_asset_edited_in_place_at_the_same_size_and_stamps_is_refused(tmp_path, monkeypatch):
+    """Issue 62, must-show 3: a file verified, then edited in place at the same size with its mtime set back (as an
+    edit within one tick of the filesystem's clock leaves it) is hashed again and refused; a file hashed just after a
+    change is not remembered as verified (git's racily-clean rule), one hashed long after it is."""
+    import os
+
+    from taylor_tune.errors import AssetError
+
+    monkeypatch.setenv("TAYLOR_TUNE_HOME", str(tmp_path))
+    monkeypatch.setattr(assets, "_VERIFIED", set())
+    folder = tmp_path / "smollm2-135m"
+    folder.mkdir()
+    config = folder / "config.json"
+    config.write_text('{"model_type": "llama"}')
+    (folder / MANIFEST).write_text(json.dumps({"files": {"config.json": file_sha256(config)}}))
+    stamps = config.stat()
+    assert assets.require("smollm2-135m") == folder
+    assert not assets._VERIFIED  # just written: racily clean, hashed again next time
+    config.write_text('{"model_type": "llamb"}')  # the same size
+    os.utime(config, ns=(stamps.st_atime_ns, stamps.st_mtime_ns))  # the same mtime
+    assert config.stat().st_size == stamps.st_size and config.stat().st_mtime_ns == stamps.st_mtime_ns
+    with pytest.raises(AssetError, match="config.json does not match its recorded sha256"):
+        assets.require("smollm2-135m")
+    config.write_text('{"model_type": "llama"}')
+    old = stamps.st_mtime_ns - 10 * assets.RACY_NS
+    os.utime(config, ns=(old, old))
+    monkeypatch.setattr(assets.time, "time_ns", lambda: config.stat().st_ctime_ns + 2 * assets.RACY_NS)
+    assets.require("smollm2-135m")
+    assert len(assets._VERIFIED) == 1  # hashed well after its last change: remembered
+    config.write_text('{"model_type": "llamb"}')
+    os.utime(config, ns=(old, old))  # mtime forged back; the write still moved ctime
+    with pytest.raises(AssetError, match="config.json does not match its recorded sha256"):
+        assets.require("smollm2-135m")
