@@ -178,3 +178,31 @@ def test_a_measurement_is_of_the_gpu_it_ran_on_or_of_this_host(monkeypatch):
     assert trial_module.machine(torch.device("cuda:1")) == "GPU 1"
     assert trial_module.machine(torch.device("cuda", 0)) == "GPU 0"
     assert trial_module.machine(torch.device("cpu")) == f"cpu@{socket.gethostname()}"
+
+
+@pytest.mark.slow
+def test_only_the_last_fidelity_of_a_recovered_trial_reads_as_finished_at_every_point_it_could_be_killed(tmp_path):
+    """Issue 62, must-show 3: a resumed sweep skips a trial whose folder `completed_metrics` judges finished. Killed
+    after any report but the last (the cheap zero-shot pass, each recovery rung, the recovered model's held-out loss,
+    the evaluation before recovery at the final limit), its folder must read as unfinished; after the last, as the
+    metrics it reported. Checked at each report of a real trial with two fidelities, recovery rungs and
+    evaluate_before."""
+    from taylor_tune.config import RecoverySpec
+
+    base = a_trial(str(tmp_path / "sweep" / "importance_cache"))
+    trial = base.model_copy(update={
+        "evaluation": base.evaluation.model_copy(update={"fidelities": (2, 3)}),
+        "recovery": RecoverySpec(steps=4, eval_every=2, micro_batch_size=2, seq_len=16, heldout_windows=2,
+                                 data="world", evaluate_before=True),
+    })
+    folder, verdicts = tmp_path / "t", []
+
+    def report(metrics):  # what a kill right after this report would leave in the folder
+        verdicts.append((metrics.get("stage"), completed_metrics(folder, trial)))
+
+    final = run_trial(trial, folder, report=report)
+    stages = [stage for stage, _ in verdicts]
+    assert stages[-1] == schema.zero_shot_stage(3) and schema.zero_shot_stage(2) in stages
+    assert sum(schema.is_recovery_stage(s) for s in stages) >= 2  # the rungs and the recovered point
+    assert all(done is None for _, done in verdicts[:-1]), verdicts
+    assert verdicts[-1][1] == final | {"stage": schema.zero_shot_stage(3)}
