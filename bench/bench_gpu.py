@@ -65,7 +65,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
 
 from taylor_tune import schema
-from taylor_tune.config import EvalSpec, PruneConfig, SpeedSpec
+from taylor_tune.config import EvalSpec, PruneConfig, RecoverySpec, SpeedSpec
 from taylor_tune.evaluation.evaluate import Evaluator
 from taylor_tune.evaluation.requests import RequestCache
 from taylor_tune.evaluation.speed import measure_speed, speed_ratios
@@ -74,6 +74,7 @@ from taylor_tune.pruning.apply import apply_plan
 from taylor_tune.pruning.groups import describe_layout
 from taylor_tune.pruning.importance import compute_importance
 from taylor_tune.pruning.prune import make_plan
+from taylor_tune.recovery.train import recover
 from taylor_tune.sources.assets import require
 from taylor_tune.sources.calibration import load_calibration
 from taylor_tune.sources.models import load_tokenizer
@@ -289,6 +290,42 @@ KERNEL_KINDS = (("matmul", ("gemm", "nvjet", "cutlass", "xmma", "matmul", "cubla
 FUSED_ELEMENTWISE = ("triton_poi", "triton_red", "triton_per")
 
 
+def recovery_steps(name: str, shape: tuple, micro: int, seq_len: int, steps: tuple[int, int], args,
+                   device: torch.device, dtype: torch.dtype) -> dict:
+    """Recovery's step time at the shape, as a trial runs it with `loss: kd`: the unpruned model (built in memory)
+    as teacher, its free layout cut 20% by the random method as student, LoRA on every projection, one micro-batch
+    of `micro` x `seq_len` random tokens per step. `recover` runs twice, for `steps[0]` and `steps[1]` optimizer
+    steps, each on a fresh student: the difference of their times over the difference of their steps is the time of
+    one step without the fixed costs (the held-out losses, attaching and merging the adapters). The peak is the
+    longer run's, teacher and student together."""
+    tokenizer = family_tokenizer(shape[2], args.tokenizers)
+    teacher = build_model(shape, device, dtype, tokenizer, embed_every_id=False).eval()
+    layout = describe_layout(teacher)
+    plan = make_plan(PruneConfig(model=name, method="random", sparsity=0.2, device=args.device, dtype=args.dtype),
+                     None, layout)
+    vocab = teacher.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    runs = []
+    for count in steps:
+        student = apply_plan(copy.deepcopy(teacher), plan)
+        spec = RecoverySpec(loss="kd", micro_batch_size=micro, seq_len=seq_len, steps=count, warmup_steps=0,
+                            heldout_windows=micro)
+        ids = torch.randint(vocab, (spec.sequences, seq_len), generator=generator)
+        held = torch.randint(vocab, (micro, seq_len), generator=generator)
+        _reset(device)
+        recovered = recover(student, ids, held, spec, teacher=teacher)
+        runs.append({"steps": count, "seconds": recovered.seconds, "peak_gib": _peak(device),
+                     "train_loss_first": recovered.train_loss[0], "train_loss_last": recovered.train_loss[-1],
+                     "heldout_before": recovered.loss_before, "heldout_after": recovered.loss_after})
+        del student, recovered
+    (short, long) = runs
+    del teacher
+    _reset(device)
+    return {"shape": name, "loss": "kd", "micro_batch_size": micro, "seq_len": seq_len, "runs": runs,
+            "step_s": (long["seconds"] - short["seconds"]) / (long["steps"] - short["steps"]),
+            "peak_gib": long["peak_gib"], "pruning_ratio": plan.params_removed(layout) / layout.total_params}
+
+
 def kernel_kind(name: str) -> str:
     lowered = name.lower()
     if lowered.startswith(FUSED_ELEMENTWISE):
@@ -388,6 +425,12 @@ def table(data: dict) -> str:
              "| shape | parameters | pass | fused | items | seconds | of which requests | requests built | "
              "graphs compiled | tokens | tokens/s | TFLOP/s | peak GiB |",
              "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    recovery = [f"| {r['shape']} | {r.get('error', '')} | | | |" if "error" in r else
+                f"| {r['shape']} | kd, {r['micro_batch_size']} x {r['seq_len']} | {r['step_s']:.3f} | "
+                f"{_gib(r['peak_gib'])} | {r['pruning_ratio']:.3f} |" for r in data.get("recovery", [])]
+    if recovery:
+        lines[1:1] = ["| shape | recovery | seconds per step | peak GiB | pruned |", "|---|---|---:|---:|---:|",
+                      *recovery, ""]
     for name, shape in data["shapes"].items():
         for scorer, e in shape.get("evaluation", {}).items():
             if "seconds" not in e:  # failed, or started and cut by a time limit
@@ -494,6 +537,10 @@ def main() -> None:
                         help="profile the prefix scorer at LIMIT items per task (after the evaluation passes)")
     parser.add_argument("--peaks", default=None, metavar="SAMPLESxSEQ_LEN,...",
                         help="the importance stage's peak memory of every shape (not only --shapes) at these sizes")
+    parser.add_argument("--recovery", default=None, metavar="MICROxSEQ_LEN",
+                        help="recovery's seconds per kd step and peak memory at this micro-batch (before the shapes)")
+    parser.add_argument("--recovery-steps", default="2,10", metavar="SHORT,LONG",
+                        help="the two recovery runs' optimizer steps (their difference times one step)")
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--tokenizers", type=Path, help="a folder of <asset>/tokenizer files (--pack-tokenizers'), "
                         "for a machine without the asset cache")
@@ -546,6 +593,15 @@ def main() -> None:
                 _reset(device)
             data.setdefault("peaks", []).append(row)
             write_json(args.json, data)
+    if args.recovery:  # built in memory, no folder; a failure is recorded
+        micro, seq_len = (int(v) for v in args.recovery.split("x"))
+        steps = tuple(int(v) for v in args.recovery_steps.split(","))
+        for name, shape in shapes.items():
+            data.setdefault("recovery", []).append({"shape": name} | attempt(lambda: recovery_steps(
+                name, shape, micro, seq_len, steps, args, device, dtype), device))
+            write_json(args.json, data)
+    if not (args.passes or args.last or runs or args.profile is not None or args.families is not None):
+        shapes = {}  # nothing measured on a folder: none is built
     for name, shape in shapes.items():
         folder = Path(tempfile.mkdtemp(prefix=f"{name}-"))
         cache = Path(tempfile.mkdtemp(prefix=f"{name}-sweep-"))  # the caches a sweep of this model would share

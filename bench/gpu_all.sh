@@ -6,9 +6,14 @@
 #                              # cold), a later trial's (requests and kernels cached), the profiles before (eager) and
 #                              # after (fused), a 128 x 512 trial, and last the eager pass over every item
 #   bash bench/gpu_all.sh 2    # every gpu-marked test; lm-eval's HFLM on the same shape
+# or, when the lease must also bring Ray (its wheel comes in two halves, one per call: ray.aa, then ray.ab), three
+# shorter calls, the first with the wheels (.device/whl, assets, tokenizers, remote.sh), the others with one half each:
+#   bash bench/gpu_all.sh recovery   # recovery at the 8B shape: kd at 8 x 512, seconds per step and peak
+#   bash bench/gpu_all.sh tests      # every gpu-marked test          (carry .device/ray.aa ray.name ray.sha256)
+#   bash bench/gpu_all.sh sweep      # paper_grid_20 and tpe_asha through Ray with gpu: 1, then the report (ray.ab)
 # Each writes its results under $OUT as it goes (a call cut by its limit still returns what was done).
 set -uo pipefail
-step=${1:?usage: gpu_all.sh 1|2}  # not "part": remote.sh loops over a variable of that name
+step=${1:?usage: gpu_all.sh 1|2|recovery|tests|sweep}  # not "part": remote.sh loops over a variable of that name
 source .device/remote.sh
 mkdir -p /tmp/tok && tar xzf .device/tokenizers.tgz -C /tmp/tok
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -23,4 +28,15 @@ case $step in
   python3 -m pytest -q -m gpu tests/test_gpu.py tests/recovery/test_recovery.py 2>&1 | tail -3 | tee "$OUT/tests.txt"
   "${bench[@]}" --passes hflm --importance none --json "$OUT/gpu_hflm.json" 2>&1 | grep -v "it/s\]" | tail -20
   ;;
+recovery)
+  "${bench[@]}" --recovery 8x512 --recovery-steps 2,10 --passes none --importance none \
+      --json "$OUT/gpu_recovery.json" 2>&1 | grep -v "it/s\]" | tail -8
+  ;;
+tests)
+  python3 -m pytest -q -m gpu tests/test_gpu.py tests/recovery/test_recovery.py 2>&1 | tail -3 | tee "$OUT/tests.txt"
+  ;;
+sweep)
+  python3 bench/bench_gpu_sweep.py --tokenizers /tmp/tok --json "$OUT/gpu_sweep.json" 2>&1 | tail -60
+  ;;
+*) echo "gpu_all.sh: step 1, 2, recovery, tests or sweep, not $step"; exit 2 ;;
 esac

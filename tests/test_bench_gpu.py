@@ -57,7 +57,8 @@ def test_the_gpu_benchmark_runs_its_small_mode_on_cpu(assets, tmp_path):
     with tarfile.open(tmp_path / "tok.tgz") as archive:
         archive.extractall(tmp_path / "tok", filter="data")
     proc = subprocess.run([sys.executable, bench, "--small", "--tokenizers", str(tmp_path / "tok"), "--families", "0.2",
-                           "--profile", "2", "--peaks", "8x32", "--json", str(out)],
+                           "--profile", "2", "--peaks", "8x32", "--recovery", "2x32", "--recovery-steps", "1,3",
+                           "--json", str(out)],
                           capture_output=True, text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -95,3 +96,9 @@ def test_the_gpu_benchmark_runs_its_small_mode_on_cpu(assets, tmp_path):
     assert "where the prefix pass's time goes" in proc.stdout
     (peak,) = data["peaks"]
     assert peak["params"] == shape["params"] and (peak["samples"], peak["seq_len"]) == (8, 32) and peak["seconds"] > 0
+    (recovery,) = data["recovery"]  # kd's step time from two runs' difference, the student cut 20%
+    short, long = recovery["runs"]
+    assert (short["steps"], long["steps"]) == (1, 3) and abs(recovery["pruning_ratio"] - 0.2) < 0.05
+    assert recovery["step_s"] == pytest.approx((long["seconds"] - short["seconds"]) / 2)
+    assert all(r["train_loss_first"] > 0 for r in (short, long))  # the student differs from its teacher: kd > 0
+    assert "| tiny-llama-shape | kd, 2 x 32 |" in proc.stdout
