@@ -1,17 +1,24 @@
 """The sweep's console: one line per trial that ends (finished, stopped early, or errored) and a status line at
 most every `interval_s` seconds. Tune's own tables (a config table per trial start, a result table per report:
-~100 lines a trial) come back with `taylor-tune -v sweep`."""
+~100 lines a trial) come back with `taylor-tune -v sweep`. A local storage that fills up during the sweep ends it
+(`FullStorage`), and the CLI says so in one line."""
 
 from __future__ import annotations
 
+import logging
+import os
 import re
+import signal
 import sys
 import time
+from collections.abc import Callable
+from contextlib import contextmanager
 from typing import TextIO
 
 from ray.tune import Callback
 
 from taylor_tune.schema import SEARCHABLE
+from taylor_tune.sweep.folder import storage_full
 
 # how the console names the paper's three dimensions; any other searched one goes by its own name
 _SHORT = {"taylor_seq_len": "seq_len", "taylor_num_samples": "samples"}
@@ -49,9 +56,62 @@ def error_summary(text: str | None) -> str:
     return lines[-1].strip()[:200] if lines else "no error text"
 
 
+class FullStorage(Callback):
+    """Watches a local storage during the sweep (at most every `every_s`, at Tune's steps). Once it is full
+    (`folder.storage_full`), the sweep is ended as Ctrl-C ends it, once: Tune saves what it can and returns, the
+    trials not finished stay pending for the rerun, and no pending trial is started only to fail on the same disk."""
+
+    def __init__(self, storage_path: str, *, every_s: float = 1.0, clock=time.monotonic,
+                 is_full: Callable[[str], str | None] = storage_full):
+        self.storage_path, self.every_s, self.clock, self.is_full = storage_path, every_s, clock, is_full
+        self.checked = float("-inf")
+        self.full = False
+
+    def on_step_begin(self, iteration, trials, **info) -> None:
+        if self.full or self.clock() - self.checked < self.every_s:
+            return
+        self.checked = self.clock()
+        if self.is_full(self.storage_path) is not None:
+            self.full = True
+            self.stop()
+
+    def stop(self) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+class QuietWhenFull(logging.Filter):
+    """On Ray's log handlers during a sweep: once the local storage is full, Ray's own records are dropped (each
+    would be a traceback saying that a write failed: hundreds in a sweep); the CLI says it in one line
+    (`cli._run_sweep`). The storage is looked at for each record at WARNING or above until it is full."""
+
+    def __init__(self, storage_path: str, is_full: Callable[[str], str | None] = storage_full):
+        super().__init__()
+        self.storage_path, self.is_full, self.full = storage_path, is_full, False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.full and record.levelno >= logging.WARNING:
+            self.full = self.is_full(self.storage_path) is not None
+        return not self.full
+
+
+@contextmanager
+def quiet_when_full(storage_path: str):
+    """QuietWhenFull on the handlers of Ray's logger for the duration."""
+    quiet, handlers = QuietWhenFull(storage_path), list(logging.getLogger("ray").handlers)
+    for handler in handlers:
+        handler.addFilter(quiet)
+    try:
+        yield quiet
+    finally:
+        for handler in handlers:
+            handler.removeFilter(quiet)
+
+
 class ConsoleCallback(Callback):
-    def __init__(self, final_stage: str, *, interval_s: float = 30, out: TextIO | None = None, clock=time.monotonic):
+    def __init__(self, final_stage: str, *, interval_s: float = 30, out: TextIO | None = None, clock=time.monotonic,
+                 storage: str | None = None):
         self.final_stage, self.interval_s, self.out, self.clock = final_stage, interval_s, out, clock
+        self.storage = storage  # once it is full, a trial's error is the disk's, said once by the CLI
         self.last_status = clock()
         self.ended = 0
 
@@ -67,6 +127,8 @@ class ConsoleCallback(Callback):
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
         self.ended += 1
+        if self.storage is not None and storage_full(self.storage) is not None:
+            return
         try:
             error = error_summary(trial.get_error())
         except Exception as failure:  # the error file is Tune's; never let reading it take the sweep down

@@ -36,7 +36,7 @@ from taylor_tune.sweep.folder import (
 from taylor_tune.sweep.lock import driver_lock
 from taylor_tune.sweep.preflight import check_calibration_sizes, check_plans, check_recovery
 from taylor_tune.sweep.status import sweep_status  # noqa: F401 (where callers found it before)
-from taylor_tune.sweep.tune.console import ConsoleCallback
+from taylor_tune.sweep.tune.console import ConsoleCallback, FullStorage, quiet_when_full
 from taylor_tune.sweep.tune.metrics import SweepMetricsCallback
 from taylor_tune.sweep.tune.scheduler import FidelityASHA
 from taylor_tune.sweep.tune.search import PerModelSearcher, domains_of
@@ -170,12 +170,13 @@ def _fit(experiment: Experiment, verbose: bool):
                 sync_config=tune.SyncConfig(sync_artifacts=True),  # the trial's artifacts reach storage from any node
                 callbacks=[
                     SweepMetricsCallback(experiment.name, final_stage, experiment.metric, experiment.mode),
-                    ConsoleCallback(final_stage),
+                    FullStorage(experiment.storage_path), ConsoleCallback(final_stage, storage=experiment.storage_path),
                 ],
             ),
         )
     previous = signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
     try:
-        return tuner.fit()
+        with quiet_when_full(experiment.storage_path):
+            return tuner.fit()
     finally:
         signal.signal(signal.SIGTERM, previous)

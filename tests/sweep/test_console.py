@@ -1,0 +1,53 @@
+"""The sweep console's watch of a full storage (issue 62, finding 8): the sweep is ended once, and Ray's records are
+dropped from the moment the storage is full, never before."""
+
+import logging
+
+from taylor_tune.sweep.tune.console import FullStorage, QuietWhenFull, quiet_when_full
+
+
+class Disk:
+    def __init__(self):
+        self.full, self.looks = False, 0
+
+    def __call__(self, path: str) -> str | None:
+        self.looks += 1
+        return f"{path} has 0.0 MB free" if self.full else None
+
+
+def test_a_full_storage_ends_the_sweep_once_looking_at_most_every_second():
+    disk, now, stops = Disk(), [0.0], []
+    watch = FullStorage("/sweeps", clock=lambda: now[0], is_full=disk)
+    watch.stop = lambda: stops.append(now[0])
+    for t in (0.0, 0.4, 0.9, 1.0, 1.5):  # Tune steps
+        now[0] = t
+        watch.on_step_begin(0, [])
+    assert disk.looks == 2 and stops == []  # at 0.0 and 1.0
+    disk.full = True
+    for t in (1.5, 2.0, 2.2, 3.0, 9.0):
+        now[0] = t
+        watch.on_step_begin(0, [])
+    assert stops == [2.0] and watch.full and disk.looks == 3  # once, at the first look after it filled
+
+
+def test_rays_records_are_dropped_only_while_the_storage_is_full():
+    disk = Disk()
+    quiet = QuietWhenFull("/sweeps", is_full=disk)
+    record = lambda level: logging.LogRecord("ray.tune", level, __file__, 1, "Saving state failed", None, None)  # noqa: E731
+    assert quiet.filter(record(logging.WARNING)) and quiet.filter(record(logging.INFO))
+    assert disk.looks == 1  # an INFO record does not look at the disk
+    disk.full = True
+    assert quiet.filter(record(logging.INFO))  # not looked at: kept
+    assert not quiet.filter(record(logging.ERROR)) and not quiet.filter(record(logging.INFO))  # full: all dropped
+    assert disk.looks == 2
+
+
+def test_the_filter_sits_on_rays_handlers_for_the_duration_only():
+    handler = logging.StreamHandler()
+    logging.getLogger("ray").addHandler(handler)
+    try:
+        with quiet_when_full("/sweeps") as quiet:
+            assert quiet in handler.filters
+        assert quiet not in handler.filters
+    finally:
+        logging.getLogger("ray").removeHandler(handler)
