@@ -146,6 +146,36 @@ def test_a_tune_folder_taylor_tune_did_not_write_is_refused_before_anything_in_i
     assert marker.exists()
 
 
+def test_status_and_report_read_an_experiment_folder_as_data_and_unpickle_nothing(capsys, tmp_path):
+    """docs/operations.md's trust section: status and report read a folder as data only. A finished sweep's folder
+    (a taylor_tune record, trial folders) with pickles planted where Ray keeps them: tuner.pkl, a CLOUDPICKLE_FALLBACK
+    blob in the state's trial config and runtime, a trial's checkpoint. Both commands read it (exit 0) and no plant
+    runs."""
+    import json
+    import pickle
+
+    from tests.report_helpers import synthetic_trials, write_tune_folder
+
+    folder = write_tune_folder(synthetic_trials().head(6), tmp_path / "sweeps" / "exp")
+    marker = tmp_path / "unpickled"
+    blob = {"_type": "CLOUDPICKLE_FALLBACK", "value": pickle.dumps(Planted(marker)).hex()}
+    (folder / "tuner.pkl").write_bytes(pickle.dumps(Planted(marker)))
+    (folder / "taylor_tune_experiment.json").write_text("{}")
+    trials = sorted(p for p in folder.iterdir() if p.is_dir())
+    (trials[0] / "checkpoint.pkl").write_bytes(pickle.dumps(Planted(marker)))
+    state = [[json.dumps({"trial_id": f"abcde_{i:05d}", "status": "TERMINATED", "config": {"model": "tiny-llama",
+                                                                                          "planted": blob}}),
+              json.dumps({"last_result": {"planted": blob}, "planted": blob})] for i in range(len(trials))]
+    (folder / "experiment_state-2026-11-21_00-00-00.json").write_text(json.dumps({"trial_data": state}))
+    code, out, err = run(capsys, "status", folder)
+    assert code == 0 and out.startswith(f"trials: {len(trials)} ("), err
+    code, out, err = run(capsys, "report", folder, "--output", tmp_path / "report")
+    assert code == 0 and f"{len(trials)} trials ({len(trials)} valid" in out, err
+    assert not marker.exists()
+    pickle.loads((folder / "tuner.pkl").read_bytes())  # the plants work: unpickling one would have run it
+    assert marker.exists()
+
+
 def test_one_driver_per_experiment_folder(capsys, tmp_path):
     import json
     import os
