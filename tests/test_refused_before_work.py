@@ -227,6 +227,27 @@ def test_a_folder_with_only_pickled_weights_is_refused(capsys, tmp_path, pruned)
     assert re.search(r"save_pretrained\(\.\.\., safe_serialization=True\)", err)
 
 
+def test_a_pruned_folders_own_modeling_file_is_never_run(capsys, tmp_path):
+    """docs/operations.md's trust section: a pruned folder loads with taylor_tune's own classes. Its copied modeling
+    file (what plain transformers would import with trust_remote_code) replaced by one that writes a marker when
+    imported: `evaluate` scores the folder and the marker is never written."""
+    from taylor_tune.config import build_prune_config
+    from taylor_tune.pruning.apply import save_pruned
+    from taylor_tune.pruning.prune import prune
+
+    result = prune(build_prune_config(dict(model="tiny-llama", method="taylor", sparsity=0.2, seq_len=32,
+                                           num_samples=8, calibration="sample", device="cpu", dtype="float32")))
+    folder = save_pruned(result.model, tmp_path / "m", tokenizer=result.tokenizer)
+    marker = tmp_path / "imported"
+    (modeling,) = folder.glob("modeling_*.py")
+    modeling.write_text(f"open({str(marker)!r}, 'w').close()\n" + modeling.read_text())
+    capsys.readouterr()  # the set-up's progress bars
+    code, _, err = run(capsys, "evaluate", "--model", folder, "--tasks", "piqa", "--task-data", "world", "--limit",
+                       "2", "--ppl", "world", "--ppl-max-windows", "2", "--output", tmp_path / "e.json")
+    assert code == 0, err
+    assert (tmp_path / "e.json").exists() and not marker.exists()
+
+
 # ---------------------------------------------------------------- issue 62: recovery refused before the run
 
 
