@@ -51,3 +51,25 @@ def test_the_filter_sits_on_rays_handlers_for_the_duration_only():
         assert quiet not in handler.filters
     finally:
         logging.getLogger("ray").removeHandler(handler)
+
+
+class Trial:
+    def __init__(self, status="TERMINATED"):
+        self.status, self.config, self.last_result = status, {"model": "tiny-llama"}, {}
+
+
+def test_the_console_counts_the_trials_the_search_will_run_not_those_created_so_far():
+    """Tune creates a limited grid's trials one at a time: the first of two used to read [1/1]."""
+    import io
+
+    from taylor_tune.sweep.tune.console import ConsoleCallback
+
+    out, now = io.StringIO(), [0.0]
+    console = ConsoleCallback("zero_shot_4", out=out, clock=lambda: now[0], total=2)
+    console.on_trial_complete(0, [Trial()], Trial())
+    now[0] = 60.0
+    console.on_step_end(0, [Trial()])
+    first, status = out.getvalue().splitlines()
+    assert first.startswith("[1/2] tiny-llama") and status.endswith("1 finished, 0 running, 0 pending, 0 errored, of 2")
+    console.on_trial_complete(0, [Trial()] * 3, Trial())  # more than planned (a resumed sweep's extra): what Tune has
+    assert out.getvalue().splitlines()[-1].startswith("[2/3]")

@@ -109,8 +109,9 @@ def quiet_when_full(storage_path: str):
 
 class ConsoleCallback(Callback):
     def __init__(self, final_stage: str, *, interval_s: float = 30, out: TextIO | None = None, clock=time.monotonic,
-                 storage: str | None = None):
+                 storage: str | None = None, total: int = 0):
         self.final_stage, self.interval_s, self.out, self.clock = final_stage, interval_s, out, clock
+        self.total = total  # the trials the search will run: Tune creates them lazily (one at a time when limited)
         self.storage = storage  # once it is full, a trial's error is the disk's, said once by the CLI
         self.last_status = clock()
         self.ended = 0
@@ -118,8 +119,11 @@ class ConsoleCallback(Callback):
     def _print(self, line: str) -> None:
         print(line, file=self.out or sys.stdout, flush=True)
 
+    def _of(self, trials) -> int:
+        return max(len(trials), self.total)
+
     def _count(self, trials) -> str:
-        return f"[{self.ended}/{len(trials)}]"
+        return f"[{self.ended}/{self._of(trials)}]"
 
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:
         self.ended += 1
@@ -144,5 +148,5 @@ class ConsoleCallback(Callback):
             states[trial.status] = states.get(trial.status, 0) + 1
         self._print(
             f"{time.strftime('%H:%M:%S')} {states.get('TERMINATED', 0)} finished, {states.get('RUNNING', 0)} running, "
-            f"{states.get('PENDING', 0)} pending, {states.get('ERROR', 0)} errored, of {len(trials)}"
+            f"{states.get('PENDING', 0)} pending, {states.get('ERROR', 0)} errored, of {self._of(trials)}"
         )

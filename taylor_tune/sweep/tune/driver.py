@@ -170,7 +170,8 @@ def _fit(experiment: Experiment, verbose: bool):
                 sync_config=tune.SyncConfig(sync_artifacts=True),  # the trial's artifacts reach storage from any node
                 callbacks=[
                     SweepMetricsCallback(experiment.name, final_stage, experiment.metric, experiment.mode),
-                    FullStorage(experiment.storage_path), ConsoleCallback(final_stage, storage=experiment.storage_path),
+                    FullStorage(experiment.storage_path),
+                    ConsoleCallback(final_stage, storage=experiment.storage_path, total=experiment.grid_size()),
                 ],
             ),
         )
