@@ -50,6 +50,20 @@ def _add_field_options(parser: argparse.ArgumentParser, model, names: tuple[str,
                             help=f"{field.description} (default: {field.default})")
 
 
+def _add_config_flags(parser: argparse.ArgumentParser, model, skip: tuple[str, ...] = ()) -> None:
+    """Every field of a configuration class as an option, in the class's order, derived from it (a field added there
+    is a flag here): `--name VALUE`, or `--name` / `--no-name` for a yes/no field."""
+    for name, field in model.model_fields.items():
+        if name in skip:
+            continue
+        if field.annotation is not bool:
+            _add_field_options(parser, model, (name,))
+            continue
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
+                            action=argparse.BooleanOptionalAction,
+                            help=f"{field.description} (default: {'yes' if field.default else 'no'})")
+
+
 def _add_prune(subparsers) -> None:
     fields = PruneConfig.model_fields
     p = subparsers.add_parser(
@@ -62,32 +76,7 @@ def _add_prune(subparsers) -> None:
     )
     p.add_argument("--model", help=fields["model"].description)
     p.add_argument("--output", required=True, help="folder for the summary, the importance and the pruned model")
-    _add_field_options(
-        p,
-        PruneConfig,
-        (
-            "method",
-            "criterion",
-            "sparsity",
-            "seq_len",
-            "num_samples",
-            "calibration",
-            "seed",
-            "micro_batch_size",
-            "device",
-            "dtype",
-            "layerwise_max_ratio",
-            "blockwise_layer_start",
-            "blockwise_layer_end",
-            "blockwise_attention",
-            "uniform_multiple",
-            "extreme_ratio_threshold",
-        ),
-    )
-    p.add_argument("--uniform", action="store_true", default=None, help=fields["uniform"].description)
-    p.add_argument(
-        "--trust-remote-code", action="store_true", default=None, help=fields["trust_remote_code"].description
-    )
+    _add_config_flags(p, PruneConfig, skip=("model",))
     p.set_defaults(handler=_run_prune)
 
 

@@ -223,3 +223,47 @@ def test_prune_uniform_writes_a_stock_folder(capsys, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(out / "model")  # stock class, no remote code
     widths = {layer.mlp.gate_proj.out_features for layer in model.model.layers}
     assert len(widths) == 1 and widths.pop() % 32 == 0 and model.config.intermediate_size < 192
+
+
+def prune_flags(parser) -> set[str]:
+    (prune,) = (action.choices["prune"] for action in parser._subparsers._group_actions)
+    return {flag for action in prune._actions for flag in action.option_strings}
+
+
+def test_every_prune_setting_is_a_flag_and_a_new_one_becomes_one(monkeypatch):
+    """Issue 63, build 1: prune's flags are derived from PruneConfig. Every field (the model aside, --model) is one,
+    and a toy field added to the class appears as a flag (a yes/no one as --x / --no-x) with no other change."""
+    from pydantic import Field, create_model
+
+    import taylor_tune.cli as cli
+    from taylor_tune.config import PruneConfig
+
+    flags = prune_flags(cli.build_parser())
+    assert {"--" + name.replace("_", "-") for name in PruneConfig.model_fields} <= flags
+    assert {"--depth-criterion", "--depth-share", "--flap-compensation", "--no-flap-compensation"} <= flags
+    toy = create_model("ToyConfig", __base__=PruneConfig, toy_knob=(int, Field(3, description="a toy knob")),
+                       toy_switch=(bool, Field(False, description="a toy switch")))
+    monkeypatch.setattr(cli, "PruneConfig", toy)
+    assert {"--toy-knob", "--toy-switch", "--no-toy-switch"} <= prune_flags(cli.build_parser())
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--method", "taylor", "--depth-share", "0.25", "--depth-criterion", "last"],
+     {"depth_share": 0.25, "depth_criterion": "last"}),
+    (["--method", "taylor", "--criterion", "flap", "--no-flap-compensation"],
+     {"criterion": "flap", "flap_compensation": False}),
+])
+def test_the_settings_missing_from_prune_reach_the_pruning(capsys, tmp_path, flags, expected):
+    """--depth-share and --depth-criterion (a mixed cut: whole layers go, the last ones) and --no-flap-compensation
+    (FLAP without its bias: no output projection gains one) were documented and searchable but not prune flags."""
+    out = tmp_path / "run"
+    code, _, err = run(capsys, *BASE, *flags, "--sparsity", "0.3", "--output", str(out))
+    assert code == 0, err
+    summary = json.loads((out / "pruning_summary.json").read_text())
+    assert {k: summary["config"][k] for k in expected} == expected
+    model = load_model(str(out / "model"))
+    if "depth_share" in expected:  # a mixed cut removed whole layers
+        assert model.config.num_hidden_layers < load_model("tiny-llama-random").config.num_hidden_layers
+    else:  # with compensation every layer's output projections gain a bias (checked by hand)
+        assert all(layer.self_attn.o_proj.bias is None and layer.mlp.down_proj.bias is None
+                   for layer in model.model.layers)
