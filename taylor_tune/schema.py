@@ -37,8 +37,10 @@ SEARCHABLE = (*DIMENSIONS, *RECOVERY_DIMENSIONS)
 CRITERION_METHODS = tuple(method for method, used in METHOD_CRITERIA.items() if used == CRITERIA)
 CONFIG_COLUMNS = ("model", "pruning_method", "taylor_seq_len", "taylor_num_samples", "seed")
 
-# The stages of a trial before its zero-shot passes, in order; each zero-shot pass is a stage of its own.
-# unpruned_speed: measuring the unpruned model (once per model and device in a sweep, cached); speed: the pruned one.
+# The names a trial's timings go by (`<name>_s`), in the order they are taken; each zero-shot pass times itself as a
+# name of its own. Not the trial's stages (`sweep.trial.trial_stages`): pruning's load, score, plan and apply stages
+# time load, calibration, importance and prune. unpruned_speed: measuring the unpruned model (once per model and
+# device in a sweep, cached); speed: the pruned one.
 STAGES = ("unpruned_speed", "load", "calibration", "importance", "prune", "speed", "before_recovery", "recovery",
           "ppl")
 SECONDS_SUFFIX, TOKENS_SUFFIX = "_s", "_tokens"

@@ -1,6 +1,8 @@
 """The README and docs/ cannot go stale: every Python snippet's imports resolve, every dotted `taylor_tune.` name and
 file path they mention exists, every `taylor-tune` command and script they show takes the flags shown (checked
-against the real parsers), every experiment file they show validates, and every link points at a file. The README is
+against the real parsers), every experiment file they show validates, and every link points at a file; every
+pruning setting they name is a prune flag, docs/layout.md names every module in its package's paragraph, and the
+README's chain of a trial's stages is `trial_stages`'s (issue 63, build 4). The README is
 a front door: at most 250 lines."""
 
 from __future__ import annotations
@@ -163,9 +165,68 @@ def experiment_problems(text: str) -> list[str]:
     return problems
 
 
+# the packages whose every module docs/layout.md names in the package's paragraph of its layout block
+LAYOUT_PACKAGES = ("sources", "pruning", "recovery", "evaluation", "sweep", "reporting", "compat")
+
+
+def layout_problems(text: str) -> list[str]:
+    """Every module and subfolder of each LAYOUT_PACKAGES package (sweep/tune's in sweep's paragraph), and every root
+    module, named as a word in the package's paragraph of the first layout block (`  name/  ...` and the lines
+    indented under it)."""
+    block = blocks(text, "")[0]
+    paragraphs: dict[str, str] = {}
+    current = "root"
+    for line in block.splitlines():
+        head = re.match(r"^  ([a-z_]+)/\s", line)
+        current = head.group(1) if head else (current if line.startswith("    ") else "root")
+        paragraphs[current] = paragraphs.get(current, "") + " " + line
+    package_root = ROOT / "taylor_tune"
+    problems = []
+    for package in (*LAYOUT_PACKAGES, "root"):
+        folder = package_root if package == "root" else package_root / package
+        names = [p.stem for p in folder.glob("*.py") if p.stem != "__init__"]
+        names += [p.name + "/" for p in folder.iterdir() if p.is_dir() and (p / "__init__.py").exists()
+                  and package != "root"]
+        if package == "sweep":
+            names += [p.stem for p in (folder / "tune").glob("*.py") if p.stem != "__init__"]
+        words = set(re.findall(r"[A-Za-z_]+/?", paragraphs.get(package, ""))) | set(
+            re.findall(r"([A-Za-z_]+)\.py", paragraphs.get(package, "")))
+        problems += [f"layout: taylor_tune/{'' if package == 'root' else package + '/'}{name} is not named in its "
+                     "paragraph" for name in names if name not in words and name.rstrip("/") not in words]
+    return problems
+
+
+def setting_problems(text: str) -> list[str]:
+    """Every pruning setting the page names (a PruneConfig field in backticks) is a `taylor-tune prune` flag."""
+    from taylor_tune.config import PruneConfig
+
+    flags = {flag for action in subparsers()["prune"]._actions for flag in action.option_strings}
+    named = set(re.findall(r"`([a-z_]+)`", prose(text))) & set(PruneConfig.model_fields)
+    return [f"setting {name}: no taylor-tune prune --{name.replace('_', '-')}" for name in sorted(named)
+            if "--" + name.replace("_", "-") not in flags]
+
+
+def stage_problems(text: str) -> list[str]:
+    """The README's chain of a trial's stages is `trial_stages` of a trial that has every optional stage."""
+    from taylor_tune.config import PruneConfig, RecoverySpec
+    from taylor_tune.sweep.experiment import Evaluation
+    from taylor_tune.sweep.trial import TrialConfig, trial_stages
+
+    chains = [c for c in re.findall(r"`([a-z_N]+(?:\s*->\s*[a-z_N]+)+)`", prose(text)) if "unpruned_speed" in c]
+    if not chains:
+        return ["stages: no `unpruned_speed -> ...` chain"]
+    full = TrialConfig(prune=PruneConfig(model="tiny-llama"), evaluation=Evaluation(ppl="world"),
+                       recovery=RecoverySpec(evaluate_before=True))
+    expected = [re.sub(r"zero_shot_\d+", "zero_shot_N", stage.name) for stage in trial_stages(full)]
+    written = re.split(r"\s*->\s*", chains[0])
+    return [] if written == expected else [f"stages: the README says {written}, trial_stages {expected}"]
+
+
 def problems_of(page: Path, text: str) -> list[str]:
     return (import_problems(text) + name_problems(text) + command_problems(text) + flag_problems(text)
-            + link_problems(page, text) + experiment_problems(text))
+            + link_problems(page, text) + experiment_problems(text) + setting_problems(text)
+            + (layout_problems(text) if page.name == "layout.md" else [])
+            + (stage_problems(text) if page.name == "README.md" else []))
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
@@ -200,3 +261,30 @@ def test_a_planted_stale_name_is_caught(planted, expected, monkeypatch):
     readme = ROOT / "README.md"
     problems = problems_of(readme, readme.read_text() + "\n" + planted)
     assert any(expected in p for p in problems), problems
+
+
+def test_a_module_left_out_of_the_layout_is_caught(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    page = ROOT / "docs" / "layout.md"
+    text = page.read_text().replace("speed\n               (prefill", "pace\n               (prefill")
+    assert "layout: taylor_tune/evaluation/speed is not named in its paragraph" in problems_of(page, text)
+
+
+def test_a_documented_setting_that_is_no_flag_is_caught(monkeypatch):
+    """With a field left out of prune's flags, a page naming it is caught."""
+    import taylor_tune.cli as cli
+
+    monkeypatch.chdir(ROOT)
+    derive = cli._add_config_flags
+    monkeypatch.setattr(cli, "_add_config_flags", lambda parser, model, skip=(): derive(parser, model,
+                                                                                         (*skip, "depth_share")))
+    readme = ROOT / "README.md"
+    problems = problems_of(readme, readme.read_text() + "\nA mixed cut sets `depth_share`.\n")
+    assert "setting depth_share: no taylor-tune prune --depth-share" in problems
+
+
+def test_a_stage_missing_from_the_readme_is_caught(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    readme = ROOT / "README.md"
+    text = readme.read_text().replace("before_recovery -> recovery ->", "before_recovery ->")
+    assert any(p.startswith("stages: the README says") for p in problems_of(readme, text))

@@ -1,2 +1,2 @@
-"""The sweep: experiment files, one trial without Ray, the shared importance cache, and `tune/`, the Ray adapter.
-The top of the pipeline: it may import every stage."""
+"""The sweep: experiment files and their checks before Ray starts, one trial without Ray (`trial`), a sweep's status,
+and `tune/`, the Ray adapter. The top of the pipeline: it may import every stage."""

@@ -1,2 +1,3 @@
-"""The Ray Tune adapter: search spaces, the trainable, the sweep driver and status. With `compat.ray`, the only
-code that imports ray."""
+"""The Ray Tune adapter: the driver, the trainable, the search and the scheduler, the search space, the console, the
+metrics and where to watch a sweep (dashboard). With `compat.ray`, the only code that imports ray (a sweep's status
+reads Tune's saved state without it)."""
