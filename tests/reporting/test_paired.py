@@ -1,0 +1,124 @@
+"""Paired comparisons (issue 64, must-show 2) against independent recomputations on constructed per-item data: the
+stratified difference against a pandas groupby, the delta-method standard error against a numpy loop and against the
+paired bootstrap, McNemar against scipy's binomial test; and each check fails on a planted bug (a sign, unpaired
+items, a task weighted by its items)."""
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy import stats
+
+from taylor_tune.reporting import paired
+from taylor_tune.reporting.paired import mcnemar, paired_bootstrap, paired_difference, shared
+
+SIZES = {"arc_easy": 300, "boolq": 900, "piqa": 120}  # unequal: an item-weighted mean differs from a task-weighted one
+
+
+def outcomes(seed: int, accuracy: dict[str, float], flip: float = 0.15, base: pd.Series | None = None) -> pd.Series:
+    """Per-item 0/1 outcomes; with `base`, a variant of it that answers a share `flip` of the items otherwise."""
+    rng = np.random.default_rng(seed)
+    index = pd.MultiIndex.from_tuples([(t, i) for t, n in SIZES.items() for i in range(n)], names=["task", "doc_id"])
+    if base is None:
+        values = np.concatenate([rng.random(n) < accuracy[t] for t, n in SIZES.items()])
+        return pd.Series(values.astype(float), index=index)
+    flips = rng.random(len(base)) < flip
+    return pd.Series(np.where(flips, 1 - base.to_numpy(), base.to_numpy()), index=index)
+
+
+@pytest.fixture
+def pair():
+    a = outcomes(0, {"arc_easy": 0.6, "boolq": 0.7, "piqa": 0.55})
+    return a, outcomes(1, {}, base=a)
+
+
+def check_difference(fn, a, b):
+    """fn(a, b) against a pandas groupby (the mean over tasks of the per-task accuracy difference) and a numpy loop
+    over tasks and items for the stratified standard error."""
+    result = fn(a, b)
+    frame = pd.DataFrame({"a": a, "b": b})
+    by_task = frame.groupby(level="task").mean()
+    assert result.difference == pytest.approx((by_task["a"] - by_task["b"]).mean(), abs=1e-12)
+    variance = 0.0
+    for task in SIZES:
+        d = [a[(task, i)] - b[(task, i)] for i in range(SIZES[task])]
+        mean = sum(d) / len(d)
+        variance += sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d)
+    assert result.stderr == pytest.approx(math.sqrt(variance) / len(SIZES), rel=1e-9)
+    assert (result.items, result.tasks) == (sum(SIZES.values()), len(SIZES))
+
+
+def test_the_paired_difference_equals_a_groupby_and_its_error_a_numpy_loop(pair):
+    a, b = pair
+    check_difference(paired_difference, a, b)
+    shuffled = b.sample(frac=1.0, random_state=0)  # the same outcomes in another order: pairing is by item
+    check_difference(paired_difference, a, shuffled)
+
+
+def test_the_bootstrap_agrees_with_the_delta_method(pair):
+    a, b = pair
+    delta, boot = paired_difference(a, b), paired_bootstrap(a, b, draws=4000, seed=1)
+    assert boot.difference == delta.difference and boot.method == "bootstrap"
+    assert boot.stderr == pytest.approx(delta.stderr, rel=0.08)
+
+
+def test_pairing_is_tighter_than_the_independent_bound_here(pair):
+    a, b = pair
+    independent = math.sqrt(sum(
+        (a.xs(t).var(ddof=1) + b.xs(t).var(ddof=1)) / SIZES[t] for t in SIZES)) / len(SIZES)
+    assert paired_difference(a, b).stderr < 0.8 * independent  # flip 15%: the variants agree on most items
+
+
+def test_trials_that_did_not_score_the_same_items_are_not_paired(pair):
+    a, b = pair
+    assert paired_difference(a, b.iloc[:-1]) is None and mcnemar(a, b.drop(("piqa", 3))) is None
+    with pytest.raises(ValueError, match="appears twice"):
+        shared(a, pd.concat([b, b.iloc[:1]]))
+
+
+def check_mcnemar(fn, a, b):
+    result = fn(a, b)
+    only_a = int(((a == 1) & (b == 0)).sum())
+    only_b = int(((a == 0) & (b == 1)).sum())
+    assert (result["only_a"], result["only_b"]) == (only_a, only_b)
+    expected = stats.binomtest(min(only_a, only_b), only_a + only_b, 0.5).pvalue if only_a + only_b else 1.0
+    assert result["p"] == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("flip", [0.0, 0.01, 0.15, 0.5])
+def test_mcnemar_equals_scipys_binomial_test_on_the_discordant_items(pair, flip):
+    a, _ = pair
+    b = outcomes(2, {}, flip=flip, base=a)
+    b.iloc[:40] = 1.0  # an uneven split: b right where a was wrong on some
+    for task in SIZES:
+        check_mcnemar(mcnemar, a.xs(task, drop_level=False), b.xs(task, drop_level=False))
+
+
+# planted bugs, each as a user of the module would meet it
+def _sign(a, b):
+    return paired_difference(b, a)
+
+
+def _unpaired(a, b):
+    return paired_difference(a, pd.Series(b.to_numpy()[::-1], index=b.index))
+
+
+def _item_weighted(a, b):
+    right = paired_difference(a, b)
+    return paired.PairedDifference(float((a - b).mean()), right.stderr, right.items, right.tasks, "delta")
+
+
+def _mcnemar_one_sided(a, b):
+    result = mcnemar(a, b)
+    return result | {"p": result["p"] / 2}
+
+
+@pytest.mark.parametrize("check, bug", [(check_difference, _sign), (check_difference, _unpaired),
+                                        (check_difference, _item_weighted), (check_mcnemar, _mcnemar_one_sided)])
+def test_each_check_fails_on_a_planted_bug(pair, check, bug):
+    a, b = pair
+    if check is check_mcnemar:
+        a, b = a.xs("boolq", drop_level=False), b.xs("boolq", drop_level=False)
+    with pytest.raises(AssertionError):
+        check(bug, a, b)
