@@ -45,7 +45,7 @@ def curve(model, tokenizer, batch_size) -> list[dict]:
     for limit in LIMITS:
         spec = build_eval_spec({"task_data": "world", "limit": limit, "ppl": None})
         start = time.perf_counter()
-        tasks, _ = zero_shot(lm, spec, "world")
+        tasks, _, _ = zero_shot(lm, spec, "world")
         total = time.perf_counter() - start
         start = time.perf_counter()
         for task in spec.tasks:

@@ -71,7 +71,7 @@ def measure_ppl(model, tokenizer, args) -> dict:
 
 def measure_zero_shot(model, tokenizer, args) -> dict:
     spec = EvalSpec(tasks=list(args.tasks), task_data="real", limit=args.limit, ppl=None, batch_size=16)
-    tasks, seconds = zero_shot(make_lm(model, tokenizer, 16), spec, "real")
+    tasks, seconds, _ = zero_shot(make_lm(model, tokenizer, 16), spec, "real")
     return {"tasks": {t: {k: e[k] for k in ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "metric", "score",
                                             "score_stderr", "n")} for t, e in tasks.items()},
             "acc_mean": sum(e["score"] for e in tasks.values()) / len(tasks), "zero_shot_s": seconds}

@@ -78,7 +78,7 @@ def main() -> None:
             if done and done["limit"] == args.limit:
                 continue
             spec = EvalSpec(tasks=[task], task_data="real", limit=args.limit, ppl=None, batch_size=args.batch_size)
-            tasks, seconds = zero_shot(lm, spec, "real")
+            tasks, seconds, _ = zero_shot(lm, spec, "real")
             entry["tasks"][task] = tasks[task] | {
                 "limit": args.limit,
                 "seconds": seconds,

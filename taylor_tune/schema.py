@@ -105,6 +105,15 @@ def stage_seconds(metrics: dict) -> dict[str, float]:
     return out
 
 
+# per-item outcomes of a zero-shot pass, in the trial's folder: one row per item (task, doc_id, acc, acc_norm)
+OUTCOME_COLUMNS = ("task", "doc_id", "acc", "acc_norm")
+
+
+def outcomes_file(stage: str) -> str:
+    """The trial folder's file of a zero-shot pass's per-item outcomes (`outcomes_<stage>.parquet`)."""
+    return f"outcomes_{stage}.parquet"
+
+
 def task_key(task: str, part: str = "") -> str:
     """`acc_<task>` (the task's score in the metric acc_mean averages), or one of its TASK_SUFFIXES columns."""
     if part and part not in TASK_SUFFIXES:

@@ -9,9 +9,13 @@ duration and given back in the mode it came in.
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
 
 from taylor_tune import schema
 from taylor_tune.config import EvalSpec
@@ -47,6 +51,7 @@ class ZeroShotResult:
     seconds: float
     requests_seconds: float  # of `seconds`: building (or reading) and tokenizing the requests
     requests_built: int  # tasks whose requests this pass built (the others': read from the request cache)
+    outcomes: pd.DataFrame | None = field(default=None, compare=False, repr=False)  # every item's (item_outcomes)
 
     @property
     def stage(self) -> str:
@@ -55,6 +60,18 @@ class ZeroShotResult:
     @property
     def acc_mean(self) -> float:
         return sum(e["score"] for e in self.tasks.values()) / len(self.tasks)
+
+    def write_outcomes(self, folder: Path) -> Path:
+        """Every item's outcome as `schema.outcomes_file(stage)` in `folder` (parquet: plain columns, nothing pickled),
+        written whole or not at all."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = Path(folder) / schema.outcomes_file(self.stage)
+        part = path.with_name(f".{path.name}.{os.getpid()}.part")
+        pq.write_table(pa.Table.from_pandas(self.outcomes, preserve_index=False), part)
+        os.replace(part, path)
+        return path
 
     def metrics(self) -> dict:
         out: dict = {}
@@ -118,9 +135,10 @@ class Evaluator:
         before = lm.tokens_forwarded
         requests = PassRequests(lm, self.request_cache)
         with _eval_mode(self.model):
-            tasks, seconds = zero_shot(lm, self.spec.model_copy(update={"limit": limit}), self.task_data, requests)
+            tasks, seconds, outcomes = zero_shot(lm, self.spec.model_copy(update={"limit": limit}), self.task_data,
+                                                 requests)
         return ZeroShotResult(tasks, limit, self.task_data, self.spec.scorer, lm.tokens_forwarded - before, seconds,
-                              requests.seconds, requests.built)
+                              requests.seconds, requests.built, outcomes)
 
 
 def flatten(ppl: PerplexityResult | None, shots: ZeroShotResult | None) -> dict:

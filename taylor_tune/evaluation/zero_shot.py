@@ -10,11 +10,13 @@ ARC-c, OpenBookQA. No model is saved or reloaded.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from functools import lru_cache
 from pathlib import Path
 
 import lm_eval.tasks
+import pandas as pd
 import torch
 from lm_eval import simple_evaluate
 from lm_eval.tasks import TaskManager
@@ -23,6 +25,7 @@ from taylor_tune.compat.lm_eval import building_requests, compiled_templates, lo
 from taylor_tune.config import EvalSpec
 from taylor_tune.errors import EvaluationError
 from taylor_tune.evaluation.requests import PassRequests
+from taylor_tune.schema import OUTCOME_COLUMNS
 from taylor_tune.sources.data import task_file
 
 log = logging.getLogger(__name__)
@@ -90,6 +93,15 @@ def split_scores(samples: list[dict], metric: str) -> dict:
     return out
 
 
+def item_outcomes(samples: dict[str, list[dict]]) -> pd.DataFrame:
+    """Each item's outcome from lm-eval's logged samples, {task: samples}: task, doc_id, acc and acc_norm (NaN where
+    the task has no acc_norm), in the order of `schema.OUTCOME_COLUMNS`."""
+    rows = [(task, sample["doc_id"], float(sample["acc"]), float(sample.get("acc_norm", math.nan)))
+            for task, task_samples in samples.items() for sample in task_samples]
+    frame = pd.DataFrame(rows, columns=list(OUTCOME_COLUMNS))
+    return frame.astype({"doc_id": "int64", "acc": "float64", "acc_norm": "float64"})
+
+
 def _simple_evaluate(lm, spec: EvalSpec, sources: list[tuple[str | dict, object]], requests: PassRequests) -> dict:
     with without_environment_record(), compiled_templates(), building_requests(requests), requests.scoring():
         return simple_evaluate(
@@ -104,11 +116,12 @@ def _failure(task: str | None, error: Exception) -> EvaluationError:
 
 
 def zero_shot(lm, spec: EvalSpec, task_data: str,
-              requests: PassRequests | None = None) -> tuple[dict[str, dict], float]:
+              requests: PassRequests | None = None) -> tuple[dict[str, dict], float, pd.DataFrame]:
     """Every task in one `simple_evaluate` call: lm-eval then pools the requests of all tasks into one sorted
     batch stream, and pays its per-call set-up once, not per task (it collects the environment by running pip).
     A pass's time is reported as a whole: per-task times do not exist in one call. `requests` builds the pass's
-    requests (with a cache, read from it) and counts their time; default: built and tokenized once, no cache."""
+    requests (with a cache, read from it) and counts their time; default: built and tokenized once, no cache.
+    Returns the tasks' results, the pass's seconds and every item's outcome (`item_outcomes`)."""
     sources = {task: task_source(task, task_data) for task in spec.tasks}
     requests = PassRequests(lm) if requests is None else requests
     start = time.perf_counter()
@@ -141,4 +154,4 @@ def zero_shot(lm, spec: EvalSpec, task_data: str,
         out[task] = entry
         log.info("%s: %s %.4f (n=%d)", task, metric, entry["score"], entry["n"])
     log.info("zero-shot: %d tasks, %d items in %.1fs", len(out), sum(e["n"] for e in out.values()), seconds)
-    return out, seconds
+    return out, seconds, item_outcomes({task: result["samples"][name] for task, name in names.items()})

@@ -21,7 +21,15 @@ from taylor_tune.compat import CompatError
 from taylor_tune.compat.tune_state import saved_trials
 from taylor_tune.errors import ReportError
 from taylor_tune.reporting.stats import ACCURACY, Objective
-from taylor_tune.schema import CONFIG_COLUMNS, SPEED_METRICS, is_recovery_stage, task_columns, task_key
+from taylor_tune.schema import (
+    CONFIG_COLUMNS,
+    OUTCOME_COLUMNS,
+    SPEED_METRICS,
+    is_recovery_stage,
+    outcomes_file,
+    task_columns,
+    task_key,
+)
 
 GRAD_COLUMNS = ("grad_mean_ratio", "grad_norm_ratio", "grad_mean_range", "grad_norm_range")
 SPEC_COLUMNS = ("output_dir", "ppl", "acc_mean", "params_count", "pruning_ratio", *GRAD_COLUMNS,
@@ -172,6 +180,23 @@ def read_trial(filesystem, trial_dir: str) -> dict:
         row["error"] = _last_failure(error)
     row["output_dir"] = trial_dir  # where the artifacts live now; the path during the run is kept as run_dir
     return row
+
+
+def read_outcomes(trial_dir: str, stage: str, filesystem=None) -> pd.DataFrame | None:
+    """A trial's per-item outcomes of one zero-shot pass (`schema.outcomes_file`), indexed by (task, doc_id), columns
+    acc and acc_norm (NaN where the task has none); None when the trial did not write them (it stopped before that
+    pass, or ran before they were kept). Read as plain columns: nothing is unpickled."""
+    import pyarrow.parquet as pq
+
+    filesystem, root = open_filesystem(str(trial_dir), filesystem)
+    path = posixpath.join(root, outcomes_file(stage))
+    try:
+        with filesystem.open_input_file(path) as handle:
+            table = pq.read_table(handle, columns=list(OUTCOME_COLUMNS))
+    except (FileNotFoundError, OSError):
+        return None
+    return pd.DataFrame({name: table.column(name).to_numpy() for name in OUTCOME_COLUMNS}).set_index(
+        ["task", "doc_id"])
 
 
 def read_experiment(location: str, filesystem=None) -> pd.DataFrame:

@@ -306,12 +306,13 @@ def perplexity(run: TrialRun) -> dict:
 
 
 def zero_shot_pass(index: int) -> Callable[[TrialRun], dict]:
-    """The zero-shot pass at the index-th fidelity; the last one writes evaluation.json (before its report, so a
-    checkpoint of it can carry the file)."""
+    """The zero-shot pass at the index-th fidelity: each writes its items' outcomes, the last one evaluation.json
+    (before its report, so a checkpoint of it can carry the files)."""
 
     def zero_shot(run: TrialRun) -> dict:
         fidelities = run.trial.evaluation.fidelities
         shots = run.evaluator.zero_shot(fidelities[index])
+        shots.write_outcomes(run.trial_dir)  # before the report, so that its checkpoint carries them
         metrics = shots.metrics() | {"zero_shot_pass": index, "stage": shots.stage}
         if run.on_gpu:  # the trial's peak so far; the last report carries the whole trial's (pruning + evaluation)
             metrics["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated()

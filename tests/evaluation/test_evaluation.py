@@ -115,10 +115,10 @@ def test_one_lm_eval_call_for_all_tasks_scores_each_as_its_own_call_would():
     from taylor_tune.evaluation.zero_shot import zero_shot
 
     lm = make_lm(load_model("tiny-mistral"), load_tokenizer("tiny-mistral"), 16)
-    together, seconds = zero_shot(lm, world_spec(limit=30, ppl=None), "world")
+    together, seconds, _ = zero_shot(lm, world_spec(limit=30, ppl=None), "world")
     assert set(together) == set(TASKS) and seconds > 0
     for task in TASKS:
-        alone, _ = zero_shot(lm, world_spec(limit=30, ppl=None, tasks=task), "world")
+        alone, _, _ = zero_shot(lm, world_spec(limit=30, ppl=None, tasks=task), "world")
         assert together[task] == alone[task], task
 
 

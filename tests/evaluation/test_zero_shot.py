@@ -46,7 +46,8 @@ def test_each_tasks_numbers_equal_a_recomputation_from_the_items(lm, lm_eval_cal
     the spec names it (two tasks overridden)."""
     requests, started = PassRequests(lm), time.perf_counter()
     with caplog.at_level(logging.INFO, logger="taylor_tune.evaluation.zero_shot"):
-        out, seconds = zs.zero_shot(lm, spec(metrics={"arc_challenge": "acc", "piqa": "acc_norm"}), "world", requests)
+        out, seconds, _ = zs.zero_shot(lm, spec(metrics={"arc_challenge": "acc", "piqa": "acc_norm"}), "world",
+                                       requests)
     (call,) = lm_eval_calls  # one lm-eval call for all seven tasks
     assert len(call["tasks"]) == len(ZERO_SHOT_TASKS) and 0 < seconds <= time.perf_counter() - started
     assert requests.built == len(ZERO_SHOT_TASKS)  # the pass's requests came from the object given
@@ -86,7 +87,7 @@ def test_results_are_read_under_the_name_lm_eval_gives_each_task():
 
 def test_one_item_has_no_standard_error(lm):
     """lm-eval reports a standard error over one item as "N/A": no number, not a failure."""
-    out, _ = zs.zero_shot(lm, spec(limit=1, tasks="boolq,arc_easy"), "world")
+    out, _, _ = zs.zero_shot(lm, spec(limit=1, tasks="boolq,arc_easy"), "world")
     assert out["boolq"]["n"] == out["arc_easy"]["n"] == 1
     assert out["boolq"]["acc_stderr"] is None and out["arc_easy"]["acc_norm_stderr"] is None
     assert out["arc_easy"]["score"] in (0.0, 1.0) and out["arc_easy"]["score_stderr"] is None

@@ -176,3 +176,22 @@ def test_kv_cache_bytes_equal_what_transformers_cache_holds():
             cache = model(input_ids=torch.zeros(1, 37, dtype=torch.long), use_cache=True).past_key_values
         held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
         assert kv_cache_bytes(model, 37) == held
+
+
+def test_a_trials_stored_outcomes_average_to_its_reported_accuracies_exactly(tmp_path):
+    """Issue 64, must-show 1 (tiny models): every zero-shot pass writes each item's outcome; read back (as the report
+    reads them) and averaged per task in the task's metric, they are the reported acc_<task>, and their mean of task
+    means acc_mean. Both fidelities' files, the first a subset of the second's items."""
+    from taylor_tune.reporting.frame import read_outcomes
+
+    evaluation = Evaluation(tasks="piqa,arc_easy,boolq", task_data="world", ppl=None, metrics={"piqa": "acc_norm"},
+                            fidelities=[3, 7], speed=None)
+    metrics = run_trial(trial(8).model_copy(update={"evaluation": evaluation}), tmp_path / "t")
+    first, last = (read_outcomes(str(tmp_path / "t"), stage) for stage in ("zero_shot_3", "zero_shot_7"))
+    assert read_outcomes(str(tmp_path / "t"), "zero_shot_5") is None
+    assert len(first) == 3 * 3 and len(last) == 3 * 7 and set(first.index) < set(last.index)
+    means = {task: last.xs(task)["acc_norm" if task == "piqa" else "acc"].mean() for task in ("piqa", "arc_easy",
+                                                                                             "boolq")}
+    assert {task: metrics[f"acc_{task}"] for task in means} == means  # exactly: the same items, the same mean
+    assert metrics["acc_mean"] == sum(means.values()) / 3
+    assert last.xs("boolq")["acc_norm"].isna().all() and set(last.columns) == {"acc", "acc_norm"}
