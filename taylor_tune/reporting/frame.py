@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import posixpath
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -29,6 +29,7 @@ from taylor_tune.schema import (
     outcomes_file,
     task_columns,
     task_key,
+    zero_shot_stage,
 )
 
 GRAD_COLUMNS = ("grad_mean_ratio", "grad_norm_ratio", "grad_mean_range", "grad_norm_range")
@@ -45,6 +46,9 @@ class TrialTable:
     source: str
     filesystem: object = None  # the pyarrow filesystem `output_dir` paths belong to, when not a local path or URI
     superseded: int = 0  # folders of trials that ran again after a resume, left out (see _drop_superseded)
+    # trial_id -> each item's score in acc_mean's sense (`scored_items`), for the valid trials whose last pass kept
+    # its outcomes: what paired comparisons read (empty for a DataFrame source)
+    outcomes: dict = field(default_factory=dict)
 
     @property
     def valid(self) -> pd.DataFrame:
@@ -313,6 +317,34 @@ def consolidate(rows: pd.DataFrame, source: str = "DataFrame") -> TrialTable:
     return TrialTable(rows, source, superseded=superseded)
 
 
+def scored_items(outcomes: pd.DataFrame, row: pd.Series) -> pd.Series | None:
+    """Each item's score in the sense of the trial's acc_<task> (per task the column, acc or acc_norm, whose mean is
+    the reported score), indexed by (task, doc_id); None when a task's outcomes do not reproduce its score."""
+    parts = []
+    for task, items in outcomes.groupby(level="task", sort=True):
+        reported = row.get(task_key(task))
+        column = next((c for c in ("acc", "acc_norm") if items[c].notna().all() and reported is not None
+                       and math.isclose(items[c].mean(), reported, rel_tol=0, abs_tol=1e-12)), None)
+        if column is None:
+            return None
+        parts.append(items[column])
+    return pd.concat(parts) if parts else None
+
+
+def attach_outcomes(table: TrialTable) -> TrialTable:
+    """Each valid trial's items of its last zero-shot pass (`read_outcomes`, scored by `scored_items`)."""
+    for _, row in table.valid.iterrows():
+        folder = row.get("run_dir") if isinstance(row.get("run_dir"), str) else row.get("trial_dir")
+        fidelity = row.get("final_fidelity")
+        if not isinstance(folder, str) or fidelity is None or fidelity != fidelity:
+            continue
+        outcomes = read_outcomes(folder, zero_shot_stage(int(fidelity) or None), table.filesystem)
+        scored = None if outcomes is None else scored_items(outcomes, row)
+        if scored is not None:
+            table.outcomes[row["trial_id"]] = scored
+    return table
+
+
 def load_trials(source) -> TrialTable:
     """An experiment path or URI, an ExperimentAnalysis, a ResultGrid, a DataFrame or a TrialTable -> TrialTable."""
     if isinstance(source, TrialTable):
@@ -320,13 +352,13 @@ def load_trials(source) -> TrialTable:
     if isinstance(source, pd.DataFrame):
         return consolidate(source)
     if isinstance(source, (str, Path)):
-        return consolidate(read_experiment(str(source)), str(source))
+        return attach_outcomes(consolidate(read_experiment(str(source)), str(source)))
     path = getattr(source, "experiment_path", None)  # ExperimentAnalysis and ResultGrid both carry it
     if path is not None:
         filesystem = getattr(source, "filesystem", None)
         table = consolidate(read_experiment(str(path), filesystem), str(path))
         table.filesystem = filesystem
-        return table
+        return attach_outcomes(table)
     raise ReportError(
         f"cannot read results from a {type(source).__name__}; give a path, ExperimentAnalysis, ResultGrid or DataFrame"
     )

@@ -327,7 +327,17 @@ def _best_blocks(m: ModelReport, z: float) -> list:
                 else ""
             )
         )
+        blocks.append(_pairing_line(lead))
     return blocks
+
+
+def _pairing_line(lead) -> str:
+    """How the ties were judged: paired on the same items where both trials kept their outcomes."""
+    if not lead.paired:
+        return ("Ties judged by the independent bound (no trial kept its items' outcomes, or none scored the best's "
+                "items)")
+    return (f"Ties judged paired on the same items for {lead.paired} trial(s) (the rest by the independent bound); "
+            f"separated by the paired test only: {lead.separated_by_pairing}")
 
 
 def _cross_blocks(report: Report) -> list:

@@ -10,7 +10,8 @@ number of rows used are always printed beside the words.
 Uncertainty: lm-eval gives each task's accuracy a standard error; acc_mean's is sqrt(sum se_t^2) / T
 (tasks are disjoint item sets, so their errors are independent). Two trials differ beyond their uncertainty
 when the difference exceeds z * sqrt(se_a^2 + se_b^2), z = 1.96 by default. Both trials answer the same
-items, so this independent-errors bound is conservative: a paired per-item test would call more leads real.
+items, so this independent-errors bound is conservative: where both kept their items' outcomes, the lead of the best
+is judged paired instead (`reporting.paired`: the task-stratified standard error of the per-item differences).
 A single task's interval is Wilson's over its item count (`acc_<task>_n`) where the trials record it.
 
 Ranking follows the sweep's `Objective` (its `metric` and `mode`, acc_mean / max unless the experiment said
@@ -27,6 +28,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from taylor_tune.reporting.paired import paired_difference
 from taylor_tune.schema import (
     BEFORE_RECOVERY,
     CONFIG_COLUMNS,
@@ -246,12 +248,18 @@ class Lead:
     exceeds_uncertainty: bool | None = None
     tied_with_best: list[str] = field(default_factory=list)  # trial ids whose gap to the best is within z * se
     reason: str | None = None
+    paired: int = 0  # trials compared with the best on the same items (the others by the independent bound)
+    separated_by_pairing: int = 0  # of those, the ones the independent bound calls tied and the paired test does not
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def lead_of_best(df: pd.DataFrame, tasks: tuple[str, ...], z: float = Z95, objective: Objective = ACCURACY) -> Lead:
+def lead_of_best(df: pd.DataFrame, tasks: tuple[str, ...], z: float = Z95, objective: Objective = ACCURACY,
+                 outcomes: dict | None = None) -> Lead:
+    """The best trial's lead over the runner-up and who is tied with it. `outcomes` (trial_id -> each item's score,
+    `frame.scored_items`): a trial that scored the same items as the best compares paired (`paired.
+    paired_difference`, task-stratified); the others, and every trial without outcomes, by the independent bound."""
     best = best_trial(df, objective)
     if best is None:
         return Lead(None, reason="no valid trials")
@@ -276,9 +284,20 @@ def lead_of_best(df: pd.DataFrame, tasks: tuple[str, ...], z: float = Z95, objec
         lead.reason = "a task stderr is missing, so the uncertainty is unknown"
         return lead
     gap_se = np.sqrt(se_best**2 + se[others.index] ** 2)
+    gap = best["acc_mean"] - others["acc_mean"]
+    independent_tie = gap <= z * gap_se
+    outcomes = outcomes or {}
+    for index, trial_id in others["trial_id"].items():
+        pair = (paired_difference(outcomes[best["trial_id"]], outcomes[trial_id])
+                if best["trial_id"] in outcomes and trial_id in outcomes else None)
+        if pair is not None:
+            gap_se[index], gap[index] = pair.stderr, pair.difference
+            lead.paired += 1
     lead.stderr = float(gap_se[runner.name])
     lead.exceeds_uncertainty = bool(lead.difference > z * lead.stderr)
-    tied = others[(best["acc_mean"] - others["acc_mean"]) <= z * gap_se]
+    tie = gap <= z * gap_se
+    lead.separated_by_pairing = int((independent_tie & ~tie).sum())
+    tied = others[tie]
     lead.tied_with_best = tied.sort_values("acc_mean", ascending=False)["trial_id"].tolist()
     return lead
 

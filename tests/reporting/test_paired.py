@@ -122,3 +122,57 @@ def test_each_check_fails_on_a_planted_bug(pair, check, bug):
         a, b = a.xs("boolq", drop_level=False), b.xs("boolq", drop_level=False)
     with pytest.raises(AssertionError):
         check(bug, a, b)
+
+
+def trials_table(series: dict[str, pd.Series]) -> pd.DataFrame:
+    """One row per trial as the report holds it: acc_mean and each task's accuracy and lm-eval stderr."""
+    rows = []
+    for trial_id, s in series.items():
+        row = {"trial_id": trial_id}
+        for task in SIZES:
+            x = s.xs(task)
+            row[f"acc_{task}"], row[f"acc_{task}_stderr"] = x.mean(), x.std(ddof=1) / math.sqrt(len(x))
+        row["acc_mean"] = np.mean([row[f"acc_{t}"] for t in SIZES])
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def test_the_lead_of_the_best_is_judged_paired_where_both_kept_their_items(pair):
+    """A variant 2 points below the best on the same items, flipping 4% of them: the independent bound calls it
+    tied, the paired test separates it; without outcomes (or on other items) the independent verdict stands."""
+    from taylor_tune.reporting.stats import Z95, lead_of_best
+
+    best, _ = pair
+    rng = np.random.default_rng(5)
+    worse = best.copy()
+    right = np.flatnonzero(best.to_numpy() == 1)
+    worse.iloc[rng.choice(right, size=int(0.03 * len(best)), replace=False)] = 0.0  # loses 3% of the items
+    close = best.copy()  # within noise of the best: per task two items won, two lost, and one more lost in boolq
+    for task in SIZES:
+        values = best.xs(task).to_numpy()
+        won, lost = np.flatnonzero(values == 0)[:2], np.flatnonzero(values == 1)[:2 + (task == "boolq")]
+        close.loc[[(task, i) for i in won]] = 1.0
+        close.loc[[(task, i) for i in lost]] = 0.0
+    df = trials_table({"best": best, "worse": worse, "close": close})
+    tasks = tuple(SIZES)
+    independent = lead_of_best(df, tasks, Z95)
+    assert set(independent.tied_with_best) == {"worse", "close"} and independent.paired == 0
+    by_pairs = lead_of_best(df, tasks, Z95, outcomes={"best": best, "worse": worse, "close": close})
+    assert by_pairs.paired == 2 and by_pairs.separated_by_pairing == 1
+    assert "worse" not in by_pairs.tied_with_best
+    gap = paired_difference(best, worse)
+    assert gap.separated(Z95) and gap.difference == pytest.approx(df["acc_mean"][0] - df["acc_mean"][1], abs=1e-12)
+    other_items = lead_of_best(df, tasks, Z95, outcomes={"best": best, "worse": worse.iloc[:-5], "close": close})
+    assert other_items.paired == 1 and "worse" in other_items.tied_with_best  # not the same items: independent
+
+
+def test_scored_items_take_each_tasks_reported_metric():
+    """The report pairs each item's score in acc_mean's sense: per task the column whose mean is acc_<task>."""
+    from taylor_tune.reporting.frame import scored_items
+
+    index = pd.MultiIndex.from_tuples([(t, i) for t in ("boolq", "piqa") for i in range(4)], names=["task", "doc_id"])
+    frame = pd.DataFrame({"acc": [1, 0, 1, 1, 1, 1, 0, 0], "acc_norm": [np.nan] * 4 + [0, 1, 1, 1]},
+                         index=index, dtype=float)
+    scored = scored_items(frame, pd.Series({"acc_boolq": 0.75, "acc_piqa": 0.75}))
+    assert scored.tolist() == [1, 0, 1, 1, 0, 1, 1, 1]  # boolq by acc, piqa by acc_norm
+    assert scored_items(frame, pd.Series({"acc_boolq": 0.75, "acc_piqa": 0.6})) is None  # reproduces neither
