@@ -26,6 +26,17 @@ from taylor_tune.evaluation.zero_shot import zero_shot
 from taylor_tune.sources.data import load_ppl_text, resolve_task_data, resolve_text
 
 
+def _write_parquet(frame: pd.DataFrame, path: Path) -> Path:
+    """`frame` as a parquet file (plain columns, nothing pickled), written whole or not at all."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    part = path.with_name(f".{path.name}.{os.getpid()}.part")
+    pq.write_table(pa.Table.from_pandas(frame, preserve_index=False), part)
+    os.replace(part, path)
+    return path
+
+
 @dataclass(frozen=True)
 class PerplexityResult:
     ppl: float
@@ -35,6 +46,14 @@ class PerplexityResult:
     curve: list  # [windows, ppl over those first windows] after each batch
     source: str  # the text, resolved (never auto)
     seconds: float
+    window_nll: list = field(default_factory=list, compare=False, repr=False)  # each window's summed NLL
+
+    def write_outcomes(self, folder: Path) -> Path:
+        """Each window's summed NLL and its predicted tokens as `schema.PPL_WINDOWS_FILE` in `folder` (parquet),
+        written whole or not at all."""
+        frame = pd.DataFrame({"window": range(len(self.window_nll)), "nll": self.window_nll,
+                              "tokens": self.window - 1})
+        return _write_parquet(frame, Path(folder) / schema.PPL_WINDOWS_FILE)
 
     def metrics(self) -> dict:
         return {"ppl": self.ppl, "ppl_window": self.window, "ppl_windows": self.windows, "ppl_tokens": self.tokens,
@@ -64,14 +83,7 @@ class ZeroShotResult:
     def write_outcomes(self, folder: Path) -> Path:
         """Every item's outcome as `schema.outcomes_file(stage)` in `folder` (parquet: plain columns, nothing pickled),
         written whole or not at all."""
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        path = Path(folder) / schema.outcomes_file(self.stage)
-        part = path.with_name(f".{path.name}.{os.getpid()}.part")
-        pq.write_table(pa.Table.from_pandas(self.outcomes, preserve_index=False), part)
-        os.replace(part, path)
-        return path
+        return _write_parquet(self.outcomes, Path(folder) / schema.outcomes_file(self.stage))
 
     def metrics(self) -> dict:
         out: dict = {}
@@ -119,7 +131,7 @@ class Evaluator:
             out = perplexity(self.model, self.tokenizer, load_ppl_text(source), window=spec.ppl_window,
                              max_windows=spec.ppl_max_windows)
         return PerplexityResult(out["ppl"], out["ppl_window"], out["ppl_windows"], out["ppl_tokens"], out["ppl_curve"],
-                                source, time.perf_counter() - start)
+                                source, time.perf_counter() - start, out["window_nll"])
 
     @property
     def lm(self):

@@ -26,8 +26,10 @@ def perplexity(
     model, tokenizer, text: str, *, window: int = 128, batch_size: int = 8, max_windows: int | None = None
 ) -> dict:
     """exp(mean token NLL) over non-overlapping windows (the first `max_windows` if given); returns ppl, window,
-    windows and tokens scored, and `ppl_curve`: [windows, ppl over those first windows] after each batch (a cheaper
-    perplexity's value, for free: what a search could have stopped on)."""
+    windows and tokens scored, `ppl_curve`: [windows, ppl over those first windows] after each batch (a cheaper
+    perplexity's value, for free: what a search could have stopped on), and `window_nll`: each window's summed NLL
+    over its window - 1 predicted tokens (ppl is exp of their exact sum over the tokens: two models compare paired,
+    window by window)."""
     check_window(window, model.config)
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     count = ids.numel() // window
@@ -36,19 +38,18 @@ def perplexity(
     count = min(count, max_windows or count)
     windows = ids[: count * window].view(count, window)
     device = next(model.parameters()).device
-    total = torch.zeros((), dtype=torch.float64)
+    summed: list[float] = []  # each window's summed NLL (float64 over float32 token losses)
     curve = []
     with bar(count * window, "perplexity", unit="tok", unit_scale=True) as progress:
         for start in range(0, count, batch_size):
             batch = windows[start : start + batch_size].to(device)
             logits = model(input_ids=batch, use_cache=False).logits.float()
             nll = torch.nn.functional.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
+                logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="none"
             )
-            total += nll.double().cpu()
+            summed += nll.double().view(len(batch), window - 1).sum(dim=1).cpu().tolist()
             progress.update(batch.numel())
-            done = min(start + batch_size, count)
-            curve.append([done, math.exp(float(total) / (done * (window - 1)))])
+            curve.append([len(summed), math.exp(math.fsum(summed) / (len(summed) * (window - 1)))])
     scored = count * (window - 1)
-    return {"ppl": math.exp(float(total) / scored), "ppl_window": window, "ppl_windows": count, "ppl_tokens": scored,
-            "ppl_curve": curve}
+    return {"ppl": math.exp(math.fsum(summed) / scored), "ppl_window": window, "ppl_windows": count,
+            "ppl_tokens": scored, "ppl_curve": curve, "window_nll": summed}

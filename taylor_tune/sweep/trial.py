@@ -302,7 +302,9 @@ def start_evaluation(run: TrialRun) -> dict:
 
 
 def perplexity(run: TrialRun) -> dict:
-    return run.evaluator.perplexity().metrics() | {"stage": "ppl"}
+    result = run.evaluator.perplexity()
+    result.write_outcomes(run.trial_dir)  # each window's NLL, before the report
+    return result.metrics() | {"stage": "ppl"}
 
 
 def zero_shot_pass(index: int) -> Callable[[TrialRun], dict]:

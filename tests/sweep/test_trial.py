@@ -195,3 +195,18 @@ def test_a_trials_stored_outcomes_average_to_its_reported_accuracies_exactly(tmp
     assert {task: metrics[f"acc_{task}"] for task in means} == means  # exactly: the same items, the same mean
     assert metrics["acc_mean"] == sum(means.values()) / 3
     assert last.xs("boolq")["acc_norm"].isna().all() and set(last.columns) == {"acc", "acc_norm"}
+
+
+def test_a_trials_stored_perplexity_windows_give_its_reported_ppl_exactly(tmp_path):
+    """Issue 64, must-show 1 (perplexity): each window's summed NLL, stored in the trial's folder, gives the reported
+    ppl as exp(their sum / their tokens) exactly, and ppl_windows windows of ppl_window - 1 tokens each."""
+    import math
+
+    import pyarrow.parquet as pq
+
+    evaluation = Evaluation(tasks="piqa", task_data="world", ppl="world", ppl_max_windows=5, fidelities=[3],
+                            speed=None)
+    metrics = run_trial(trial(8).model_copy(update={"evaluation": evaluation}), tmp_path / "t")
+    windows = pq.read_table(tmp_path / "t" / "ppl_windows.parquet").to_pandas()
+    assert len(windows) == metrics["ppl_windows"] == 5 and (windows["tokens"] == metrics["ppl_window"] - 1).all()
+    assert math.exp(math.fsum(windows["nll"]) / windows["tokens"].sum()) == metrics["ppl"]
