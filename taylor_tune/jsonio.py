@@ -61,6 +61,11 @@ def open_own(path: Path, flags: int) -> int:
 
 
 def write_text(path: str | Path, text: str) -> Path:
+    """Written whole or not at all (`write_bytes`), as UTF-8."""
+    return write_bytes(path, text.encode("utf-8"))
+
+
+def write_bytes(path: str | Path, data: bytes) -> Path:
     """Written whole or not at all (a temporary file renamed into place): a reader never sees half a file, and a
     write that fails (a full disk) leaves the previous file as it was and no temporary file behind."""
     path = Path(path)
@@ -68,8 +73,8 @@ def write_text(path: str | Path, text: str) -> Path:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)  # a leftover, or a link planted under the name
     try:
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "w") as handle:
-            handle.write(text)
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "wb") as handle:
+            handle.write(data)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

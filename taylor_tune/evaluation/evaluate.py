@@ -9,7 +9,6 @@ duration and given back in the mode it came in.
 
 from __future__ import annotations
 
-import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -23,18 +22,18 @@ from taylor_tune.evaluation.perplexity import check_window, perplexity
 from taylor_tune.evaluation.requests import PassRequests, RequestCache
 from taylor_tune.evaluation.scorer import make_lm
 from taylor_tune.evaluation.zero_shot import zero_shot
+from taylor_tune.jsonio import write_bytes
 from taylor_tune.sources.data import load_ppl_text, resolve_task_data, resolve_text
 
 
 def _write_parquet(frame: pd.DataFrame, path: Path) -> Path:
-    """`frame` as a parquet file (plain columns, nothing pickled), written whole or not at all."""
+    """`frame` as a parquet file (plain columns, nothing pickled), written whole or not at all (`write_bytes`)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    part = path.with_name(f".{path.name}.{os.getpid()}.part")
-    pq.write_table(pa.Table.from_pandas(frame, preserve_index=False), part)
-    os.replace(part, path)
-    return path
+    buffer = pa.BufferOutputStream()
+    pq.write_table(pa.Table.from_pandas(frame, preserve_index=False), buffer)
+    return write_bytes(path, buffer.getvalue().to_pybytes())
 
 
 @dataclass(frozen=True)
