@@ -141,8 +141,10 @@ def _from_analysis(experiment_dir: Path, expression: str):
 
 
 def analysis_rows(experiment_dir: Path) -> list[dict]:
-    """ExperimentAnalysis in a fresh process: one dict per trial (last result, config flattened)."""
-    return _from_analysis(experiment_dir, "json.loads(analysis.dataframe().to_json(orient='records'))")
+    """ExperimentAnalysis in a fresh process: one dict per trial (last result, config flattened). pandas' to_json
+    keeps 10 decimals by default: a decode speedup of 0.04 (a loaded machine) then differs from the searcher's."""
+    frame = "analysis.dataframe().to_json(orient='records', double_precision=15)"
+    return _from_analysis(experiment_dir, f"json.loads({frame})")
 
 
 def terminated(experiment_dir: Path) -> set[str]:

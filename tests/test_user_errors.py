@@ -279,6 +279,11 @@ def test_report_follows_no_symbolic_link_out_of_a_trial_or_into_the_output(capsy
     (dict(prune={**SMALL["prune"], "uniform": True, "uniform_multiple": 100000}),
      "prune: taylor on tiny-llama cannot be planned with these settings: uniform_multiple: 100000 is wider"),
     (dict(search_space={**SMALL["search_space"], "taylor_seq_len": {"grid": [True]}}), "search_space.taylor_seq_len"),
+    (dict(resources={"cpu": 1, "gpu": 0, "memory": 0.25}, prune={**SMALL["prune"], "micro_batch_size": 64},
+          search_space={"taylor_seq_len": {"grid": [256]}, "taylor_num_samples": {"grid": [64]}}),
+     "memory: taylor on tiny-llama: the importance pass needs at least"),
+    (dict(resources={"cpu": 1, "gpu": 0, "memory": 100000}),
+     "resources.memory: 100000 GiB per trial requested, but this machine has"),
 ])
 def test_what_prune_and_evaluate_refuse_is_refused_for_the_whole_space_before_ray(capsys, tmp_path, changes, expected):
     code, _, err = run(capsys, "sweep", experiment(tmp_path, **changes))

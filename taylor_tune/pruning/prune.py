@@ -38,7 +38,7 @@ from taylor_tune.sources.models import load_model, load_model_config, load_token
 
 __all__ = [
     "ImportanceCache", "Pruning", "PruneResult", "apply", "check_plan", "draw_calibration", "draws_calibration",
-    "layer_shapes", "load", "meta_layout", "plan", "prune", "score", "start", "summary_dict",
+    "layer_shapes", "load", "meta_layout", "plan", "prune", "score", "start", "summary_dict", "uses_gradients",
 ]
 
 log = logging.getLogger(__name__)

@@ -194,6 +194,10 @@ class Resources(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     cpu: float = Field(1, ge=MIN_RESOURCE, allow_inf_nan=False, description=f"per trial, at least {MIN_RESOURCE}")
     gpu: float | Literal["auto"] = Field("auto", description="per trial; auto = 1 where the cluster has GPUs, else 0")
+    memory: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="GiB of host memory per trial: Ray starts no more trials on a "
+        "node at once than its memory holds, and a CPU trial whose estimated peak is larger is refused before Ray "
+        "starts; default: no reservation, and a CPU trial may use the machine's memory")
 
     @field_validator("gpu")
     @classmethod

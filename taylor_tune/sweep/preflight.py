@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from taylor_tune.errors import CalibrationError, ConfigError, PlanError
-from taylor_tune.pruning.prune import check_plan, draw_calibration, draws_calibration, meta_layout
+from taylor_tune.pruning.prune import check_plan, draw_calibration, draws_calibration, meta_layout, uses_gradients
 from taylor_tune.recovery.train import check_recovery_data
 from taylor_tune.sources.data import resolve_text
 from taylor_tune.sources.models import load_model_config, load_tokenizer
+from taylor_tune.sweep import memory
 from taylor_tune.sweep.experiment import Experiment
 
 # The dimensions a plan depends on (seq_len, num_samples and the calibration text change the scores, not whether a
@@ -99,3 +102,51 @@ def check_recovery(experiment: Experiment) -> None:
                 check_recovery_data(tokenizer, spec, model, memory_bytes())
             except CalibrationError as error:
                 raise ConfigError(f"{error} (recovery of {model})") from None
+
+
+def trial_memory(experiment: Experiment) -> tuple[int, int, str] | None:
+    """(bytes one trial may use, its weights' bytes per value, what bounds it) on this machine; None where this
+    machine cannot tell (a cluster's driver: the trials run on nodes it does not see). A CPU trial may use
+    `resources.memory`, or else the machine's memory; a GPU trial its GPU's times its share (`resources.gpu`)."""
+    if os.environ.get("RAY_ADDRESS"):
+        return None
+    gpu, device = experiment.resources.gpu, str(experiment.prune.get("device", "auto"))
+    on_gpu = device.startswith("cuda") or (device == "auto" and gpu != 0 and torch.cuda.is_available())
+    dtype = str(experiment.prune.get("dtype", "auto"))
+    if on_gpu:
+        if not torch.cuda.is_available():
+            return None
+        share = 1.0 if gpu == "auto" else min(1.0, float(gpu))
+        total = torch.cuda.get_device_properties(0).total_memory
+        bytes_per = 4 if dtype == "float32" else 2
+        name = torch.cuda.get_device_name(0)
+        return int(total * share), bytes_per, f"{share:g} x {name}'s {total / memory.GIB:.1f} GiB"
+    bytes_per = 2 if dtype in ("bfloat16", "float16") else 4
+    if experiment.resources.memory is not None:
+        return int(experiment.resources.memory * memory.GIB), bytes_per, \
+            f"the {experiment.resources.memory:g} GiB of resources.memory"
+    return memory_bytes(), bytes_per, f"this machine's {memory_bytes() / memory.GIB:.1f} GiB"
+
+
+def check_memory(experiment: Experiment) -> None:
+    """Every point of the space, on every model, fits what one trial may use (`trial_memory`): its estimated peak
+    (`sweep.memory`) from the model's shape and the point's settings. Refused in one line naming the stage, its
+    parts and the settings that size it."""
+    bound = trial_memory(experiment)
+    if bound is None:
+        return
+    allowed, dtype_bytes, where = bound
+    trust = bool(experiment.prune.get("trust_remote_code"))
+    for model in experiment.models:
+        config = load_model_config(model, trust_remote_code=trust)
+        layout = meta_layout(model, trust_remote_code=trust)
+        shape = memory.Shape.of(config, layout.total_params, sum(layout.layer_params))
+        for point in experiment.space_points():
+            prune = experiment.prune_config(model, point)
+            peaks = memory.trial_peaks(shape, prune, experiment.evaluation, experiment.recovery_spec(point),
+                                       dtype_bytes, draws_calibration=draws_calibration(prune),
+                                       uses_gradients=uses_gradients(prune))
+            worst = max(peaks, key=lambda peak: peak.total, default=None)
+            if worst is not None and worst.total > allowed:
+                raise ConfigError(f"memory: {prune.method} on {model}: {memory.describe(worst)} at its peak, more "
+                                  f"than {where}; lower {worst.levers}")

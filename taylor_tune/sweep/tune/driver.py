@@ -34,7 +34,13 @@ from taylor_tune.sweep.folder import (
     set_aside_damaged_state,
 )
 from taylor_tune.sweep.lock import driver_lock
-from taylor_tune.sweep.preflight import check_calibration_sizes, check_plans, check_recovery
+from taylor_tune.sweep.preflight import (
+    check_calibration_sizes,
+    check_memory,
+    check_plans,
+    check_recovery,
+    memory_bytes,
+)
 from taylor_tune.sweep.status import sweep_status  # noqa: F401 (where callers found it before)
 from taylor_tune.sweep.tune.console import ConsoleCallback, FullStorage, quiet_when_full
 from taylor_tune.sweep.tune.metrics import SweepMetricsCallback
@@ -66,11 +72,16 @@ def validate(experiment: Experiment) -> None:
     check_plans(experiment)
     check_calibration_sizes(experiment)
     check_recovery(experiment)
+    check_memory(experiment)
     gpu = experiment.resources.gpu
     local = not os.environ.get("RAY_ADDRESS")
     if local and experiment.resources.cpu > (os.cpu_count() or 1):
         raise ConfigError(f"resources.cpu: {experiment.resources.cpu:g} CPUs per trial requested, but this machine has "
                           f"{os.cpu_count()}; no trial could start")
+    reserved = experiment.resources.memory
+    if local and reserved is not None and reserved * 2**30 > memory_bytes():
+        raise ConfigError(f"resources.memory: {reserved:g} GiB per trial requested, but this machine has "
+                          f"{memory_bytes() / 2**30:.1f} GiB; no trial could start")
     if gpu != "auto" and gpu > 0 and local:
         if not torch.cuda.is_available():
             raise ConfigError(
@@ -100,7 +111,14 @@ def _resources(experiment: Experiment) -> dict:
     if experiment.resources.cpu > cluster_cpus:
         raise ConfigError(f"resources.cpu: {experiment.resources.cpu:g} CPUs per trial requested, but the cluster has "
                           f"{cluster_cpus:g}; no trial could start")
-    return {"cpu": experiment.resources.cpu, "gpu": gpu}
+    if experiment.resources.memory is None:
+        return {"cpu": experiment.resources.cpu, "gpu": gpu}
+    reserved = int(experiment.resources.memory * 2**30)
+    largest = max((node["Resources"].get("memory", 0) for node in ray.nodes() if node["Alive"]), default=0)
+    if reserved > largest:  # Ray's memory of a node: its memory less its object store
+        raise ConfigError(f"resources.memory: {experiment.resources.memory:g} GiB per trial requested, but the "
+                          f"largest node offers Ray {largest / 2**30:.1f} GiB; no trial could start")
+    return {"cpu": experiment.resources.cpu, "gpu": gpu, "memory": reserved}
 
 
 def run_sweep(experiment: Experiment, *, verbose: bool = False):

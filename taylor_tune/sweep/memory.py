@@ -1,0 +1,162 @@
+"""A trial's peak memory, estimated before Ray starts from the model's shape and the trial's settings.
+
+Pure arithmetic (no torch): each stage that allocates with the sizes a user sets is a sum of parts, and the trial's
+peak is the largest stage. The estimate is a lower bound, so that a refusal is never wrong: a trial it refuses cannot
+run in the memory it has (the refused inputs took 8-10 GB of a tiny model and never finished). The coefficients sit
+below what the stages were measured to allocate on CPU in float32 and bfloat16 (`tests/sweep/test_memory.py` holds
+each stage between 0.4 times the measured peak and the peak):
+- a forward and backward pass keeps, per token and decoder layer, at least 6 hidden-wide and 3 MLP-wide values
+  (SDPA does not keep the attention matrix);
+- LoRA adds, per token and targeted projection, at least its dropped-out input;
+- the logits are the vocabulary-wide part: their own dtype plus float32 copies for the loss (the upcast and the
+  log-softmax's gradient; distillation's for both models);
+- a forward without gradients holds one layer's transients at a time.
+The zero-shot passes are not estimated: on CUDA the prefix scorer sizes its batches from the free memory, on CPU it
+keeps 16 rows and only the continuations' logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 2**30
+PERPLEXITY_BATCH = 8  # windows per forward in evaluation.perplexity
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the estimate reads from a model's config and its meta-device layout."""
+
+    params: int  # every parameter
+    layer_params: int  # the decoder layers' (the Taylor pass keeps a float32 gradient sum of each)
+    hidden: int
+    intermediate: int
+    layers: int
+    vocab: int
+    kv_width: int  # key/value projection width: kv heads x head dim
+
+    @classmethod
+    def of(cls, config, total_params: int, layer_params: int) -> Shape:
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return cls(total_params, layer_params, config.hidden_size, config.intermediate_size,
+                   config.num_hidden_layers, config.vocab_size, kv_heads * head_dim)
+
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """Each LoRA target's (input, output) width."""
+        h, i, kv = self.hidden, self.intermediate, self.kv_width
+        return {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+@dataclass(frozen=True)
+class StagePeak:
+    """One stage's estimate: its parts in bytes, and the settings that size its largest one."""
+
+    stage: str
+    parts: dict[str, int]
+    levers: str  # the settings a user changes to make it smaller
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+
+def backward_pass(shape: Shape, tokens: int, dtype_bytes: int, per_layer_extra: int = 0) -> int:
+    """Activations a forward keeps for its backward pass over `tokens` tokens."""
+    per_token_layer = 6 * shape.hidden + 3 * shape.intermediate + per_layer_extra
+    return tokens * shape.layers * per_token_layer * dtype_bytes
+
+
+def forward_pass(shape: Shape, tokens: int, dtype_bytes: int) -> int:
+    """One layer's transients of a forward without gradients."""
+    return tokens * (2 * shape.hidden + 2 * shape.intermediate) * dtype_bytes
+
+
+def logits(shape: Shape, tokens: int, dtype_bytes: int, float32_copies: int) -> int:
+    return tokens * shape.vocab * (dtype_bytes + 4 * float32_copies)
+
+
+def importance(shape: Shape, micro_batch_size: int, seq_len: int, dtype_bytes: int) -> StagePeak:
+    """The Taylor pass: the weights, a float32 gradient sum per decoder parameter, one micro-batch's backward."""
+    tokens = micro_batch_size * seq_len
+    return StagePeak("importance pass", {
+        "weights": shape.params * dtype_bytes,
+        "gradient sums": 4 * shape.layer_params,
+        "activations": backward_pass(shape, tokens, dtype_bytes),
+        "logits": logits(shape, tokens, dtype_bytes, 2),
+    }, f"micro_batch_size (or num_samples) {micro_batch_size} x seq_len {seq_len}")
+
+
+def forward(stage: str, shape: Shape, tokens: int, dtype_bytes: int, loss_bytes: int, levers: str) -> StagePeak:
+    """A forward without gradients over `tokens` tokens: the weights, one layer's transients, and the logits with
+    `loss_bytes` more per logit where a loss is taken over them (the upcast and the log-softmax)."""
+    return StagePeak(stage, {
+        "weights": shape.params * dtype_bytes,
+        "activations": forward_pass(shape, tokens, dtype_bytes),
+        "logits": tokens * shape.vocab * (dtype_bytes + loss_bytes),
+    }, levers)
+
+
+def calibration_forward(shape: Shape, micro_batch_size: int, seq_len: int, dtype_bytes: int) -> StagePeak:
+    """A forward over calibration micro-batches with its loss (activation criteria, depth, measured losses)."""
+    return forward("calibration forward", shape, micro_batch_size * seq_len, dtype_bytes, 6,
+                   f"micro_batch_size (or num_samples) {micro_batch_size} x seq_len {seq_len}")
+
+
+def perplexity(shape: Shape, window: int, dtype_bytes: int) -> StagePeak:
+    return forward("perplexity", shape, PERPLEXITY_BATCH * window, dtype_bytes, 6,
+                   f"evaluation.ppl_window {window} ({PERPLEXITY_BATCH} windows a forward)")
+
+
+def speed(shape: Shape, prefill_batch: int, prefill_len: int, dtype_bytes: int) -> StagePeak:
+    """The prefill's forward (no loss); the decode's cache at its short prompts is smaller."""
+    return forward("speed measurement", shape, prefill_batch * prefill_len, dtype_bytes, 0,
+                   f"evaluation.speed.prefill_batch {prefill_batch} x prefill_len {prefill_len}")
+
+
+def recovery(shape: Shape, spec, dtype_bytes: int, kept: float = 1.0) -> StagePeak:
+    """LoRA training of the pruned model (`kept`: its share of the parameters): its weights (and the unpruned
+    teacher's), the adapters with their gradients and AdamW's two moments in float32, one micro-batch's backward
+    through every layer with its adapters, and the loss's logits. The student's weights, adapters and activations
+    are scaled by `kept` as a whole: a cut removes at least that much of none of them (hidden-wide values stay)."""
+    targets = [shape.projections()[name] for name in spec.target_modules]
+    tokens = spec.micro_batch_size * spec.seq_len
+    teacher = spec.loss != "ce"
+    copies = {"ce": 2, "kd": 5, "ce+kd": 5}[spec.loss]
+    adapters = shape.layers * sum(spec.lora_rank * (n_in + n_out) for n_in, n_out in targets)
+    parts = {
+        "weights": int(shape.params * dtype_bytes * (kept + teacher)),
+        "adapters": int(16 * adapters * kept),
+        "activations": int(backward_pass(shape, tokens, dtype_bytes, sum(n_in for n_in, _ in targets)) * kept),
+        "logits": logits(shape, tokens, dtype_bytes, copies),
+    }
+    return StagePeak("recovery", parts, f"recovery.micro_batch_size {spec.micro_batch_size} x recovery.seq_len "
+                                        f"{spec.seq_len}" + (f", lora_rank {spec.lora_rank}" if spec.lora_rank > 64
+                                                             else ""))
+
+
+def trial_peaks(shape: Shape, prune, evaluation, recovery_spec, dtype_bytes: int, *,
+                draws_calibration: bool, uses_gradients: bool) -> list[StagePeak]:
+    """The estimated peak of each stage of a trial that allocates with the sizes its settings set (`prune`: a
+    PruneConfig, `evaluation`: the sweep's Evaluation, `recovery_spec`: a RecoverySpec or None; the flags:
+    pruning.scoring's of `prune`)."""
+    peaks = []
+    if draws_calibration:
+        rows = min(prune.micro_batch_size, prune.num_samples)  # a micro-batch holds at most the rows drawn
+        if uses_gradients:
+            peaks.append(importance(shape, rows, prune.seq_len, dtype_bytes))
+        peaks.append(calibration_forward(shape, rows, prune.seq_len, dtype_bytes))
+    if evaluation.ppl is not None:
+        peaks.append(perplexity(shape, evaluation.ppl_window, dtype_bytes))
+    if evaluation.speed is not None:
+        peaks.append(speed(shape, evaluation.speed.prefill_batch, evaluation.speed.prefill_len, dtype_bytes))
+    if recovery_spec is not None:
+        peaks.append(recovery(shape, recovery_spec, dtype_bytes, 1 - prune.sparsity))
+    return peaks
+
+
+def describe(peak: StagePeak) -> str:
+    parts = ", ".join(f"{name} {size / GIB:.1f}" for name, size in peak.parts.items())
+    return f"the {peak.stage} needs at least {peak.total / GIB:.1f} GiB ({parts})"

@@ -1,0 +1,77 @@
+"""Run one stage of a trial on a random LLaMA-shaped model and print what it added to the process's peak resident
+memory (bytes over the resident set just before it, the high-water mark reset there), as JSON: the measurement
+`sweep.memory`'s estimate is held to.
+
+Run in a fresh process with MALLOC_MMAP_THRESHOLD_ fixed: glibc otherwise raises its mmap threshold after each large
+free, so later tensors come from the heap and stay resident after they are freed, and the peak would count that
+slack. usage: python -m tests.sweep.memory_probe STAGE DTYPE HIDDEN INTERMEDIATE LAYERS VOCAB BATCH SEQ_LEN
+"""
+
+import copy
+import gc
+import json
+import os
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+
+def resident() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak() -> int:
+    """The resident high-water mark since the last `reset_peak` (VmHWM)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # "5": reset the high-water mark to the present resident set
+        f.write("5")
+
+
+def main(stage: str, dtype: str, hidden: int, intermediate: int, layers: int, vocab: int, batch: int, seq_len: int):
+    from taylor_tune.config import RecoverySpec
+    from taylor_tune.evaluation.speed import measure_speed
+    from taylor_tune.pruning.groups import describe_layout
+    from taylor_tune.pruning.importance import compute_importance
+    from taylor_tune.pruning.measured import calibration_loss
+    from taylor_tune.recovery.train import recover
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                         vocab_size=vocab, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128,
+                         max_position_embeddings=4096)
+    with torch.device("cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    ids = torch.randint(0, vocab, (batch, seq_len))
+    layout = describe_layout(model)
+    loss = stage.removeprefix("recovery_") if stage.startswith("recovery_") else "ce"
+    teacher = copy.deepcopy(model) if stage.startswith("recovery") and loss != "ce" else None
+    gc.collect()
+    reset_peak()
+    before = resident()
+    if stage == "importance":
+        compute_importance(model, layout, ids, micro_batch_size=batch)
+    elif stage == "calibration_forward":
+        with torch.no_grad():
+            calibration_loss(model, ids, batch)
+    elif stage == "speed":
+        from taylor_tune.config import SpeedSpec
+
+        measure_speed(model, SpeedSpec(prefill_batch=batch, prefill_len=seq_len, decode_batch=2, prompt_len=8,
+                                       new_tokens=2, repeats=1, warmup=0))
+    else:
+        spec = RecoverySpec(steps=2, micro_batch_size=batch, seq_len=seq_len, warmup_steps=0, loss=loss)
+        recover(model, torch.randint(0, vocab, (2 * batch, seq_len)), ids[:1], spec, teacher=teacher)
+    print(json.dumps({"added": peak() - before,
+                      "params": sum(p.numel() for p in model.parameters()),
+                      "layer_params": sum(layout.layer_params)}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], *map(int, sys.argv[3:]))

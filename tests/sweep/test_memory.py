@@ -1,0 +1,144 @@
+"""The trial's peak-memory estimate (`sweep.memory`) against what the stages allocate, and its refusal before Ray."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from taylor_tune.config import PruneConfig, RecoverySpec
+from taylor_tune.errors import ConfigError
+from taylor_tune.sweep import memory
+from taylor_tune.sweep.experiment import Evaluation, load_experiment
+from taylor_tune.sweep.preflight import check_memory
+from tests.sweep_helpers import write_experiment
+
+ROOT = Path(__file__).resolve().parents[2]
+# (dtype, hidden, intermediate, layers, vocab, batch, seq_len): a vocabulary-bound shape, a layer-bound one in 16 bits
+# (a float32 shape with a 4x MLP, 512 wide, held too when written)
+SHAPES = {"vocab-bound": ("float32", 128, 512, 2, 32000, 8, 256),
+          "layer-bound-bf16": ("bfloat16", 1024, 1024, 4, 1000, 4, 1024)}
+STAGES = ("importance", "calibration_forward", "speed", "recovery", "recovery_kd")
+
+
+def estimate(stage: str, dtype: str, hidden, intermediate, layers, vocab, batch, seq_len, params, layer_params) -> int:
+    """The module's estimate of what `stage` adds over the weights already resident (a kd teacher's too)."""
+    shape = memory.Shape(params, layer_params, hidden, intermediate, layers, vocab, (hidden // 128) * 64)
+    size = 4 if dtype == "float32" else 2
+    if stage == "importance":
+        peak = memory.importance(shape, batch, seq_len, size)
+    elif stage == "calibration_forward":
+        peak = memory.calibration_forward(shape, batch, seq_len, size)
+    elif stage == "speed":
+        peak = memory.speed(shape, batch, seq_len, size)
+    else:
+        loss = "kd" if stage == "recovery_kd" else "ce"
+        peak = memory.recovery(shape, RecoverySpec(micro_batch_size=batch, seq_len=seq_len, loss=loss), size)
+    return peak.total - peak.parts["weights"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("stage", STAGES)
+def test_the_estimate_is_a_lower_bound_within_the_measured_peak(stage, shape):
+    """Each stage run for real on a random LLaMA-shaped model in a fresh process: the peak it adds to the resident
+    memory (`memory_probe`) is at least the estimate (a refusal is never wrong) and at most 2.5 times it (the
+    estimate is not vacuous: 0.43-0.99 of the measured peak when written)."""
+    dtype, *sizes = SHAPES[shape]
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "tests.sweep.memory_probe", stage, dtype, *map(str, sizes)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    predicted = estimate(stage, dtype, *sizes, measured["params"], measured["layer_params"])
+    assert predicted <= measured["added"] <= 2.5 * predicted, (predicted, measured)
+
+
+SHAPE = memory.Shape(params=1000, layer_params=800, hidden=64, intermediate=192, layers=4, vocab=259, kv_width=32)
+
+
+def stages(**settings) -> list[str]:
+    prune = PruneConfig(model="tiny-llama", **settings.pop("prune", {}))
+    from taylor_tune.pruning.prune import draws_calibration, uses_gradients
+
+    evaluation, recovery = Evaluation(**settings.pop("evaluation", {})), settings.pop("recovery", None)
+    peaks = memory.trial_peaks(SHAPE, prune, evaluation, recovery, 4, draws_calibration=draws_calibration(prune),
+                               uses_gradients=uses_gradients(prune))
+    return [peak.stage for peak in peaks]
+
+
+def test_a_trial_is_estimated_at_the_stages_its_settings_run():
+    """The importance pass where gradients are taken, a calibration forward where calibration is drawn at all, no
+    perplexity or speed where they are off, recovery where it is asked for."""
+    assert stages() == ["importance pass", "calibration forward", "perplexity", "speed measurement"]
+    assert stages(prune={"method": "taylor", "criterion": "wanda_sp"}) == [
+        "calibration forward", "perplexity", "speed measurement"]
+    assert stages(prune={"method": "random"}, evaluation={"ppl": None, "speed": None}) == []
+    assert stages(prune={"method": "magnitude", "criterion": "l2"}, evaluation={"speed": None},
+                  recovery=RecoverySpec()) == ["perplexity", "recovery"]
+
+
+def test_micro_batches_hold_at_most_the_rows_drawn():
+    small = memory.trial_peaks(SHAPE, PruneConfig(model="tiny-llama", micro_batch_size=10**6, num_samples=8),
+                               Evaluation(ppl=None, speed=None), None, 4, draws_calibration=True, uses_gradients=True)
+    assert small[0].parts["activations"] == memory.backward_pass(SHAPE, 8 * 64, 4)
+
+
+def test_a_kd_recovery_holds_the_teacher_beside_the_pruned_student():
+    ce = memory.recovery(SHAPE, RecoverySpec(loss="ce"), 2, kept=0.75)
+    kd = memory.recovery(SHAPE, RecoverySpec(loss="kd"), 2, kept=0.75)
+    assert ce.parts["weights"] == 1500 and kd.parts["weights"] == 3500
+    assert kd.parts["logits"] > ce.parts["logits"] and kd.parts["activations"] == ce.parts["activations"]
+
+
+def big_batches(tmp_path, memory_gib: float, **recovery) -> Path:
+    return write_experiment(tmp_path, "mem", resources={"cpu": 1, "gpu": 0, "memory": memory_gib},
+                            search_space={"taylor_seq_len": {"grid": [256]}, "taylor_num_samples": {"grid": [64]},
+                                          "pruning_method": {"grid": ["taylor"]}},
+                            prune={"sparsity": 0.2, "calibration": "world", "device": "cpu", "dtype": "float32",
+                                   "micro_batch_size": 64}, **recovery)
+
+
+def test_a_point_whose_peak_exceeds_the_trials_memory_is_refused_naming_its_settings(tmp_path):
+    """64 x 256 calibration tokens through tiny-llama's backward pass: refused under 0.25 GiB per trial, naming the
+    stage and the settings that size it; accepted under 1 GiB."""
+    with pytest.raises(ConfigError) as refused:
+        check_memory(load_experiment(big_batches(tmp_path, 0.25)))
+    assert str(refused.value).startswith("memory: taylor on tiny-llama: the importance pass needs at least 0.")
+    assert str(refused.value).endswith("more than the 0.25 GiB of resources.memory; lower micro_batch_size (or "
+                                       "num_samples) 64 x seq_len 256")
+    check_memory(load_experiment(big_batches(tmp_path, 1)))
+
+
+def test_without_a_reservation_a_cpu_trial_is_bounded_by_the_machine(tmp_path, monkeypatch):
+    from taylor_tune.sweep import preflight
+
+    monkeypatch.setattr(preflight, "memory_bytes", lambda: 2**28)
+    experiment = load_experiment(write_experiment(tmp_path, "m", resources={"cpu": 1, "gpu": 0}))
+    assert preflight.trial_memory(experiment) == (2**28, 4, "this machine's 0.2 GiB")
+    monkeypatch.setenv("RAY_ADDRESS", "http://head:8265")
+    assert preflight.trial_memory(experiment) is None  # a cluster's nodes are not this machine
+
+
+@pytest.mark.slow
+def test_a_reservation_no_node_of_the_cluster_offers_is_refused_once_ray_has_started(tmp_path):
+    """Below the machine's memory but above what its Ray node offers (the memory less the object store): refused in
+    one line when Ray reports its nodes, exit 2, no trial started. A reservation that fits is passed to Ray as the
+    trial's `memory` resource, which Ray accepts: the sweep finishes."""
+    from taylor_tune.sweep.preflight import memory_bytes
+    from tests.sweep_helpers import SMALL, finished, run_sweep
+
+    experiment = write_experiment(tmp_path, "too_much", resources={"cpu": 1, "gpu": 0,
+                                                                   "memory": round(memory_bytes() / 2**30 - 0.5, 1)})
+    proc = run_sweep(experiment)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "resources.memory:" in proc.stderr and "the largest node offers Ray" in proc.stderr
+    assert "Traceback" not in proc.stderr and not finished(tmp_path / "sweeps" / "too_much")
+
+    space = {**SMALL["search_space"], "taylor_seq_len": {"grid": [16]}, "pruning_method": {"grid": ["taylor"]}}
+    experiment = write_experiment(tmp_path, "fits", resources={"cpu": 1, "gpu": 0, "memory": 1}, search_space=space)
+    proc = run_sweep(experiment)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(finished(tmp_path / "sweeps" / "fits")) == 1
