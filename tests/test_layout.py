@@ -1,7 +1,7 @@
 """The package's layout: one subpackage per stage, imports one way (docs/specification.md, "Layout").
 
-sweep -> pruning, recovery, evaluation, reporting -> sources -> the root modules; recovery may import pruning (the
-pipeline's order), otherwise pruning, recovery and evaluation do not import each other; reporting imports the root
+sweep -> pruning, recovery, evaluation, reporting -> sources -> the root modules; pruning, recovery and evaluation
+do not import each other; reporting imports the root
 modules only; the root modules import no stage (cli aside). The sweep reaches pruning through its stage module
 only: `taylor_tune.pruning.prune`, and of it only the names in its `__all__` (the stage functions and what they
 return), so that the trial composes pruning's stages instead of reaching into them. `config`, `schema` and
@@ -24,7 +24,7 @@ ALLOWED = {
     "root": {"root"},
     "sources": {"root"},
     "pruning": {"sources", "root"},
-    "recovery": {"pruning", "sources", "root"},  # after pruning: its measured loss, never the other way
+    "recovery": {"sources", "root"},  # beside pruning: its own held-out loss (issue 63, build 3)
     "evaluation": {"sources", "root"},
     "reporting": {"root"},
     "sweep": {"pruning", "recovery", "evaluation", "reporting", "sources", "root"},

@@ -17,10 +17,15 @@ def _mean(per_token: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return (per_token * weight).sum() / weight.sum().clamp(min=1)
 
 
+def token_losses(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """[batch, seq - 1]: the cross-entropy of position t's logits against token t+1, in float32."""
+    per_token = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
+    return per_token.view(ids.shape[0], -1)
+
+
 def next_token_loss(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Mean cross-entropy of position t's logits against token t+1, in float32."""
-    per_token = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
-    return _mean(per_token.view(ids.shape[0], -1), mask)
+    return _mean(token_losses(logits, ids), mask)
 
 
 def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float = 1.0,

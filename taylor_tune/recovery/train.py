@@ -18,8 +18,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 from taylor_tune.config import RecoverySpec
 from taylor_tune.errors import CalibrationError
-from taylor_tune.pruning.measured import calibration_loss
-from taylor_tune.recovery.losses import distillation_loss, next_token_loss
+from taylor_tune.recovery.losses import distillation_loss, next_token_loss, token_losses
 from taylor_tune.sources.calibration import load_calibration, load_documents
 from taylor_tune.sources.data import load_ppl_text, resolve_text
 from taylor_tune.sources.instructions import is_instruction_data, load_instructions, prompt_and_response
@@ -145,15 +144,21 @@ def heldout_ids(tokenizer, text: str, spec: RecoverySpec) -> torch.Tensor:
     return torch.tensor(ids[: windows * spec.seq_len]).view(windows, spec.seq_len)
 
 
+@torch.no_grad()
 def heldout_loss(model: torch.nn.Module, ids: torch.Tensor, micro_batch_size: int) -> float:
-    """Mean next-token loss over the held-out windows (pruning's `calibration_loss`), in eval mode: the adapters'
-    dropout off."""
+    """Mean next-token loss over the held-out windows (every predicted token weighs the same), in eval mode: the
+    adapters' dropout off."""
     was_training = model.training
+    device = next(model.parameters()).device
     model.eval()
+    total = 0.0
     try:
-        return calibration_loss(model, ids, micro_batch_size)
+        for batch in ids.split(micro_batch_size):
+            batch = batch.to(device)
+            total += float(token_losses(model(input_ids=batch).logits, batch).sum())
     finally:
         model.train(was_training)
+    return total / ids[:, 1:].numel()
 
 
 def schedule(spec: RecoverySpec) -> Callable[[int], float]:

@@ -165,3 +165,25 @@ def test_bf16_recovery_keeps_float32_adapters_finite_losses_and_the_model_s_dtyp
     assert {p.dtype for p in recovered.model.parameters()} == {torch.bfloat16}
     assert next(recovered.model.parameters()).device.type == device
     assert recovered.loss_after < recovered.loss_before
+
+
+def test_the_heldout_loss_is_the_mean_token_loss_whatever_the_micro_batch_and_builds_no_graph():
+    """Recovery's own held-out loss against a brute force over all windows at once (HF's own shifted loss, every
+    predicted token weighing the same), on a model with LoRA adapters in training mode: eval mode inside (dropout
+    off), no autograd graph kept, training mode given back."""
+    from taylor_tune.sources.models import load_tokenizer
+
+    model = tiny("tiny-llama")
+    held = heldout(load_tokenizer("tiny-llama"), seq_len=32, windows=5)
+    peft_model = attach_lora(model, RecoverySpec(**{**SPEC, "lora_dropout": 0.5}))
+    peft_model.train()
+    with torch.no_grad():
+        peft_model.eval()
+        expected = float(peft_model(input_ids=held, labels=held).loss)
+        peft_model.train()
+    seen = []
+    hook = peft_model.register_forward_hook(lambda module, args, out: seen.append(out.logits.requires_grad))
+    for micro_batch in (1, 2, 5):
+        assert heldout_loss(peft_model, held, micro_batch) == pytest.approx(expected, rel=1e-5)
+    hook.remove()
+    assert seen and not any(seen) and peft_model.training
