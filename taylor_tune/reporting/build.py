@@ -109,7 +109,7 @@ def model_report(table: TrialTable, model: str, z: float = stats.Z95, seed: int 
         # perplexity against accuracy either way round: the one the sweep did not rank by is the other's check
         ppl=stats.correlation(valid, "ppl", "acc_mean"),
         best=best, best_stderr=None if best is None else stats.plain(best["acc_mean_stderr"]),
-        lead=stats.lead_of_best(valid, tasks, z, objective, table.outcomes),
+        lead=stats.lead_of_best(valid, tasks, z, objective, table.outcomes, table.ppl_windows),
         seeds=stats.seed_spread(valid, objective), heldout=heldout,
         speed=stats.speed_quality(valid), objective=objective, front_objectives=front_of,
         front=pareto.pareto_front(valid, front_of, z) if front_of and len(valid) else None, constrained=constrained,

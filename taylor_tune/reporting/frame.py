@@ -24,6 +24,7 @@ from taylor_tune.reporting.stats import ACCURACY, Objective
 from taylor_tune.schema import (
     CONFIG_COLUMNS,
     OUTCOME_COLUMNS,
+    PPL_WINDOWS_FILE,
     SPEED_METRICS,
     is_recovery_stage,
     outcomes_file,
@@ -49,6 +50,9 @@ class TrialTable:
     # trial_id -> each item's score in acc_mean's sense (`scored_items`), for the valid trials whose last pass kept
     # its outcomes: what paired comparisons read (empty for a DataFrame source)
     outcomes: dict = field(default_factory=dict)
+    # trial_id -> its perplexity windows (`read_ppl_windows`), for the valid trials that kept them and whose windows
+    # give their reported ppl: what the paired perplexity comparison reads
+    ppl_windows: dict = field(default_factory=dict)
 
     @property
     def valid(self) -> pd.DataFrame:
@@ -203,6 +207,21 @@ def read_outcomes(trial_dir: str, stage: str, filesystem=None) -> pd.DataFrame |
         ["task", "doc_id"])
 
 
+def read_ppl_windows(trial_dir: str, filesystem=None) -> pd.DataFrame | None:
+    """A trial's perplexity windows (`schema.PPL_WINDOWS_FILE`): each window's summed NLL and predicted tokens,
+    indexed by window; None when the trial did not write them. Plain columns: nothing is unpickled."""
+    import pyarrow.parquet as pq
+
+    filesystem, root = open_filesystem(str(trial_dir), filesystem)
+    try:
+        with filesystem.open_input_file(posixpath.join(root, PPL_WINDOWS_FILE)) as handle:
+            table = pq.read_table(handle, columns=["window", "nll", "tokens"])
+    except (FileNotFoundError, OSError):
+        return None
+    return pd.DataFrame({name: table.column(name).to_numpy() for name in ("window", "nll", "tokens")}).set_index(
+        "window")
+
+
 def read_experiment(location: str, filesystem=None) -> pd.DataFrame:
     """Every trial folder of a Tune experiment -> raw rows (not yet judged valid)."""
     from pyarrow import fs as pafs
@@ -332,9 +351,15 @@ def scored_items(outcomes: pd.DataFrame, row: pd.Series) -> pd.Series | None:
 
 
 def attach_outcomes(table: TrialTable) -> TrialTable:
-    """Each valid trial's items of its last zero-shot pass (`read_outcomes`, scored by `scored_items`)."""
+    """Each valid trial's items of its last zero-shot pass (`read_outcomes`, scored by `scored_items`), and its
+    perplexity windows where they give its reported ppl."""
     for _, row in table.valid.iterrows():
         folder = row.get("run_dir") if isinstance(row.get("run_dir"), str) else row.get("trial_dir")
+        windows = read_ppl_windows(folder, table.filesystem) if isinstance(folder, str) else None
+        ppl = row.get("ppl")
+        if windows is not None and len(windows) and isinstance(ppl, float) and math.isclose(
+                math.exp(math.fsum(windows["nll"]) / windows["tokens"].sum()), ppl, rel_tol=1e-9):
+            table.ppl_windows[row["trial_id"]] = windows
         fidelity = row.get("final_fidelity")
         if not isinstance(folder, str) or fidelity is None or fidelity != fidelity:
             continue

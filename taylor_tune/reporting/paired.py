@@ -11,6 +11,11 @@ means): sqrt(sum_t s_t^2 / n_t) / T, with s_t^2 the sample variance (ddof 1) of 
 method is what the report uses (no draws, no seed). When two variants disagree on a share d of the items, the paired
 standard error is about sqrt(d / n) against sqrt(2 p (1 - p) / n) for independent samples.
 
+Perplexity pairs by window (`paired_log_ppl`): log ppl is the summed NLL over the summed tokens, so the difference of
+two trials' log-perplexities over the same windows is sum_w (nll_a,w - nll_b,w) / sum_w tokens_w, a ratio whose
+standard error comes from the windows as the units (the delta method for a ratio: sqrt(sum_w (d_w - D t_w)^2 *
+W / (W - 1)) / sum_w t_w, with d_w the window's NLL difference, t_w its tokens, D the difference).
+
 Per task, `mcnemar` is the exact McNemar test: of the items the two trials answer differently, how unlikely a split
 at least as uneven is when either is as likely (a two-sided binomial test at 1/2, computed from binomial
 coefficients).
@@ -27,13 +32,14 @@ import pandas as pd
 
 @dataclass(frozen=True)
 class PairedDifference:
-    """acc_mean(a) - acc_mean(b) over the shared items, its standard error, and what it rests on."""
+    """acc_mean(a) - acc_mean(b) over the shared items (or log ppl(a) - log ppl(b) over the shared windows), its
+    standard error, and what it rests on."""
 
     difference: float
     stderr: float
     items: int
     tasks: int
-    method: str  # "delta" (task-stratified) or "bootstrap"
+    method: str  # "delta" (task-stratified), "bootstrap", or "windows" (perplexity's)
 
     def separated(self, z: float) -> bool:
         """The difference exceeds z standard errors (a zero error separates any nonzero difference)."""
@@ -64,6 +70,23 @@ def paired_difference(a: pd.Series, b: pd.Series) -> PairedDifference | None:
     variance = sum(d.var(ddof=1) / len(d) if len(d) > 1 else 0.0 for d in per_task)
     return PairedDifference(float(np.mean([d.mean() for d in per_task])), math.sqrt(variance) / len(per_task),
                             len(pairs), len(per_task), "delta")
+
+
+def paired_log_ppl(a: pd.DataFrame, b: pd.DataFrame) -> PairedDifference | None:
+    """log ppl(a) - log ppl(b) over the same windows and its standard error (windows as the units); `a` and `b`:
+    each window's summed NLL and predicted tokens (columns nll, tokens) indexed by window. None when the two did not
+    score the same windows (another text, window or window count), or scored fewer than two."""
+    if len(a) != len(b) or len(a) < 2 or not a.index.sort_values().equals(b.index.sort_values()):
+        return None
+    b = b.reindex(a.index)
+    if not np.array_equal(a["tokens"].to_numpy(), b["tokens"].to_numpy()):
+        return None
+    tokens = a["tokens"].to_numpy(dtype=float)
+    d = a["nll"].to_numpy(dtype=float) - b["nll"].to_numpy(dtype=float)
+    difference = math.fsum(d) / tokens.sum()
+    residual = d - difference * tokens
+    stderr = math.sqrt(math.fsum(residual**2) * len(d) / (len(d) - 1)) / tokens.sum()
+    return PairedDifference(difference, stderr, len(d), 1, "windows")
 
 
 def paired_bootstrap(a: pd.Series, b: pd.Series, draws: int = 2000, seed: int = 0) -> PairedDifference | None:

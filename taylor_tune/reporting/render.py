@@ -307,7 +307,7 @@ def _best_blocks(m: ModelReport, z: float) -> list:
     lead = m.lead
     if lead.runner_up is None:
         blocks.append(f"Lead over the runner-up: undefined ({lead.reason})")
-    elif m.objective.metric != "acc_mean":
+    elif m.objective.metric != "acc_mean" and lead.exceeds_uncertainty is None:
         blocks.append(
             f"Lead over the runner-up {lead.runner_up}: {lead.difference:.4g} {m.objective.metric}; {lead.reason}"
         )
@@ -317,7 +317,8 @@ def _best_blocks(m: ModelReport, z: float) -> list:
         )
     else:
         verdict = "exceeds" if lead.exceeds_uncertainty else "does NOT exceed"
-        blocks.append(f"Lead over the runner-up {lead.runner_up}: {lead.difference:+.4f} ± {lead.stderr:.4f}; "
+        unit = f" {lead.unit}" if lead.unit else ""
+        blocks.append(f"Lead over the runner-up {lead.runner_up}: {lead.difference:+.4f}{unit} ± {lead.stderr:.4f}; "
                       f"{verdict} {z:.2f} standard errors")
         blocks.append(
             f"Statistically tied with the best: {len(lead.tied_with_best)} trial(s)"
@@ -333,6 +334,9 @@ def _best_blocks(m: ModelReport, z: float) -> list:
 
 def _pairing_line(lead) -> str:
     """How the ties were judged: paired on the same items where both trials kept their outcomes."""
+    if lead.unit == "log ppl":
+        return (f"Ties judged paired on the same perplexity windows for {lead.paired} trial(s); the others kept no "
+                f"windows of the best's text and are not judged")
     if not lead.paired:
         return ("Ties judged by the independent bound (no trial kept its items' outcomes, or none scored the best's "
                 "items)")

@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from taylor_tune.reporting.paired import paired_difference
+from taylor_tune.reporting.paired import paired_difference, paired_log_ppl
 from taylor_tune.schema import (
     BEFORE_RECOVERY,
     CONFIG_COLUMNS,
@@ -250,21 +250,27 @@ class Lead:
     reason: str | None = None
     paired: int = 0  # trials compared with the best on the same items (the others by the independent bound)
     separated_by_pairing: int = 0  # of those, the ones the independent bound calls tied and the paired test does not
+    unit: str = ""  # what `difference` and `stderr` are in when not the metric's own units ("log ppl")
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def lead_of_best(df: pd.DataFrame, tasks: tuple[str, ...], z: float = Z95, objective: Objective = ACCURACY,
-                 outcomes: dict | None = None) -> Lead:
+                 outcomes: dict | None = None, windows: dict | None = None) -> Lead:
     """The best trial's lead over the runner-up and who is tied with it. `outcomes` (trial_id -> each item's score,
     `frame.scored_items`): a trial that scored the same items as the best compares paired (`paired.
-    paired_difference`, task-stratified); the others, and every trial without outcomes, by the independent bound."""
+    paired_difference`, task-stratified); the others, and every trial without outcomes, by the independent bound.
+    Ranked by perplexity, `windows` (trial_id -> its perplexity windows, `frame.read_ppl_windows`): a trial that
+    scored the best's windows compares paired in log ppl (`paired.paired_log_ppl`); perplexity has no independent
+    bound, so the others are not judged."""
     best = best_trial(df, objective)
     if best is None:
         return Lead(None, reason="no valid trials")
     if len(df) < 2:
         return Lead(best["trial_id"], reason="only one valid trial: nothing to compare with")
+    if objective.metric == "ppl" and windows and best["trial_id"] in windows:
+        return _ppl_lead(df, best, objective, z, windows)
     if objective.metric != "acc_mean":
         runner = best_trial(df[df["trial_id"] != best["trial_id"]], objective)
         return Lead(
@@ -299,6 +305,27 @@ def lead_of_best(df: pd.DataFrame, tasks: tuple[str, ...], z: float = Z95, objec
     lead.separated_by_pairing = int((independent_tie & ~tie).sum())
     tied = others[tie]
     lead.tied_with_best = tied.sort_values("acc_mean", ascending=False)["trial_id"].tolist()
+    return lead
+
+
+def _ppl_lead(df: pd.DataFrame, best: pd.Series, objective: Objective, z: float, windows: dict) -> Lead:
+    """The lead in log ppl over the runner-up and the ties, each other trial paired with the best on their windows."""
+    others = df[df["trial_id"] != best["trial_id"]]
+    runner = best_trial(others, objective)
+    lead = Lead(best["trial_id"], runner["trial_id"], float(objective.loss(best["ppl"], runner["ppl"])), z=z,
+                reason="the runner-up did not score the best's perplexity windows")
+    tied = []
+    for trial_id in others.sort_values("ppl")["trial_id"]:
+        pair = paired_log_ppl(windows[trial_id], windows[best["trial_id"]]) if trial_id in windows else None
+        if pair is None:
+            continue
+        lead.paired += 1
+        if not pair.difference > z * pair.stderr:
+            tied.append(trial_id)
+        if trial_id == runner["trial_id"]:
+            lead.difference, lead.stderr, lead.unit, lead.reason = pair.difference, pair.stderr, "log ppl", None
+            lead.exceeds_uncertainty = bool(pair.difference > z * pair.stderr)
+    lead.tied_with_best = tied
     return lead
 
 

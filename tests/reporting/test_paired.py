@@ -176,3 +176,65 @@ def test_scored_items_take_each_tasks_reported_metric():
     scored = scored_items(frame, pd.Series({"acc_boolq": 0.75, "acc_piqa": 0.75}))
     assert scored.tolist() == [1, 0, 1, 1, 0, 1, 1, 1]  # boolq by acc, piqa by acc_norm
     assert scored_items(frame, pd.Series({"acc_boolq": 0.75, "acc_piqa": 0.6})) is None  # reproduces neither
+
+
+def windows(seed: int, count: int = 60, tokens: int = 127, base: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Each window's summed NLL over `tokens` predicted tokens; with `base`, a variant whose windows move with it
+    (the same text: the windows' difficulty is shared) plus its own smaller noise."""
+    rng = np.random.default_rng(seed)
+    if base is None:
+        nll = tokens * rng.gamma(9.0, 0.4, size=count)
+    else:
+        nll = base["nll"].to_numpy() * 1.03 + tokens * rng.normal(0, 0.05, size=count)
+    return pd.DataFrame({"nll": nll, "tokens": tokens}, index=pd.RangeIndex(count, name="window"))
+
+
+def test_the_paired_log_perplexity_is_the_log_ratio_of_the_perplexities_and_its_error_a_window_bootstrap():
+    """The difference against the two perplexities computed as the evaluation does (exp of the summed NLL over the
+    summed tokens); its standard error against a numpy bootstrap over windows (the same windows drawn for both);
+    pairing is far tighter than treating the two as independent; other windows are not paired."""
+    a = windows(0)
+    b = windows(1, base=a)
+    result = paired.paired_log_ppl(b, a)
+    ppl = {name: math.exp(w["nll"].sum() / w["tokens"].sum()) for name, w in (("a", a), ("b", b))}
+    assert result.difference == pytest.approx(math.log(ppl["b"]) - math.log(ppl["a"]), rel=1e-12)
+    assert result.method == "windows" and result.items == 60
+    rng = np.random.default_rng(7)
+    draws = []
+    for _ in range(4000):
+        pick = rng.integers(0, 60, size=60)
+        draws.append(b["nll"].to_numpy()[pick].sum() / b["tokens"].to_numpy()[pick].sum()
+                     - a["nll"].to_numpy()[pick].sum() / a["tokens"].to_numpy()[pick].sum())
+    assert result.stderr == pytest.approx(np.std(draws, ddof=1), rel=0.08)
+    independent = math.hypot(*(np.std(w["nll"] / w["tokens"], ddof=1) / math.sqrt(60) for w in (a, b)))
+    assert result.stderr < independent / 3 and result.separated(1.96)
+    # planted: the windows paired out of order (a shuffled text) give another error; other windows are not paired
+    shuffled = b.iloc[np.random.default_rng(3).permutation(60)].set_axis(b.index)
+    assert paired.paired_log_ppl(shuffled, a).stderr > 3 * result.stderr
+    assert paired.paired_log_ppl(b.iloc[:59], a) is None
+    assert paired.paired_log_ppl(b.assign(tokens=255), a) is None
+
+
+def test_a_perplexity_ranked_lead_is_judged_paired_on_the_windows():
+    """Ranked by ppl: the runner-up's lead in log ppl is the paired window difference, a trial within z paired
+    errors is tied, a clearly worse one is not, and one without the best's windows is neither tied nor counted."""
+    from taylor_tune.reporting import stats
+
+    best = windows(0)
+    close = best.assign(nll=best["nll"] * 1.0005 + np.random.default_rng(1).normal(0, 2.0, 60))
+    worse = windows(2, base=best)  # 3% more NLL in every window
+    ppl = {name: math.exp(w["nll"].sum() / w["tokens"].sum()) for name, w in
+           (("best", best), ("close", close), ("worse", worse))}
+    assert ppl["best"] < ppl["close"] < ppl["worse"]
+    df = pd.DataFrame({"trial_id": ["best", "close", "worse", "bare"],
+                       "ppl": [ppl["best"], ppl["close"], ppl["worse"], ppl["close"] * 1.001]})
+    lead = stats.lead_of_best(df, (), objective=stats.Objective("ppl", "min"),
+                              windows={"best": best, "close": close, "worse": worse})
+    expected = paired.paired_log_ppl(close, best)
+    assert (lead.best, lead.runner_up, lead.unit, lead.paired) == ("best", "close", "log ppl", 2)
+    assert lead.difference == pytest.approx(math.log(ppl["close"] / ppl["best"]), rel=1e-9)
+    assert lead.stderr == expected.stderr and lead.exceeds_uncertainty is False
+    assert lead.tied_with_best == ["close"]  # "worse" separated; "bare" kept no windows: not judged
+    # without windows, as before: the difference in ppl and no standard error
+    plain = stats.lead_of_best(df, (), objective=stats.Objective("ppl", "min"))
+    assert plain.unit == "" and plain.stderr is None and plain.difference == pytest.approx(ppl["close"] - ppl["best"])

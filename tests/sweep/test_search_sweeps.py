@@ -2,6 +2,7 @@
 lowest perplexity."""
 
 import json
+import math
 import os
 import subprocess
 import time
@@ -141,6 +142,16 @@ def test_a_sweep_for_the_lowest_perplexity_is_ranked_by_it_in_tune_status_and_re
     )
     report = build_report(str(path))
     assert report.objective.metric == "ppl" and report.models["tiny-llama"].best["trial_id"] == lowest["trial_id"]
+    # ties judged paired on the same 4 windows: every trial kept its windows, and the runner-up's lead is in log ppl
+    lead = report.models["tiny-llama"].lead
+    assert (lead.paired, lead.unit) == (5, "log ppl") and len(report.table.ppl_windows) == 6
+    runner = next(r for r in rows if r["trial_id"] == lead.runner_up)
+    assert lead.difference == pytest.approx(math.log(runner["ppl"] / lowest["ppl"]), rel=1e-9)
+    from taylor_tune.reporting.render import render_text
+
+    text = render_text(report)
+    assert f"Lead over the runner-up {lead.runner_up}: {lead.difference:+.4f} log ppl ± {lead.stderr:.4f}" in text
+    assert "Ties judged paired on the same perplexity windows for 5 trial(s)" in text
     out = subprocess.run(
         [os.sys.executable, "-m", "taylor_tune", "status", str(path)], capture_output=True, text=True, env=env()
     )
