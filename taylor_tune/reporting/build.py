@@ -43,6 +43,7 @@ class ModelReport:
     constrained: dict | None = None  # pareto.best_under, when constraints were asked for
     recovery: dict | None = None  # stats.recovery_comparison, when the trials recovered
     seed: int = 0  # fANOVA's
+    task_tests: dict = field(default_factory=dict)  # stats.task_tests: per task, McNemar of the best vs the runner-up
 
     @cached_property
     def importance(self) -> dict:
@@ -99,6 +100,7 @@ def model_report(table: TrialTable, model: str, z: float = stats.Z95, seed: int 
         constrained = pareto.best_under(valid, constraints, objective) if constraints else None
     except ValueError as error:
         raise ReportError(f"--constraint: {error}") from None
+    lead = stats.lead_of_best(valid, tasks, z, objective, table.outcomes, table.ppl_windows)
     return ModelReport(
         model=model, trials=len(trials), valid=valid, invalid=trials.loc[~trials["valid"]], tasks=tasks,
         methods=stats.method_comparison(valid, objective),
@@ -109,7 +111,7 @@ def model_report(table: TrialTable, model: str, z: float = stats.Z95, seed: int 
         # perplexity against accuracy either way round: the one the sweep did not rank by is the other's check
         ppl=stats.correlation(valid, "ppl", "acc_mean"),
         best=best, best_stderr=None if best is None else stats.plain(best["acc_mean_stderr"]),
-        lead=stats.lead_of_best(valid, tasks, z, objective, table.outcomes, table.ppl_windows),
+        lead=lead, task_tests=stats.task_tests(lead, table.outcomes),
         seeds=stats.seed_spread(valid, objective), heldout=heldout,
         speed=stats.speed_quality(valid), objective=objective, front_objectives=front_of,
         front=pareto.pareto_front(valid, front_of, z) if front_of and len(valid) else None, constrained=constrained,

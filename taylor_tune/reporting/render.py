@@ -303,7 +303,14 @@ def _best_blocks(m: ModelReport, z: float) -> list:
             )
         rows.append({"task": t, "acc": acc, "stderr": se, "n": None if n is None or pd.isna(n) else int(n),
                      "ci_low": interval[0] if interval else None, "ci_high": interval[1] if interval else None})
+        if m.task_tests:  # against the runner-up on the same items: the exact McNemar test
+            test = m.task_tests.get(t)
+            rows[-1] |= {"only_best": None, "only_runner_up": None, "mcnemar_p": None} if test is None else {
+                "only_best": test["only_a"], "only_runner_up": test["only_b"], "mcnemar_p": test["p"]}
     blocks.append(pd.DataFrame(rows))
+    if m.task_tests:
+        blocks.append(f"Per task against the runner-up {m.lead.runner_up} on the same items (exact McNemar): items "
+                      f"only the best answers right, only the runner-up, and the two-sided p")
     lead = m.lead
     if lead.runner_up is None:
         blocks.append(f"Lead over the runner-up: undefined ({lead.reason})")

@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from taylor_tune.reporting.paired import paired_difference, paired_log_ppl
+from taylor_tune.reporting.paired import mcnemar, paired_difference, paired_log_ppl
 from taylor_tune.schema import (
     BEFORE_RECOVERY,
     CONFIG_COLUMNS,
@@ -306,6 +306,20 @@ def lead_of_best(df: pd.DataFrame, tasks: tuple[str, ...], z: float = Z95, objec
     tied = others[tie]
     lead.tied_with_best = tied.sort_values("acc_mean", ascending=False)["trial_id"].tolist()
     return lead
+
+
+def task_tests(lead: Lead, outcomes: dict) -> dict:
+    """Per task, the exact McNemar test of the best against the runner-up on the items both scored (`paired.mcnemar`:
+    the discordant counts and the two-sided p); empty where either kept no outcomes, None for a task not paired."""
+    if lead.runner_up is None or lead.best not in outcomes or lead.runner_up not in outcomes:
+        return {}
+    best, runner = outcomes[lead.best], outcomes[lead.runner_up]
+    tasks = sorted(set(best.index.get_level_values(0)) | set(runner.index.get_level_values(0)))
+    return {task: mcnemar(_task_items(best, task), _task_items(runner, task)) for task in tasks}
+
+
+def _task_items(items: pd.Series, task: str) -> pd.Series:
+    return items[items.index.get_level_values(0) == task]
 
 
 def _ppl_lead(df: pd.DataFrame, best: pd.Series, objective: Objective, z: float, windows: dict) -> Lead:

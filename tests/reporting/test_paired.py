@@ -238,3 +238,23 @@ def test_a_perplexity_ranked_lead_is_judged_paired_on_the_windows():
     # without windows, as before: the difference in ppl and no standard error
     plain = stats.lead_of_best(df, (), objective=stats.Objective("ppl", "min"))
     assert plain.unit == "" and plain.stderr is None and plain.difference == pytest.approx(ppl["close"] - ppl["best"])
+
+
+def test_the_best_is_tested_against_the_runner_up_task_by_task(pair):
+    """stats.task_tests: per task, McNemar on that task's items alone (scipy's binomial test on its discordant
+    items); empty where the runner-up kept no outcomes, None for a task whose items differ."""
+    from taylor_tune.reporting import stats
+
+    a, b = pair
+    lead = stats.Lead("a", "b")
+    tests = stats.task_tests(lead, {"a": a, "b": b})
+    assert sorted(tests) == sorted(SIZES)
+    for task, test in tests.items():
+        x, y = a.xs(task, level="task"), b.xs(task, level="task")
+        only_a, only_b = int(((x == 1) & (y == 0)).sum()), int(((x == 0) & (y == 1)).sum())
+        assert (test["only_a"], test["only_b"]) == (only_a, only_b)
+        assert test["p"] == pytest.approx(stats.stats.binomtest(only_a, only_a + only_b, 0.5).pvalue, rel=1e-9)
+    assert stats.task_tests(lead, {"a": a}) == {}
+    fewer = b.drop(("piqa", 0))
+    assert stats.task_tests(lead, {"a": a, "b": fewer})["piqa"] is None
+    assert stats.task_tests(lead, {"a": a, "b": fewer})["boolq"] == tests["boolq"]
