@@ -44,6 +44,8 @@ class ModelReport:
     recovery: dict | None = None  # stats.recovery_comparison, when the trials recovered
     seed: int = 0  # fANOVA's
     task_tests: dict = field(default_factory=dict)  # stats.task_tests: per task, McNemar of the best vs the runner-up
+    # stats.paired_levels of each method, and of each value of seq_len and num_samples, against the best (acc_mean)
+    paired: dict = field(default_factory=dict)
 
     @cached_property
     def importance(self) -> dict:
@@ -112,11 +114,25 @@ def model_report(table: TrialTable, model: str, z: float = stats.Z95, seed: int 
         ppl=stats.correlation(valid, "ppl", "acc_mean"),
         best=best, best_stderr=None if best is None else stats.plain(best["acc_mean_stderr"]),
         lead=lead, task_tests=stats.task_tests(lead, table.outcomes),
+        paired=_paired_sections(valid, table, objective, z),
         seeds=stats.seed_spread(valid, objective), heldout=heldout,
         speed=stats.speed_quality(valid), objective=objective, front_objectives=front_of,
         front=pareto.pareto_front(valid, front_of, z) if front_of and len(valid) else None, constrained=constrained,
         recovery=stats.recovery_comparison(valid, objective, seed=seed), seed=seed,
     )
+
+
+def _paired_sections(valid: pd.DataFrame, table, objective: stats.Objective, z: float) -> dict:
+    """The method comparison and the hyperparameter impact, paired by configuration on the same items: each method
+    against the best method, each value against the best value (acc_mean only: the items are accuracies)."""
+    if objective.metric != "acc_mean" or not table.outcomes or valid.empty:
+        return {}
+    paired = {"method": stats.paired_levels(valid, "pruning_method", stats.method_comparison(valid)["best_method"],
+                                            table.outcomes, z, labels=stats.method_labels(valid))}
+    for column in ("taylor_seq_len", "taylor_num_samples"):
+        paired[column] = stats.paired_levels(valid, column, stats.hyperparameter_impact(valid, column)["best_value"],
+                                             table.outcomes, z)
+    return {name: levels for name, levels in paired.items() if levels is not None}
 
 
 def build_report(source, model: str | None = None, z: float = stats.Z95, seed: int = 0,

@@ -64,8 +64,18 @@ def _methods_section(report: Report, m: ModelReport) -> tuple[str, list]:
             f"Best method: {str(m.methods['best_method']).upper()} (its best trial: {report.objective.metric} "
             f"{_fmt(m.methods['best_value'])}); "
             f"best by {center}: {str(m.methods['best_method_by_mean']).upper()}",
+            *_paired_blocks(m, "method", str(m.methods["best_method"]).upper(), report.z),
         ],
     )
+
+
+def _paired_blocks(m: ModelReport, name: str, best: str, z: float) -> list:
+    """A section's levels against its best, paired by configuration on the same items (stats.paired_levels)."""
+    levels = m.paired.get(name)
+    if levels is None:
+        return []
+    return [f"Against {best}, paired by configuration on the same items (acc_mean difference, task-stratified "
+            f"standard error; separated: beyond {z:.2f} of them):", levels.rename(columns={"level": name})]
 
 
 def _hyperparameters_section(report: Report, m: ModelReport) -> tuple[str, list]:
@@ -73,7 +83,8 @@ def _hyperparameters_section(report: Report, m: ModelReport) -> tuple[str, list]
     blocks: list = []
     for label, impact in (("taylor_seq_len", m.seq_len), ("taylor_num_samples", m.num_samples)):
         blocks += [f"By {label}:", _frame(impact["table"].rename(columns=columns), label),
-                   f"Best {label}: {impact['best_value']} ({center} {_fmt(impact['best_mean'])})"]
+                   f"Best {label}: {impact['best_value']} ({center} {_fmt(impact['best_mean'])})",
+                   *_paired_blocks(m, label, str(impact["best_value"]), report.z)]
     importance = m.importance
     if importance.get("importances"):
         blocks.append(

@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from taylor_tune.reporting.paired import mcnemar, paired_difference, paired_log_ppl
+from taylor_tune.reporting.paired import mcnemar, paired_difference, paired_log_ppl, shared
 from taylor_tune.schema import (
     BEFORE_RECOVERY,
     CONFIG_COLUMNS,
@@ -191,6 +191,40 @@ def method_comparison(df: pd.DataFrame, objective: Objective = ACCURACY) -> dict
         "best_value": None if best is None else float(best[objective.metric]),
         "best_method_by_mean": None if table.empty else objective.best_index(table[objective.center]),
     }
+
+
+def paired_levels(df: pd.DataFrame, column: str, best_level, outcomes: dict, z: float = Z95,
+                  labels: pd.Series | None = None) -> pd.DataFrame | None:
+    """Each other level of `column` (or of `labels`, e.g. `method_labels`) against `best_level` in acc_mean, paired
+    by configuration: a trial is paired with the best level's trial whose other settings (every other searched
+    column and the seed) are the same, where both kept their items' outcomes on the same items. Per item, the mean
+    outcome over a level's paired trials; the difference and its task-stratified error by `paired.
+    paired_difference` (items as the units). One row per level with a pair: level, pairs, difference (level minus
+    best), stderr, separated (|difference| > z stderr). None where no level pairs."""
+    if df.empty or not outcomes:
+        return None
+    varied = {column} if labels is None else {column, "pruning_method", "criterion"}  # a label spans those
+    labels = df[column] if labels is None else labels
+    keys = [c for c in (*searched(df), "seed") if c in df and c not in varied]
+    key = df[keys].astype(str).agg("|".join, axis=1) if keys else pd.Series("", index=df.index)
+    best = {key[i]: df.at[i, "trial_id"] for i in df.index[labels == best_level] if df.at[i, "trial_id"] in outcomes}
+    rows = []
+    for level in labels[labels != best_level].dropna().unique():
+        ours, theirs = [], []
+        for i in df.index[labels == level]:
+            mine, match = df.at[i, "trial_id"], best.get(key[i])
+            if match is None or mine not in outcomes or shared(outcomes[mine], outcomes[match]) is None:
+                continue
+            if ours and not outcomes[mine].index.sort_values().equals(ours[0].index.sort_values()):
+                continue  # another fidelity's items: pairs are averaged over the same items only
+            ours.append(outcomes[mine])
+            theirs.append(outcomes[match])
+        if not ours:
+            continue
+        pair = paired_difference(pd.concat(ours, axis=1).mean(axis=1), pd.concat(theirs, axis=1).mean(axis=1))
+        rows.append({"level": level, "pairs": len(ours), "difference": pair.difference, "stderr": pair.stderr,
+                     "separated": pair.separated(z)})
+    return pd.DataFrame(rows) if rows else None
 
 
 def hyperparameter_impact(df: pd.DataFrame, param: str, objective: Objective = ACCURACY) -> dict:

@@ -258,3 +258,38 @@ def test_the_best_is_tested_against_the_runner_up_task_by_task(pair):
     fewer = b.drop(("piqa", 0))
     assert stats.task_tests(lead, {"a": a, "b": fewer})["piqa"] is None
     assert stats.task_tests(lead, {"a": a, "b": fewer})["boolq"] == tests["boolq"]
+
+
+def test_methods_and_values_compare_paired_by_configuration(pair):
+    """stats.paired_levels: each method against the best one, trial by trial at the same other settings. A method
+    that answers exactly as the best at every configuration differs by 0 with no error although the configurations
+    differ a lot from each other (paired across configurations, it would not); a method whose items are the
+    best's flipped differs as the numpy loop over the per-item mean of the pairs says; a trial without a partner or
+    without outcomes is left out."""
+    from taylor_tune.reporting import stats
+
+    a, b = pair  # two very different answer sheets: the two configurations of the best method
+    flipped = {name: 1.0 - items for name, items in (("a", a), ("b", b))}
+    df = pd.DataFrame({"trial_id": ["t16", "t32", "same16", "same32", "flip16", "flip32", "lonely"],
+                       "pruning_method": ["taylor", "taylor", "layerwise", "layerwise", "random", "random", "random"],
+                       "taylor_seq_len": [16, 32, 16, 32, 16, 32, 64], "taylor_num_samples": 8, "seed": 0})
+    outcomes = {"t16": a, "t32": b, "same16": a.copy(), "same32": b.copy(), "flip16": flipped["a"],
+                "flip32": flipped["b"]}
+    levels = stats.paired_levels(df, "pruning_method", "taylor", outcomes, labels=stats.method_labels(df))
+    rows = levels.set_index("level")
+    assert rows.loc["layerwise", ["pairs", "difference", "stderr"]].tolist() == [2, 0.0, 0.0]
+    d = pd.concat([flipped["a"] - a, flipped["b"] - b], axis=1).mean(axis=1)  # per item, over the two pairs
+    per_task = [d[d.index.get_level_values(0) == t].to_numpy() for t in sorted(SIZES)]
+    assert rows.at["random", "pairs"] == 2  # "lonely" has no taylor partner at seq_len 64
+    assert rows.at["random", "difference"] == pytest.approx(np.mean([x.mean() for x in per_task]), abs=1e-12)
+    loop = math.sqrt(sum(np.var(x, ddof=1) / len(x) for x in per_task)) / len(per_task)
+    assert rows.at["random", "stderr"] == pytest.approx(loop, rel=1e-12)
+    # planted: pairing across configurations (ignoring seq_len) gives layerwise an error it does not have
+    crossed = df.assign(taylor_seq_len=[16, 32, 32, 64, 16, 32, 64])  # same16's answers paired with t32's
+    crossed = stats.paired_levels(crossed, "pruning_method", "taylor", outcomes,
+                                  labels=stats.method_labels(crossed)).set_index("level")
+    assert crossed.at["layerwise", "pairs"] == 1 and crossed.at["layerwise", "stderr"] > 0.01
+    # a value of seq_len against another, paired by method
+    values = stats.paired_levels(df, "taylor_seq_len", 16, outcomes).set_index("level")
+    assert values.at[32, "pairs"] == 3 and 64 not in values.index
+    assert stats.paired_levels(df, "pruning_method", "taylor", {}, labels=stats.method_labels(df)) is None

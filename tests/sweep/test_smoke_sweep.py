@@ -213,6 +213,7 @@ def test_report_on_the_smoke_sweep_writes_every_file_with_the_numbers_ray_reads(
     # every trial kept its items' outcomes at the one fidelity: each model's 11 others compare paired with its best
     assert text.count("Ties judged paired on the same items for 11 trial(s)") == 3, text
     assert text.count("on the same items (exact McNemar)") == 3  # each model's best against its runner-up, per task
+    assert text.count("paired by configuration on the same items") >= 3  # each model's methods against its best one
     assert (
         "Perplexity vs acc_mean" in text
         and "Overall best by acc_mean:" in text
