@@ -45,6 +45,23 @@ TASK_DATA = ("auto", "hub", "real", "world")
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
 
+def searchable(dimension: str | None = None) -> dict:
+    """A field a sweep's search space may vary: its `json_schema_extra`, naming the dimension (default: the field's
+    own name). The search space's dimensions, their validation and the report's columns derive from these marks
+    (`dimensions`)."""
+    return {"dimension": dimension} if dimension else {"dimension": True}
+
+
+def dimensions(config_class: type[BaseModel]) -> dict[str, str]:
+    """{dimension: field} of a configuration class's searchable fields, in the class's order."""
+    out = {}
+    for name, field in config_class.model_fields.items():
+        mark = (field.json_schema_extra or {}).get("dimension") if isinstance(field.json_schema_extra, dict) else None
+        if mark:
+            out[name if mark is True else mark] = name
+    return out
+
+
 class PruneConfig(BaseModel):
     """One pruning run: which model, how to score groups, how much to remove."""
 
@@ -54,15 +71,20 @@ class PruneConfig(BaseModel):
         description="hub id, local folder, tiny-llama / tiny-qwen2 / tiny-mistral (trained on the offline world) "
         "or their -random variants"
     )
-    method: str = Field("taylor", description="pruning method: " + ", ".join(METHODS))
-    sparsity: float = Field(0.2, gt=0.0, lt=1.0, description="fraction of the model's total parameters to remove")
-    seq_len: int = Field(64, gt=0, description="tokens per calibration sequence")
-    num_samples: int = Field(128, gt=0, description="number of calibration sequences")
+    method: str = Field(
+        "taylor", description="pruning method: " + ", ".join(METHODS), json_schema_extra=searchable("pruning_method"))
+    sparsity: float = Field(
+        0.2, gt=0.0, lt=1.0, description="fraction of the model's total parameters to remove",
+        json_schema_extra=searchable())
+    seq_len: int = Field(
+        64, gt=0, description="tokens per calibration sequence", json_schema_extra=searchable("taylor_seq_len"))
+    num_samples: int = Field(
+        128, gt=0, description="number of calibration sequences", json_schema_extra=searchable("taylor_num_samples"))
     calibration: str = Field(
         "auto",
         description="wikitext2, c4, wiki (the real offline world's Wikipedia text), world (the synthetic corpus), "
         "sample, a path to a .txt file, or auto (wiki for the real offline models, world for the tiny ones, else "
-        "wikitext2)",
+        "wikitext2)", json_schema_extra=searchable(),
     )
     criterion: Literal[CRITERIA] = Field(
         "taylor",
@@ -74,6 +96,7 @@ class PruneConfig(BaseModel):
         "baselines, one forward pass, no gradients (pruning/activations.py: Wanda-sp's |W| x ||X|| and FLAP's "
         "standardized fluctuation; flap with taylor, the global ranking, is FLAP's adaptive structure, and with "
         "uniform its uniform one; flap does not go with layerwise or blockwise). magnitude ranks by l2, or l1 if set",
+        json_schema_extra=searchable(),
     )
     flap_compensation: bool = Field(
         True, description="criterion flap: add each removed channel's mean contribution over the calibration tokens "
@@ -84,11 +107,13 @@ class PruneConfig(BaseModel):
         "block of consecutive layers whose ends are closest at the last token), taylor (the lowest group-normalized "
         "first-order Taylor importance of the whole layer, from the width methods' gradient pass and cache), "
         "measured_loss (greedy: each time the layer whose removal gives the lowest calibration loss), last (the "
-        "layers before the final one); the count is the nearest to the target")
+        "layers before the final one); the count is the nearest to the target", json_schema_extra=searchable(),
+    )
     depth_share: float = Field(
         0.0, ge=0.0, lt=1.0, allow_inf_nan=False, description="a mixed cut (width methods): this share of the target "
         "goes as whole layers (the count nearest it, at least one, chosen by depth_criterion), the rest by the method "
-        "on the layers that stay; 0 = width only")
+        "on the layers that stay; 0 = width only", json_schema_extra=searchable(),
+    )
     seed: int = Field(0, ge=0, description="seed of the calibration draw (and of the random baseline)")
     micro_batch_size: int = Field(8, gt=0, description="sequences per forward/backward in the importance pass")
     device: str = Field("auto", description="auto (cuda if available, else cpu), cpu, cuda, cuda:N or mps")
@@ -97,22 +122,26 @@ class PruneConfig(BaseModel):
     )
     trust_remote_code: bool = Field(False, description="allow a hub model's own code to run (off: safe default)")
     layerwise_max_ratio: float | None = Field(
-        None, gt=0.0, le=1.0, description="layerwise: most any one layer may lose; default min(0.95, 2 x sparsity)"
+        None, gt=0.0, le=1.0, description="layerwise: most any one layer may lose; default min(0.95, 2 x sparsity)",
+        json_schema_extra=searchable(),
     )
-    blockwise_layer_start: int | None = Field(None, ge=0, description="blockwise: first pruned layer; default 1")
+    blockwise_layer_start: int | None = Field(
+        None, ge=0, description="blockwise: first pruned layer; default 1", json_schema_extra=searchable())
     blockwise_layer_end: int | None = Field(
-        None, ge=1, description="blockwise: first layer after the pruned range; default num_layers - 1"
+        None, ge=1, description="blockwise: first layer after the pruned range; default num_layers - 1",
+        json_schema_extra=searchable(),
     )
     blockwise_attention: Literal[BLOCKWISE_ATTENTION_RULES] = Field(
         DEFAULT_BLOCKWISE_ATTENTION,
         description="blockwise: how many attention groups each block loses: measured_loss (the count whose "
         "plan gives the lowest calibration loss, measured with the groups masked), min_loss (the count that removes "
         "the least first-order importance), closest_ratio (the share nearest the MLP's), mlp_only (none)",
+        json_schema_extra=searchable(),
     )
     uniform: bool = Field(
         False, description="every layer keeps the same attention-group count (the one whose plan measures the lowest "
         "calibration loss) and MLP width, saved as a stock model that any runtime loads (the method's scores pick "
-        "the groups)",
+        "the groups)", json_schema_extra=searchable(),
     )
     uniform_multiple: int = Field(64, gt=0, description="uniform: the kept MLP width is a multiple of this")
     extreme_ratio_threshold: float | None = Field(
@@ -208,26 +237,41 @@ class RecoverySpec(BaseModel):
 
     loss: Literal[RECOVERY_LOSSES] = Field(
         "ce", description="ce: next-token cross-entropy on the recovery text; kd: KL divergence to the unpruned "
-        "model's next-token distribution at `temperature`; ce+kd: (1 - kd_weight) x ce + kd_weight x kd")
+        "model's next-token distribution at `temperature`; ce+kd: (1 - kd_weight) x ce + kd_weight x kd",
+        json_schema_extra=searchable("recovery_loss"),
+    )
     data: str = Field(
         "auto", description="recovery text: wiki (the real offline world's calibration articles; never its held-out "
         "ones), world, sample, wikitext2, c4, a .txt file, or auto (as calibration: the model's world); or "
         "instruction data, the loss on the responses only: alpaca (the hub's yahma/alpaca-cleaned, LLM-Pruner's "
-        "recovery set) or a .json / .jsonl file of Alpaca records (instruction, input, output)")
-    steps: int = Field(100, gt=0, description="optimizer steps")
-    lr: float = Field(1e-4, gt=0, allow_inf_nan=False, description="peak learning rate (AdamW)")
-    warmup_steps: int = Field(10, ge=0, description="linear warm-up steps; then linear decay to 0 at `steps`")
+        "recovery set) or a .json / .jsonl file of Alpaca records (instruction, input, output)",
+        json_schema_extra=searchable("recovery_data"),
+    )
+    steps: int = Field(100, gt=0, description="optimizer steps", json_schema_extra=searchable("recovery_steps"))
+    lr: float = Field(
+        1e-4, gt=0, allow_inf_nan=False, description="peak learning rate (AdamW)",
+        json_schema_extra=searchable("recovery_lr"))
+    warmup_steps: int = Field(
+        10, ge=0, description="linear warm-up steps; then linear decay to 0 at `steps`",
+        json_schema_extra=searchable("recovery_warmup_steps"))
     micro_batch_size: int = Field(4, gt=0, description="sequences per forward/backward")
     grad_accum: int = Field(1, gt=0, description="micro-batches per optimizer step")
-    seq_len: int = Field(128, gt=1, description="tokens per recovery sequence")
+    seq_len: int = Field(
+        128, gt=1, description="tokens per recovery sequence", json_schema_extra=searchable("recovery_seq_len"))
     seed: int = Field(0, ge=0, description="seed of the text draw, the adapters' init and dropout")
-    lora_rank: int = Field(8, gt=0, description="LoRA rank r")
-    lora_alpha: float = Field(16.0, gt=0, allow_inf_nan=False, description="LoRA alpha (scale alpha / r)")
-    lora_dropout: float = Field(0.05, ge=0, lt=1, description="dropout on the adapters' input")
+    lora_rank: int = Field(8, gt=0, description="LoRA rank r", json_schema_extra=searchable())
+    lora_alpha: float = Field(
+        16.0, gt=0, allow_inf_nan=False, description="LoRA alpha (scale alpha / r)", json_schema_extra=searchable())
+    lora_dropout: float = Field(
+        0.05, ge=0, lt=1, description="dropout on the adapters' input", json_schema_extra=searchable())
     target_modules: tuple[Literal[LORA_TARGETS], ...] = Field(
         LORA_TARGETS, min_length=1, description="projections of the decoder layers that get adapters")
-    temperature: float = Field(1.0, gt=0, allow_inf_nan=False, description="kd: softmax temperature")
-    kd_weight: float = Field(0.5, ge=0, le=1, description="ce+kd: the distillation term's weight")
+    temperature: float = Field(
+        1.0, gt=0, allow_inf_nan=False, description="kd: softmax temperature",
+        json_schema_extra=searchable("recovery_temperature"))
+    kd_weight: float = Field(
+        0.5, ge=0, le=1, description="ce+kd: the distillation term's weight",
+        json_schema_extra=searchable("recovery_kd_weight"))
     eval_every: int | None = Field(
         None, gt=0, description="held-out loss every this many steps (each a report to Tune); None: before and after")
     heldout_windows: int = Field(8, gt=0, description="held-out windows of seq_len tokens the loss is measured on")

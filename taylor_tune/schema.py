@@ -10,25 +10,24 @@ defined below. Pure: imports neither torch nor ray.
 
 from __future__ import annotations
 
-from taylor_tune.config import CRITERIA, METHOD_CRITERIA, ZERO_SHOT_TASKS
+from taylor_tune.config import CRITERIA, METHOD_CRITERIA, ZERO_SHOT_TASKS, PruneConfig, RecoverySpec, dimensions
 
-# Search dimensions and the PruneConfig fields they set: the paper's three as the source tables spell them, every
-# other pruning setting a search may vary under its own name. Every trial reports all of them as columns.
-DIMENSIONS = {
-    "taylor_seq_len": "seq_len", "taylor_num_samples": "num_samples", "pruning_method": "method",
-    "sparsity": "sparsity", "layerwise_max_ratio": "layerwise_max_ratio",
-    "blockwise_layer_start": "blockwise_layer_start", "blockwise_layer_end": "blockwise_layer_end",
-    "blockwise_attention": "blockwise_attention", "criterion": "criterion", "calibration": "calibration",
-    "uniform": "uniform", "depth_criterion": "depth_criterion", "depth_share": "depth_share",
-}
+# Search dimensions and the PruneConfig fields they set, derived from the fields marked `config.searchable` (one
+# declaration per setting): the paper's three first, as the source tables spell them, then every other pruning
+# setting a search may vary under its own name, in the class's order. Every trial reports all of them as columns.
+PAPER_DIMENSIONS = ("taylor_seq_len", "taylor_num_samples", "pruning_method")
+
+
+def prune_dimensions(config_class: type = PruneConfig) -> dict[str, str]:
+    """{dimension: PruneConfig field} of `config_class` (a subclass with more marked fields gains them)."""
+    marked = dimensions(config_class)
+    return {k: marked[k] for k in PAPER_DIMENSIONS if k in marked} | marked
+
+
+DIMENSIONS = prune_dimensions()
 # Recovery settings a search may vary and the RecoverySpec fields they set; searching one needs the experiment's
 # `recovery` block (which fixes the others). A recovered trial reports all of them as columns.
-RECOVERY_DIMENSIONS = {
-    "recovery_loss": "loss", "recovery_data": "data", "recovery_steps": "steps", "recovery_lr": "lr",
-    "recovery_warmup_steps": "warmup_steps", "recovery_seq_len": "seq_len", "lora_rank": "lora_rank",
-    "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout", "recovery_temperature": "temperature",
-    "recovery_kd_weight": "kd_weight",
-}
+RECOVERY_DIMENSIONS = dimensions(RecoverySpec)
 # Every dimension a search space may name.
 SEARCHABLE = (*DIMENSIONS, *RECOVERY_DIMENSIONS)
 # What identifies a trial's configuration in every table.

@@ -247,6 +247,32 @@ def test_every_prune_setting_is_a_flag_and_a_new_one_becomes_one(monkeypatch):
     assert {"--toy-knob", "--toy-switch", "--no-toy-switch"} <= prune_flags(cli.build_parser())
 
 
+def test_a_field_marked_searchable_is_a_flag_a_search_dimension_and_a_report_column(monkeypatch):
+    """Issue 63, build 1, one declaration per setting: a toy field marked `searchable` on a PruneConfig subclass,
+    with no other change, is a prune flag, a dimension of the search space (its values validated as the field:
+    gt=0), and a column of every trial's row (the consolidated table's), searched or not."""
+    from pydantic import Field, ValidationError, create_model
+
+    import taylor_tune.cli as cli
+    from taylor_tune.config import PruneConfig, format_validation_error, searchable
+    from taylor_tune.sweep.experiment import SearchSpace, search_space_class
+    from taylor_tune.sweep.trial import trial_columns
+
+    toy = create_model("ToyConfig", __base__=PruneConfig, toy_knob=(int, Field(
+        3, gt=0, description="a toy knob", json_schema_extra=searchable())))
+    monkeypatch.setattr(cli, "PruneConfig", toy)
+    assert "--toy-knob" in prune_flags(cli.build_parser())
+    space = search_space_class(toy)
+    assert space.model_validate({"toy_knob": {"grid": [1, 2]}}).domains()["toy_knob"].values == (1, 2)
+    with pytest.raises(ValidationError) as refused:
+        space.model_validate({"toy_knob": {"grid": [0]}})
+    assert format_validation_error(refused.value) == "toy_knob: Input should be greater than 0 (got 0)"
+    assert trial_columns(toy(model="tiny-llama", toy_knob=5))["toy_knob"] == 5
+    assert trial_columns(toy(model="tiny-llama"))["toy_knob"] == 3  # not searched: the default, still a column
+    with pytest.raises(ValidationError):  # the shipped space is PruneConfig's own: no toy_knob there
+        SearchSpace.model_validate({"toy_knob": {"grid": [1]}})
+
+
 @pytest.mark.parametrize("flags, expected", [
     (["--method", "taylor", "--depth-share", "0.25", "--depth-criterion", "last"],
      {"depth_share": 0.25, "depth_criterion": "last"}),

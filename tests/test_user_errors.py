@@ -282,6 +282,10 @@ def test_report_follows_no_symbolic_link_out_of_a_trial_or_into_the_output(capsy
     (dict(resources={"cpu": 1, "gpu": 0, "memory": 0.25}, prune={**SMALL["prune"], "micro_batch_size": 64},
           search_space={"taylor_seq_len": {"grid": [256]}, "taylor_num_samples": {"grid": [64]}}),
      "memory: taylor on tiny-llama: the importance pass needs at least"),
+    (dict(prune={**SMALL["prune"], "sparsity": 0.9},  # a searched depth_share is planned at each of its values
+          search_space={**SMALL["search_space"], "pruning_method": {"grid": ["taylor"]},
+                        "depth_share": {"grid": [0.99]}}),
+     "prune: taylor on tiny-llama cannot be planned with these settings (depth_share 0.99): depth: sparsity 0.89"),
     (dict(resources={"cpu": 1, "gpu": 0, "memory": 100000}),
      "resources.memory: 100000 GiB per trial requested, but this machine has"),
 ])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from itertools import product
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import (
@@ -23,6 +23,7 @@ from pydantic import (
     StrictStr,
     ValidationError,
     ValidationInfo,
+    create_model,
     field_validator,
     model_validator,
 )
@@ -32,12 +33,20 @@ from taylor_tune.config import (
     PruneConfig,
     RecoverySpec,
     SpeedSpec,
+    dimensions,
     format_validation_error,
     load_yaml,
     read_config_file,
 )
 from taylor_tune.errors import ConfigError, TaylorTuneError, shown
-from taylor_tune.schema import DIMENSIONS, RECOVERY_DIMENSIONS, SEARCHABLE, SPEED_METRICS, better, objective_metrics
+from taylor_tune.schema import (
+    DIMENSIONS,
+    RECOVERY_DIMENSIONS,
+    SPEED_METRICS,
+    better,
+    objective_metrics,
+    prune_dimensions,
+)
 from taylor_tune.sources.data import check_calibration, check_eval_sources, heldout_paths
 from taylor_tune.sources.instructions import check_instruction_file, is_instruction_data
 
@@ -67,66 +76,65 @@ class Domain(BaseModel):
         return self.grid if self.grid is not None else self.choice
 
 
-class SearchSpace(BaseModel):
+class SearchSpaceRules(BaseModel):
     """Any pruning setting may be a dimension (`DIMENSIONS`: the paper's three under the source tables' names, the
     rest under PruneConfig's); a setting not searched is fixed by `prune` or keeps its default. Each value is checked
     as that PruneConfig field (strictly: no coercion), every combination of them with `prune` as a whole config.
     The recovery settings (`RECOVERY_DIMENSIONS`) are dimensions too, checked as RecoverySpec fields, when the
-    experiment recovers."""
+    experiment recovers. The fields, one per dimension, are made by `search_space_class` from the configuration
+    classes' marked fields (`config.searchable`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    taylor_seq_len: Domain | None = None
-    taylor_num_samples: Domain | None = None
-    pruning_method: Domain | None = None
-    sparsity: Domain | None = None
-    layerwise_max_ratio: Domain | None = None
-    blockwise_layer_start: Domain | None = None
-    blockwise_layer_end: Domain | None = None
-    blockwise_attention: Domain | None = None
-    criterion: Domain | None = None
-    calibration: Domain | None = None
-    uniform: Domain | None = None
-    depth_criterion: Domain | None = None
-    depth_share: Domain | None = None
-    recovery_loss: Domain | None = None
-    recovery_data: Domain | None = None
-    recovery_steps: Domain | None = None
-    recovery_lr: Domain | None = None
-    recovery_warmup_steps: Domain | None = None
-    recovery_seq_len: Domain | None = None
-    lora_rank: Domain | None = None
-    lora_alpha: Domain | None = None
-    lora_dropout: Domain | None = None
-    recovery_temperature: Domain | None = None
-    recovery_kd_weight: Domain | None = None
+    prune_class: ClassVar[type[BaseModel]] = PruneConfig
+    recovery_class: ClassVar[type[BaseModel]] = RecoverySpec
+    dimensions: ClassVar[dict[str, str]] = {}
+    recovery_dimensions: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def searchable(cls) -> tuple[str, ...]:
+        return (*cls.dimensions, *cls.recovery_dimensions)
 
     @model_validator(mode="before")
     @classmethod
     def _known(cls, data):
         if isinstance(data, dict):
-            unknown = [k for k in data if k not in SEARCHABLE]
+            unknown = [k for k in data if k not in cls.searchable()]
             if unknown:
-                raise ValueError(f"unknown dimension {shown(unknown[0])}; a search may vary {', '.join(SEARCHABLE)}")
+                raise ValueError(f"unknown dimension {shown(unknown[0])}; a search may vary "
+                                 f"{', '.join(cls.searchable())}")
         return data
 
-    @field_validator(*SEARCHABLE)
+    @field_validator("*")
     @classmethod
     def _values(cls, domain: Domain | None, info: ValidationInfo) -> Domain | None:
         name = info.field_name
         for value in () if domain is None else domain.values:
             try:  # alone: the field's own type and range; combinations are the experiment's check
-                if name in RECOVERY_DIMENSIONS:
-                    RecoverySpec.model_validate({RECOVERY_DIMENSIONS[name]: value}, strict=True)
+                if name in cls.recovery_dimensions:
+                    cls.recovery_class.model_validate({cls.recovery_dimensions[name]: value}, strict=True)
                 else:
-                    PruneConfig.model_validate({"model": "tiny-llama", DIMENSIONS[name]: value}, strict=True)
+                    cls.prune_class.model_validate({"model": "tiny-llama", cls.dimensions[name]: value}, strict=True)
             except ValidationError as error:
                 raise ValueError(f"{error.errors()[0]['msg'].removeprefix('Value error, ')} (got {shown(value)})") \
                     from None
         return domain
 
     def domains(self) -> dict[str, Domain]:
-        """The searched dimensions, in SEARCHABLE's order (pruning's, then recovery's)."""
-        return {name: getattr(self, name) for name in SEARCHABLE if getattr(self, name) is not None}
+        """The searched dimensions, in their order (pruning's, then recovery's)."""
+        return {name: getattr(self, name) for name in self.searchable() if getattr(self, name) is not None}
+
+
+def search_space_class(prune_class: type[BaseModel] = PruneConfig,
+                       recovery_class: type[BaseModel] = RecoverySpec) -> type[SearchSpaceRules]:
+    """The search space's model: one optional Domain per searchable field of the two configuration classes."""
+    rules = type("SearchSpaceRules", (SearchSpaceRules,), {"__module__": __name__,
+        "prune_class": prune_class, "recovery_class": recovery_class,
+        "dimensions": prune_dimensions(prune_class), "recovery_dimensions": dimensions(recovery_class)})
+    fields = {name: (Domain | None, None) for name in rules.searchable()}
+    return create_model("SearchSpace", __base__=rules, __module__=__name__, **fields)
+
+
+SearchSpace = search_space_class()
 
 
 class Search(BaseModel):

@@ -16,15 +16,17 @@ import torch
 from taylor_tune.errors import CalibrationError, ConfigError, PlanError
 from taylor_tune.pruning.prune import check_plan, draw_calibration, draws_calibration, meta_layout, uses_gradients
 from taylor_tune.recovery.train import check_recovery_data
+from taylor_tune.schema import DIMENSIONS
 from taylor_tune.sources.data import resolve_text
 from taylor_tune.sources.models import load_model_config, load_tokenizer
 from taylor_tune.sweep import memory
 from taylor_tune.sweep.experiment import Experiment
 
-# The dimensions a plan depends on (seq_len, num_samples and the calibration text change the scores, not whether a
-# plan exists); and those that decide whether a trial draws calibration at all.
-PLAN_FIELDS = ("pruning_method", "sparsity", "layerwise_max_ratio", "blockwise_layer_start", "blockwise_layer_end",
-               "blockwise_attention", "criterion", "uniform")
+# The dimensions a plan depends on: every pruning dimension but those that change only the scores (seq_len,
+# num_samples and the calibration text), so that a new searchable setting is planned at each of its values unless
+# it is declared here as score-only; and those that decide whether a trial draws calibration at all.
+SCORE_ONLY = ("taylor_seq_len", "taylor_num_samples", "calibration")
+PLAN_FIELDS = tuple(name for name in DIMENSIONS if name not in SCORE_ONLY)
 DRAW_FIELDS = ("pruning_method", "criterion", "uniform", "blockwise_attention", "calibration")
 
 

@@ -23,7 +23,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from taylor_tune import schema
-from taylor_tune.config import PruneConfig, RecoverySpec
+from taylor_tune.config import PruneConfig, RecoverySpec, dimensions
 from taylor_tune.evaluation.evaluate import Evaluator
 from taylor_tune.evaluation.requests import RequestCache
 from taylor_tune.evaluation.speed import SPEEDUPS, checked_speed, measure_speed, speed_ratios
@@ -57,12 +57,13 @@ class TrialConfig(BaseModel):
 
 def trial_columns(config: PruneConfig, recovery: RecoverySpec | None = None) -> dict:
     """The configuration columns of the consolidated table (docs/specification.md §3) and every other setting a
-    search may vary (schema.DIMENSIONS), whether this sweep varied it or not; with recovery, its settings too
-    (schema.RECOVERY_DIMENSIONS)."""
+    search may vary (the fields of the config's class marked `config.searchable`), whether this sweep varied it or
+    not; with recovery, its settings too."""
     columns = schema.config_columns(config.model, config.method, config.seq_len, config.num_samples, config.seed)
-    columns |= {name: getattr(config, field) for name, field in schema.DIMENSIONS.items() if name not in columns}
+    columns |= {name: getattr(config, field) for name, field in schema.prune_dimensions(type(config)).items()
+                if name not in columns}
     if recovery is not None:
-        columns |= {name: getattr(recovery, field) for name, field in schema.RECOVERY_DIMENSIONS.items()}
+        columns |= {name: getattr(recovery, field) for name, field in dimensions(type(recovery)).items()}
     return columns
 
 
