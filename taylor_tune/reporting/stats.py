@@ -206,7 +206,7 @@ def paired_levels(df: pd.DataFrame, column: str, best_level, outcomes: dict, z: 
     varied = {column} if labels is None else {column, "pruning_method", "criterion"}  # a label spans those
     labels = df[column] if labels is None else labels
     keys = [c for c in (*searched(df), "seed") if c in df and c not in varied]
-    key = df[keys].astype(str).agg("|".join, axis=1) if keys else pd.Series("", index=df.index)
+    key = df[keys].map(repr).agg("|".join, axis=1) if keys else pd.Series("", index=df.index)  # None, NaN too
     best = {key[i]: df.at[i, "trial_id"] for i in df.index[labels == best_level] if df.at[i, "trial_id"] in outcomes}
     rows = []
     for level in labels[labels != best_level].dropna().unique():

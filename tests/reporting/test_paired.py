@@ -272,7 +272,8 @@ def test_methods_and_values_compare_paired_by_configuration(pair):
     flipped = {name: 1.0 - items for name, items in (("a", a), ("b", b))}
     df = pd.DataFrame({"trial_id": ["t16", "t32", "same16", "same32", "flip16", "flip32", "lonely"],
                        "pruning_method": ["taylor", "taylor", "layerwise", "layerwise", "random", "random", "random"],
-                       "taylor_seq_len": [16, 32, 16, 32, 16, 32, 64], "taylor_num_samples": 8, "seed": 0})
+                       "taylor_seq_len": [16, 32, 16, 32, 16, 32, 64], "taylor_num_samples": 8, "seed": 0,
+                       "layerwise_max_ratio": None, "depth_share": np.nan})  # unset settings: None and NaN
     outcomes = {"t16": a, "t32": b, "same16": a.copy(), "same32": b.copy(), "flip16": flipped["a"],
                 "flip32": flipped["b"]}
     levels = stats.paired_levels(df, "pruning_method", "taylor", outcomes, labels=stats.method_labels(df))
