@@ -15,6 +15,7 @@ model conversion (`gguf.convert_gguf`) needs it.
 from __future__ import annotations
 
 import gzip
+import fcntl
 import hashlib
 import json
 import os
@@ -25,6 +26,7 @@ import tempfile
 import time
 import zipfile
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -443,6 +445,24 @@ def fetch(name: str, *, log: Callable[[str], None] = print) -> dict:
     """Make the asset present and verified; returns what happened ({"name", "downloaded", "seconds"})."""
     if name not in ASSETS:
         raise AssetError(f"unknown asset {name!r}; known: {', '.join(ASSETS)}")
+    if (asset_dir(name) / MANIFEST).is_file():  # fetched: verified in place (a read-only home is fine)
+        return _fetch(name, log)
+    check_home()
+    with _fetch_lock(name):  # a second fetch of the same asset (another process) waits, then finds it fetched
+        return _fetch(name, log)
+
+
+@contextmanager
+def _fetch_lock(name: str):
+    with open(home() / f".fetch-{name}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _fetch(name: str, log: Callable[[str], None]) -> dict:
     asset = ASSETS[name]
     target = asset_dir(name)
     if (target / MANIFEST).is_file():
@@ -452,7 +472,6 @@ def fetch(name: str, *, log: Callable[[str], None] = print) -> dict:
         return {"name": name, "downloaded": False, "seconds": {}}
     if target.exists():  # no manifest: left by something that is not a finished fetch
         raise AssetError(f"{target} exists but holds no finished asset; remove it and run {fetch_command(name)}")
-    check_home()
     # every write goes to a temporary folder next to the target, renamed into place only when complete
     with tempfile.TemporaryDirectory(dir=home(), prefix=f".fetch-{name}-") as tmp:
         work = Path(tmp)
