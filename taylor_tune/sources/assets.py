@@ -14,8 +14,8 @@ model conversion (`gguf.convert_gguf`) needs it.
 
 from __future__ import annotations
 
-import gzip
 import fcntl
+import gzip
 import hashlib
 import json
 import os
