@@ -190,36 +190,31 @@ def read_trial(filesystem, trial_dir: str) -> dict:
     return row
 
 
-def read_outcomes(trial_dir: str, stage: str, filesystem=None) -> pd.DataFrame | None:
-    """A trial's per-item outcomes of one zero-shot pass (`schema.outcomes_file`), indexed by (task, doc_id), columns
-    acc and acc_norm (NaN where the task has none); None when the trial did not write them (it stopped before that
-    pass, or ran before they were kept). Read as plain columns: nothing is unpickled."""
+def _read_columns(trial_dir: str, name: str, columns: tuple[str, ...], index, filesystem) -> pd.DataFrame | None:
+    """Plain columns of a parquet file in a trial's folder (nothing is unpickled), indexed by `index`; None when the
+    trial did not write it."""
     import pyarrow.parquet as pq
 
     filesystem, root = open_filesystem(str(trial_dir), filesystem)
-    path = posixpath.join(root, outcomes_file(stage))
     try:
-        with filesystem.open_input_file(path) as handle:
-            table = pq.read_table(handle, columns=list(OUTCOME_COLUMNS))
+        with filesystem.open_input_file(posixpath.join(root, name)) as handle:
+            table = pq.read_table(handle, columns=list(columns))
     except (FileNotFoundError, OSError):
         return None
-    return pd.DataFrame({name: table.column(name).to_numpy() for name in OUTCOME_COLUMNS}).set_index(
-        ["task", "doc_id"])
+    return pd.DataFrame({column: table.column(column).to_numpy() for column in columns}).set_index(index)
+
+
+def read_outcomes(trial_dir: str, stage: str, filesystem=None) -> pd.DataFrame | None:
+    """A trial's per-item outcomes of one zero-shot pass (`schema.outcomes_file`), indexed by (task, doc_id), columns
+    acc and acc_norm (NaN where the task has none); None when the trial did not write them (it stopped before that
+    pass, or ran before they were kept)."""
+    return _read_columns(trial_dir, outcomes_file(stage), OUTCOME_COLUMNS, ["task", "doc_id"], filesystem)
 
 
 def read_ppl_windows(trial_dir: str, filesystem=None) -> pd.DataFrame | None:
     """A trial's perplexity windows (`schema.PPL_WINDOWS_FILE`): each window's summed NLL and predicted tokens,
-    indexed by window; None when the trial did not write them. Plain columns: nothing is unpickled."""
-    import pyarrow.parquet as pq
-
-    filesystem, root = open_filesystem(str(trial_dir), filesystem)
-    try:
-        with filesystem.open_input_file(posixpath.join(root, PPL_WINDOWS_FILE)) as handle:
-            table = pq.read_table(handle, columns=["window", "nll", "tokens"])
-    except (FileNotFoundError, OSError):
-        return None
-    return pd.DataFrame({name: table.column(name).to_numpy() for name in ("window", "nll", "tokens")}).set_index(
-        "window")
+    indexed by window; None when the trial did not write them."""
+    return _read_columns(trial_dir, PPL_WINDOWS_FILE, ("window", "nll", "tokens"), "window", filesystem)
 
 
 def read_experiment(location: str, filesystem=None) -> pd.DataFrame:
