@@ -19,6 +19,13 @@ def trial_storage(context):
     return storage
 
 
+# Ray lowers every worker process's priority (nice 15; the driver stays at 0). A trial is the sweep's main work, not
+# background work: at 15, any CPU-bound process on the machine starves the trials (beside two busy loops on 2 cores a
+# niced trial got ~3% of a core and a 36-trial sweep stalled for most of an hour; BENCHMARKS.md). A local sweep's
+# trials run at the priority of the user who started it.
+WORKER_NICENESS = 0
+
+
 def init_local(**kwargs) -> None:
     """`ray.init(address="local", **kwargs)` with every process it starts listening on 127.0.0.1 only.
 
@@ -26,14 +33,15 @@ def init_local(**kwargs) -> None:
     `ray.init` turns a node address of 127.0.0.1 into the machine's reachable one (`resolve_ip_for_localhost`,
     so that other nodes could join) and then listens on every interface, the gRPC servers on `::`. A local sweep
     has no other node: the address is kept at 127.0.0.1 for the call (the started processes get it as
-    `--node-ip-address`)."""
+    `--node-ip-address`). Its workers run at WORKER_NICENESS."""
     import ray
     from ray._private import services
 
     resolve = services.resolve_ip_for_localhost
     services.resolve_ip_for_localhost = lambda host: host
     try:
-        ray.init(address="local", _node_ip_address="127.0.0.1", **kwargs)
+        ray.init(address="local", _node_ip_address="127.0.0.1", _system_config={"worker_niceness": WORKER_NICENESS},
+                 **kwargs)
     finally:
         services.resolve_ip_for_localhost = resolve
 
