@@ -50,7 +50,7 @@ lint: setup
 # Every tier, one pytest worker per core (as test-fast; each module on one worker, so the smoke sweep's session
 # fixture is built once), the 30 slowest tests listed at the end (BENCHMARKS: what dominates).
 test: lint
-	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -q -n auto --dist loadscope --durations=30
+	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -q -n auto --dist loadscope --no-loadscope-reorder --durations=30
 
 # The quick tier (< 1 min): the linter, then no Ray cluster, no lm-eval run over a task, nothing fetched. One pytest
 # worker per core (pytest-xdist), each test module on one worker (its module fixtures built once), one torch thread

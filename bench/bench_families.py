@@ -51,10 +51,11 @@ from taylor_tune.jsonio import write_json
 from taylor_tune.pruning.apply import remove_layers
 from taylor_tune.pruning.measured import plan_loss
 from taylor_tune.pruning.prune import STAGES, ImportanceCache, make_plan, plan, start
-from taylor_tune.recovery.train import heldout_ids, recover, recovery_ids
+from taylor_tune.recovery.train import recover
 from taylor_tune.reporting import stats
 from taylor_tune.sources.data import load_ppl_text
 from taylor_tune.sources.models import load_model, load_tokenizer
+from taylor_tune.sources.recovery_data import heldout_ids, recovery_ids
 
 # name -> (family, PruneConfig fields)
 FAMILIES = {

@@ -65,7 +65,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
 
 from taylor_tune import schema
-from taylor_tune.config import EvalSpec, PruneConfig, RecoverySpec, SpeedSpec
+from taylor_tune.config import EvalSpec, Evaluation, PruneConfig, RecoverySpec, SpeedSpec
 from taylor_tune.evaluation.evaluate import Evaluator
 from taylor_tune.evaluation.requests import RequestCache
 from taylor_tune.evaluation.speed import measure_speed, speed_ratios
@@ -78,7 +78,6 @@ from taylor_tune.recovery.train import recover
 from taylor_tune.sources.assets import require
 from taylor_tune.sources.calibration import load_calibration
 from taylor_tune.sources.models import load_tokenizer
-from taylor_tune.sweep.experiment import Evaluation
 from taylor_tune.sweep.trial import TrialConfig, run_trial
 
 # The published configs (config.json on the hub), as the classes' keyword arguments.

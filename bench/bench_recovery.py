@@ -32,11 +32,12 @@ from taylor_tune.evaluation.evaluate import Evaluator
 from taylor_tune.evaluation.perplexity import perplexity
 from taylor_tune.jsonio import write_json
 from taylor_tune.pruning.prune import ImportanceCache, prune
-from taylor_tune.recovery.train import heldout_ids, recover, recovery_ids
+from taylor_tune.recovery.train import recover
 from taylor_tune.reporting import stats
 from taylor_tune.reporting.stats import kendall_tau as kendall
 from taylor_tune.sources.data import load_ppl_text
 from taylor_tune.sources.models import load_model
+from taylor_tune.sources.recovery_data import heldout_ids, recovery_ids
 
 
 def zero_shot(model, tokenizer, model_name: str, limit: int) -> dict:

@@ -292,6 +292,16 @@ class RecoverySpec(BaseModel):
         return 1 + ((self.steps - 1) // self.eval_every if self.eval_every else 0)
 
 
+def recovery_of(recovery: RecoverySpec | dict | None, point: dict) -> RecoverySpec | None:
+    """A recovery block (a RecoverySpec, or its dict as a trial's config carries it) with the searched recovery
+    dimensions of `point` ({dimension: value}) set; None when the experiment does not recover."""
+    if recovery is None:
+        return None
+    dimensions_ = dimensions(RecoverySpec)
+    fixed = recovery.model_dump() if isinstance(recovery, RecoverySpec) else dict(recovery)
+    return RecoverySpec(**fixed | {dimensions_[k]: v for k, v in point.items() if k in dimensions_})
+
+
 class EvalSpec(BaseModel):
     """What to evaluate: perplexity and the zero-shot tasks (through lm-eval), and at what fidelity."""
 
@@ -369,6 +379,44 @@ class EvalSpec(BaseModel):
 
     def metric(self, task: str) -> str:
         return self.metrics.get(task, DEFAULT_TASK_METRIC[task])
+
+
+class Evaluation(EvalSpec):
+    """A sweep's evaluation: an EvalSpec whose item limit is a list of zero-shot passes (`fidelities`)."""
+
+    fidelities: tuple[int | None, ...] = Field(
+        (None,), description="zero-shot item limits, cheapest first, each reported to Tune; null = every item"
+    )
+
+    speed: SpeedSpec | None = Field(
+        SpeedSpec(), description="speed and memory against the unpruned model, measured in every trial; null = off"
+    )
+
+    @field_validator("fidelities")
+    @classmethod
+    def _fidelities(cls, value: tuple) -> tuple:
+        if not value:
+            raise ValueError("at least one fidelity (null = every item)")
+        if any(v is not None and v <= 0 for v in value):
+            raise ValueError("limits must be positive (or null for every item)")
+        if None in value[:-1]:
+            raise ValueError("null (every item) is the most expensive pass and can only be the last")
+        limits = [v for v in value if v is not None]
+        if any(b <= a for a, b in zip(limits, limits[1:])):
+            raise ValueError(f"limits must increase strictly, cheapest first (the last pass is the one ranked); "
+                             f"got {list(value)}")
+        return value
+
+    @field_validator("limit")
+    @classmethod
+    def _no_limit(cls, value: int | None) -> None:
+        if value is not None:
+            raise ValueError("a sweep limits items per pass with fidelities, e.g. fidelities: [40, null]")
+        return value
+
+    def spec(self, limit: int | None) -> EvalSpec:
+        """The EvalSpec of one zero-shot pass."""
+        return EvalSpec(**self.model_dump(exclude={"fidelities", "limit", "speed"}), limit=limit)
 
 
 def build_eval_spec(values: dict[str, Any]) -> EvalSpec:

@@ -13,9 +13,24 @@ import pytest
 from taylor_tune.sources.assets import ASSETS, fetch, require
 from tests.helpers import ARCHS
 
+# The longest modules first (their seconds in a clean `make test`, BENCHMARKS.md), the rest in collection order:
+# pytest-xdist's loadscope hands the modules out in that order under `--no-loadscope-reorder` (the Makefile's), so a
+# long module does not start last and run alone on one worker while the other idles. (Its default order, most tests
+# first, put the Ray sweeps, a few long tests each, at the end.)
+LONGEST_FIRST = (
+    "tests/sweep/test_sweep_resilience.py", "tests/sources/test_real_world.py", "tests/sweep/test_smoke_sweep.py",
+    "tests/sweep/test_search_sweeps.py", "tests/recovery/test_recovery_sweeps.py", "tests/sweep/test_memory.py",
+    "tests/evaluation/test_requests.py", "tests/sources/test_assets.py", "tests/test_storage_full.py",
+    "tests/test_bench_gpu.py", "tests/evaluation/test_scorer.py", "tests/sweep/test_baseline_sweep.py",
+    "tests/sweep/test_depth_sweep.py",
+)
+
 
 def pytest_collection_modifyitems(config, items):
     import torch  # here, not at the top: pytest-xdist's controller loads this file and needs no torch
+
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
 
     if torch.cuda.is_available():
         return

@@ -15,10 +15,9 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from taylor_tune.config import PruneConfig, SpeedSpec
+from taylor_tune.config import Evaluation, PruneConfig, SpeedSpec
 from taylor_tune.jsonio import entry_text
 from taylor_tune.pruning.importance_cache import CHECKSUM, tensors_sha256
-from taylor_tune.sweep.experiment import Evaluation
 from taylor_tune.sweep.trial import TrialConfig, run_trial
 
 pytestmark = pytest.mark.slow

@@ -170,9 +170,9 @@ LAYOUT_PACKAGES = ("sources", "pruning", "recovery", "evaluation", "sweep", "rep
 
 
 def layout_problems(text: str) -> list[str]:
-    """Every module and subfolder of each LAYOUT_PACKAGES package (sweep/tune's in sweep's paragraph), and every root
-    module, named as a word in the package's paragraph of the first layout block (`  name/  ...` and the lines
-    indented under it)."""
+    """Every module and subfolder of each LAYOUT_PACKAGES package (sweep/tune's and sweep/stages' in sweep's
+    paragraph), and every root module, named as a word in the package's paragraph of the first layout block
+    (`  name/  ...` and the lines indented under it)."""
     block = blocks(text, "")[0]
     paragraphs: dict[str, str] = {}
     current = "root"
@@ -187,8 +187,8 @@ def layout_problems(text: str) -> list[str]:
         names = [p.stem for p in folder.glob("*.py") if p.stem != "__init__"]
         names += [p.name + "/" for p in folder.iterdir() if p.is_dir() and (p / "__init__.py").exists()
                   and package != "root"]
-        if package == "sweep":
-            names += [p.stem for p in (folder / "tune").glob("*.py") if p.stem != "__init__"]
+        if package == "sweep":  # its subpackages' modules in its own paragraph
+            names += [p.stem for sub in ("tune", "stages") for p in (folder / sub).glob("*.py") if p.stem != "__init__"]
         words = set(re.findall(r"[A-Za-z_]+/?", paragraphs.get(package, ""))) | set(
             re.findall(r"([A-Za-z_]+)\.py", paragraphs.get(package, "")))
         problems += [f"layout: taylor_tune/{'' if package == 'root' else package + '/'}{name} is not named in its "
@@ -208,8 +208,7 @@ def setting_problems(text: str) -> list[str]:
 
 def stage_problems(text: str) -> list[str]:
     """The README's chain of a trial's stages is `trial_stages` of a trial that has every optional stage."""
-    from taylor_tune.config import PruneConfig, RecoverySpec
-    from taylor_tune.sweep.experiment import Evaluation
+    from taylor_tune.config import Evaluation, PruneConfig, RecoverySpec
     from taylor_tune.sweep.trial import TrialConfig, trial_stages
 
     chains = [c for c in re.findall(r"`([a-z_N]+(?:\s*->\s*[a-z_N]+)+)`", prose(text)) if "unpruned_speed" in c]

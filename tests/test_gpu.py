@@ -41,9 +41,8 @@ def test_bf16_pass_ranks_like_fp32_and_prunes_on_cuda():
 
 
 def test_a_cuda_trial_reports_its_peak_gpu_memory(tmp_path):
-    from taylor_tune.config import PruneConfig
+    from taylor_tune.config import Evaluation, PruneConfig
     from taylor_tune.schema import stage_seconds
-    from taylor_tune.sweep.experiment import Evaluation
     from taylor_tune.sweep.trial import TrialConfig, run_trial
 
     trial = TrialConfig(

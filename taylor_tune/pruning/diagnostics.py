@@ -65,3 +65,21 @@ def pruning_diagnostics(
     result |= spread(grad_mean, "grad_mean", notes) | spread(grad_norm, "grad_norm", notes)
     result["notes"] = notes
     return result
+
+
+def layer_analysis(diagnostics: dict) -> list[dict]:
+    """layer_analysis.json: one row per layer of the model before pruning (what the report's per-layer plots
+    read)."""
+    grad_mean, grad_norm = diagnostics["layer_grad_mean"], diagnostics["layer_grad_norm"]
+    return [
+        {
+            "layer": i,
+            "pruning_ratio": r,
+            "retention_ratio": 1 - r,
+            "attention_groups_kept": diagnostics["attention_groups_kept"][i],
+            "mlp_channels_kept": diagnostics["mlp_channels_kept"][i],
+            "grad_mean": None if grad_mean is None else grad_mean[i],
+            "grad_norm": None if grad_norm is None else grad_norm[i],
+        }
+        for i, r in enumerate(diagnostics["layer_pruning_ratio"])
+    ]

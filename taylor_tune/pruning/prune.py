@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -18,11 +19,12 @@ from transformers import AutoModelForCausalLM
 
 from taylor_tune.config import PruneConfig
 from taylor_tune.errors import ConfigError
+from taylor_tune.jsonio import write_json
 from taylor_tune.pruning.activations import ActivationStats
 from taylor_tune.pruning.apply import apply_plan, layer_shapes
 from taylor_tune.pruning.compensation import add_compensation, compensations
 from taylor_tune.pruning.depth import LayerSimilarity
-from taylor_tune.pruning.diagnostics import pruning_diagnostics
+from taylor_tune.pruning.diagnostics import layer_analysis, pruning_diagnostics
 from taylor_tune.pruning.groups import describe_layout
 from taylor_tune.pruning.importance import Importance
 from taylor_tune.pruning.importance_cache import ImportanceCache
@@ -37,8 +39,9 @@ from taylor_tune.sources.data import check_calibration
 from taylor_tune.sources.models import load_model, load_model_config, load_tokenizer, resolve_device, resolve_dtype
 
 __all__ = [
-    "ImportanceCache", "Pruning", "PruneResult", "apply", "check_plan", "draw_calibration", "draws_calibration",
-    "layer_shapes", "load", "meta_layout", "plan", "prune", "score", "start", "summary_dict", "uses_gradients",
+    "STAGES", "ImportanceCache", "Pruning", "PruneResult", "apply", "check_plan", "draw_calibration",
+    "draws_calibration", "layer_shapes", "load", "meta_layout", "plan", "prune", "score", "start", "summary_dict",
+    "uses_gradients", "write_summary",
 ]
 
 log = logging.getLogger(__name__)
@@ -232,3 +235,18 @@ def summary_dict(config: PruneConfig, result: Pruning) -> dict:
         },
         "timings_s": result.timings,
     }
+
+
+# A trial's columns of its pruning (docs/specification.md §3): what was removed and the gradient statistics' spread
+SUMMARY_COLUMNS = ("params_count", "params_count_before", "pruning_ratio", "extreme_pruning_layers", "grad_mean_ratio",
+                   "grad_norm_ratio", "grad_mean_range", "grad_norm_range")
+
+
+def write_summary(pruning: Pruning, folder: Path) -> dict:
+    """A trial's record of its pruning: pruning_summary.json and layer_analysis.json in `folder`; returns the
+    pruning's columns (SUMMARY_COLUMNS, and the shared importance cache's event when there is a cache)."""
+    summary, layers = summary_dict(pruning.config, pruning), layer_analysis(pruning.diagnostics)
+    write_json(folder / "pruning_summary.json", summary)
+    write_json(folder / "layer_analysis.json", layers)
+    columns = {k: pruning.diagnostics[k] for k in SUMMARY_COLUMNS}
+    return columns | ({} if pruning.importance_cache is None else {"importance_cache": pruning.importance_cache})

@@ -29,14 +29,14 @@ from pydantic import (
 )
 
 from taylor_tune.config import (
-    EvalSpec,
+    Evaluation,
     PruneConfig,
     RecoverySpec,
-    SpeedSpec,
     dimensions,
     format_validation_error,
     load_yaml,
     read_config_file,
+    recovery_of,
 )
 from taylor_tune.errors import ConfigError, TaylorTuneError, shown
 from taylor_tune.schema import (
@@ -154,44 +154,6 @@ class Search(BaseModel):
         allow_inf_nan=False,
         description="asha: each cheap zero-shot pass lets the best 1/reduction_factor of the trials seen there go on",
     )
-
-
-class Evaluation(EvalSpec):
-    """A sweep's evaluation: an EvalSpec whose item limit is a list of zero-shot passes (`fidelities`)."""
-
-    fidelities: tuple[int | None, ...] = Field(
-        (None,), description="zero-shot item limits, cheapest first, each reported to Tune; null = every item"
-    )
-
-    speed: SpeedSpec | None = Field(
-        SpeedSpec(), description="speed and memory against the unpruned model, measured in every trial; null = off"
-    )
-
-    @field_validator("fidelities")
-    @classmethod
-    def _fidelities(cls, value: tuple) -> tuple:
-        if not value:
-            raise ValueError("at least one fidelity (null = every item)")
-        if any(v is not None and v <= 0 for v in value):
-            raise ValueError("limits must be positive (or null for every item)")
-        if None in value[:-1]:
-            raise ValueError("null (every item) is the most expensive pass and can only be the last")
-        limits = [v for v in value if v is not None]
-        if any(b <= a for a, b in zip(limits, limits[1:])):
-            raise ValueError(f"limits must increase strictly, cheapest first (the last pass is the one ranked); "
-                             f"got {list(value)}")
-        return value
-
-    @field_validator("limit")
-    @classmethod
-    def _no_limit(cls, value: int | None) -> None:
-        if value is not None:
-            raise ValueError("a sweep limits items per pass with fidelities, e.g. fidelities: [40, null]")
-        return value
-
-    def spec(self, limit: int | None) -> EvalSpec:
-        """The EvalSpec of one zero-shot pass."""
-        return EvalSpec(**self.model_dump(exclude={"fidelities", "limit", "speed"}), limit=limit)
 
 
 # The smallest share of a CPU or GPU a trial may ask for: Ray keeps resource amounts to 4 decimals and refuses less.
@@ -421,15 +383,6 @@ class Experiment(BaseModel):
         """Every configuration of a grid search (for checks and benchmarks; Tune expands its own)."""
         return [{"model": m, "seed": s, **point}
                 for m in self.models for s in range(self.search.repeats) for point in self.space_points()]
-
-
-def recovery_of(recovery: RecoverySpec | dict | None, point: dict) -> RecoverySpec | None:
-    """A recovery block (a RecoverySpec, or its dict as a trial's config carries it) with the searched recovery
-    dimensions of `point` ({dimension: value}) set; None when the experiment does not recover."""
-    if recovery is None:
-        return None
-    fixed = recovery.model_dump() if isinstance(recovery, RecoverySpec) else dict(recovery)
-    return RecoverySpec(**fixed | {RECOVERY_DIMENSIONS[k]: v for k, v in point.items() if k in RECOVERY_DIMENSIONS})
 
 
 def _resolve_space(data: dict, base: Path) -> dict:

@@ -11,9 +11,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from taylor_tune.config import Evaluation
 from taylor_tune.errors import ConfigError
 from taylor_tune.jsonio import write_text
-from taylor_tune.sweep.experiment import Evaluation, Experiment, Resources, Search
+from taylor_tune.sweep.experiment import Experiment, Resources, Search
 
 SAVED_EXPERIMENT = "taylor_tune_experiment.json"  # the settings a sweep started with, written before Tune saves state
 

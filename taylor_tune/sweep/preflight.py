@@ -15,10 +15,10 @@ import torch
 
 from taylor_tune.errors import CalibrationError, ConfigError, PlanError
 from taylor_tune.pruning.prune import check_plan, draw_calibration, draws_calibration, meta_layout, uses_gradients
-from taylor_tune.recovery.train import check_recovery_data
 from taylor_tune.schema import DIMENSIONS
 from taylor_tune.sources.data import resolve_text
 from taylor_tune.sources.models import load_model_config, load_tokenizer
+from taylor_tune.sources.recovery_data import check_recovery_data
 from taylor_tune.sweep import memory
 from taylor_tune.sweep.experiment import Experiment
 
@@ -87,7 +87,7 @@ def check_recovery(experiment: Experiment) -> None:
     """Every recovery of the space can do what its settings say, on every model, before Ray starts: a LoRA rank no
     larger than the model's hidden size (every targeted projection has it on one side, so an update's rank cannot
     exceed it: a larger rank only adds memory, 100,000 took 8-10 GB of a 96-wide model), and the recovery data
-    (`recovery.train.check_recovery_data`): its size bounded, the text holding the draw, responses kept."""
+    (`sources.recovery_data.check_recovery_data`): its size bounded, the text holding the draw, responses kept."""
     if experiment.recovery is None:
         return
     trust = bool(experiment.prune.get("trust_remote_code"))

@@ -13,13 +13,12 @@ import pytest
 from lm_eval import simple_evaluate
 
 from taylor_tune.compat.lm_eval import without_environment_record
-from taylor_tune.config import EvalSpec, PruneConfig
+from taylor_tune.config import EvalSpec, Evaluation, PruneConfig
 from taylor_tune.evaluation import zero_shot as zero_shot_module
 from taylor_tune.evaluation.requests import PassRequests, RequestCache, tokenizer_digest
 from taylor_tune.evaluation.scorer import PrefixLM
 from taylor_tune.jsonio import entry_text, read_entry
 from taylor_tune.sources.models import load_tokenizer
-from taylor_tune.sweep.experiment import Evaluation
 from taylor_tune.sweep.trial import TrialConfig, run_trial
 from tests.helpers import tiny
 

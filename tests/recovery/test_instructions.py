@@ -11,10 +11,11 @@ import torch.nn.functional as F
 from taylor_tune.config import RecoverySpec
 from taylor_tune.errors import CalibrationError
 from taylor_tune.recovery.losses import distillation_loss, next_token_loss
-from taylor_tune.recovery.train import instruction_batches, recover, recovery_data
+from taylor_tune.recovery.train import recover
 from taylor_tune.sources.data import DatasetSource
 from taylor_tune.sources.instructions import load_instructions
 from taylor_tune.sources.models import load_tokenizer
+from taylor_tune.sources.recovery_data import instruction_batches, recovery_data
 from tests.helpers import tiny
 from tests.test_refused_before_work import experiment, nothing_started, one_line, run
 
@@ -131,7 +132,7 @@ def test_a_huge_response_is_tokenized_only_as_far_as_the_window_needs():
     """Issue 62, finding 2: a record whose output is megabytes was tokenized whole before the cut to seq_len (8-10 GB
     and no end for 50 MB). Now the tokenizer sees a prefix sized from seq_len, and the row equals the whole text's
     tokens cut at seq_len."""
-    from taylor_tune.recovery.train import head_ids
+    from taylor_tune.sources.recovery_data import head_ids
 
     tokenizer = load_tokenizer("tiny-llama")
     huge = {"instruction": "Repeat the words.", "input": "", "output": "the words " * 500_000}  # 5 MB

@@ -10,9 +10,10 @@ from taylor_tune.config import PruneConfig, RecoverySpec
 from taylor_tune.pruning.apply import save_pruned
 from taylor_tune.pruning.prune import prune
 from taylor_tune.recovery.losses import distillation_loss
-from taylor_tune.recovery.train import attach_lora, heldout_loss, recover, recovery_ids
+from taylor_tune.recovery.train import attach_lora, heldout_loss, recover
 from taylor_tune.sources.data import load_ppl_text
 from taylor_tune.sources.models import load_model
+from taylor_tune.sources.recovery_data import recovery_ids
 from tests.helpers import tiny
 
 SPEC = dict(data="world", steps=30, lr=2e-3, warmup_steps=3, micro_batch_size=8, seq_len=64, lora_rank=8,

@@ -5,10 +5,9 @@ import json
 
 import pytest
 
-from taylor_tune.config import PruneConfig, RecoverySpec
-from taylor_tune.recovery.train import instruction_batches, recovery_data
+from taylor_tune.config import Evaluation, PruneConfig, RecoverySpec
+from taylor_tune.sources.recovery_data import instruction_batches, recovery_data
 from taylor_tune.sources.world import heldout_path
-from taylor_tune.sweep.experiment import Evaluation
 from taylor_tune.sweep.trial import TrialConfig, run_trial
 from tests.helpers import record_loads
 from tests.test_refused_before_work import experiment, nothing_started, one_line, run
@@ -88,19 +87,20 @@ def test_a_recovery_stage_reports_the_losses_of_the_models_it_trains_and_the_eva
     from taylor_tune import schema
     from taylor_tune.evaluation.evaluate import Evaluator
     from taylor_tune.pruning import prune as pruning_stages
+    from taylor_tune.recovery import train as recovery_train
     from taylor_tune.sources.models import load_tokenizer
     from taylor_tune.sweep import trial as trial_module
     from tests.recovery.test_instructions import RECORDS
 
-    seen, loads = {}, record_loads(monkeypatch, trial_module, pruning_stages)
-    recover = trial_module.recover
+    seen, loads = {}, record_loads(monkeypatch, recovery_train, pruning_stages)
+    recover = recovery_train.recover
 
     def spied(model, ids, held, spec, **kwargs):
         seen.update(held=held.clone(), teacher=kwargs.get("teacher"), mask=kwargs.get("mask"))
         seen["result"] = recover(model, ids, held, spec, **kwargs)
         return seen["result"]
 
-    monkeypatch.setattr(trial_module, "recover", spied)
+    monkeypatch.setattr(recovery_train, "recover", spied)
 
     def a_tiny_trial(recovery: RecoverySpec | None, ppl: str | None = "auto") -> TrialConfig:  # random: untrained
         return a_trial(recovery, model="tiny-llama-random", sparsity=0.3, seq_len=16, num_samples=4, windows=2,
@@ -178,7 +178,7 @@ def test_a_recovery_stage_reports_the_losses_of_the_models_it_trains_and_the_eva
     assert torch.equal(seen["held"].flatten()[:held.numel()], held.flatten())
     responses = instruction_batches(tokenizer, RECORDS, kd_spec)[1]
     assert torch.equal(seen["mask"], responses) and 0 < int(responses.sum()) < responses.numel()
-    teacher_load, pruned_load = sorted(loads, key=lambda load: load[0] != trial_module.__name__)
+    teacher_load, pruned_load = sorted(loads, key=lambda load: load[0] != recovery_train.__name__)
     assert teacher_load[1:] == pruned_load[1:]  # the unpruned model, loaded as the trial's own
     assert sum(p.numel() for p in seen["teacher"].parameters()) == kd["params_count_before"]
     assert not any(k.startswith("before_recovery") for k in kd)

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from taylor_tune.config import PruneConfig, RecoverySpec
+from taylor_tune.config import Evaluation, PruneConfig, RecoverySpec
 from taylor_tune.errors import ConfigError
 from taylor_tune.sweep import memory
-from taylor_tune.sweep.experiment import Evaluation, load_experiment
+from taylor_tune.sweep.experiment import load_experiment
 from taylor_tune.sweep.preflight import check_memory
 from tests.sweep_helpers import write_experiment
 

@@ -4,11 +4,10 @@ per trial, and a cache hit draws no calibration."""
 import dataclasses
 import json
 
-from taylor_tune.config import PruneConfig, SpeedSpec
+from taylor_tune.config import Evaluation, PruneConfig, SpeedSpec
 from taylor_tune.pruning import prune as pruning_stages
 from taylor_tune.pruning import scoring
 from taylor_tune.sweep import trial as trial_module
-from taylor_tune.sweep.experiment import Evaluation
 from taylor_tune.sweep.trial import Stage, TrialConfig, run_trial
 
 EXPECTED = ["unpruned_speed", "start", "load", "score", "plan", "apply", "pruned", "speed", "evaluator", "ppl",

@@ -4,8 +4,7 @@ import json
 
 import pytest
 
-from taylor_tune.config import PruneConfig
-from taylor_tune.sweep.experiment import Evaluation
+from taylor_tune.config import Evaluation, PruneConfig
 from taylor_tune.sweep.trial import TrialConfig, run_trial
 
 

@@ -9,11 +9,10 @@ import pytest
 import torch
 
 from taylor_tune import schema
-from taylor_tune.config import PruneConfig, SpeedSpec
+from taylor_tune.config import Evaluation, PruneConfig, SpeedSpec
 from taylor_tune.pruning import prune as pruning_stages
 from taylor_tune.sources.models import load_model
-from taylor_tune.sweep import trial as trial_module
-from taylor_tune.sweep.experiment import Evaluation
+from taylor_tune.sweep.stages import speed as speed_stages
 from taylor_tune.sweep.trial import TrialConfig, completed_metrics, run_trial, trial_columns
 from tests.helpers import record_loads
 
@@ -131,7 +130,7 @@ def test_the_unpruned_model_timed_is_the_trials_own_and_is_measured_once_per_res
     dtype, remote code, seed), in that dtype (its weight bytes), measured by the first trial of a dtype and read by
     the next (auto on a CPU is float32 on the CPU), and its seconds within the trial's own wall time; the pruned
     model's speed likewise, per layer shapes and dtype."""
-    loads = record_loads(monkeypatch, trial_module, pruning_stages)
+    loads = record_loads(monkeypatch, speed_stages, pruning_stages)
     cache = str(tmp_path / "sweep" / "importance_cache")
     runs = []
     # uniform cuts: the same layer shapes in every dtype, so only the dtype tells their pruned measurements apart
@@ -143,7 +142,7 @@ def test_the_unpruned_model_timed_is_the_trials_own_and_is_measured_once_per_res
         runs.append((metrics, (time.perf_counter() - start, began, time.time()), list(loads)))
 
     for metrics, (wall, began, ended), seen in runs[:2]:  # measured
-        timed_load, pruned_load = sorted(seen, key=lambda load: load[0] != trial_module.__name__)
+        timed_load, pruned_load = sorted(seen, key=lambda load: load[0] != speed_stages.__name__)
         assert timed_load[1:] == pruned_load[1:]  # the same model, device, dtype, remote code and seed
         assert 0 < metrics["unpruned_speed_s"] < wall
         # the pruned model timed inside the trial's own window, after waiting its turn at the node's timing lock
@@ -175,9 +174,9 @@ def test_a_measurement_is_of_the_gpu_it_ran_on_or_of_this_host(monkeypatch):
     import socket
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: f"GPU {torch.device(device).index}")
-    assert trial_module.machine(torch.device("cuda:1")) == "GPU 1"
-    assert trial_module.machine(torch.device("cuda", 0)) == "GPU 0"
-    assert trial_module.machine(torch.device("cpu")) == f"cpu@{socket.gethostname()}"
+    assert speed_stages.machine(torch.device("cuda:1")) == "GPU 1"
+    assert speed_stages.machine(torch.device("cuda", 0)) == "GPU 0"
+    assert speed_stages.machine(torch.device("cpu")) == f"cpu@{socket.gethostname()}"
 
 
 @pytest.mark.slow

@@ -15,9 +15,8 @@ from pyarrow import fs
 from ray import tune
 
 from taylor_tune.compat.ray import trial_storage
-from taylor_tune.config import PruneConfig
+from taylor_tune.config import Evaluation, PruneConfig, recovery_of
 from taylor_tune.schema import DIMENSIONS, zero_shot_stage
-from taylor_tune.sweep.experiment import Evaluation, recovery_of
 from taylor_tune.sweep.trial import FINISHED_ARTIFACTS, TrialConfig, completed_metrics, run_trial
 from taylor_tune.sweep.tune.metrics import TrialMetrics
 

@@ -1,0 +1,74 @@
+"""The evaluation stages of a trial: perplexity and each zero-shot pass (each writing its per-item outcomes before
+its report), and, with `recovery.evaluate_before`, the pruned model's evaluation before recovery. A sweep's
+zero-shot requests are built by a model's first trial and read by the others."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from taylor_tune import schema
+from taylor_tune.evaluation.evaluate import Evaluator
+from taylor_tune.evaluation.requests import RequestCache
+from taylor_tune.jsonio import write_json
+from taylor_tune.sweep.stages.run import TrialRun
+
+
+def evaluator(run: TrialRun) -> Evaluator:
+    """An evaluator of the trial's model as it stands, reading and filling the sweep's request cache."""
+    folder = run.trial.cache_dir  # beside the importance cache, the sweep's requests
+    requests = None if folder is None else RequestCache(Path(folder).parent / "requests")
+    return Evaluator(run.pruning.model, run.pruning.tokenizer, run.trial.evaluation.spec(None),
+                     model_name=run.config.model, request_cache=requests)
+
+
+def evaluate_before_recovery(run: TrialRun) -> dict:
+    """The pruned model's perplexity and last zero-shot pass before recovery (`recovery.evaluate_before`), each
+    metric under schema.before_recovery_key: what recovery is then measured against, on the evaluation's own
+    numbers."""
+    evaluation, start, before = run.trial.evaluation, time.perf_counter(), evaluator(run)
+    metrics = {}
+    if evaluation.ppl is not None:
+        metrics["ppl"] = before.perplexity().ppl
+    if evaluation.tasks:
+        shots = before.zero_shot(evaluation.fidelities[-1])
+        metrics["acc_mean"] = shots.acc_mean
+        for task, entry in shots.tasks.items():
+            metrics[schema.task_key(task)] = entry["score"]
+            metrics[schema.task_key(task, "_stderr")] = entry["score_stderr"]
+            metrics[schema.task_key(task, "_n")] = entry["n"]
+    return {schema.before_recovery_key(k): v for k, v in metrics.items()} | {
+        schema.seconds_key("before_recovery"): time.perf_counter() - start}
+
+
+def start(run: TrialRun) -> dict:
+    run.evaluator = evaluator(run)
+    return {}
+
+
+def perplexity(run: TrialRun) -> dict:
+    result = run.evaluator.perplexity()
+    result.write_outcomes(run.trial_dir)  # each window's NLL, before the report
+    return result.metrics() | {"stage": "ppl"}
+
+
+def zero_shot_pass(index: int) -> Callable[[TrialRun], dict]:
+    """The zero-shot pass at the index-th fidelity: each writes its items' outcomes, the last one evaluation.json
+    (before its report, so a checkpoint of it can carry the files)."""
+
+    def zero_shot(run: TrialRun) -> dict:
+        fidelities = run.trial.evaluation.fidelities
+        shots = run.evaluator.zero_shot(fidelities[index])
+        shots.write_outcomes(run.trial_dir)  # before the report, so that its checkpoint carries them
+        metrics = shots.metrics() | {"zero_shot_pass": index, "stage": shots.stage}
+        if run.on_gpu:  # the trial's peak so far; the last report carries the whole trial's (pruning + evaluation)
+            metrics["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated()
+        if index == len(fidelities) - 1:
+            write_json(run.trial_dir / "evaluation.json",
+                       {**run.metrics, **metrics, "tasks": shots.tasks, "limit": fidelities[index]})
+        return metrics
+
+    return zero_shot

@@ -1,0 +1,62 @@
+"""What a trial's stages share: the trial's settings (`TrialConfig`), the state its stages build (`TrialRun`) and
+the shape of one stage (`Stage`)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from taylor_tune.config import Evaluation, PruneConfig, RecoverySpec
+from taylor_tune.evaluation.evaluate import Evaluator
+from taylor_tune.jsonio import json_safe
+from taylor_tune.pruning.prune import Pruning
+
+
+class TrialConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    prune: PruneConfig
+    evaluation: Evaluation
+    sample_counts: tuple[int, ...] = ()  # every num_samples of the search: one cached pass serves them all
+    cache_dir: str | None = None
+    recovery: RecoverySpec | None = None  # LoRA recovery between pruning and evaluation (None: off)
+
+    def record(self) -> dict:
+        """The trial's config.json: every field, but `recovery` only when set (so that the record of a trial
+        without recovery is what it was before recovery existed, and a finished trial of an older sweep is found
+        finished)."""
+        return json.loads(json.dumps(json_safe(self.model_dump(exclude={"recovery"} if self.recovery is None
+                                                                else set()))))
+
+
+@dataclass
+class TrialRun:
+    """What a trial's stages share: its settings, the pruning they build, and the metrics so far."""
+
+    trial: TrialConfig
+    trial_dir: Path
+    metrics: dict[str, Any]
+    pruning: Pruning | None = None
+    unpruned: dict | None = None  # the unpruned model's speed, when the trial measures speed
+    unpruned_read: bool = False  # read from the sweep's record (not measured by this trial)
+    evaluator: Evaluator | None = None
+    report: Callable[[dict], None] = lambda metrics: None  # what Tune hears (run_trial's `report`)
+    on_gpu: bool = False
+
+    @property
+    def config(self) -> PruneConfig:
+        return self.trial.prune
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step of a trial: `run` adds its metrics (and seconds) to the trial's; `reports`: Tune hears the metrics
+    after it (a step ASHA may stop the trial at)."""
+
+    name: str
+    run: Callable[[TrialRun], dict | None]
+    reports: bool = False
