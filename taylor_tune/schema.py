@@ -38,10 +38,8 @@ CONFIG_COLUMNS = ("model", "pruning_method", "taylor_seq_len", "taylor_num_sampl
 
 # The names a trial's timings go by (`<name>_s`), in the order they are taken; each zero-shot pass times itself as a
 # name of its own. Not the trial's stages (`sweep.trial.trial_stages`): pruning's load, score, plan and apply stages
-# time load, calibration, importance and prune. unpruned_speed: measuring the unpruned model (once per model and
-# device in a sweep, cached); speed: the pruned one.
-STAGES = ("unpruned_speed", "load", "calibration", "importance", "prune", "speed", "before_recovery", "recovery",
-          "ppl")
+# time load, calibration, importance and prune. speed: the pruned model timed in turn with the unpruned one.
+STAGES = ("load", "calibration", "importance", "prune", "speed", "before_recovery", "recovery", "ppl")
 SECONDS_SUFFIX, TOKENS_SUFFIX = "_s", "_tokens"
 _ZERO_SHOT = "zero_shot_"
 _REQUESTS = "_requests"

@@ -211,9 +211,9 @@ def stage_problems(text: str) -> list[str]:
     from taylor_tune.config import Evaluation, PruneConfig, RecoverySpec
     from taylor_tune.sweep.trial import TrialConfig, trial_stages
 
-    chains = [c for c in re.findall(r"`([a-z_N]+(?:\s*->\s*[a-z_N]+)+)`", prose(text)) if "unpruned_speed" in c]
+    chains = [c for c in re.findall(r"`([a-z_N]+(?:\s*->\s*[a-z_N]+)+)`", prose(text)) if c.startswith("start ->")]
     if not chains:
-        return ["stages: no `unpruned_speed -> ...` chain"]
+        return ["stages: no `start -> ...` chain"]
     full = TrialConfig(prune=PruneConfig(model="tiny-llama"), evaluation=Evaluation(ppl="world"),
                        recovery=RecoverySpec(evaluate_before=True))
     expected = [re.sub(r"zero_shot_\d+", "zero_shot_N", stage.name) for stage in trial_stages(full)]

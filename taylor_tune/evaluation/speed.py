@@ -98,10 +98,9 @@ def checked_speed(record: object) -> dict[str, float]:
     return {field: record[field] for field in SPEED_FIELDS} | errors
 
 
-@torch.no_grad()
-def measure_speed(model: torch.nn.Module, spec: SpeedSpec, *, seed: int = 0) -> dict[str, float]:
-    """prefill_tokens_per_s, decode_tokens_per_s (batch 1), decode_batch_tokens_per_s (spec.decode_batch), each
-    with its `_se`, weight_bytes and kv_cache_bytes (at spec.context)."""
+def _timings(model: torch.nn.Module, spec: SpeedSpec, seed: int) -> dict[str, tuple[int, Callable[[], float]]]:
+    """Each rate's work (tokens) and a function timing one run of it, on inputs drawn from `seed` (the same inputs
+    for every model of one vocabulary)."""
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
 
@@ -109,8 +108,6 @@ def measure_speed(model: torch.nn.Module, spec: SpeedSpec, *, seed: int = 0) -> 
         return torch.randint(0, model.config.vocab_size, (batch, length), generator=generator).to(device)
 
     prefill_ids = ids(spec.prefill_batch, spec.prefill_len)
-    prefill = _rate(spec.prefill_batch * spec.prefill_len,
-                    _median(spec, lambda: _seconds(device, lambda: model(input_ids=prefill_ids, use_cache=False))))
 
     def decode_seconds(prompt: torch.Tensor) -> float:
         out = model(input_ids=prompt, use_cache=True)
@@ -123,12 +120,117 @@ def measure_speed(model: torch.nn.Module, spec: SpeedSpec, *, seed: int = 0) -> 
 
         return _seconds(device, steps)
 
-    rates = {"prefill_tokens_per_s": prefill}
+    timings = {"prefill_tokens_per_s": (spec.prefill_batch * spec.prefill_len, lambda: _seconds(
+        device, lambda: model(input_ids=prefill_ids, use_cache=False)))}
     for key, batch in (("decode_tokens_per_s", 1), ("decode_batch_tokens_per_s", spec.decode_batch)):
         prompt = ids(batch, spec.prompt_len)
-        rates[key] = _rate(batch * spec.new_tokens, _median(spec, lambda prompt=prompt: decode_seconds(prompt)))
+        timings[key] = (batch * spec.new_tokens, lambda prompt=prompt: decode_seconds(prompt))
+    return timings
+
+
+def _sizes(model: torch.nn.Module, spec: SpeedSpec) -> dict[str, int]:
+    return {"weight_bytes": weight_bytes(model), "kv_cache_bytes": kv_cache_bytes(model, spec.context)}
+
+
+@torch.no_grad()
+def measure_speed(model: torch.nn.Module, spec: SpeedSpec, *, seed: int = 0) -> dict[str, float]:
+    """prefill_tokens_per_s, decode_tokens_per_s (batch 1), decode_batch_tokens_per_s (spec.decode_batch), each
+    with its `_se`, weight_bytes and kv_cache_bytes (at spec.context)."""
+    rates = {key: _rate(work, _median(spec, run)) for key, (work, run) in _timings(model, spec, seed).items()}
     return {**{k: v for k, (v, _) in rates.items()}, **{f"{k}_se": se for k, (_, se) in rates.items()},
-            "weight_bytes": weight_bytes(model), "kv_cache_bytes": kv_cache_bytes(model, spec.context)}
+            **_sizes(model, spec)}
+
+
+# The two-sided level of a paired speedup's interval (`<speedup>_low`, `<speedup>_high`)
+PAIRED_LEVEL = 0.95
+
+
+def paired_ratio(baseline_seconds: list[float], seconds: list[float],
+                 level: float = PAIRED_LEVEL) -> tuple[float, float | None, float | None, float | None]:
+    """The speedup of timed pairs (the baseline's seconds over the model's, run by run): the geometric mean of the
+    pairs' ratios, its standard error (delta method: ratio x the standard error of the mean log ratio) and its
+    `level` interval (Student's t on the log ratios, pairs - 1 degrees of freedom); None for one pair."""
+    from scipy import stats  # only here: the rest of the module is torch's
+
+    logs = [math.log(b / m) for b, m in zip(baseline_seconds, seconds, strict=True)]
+    ratio = math.exp(statistics.fmean(logs))
+    if len(logs) < 2:
+        return ratio, None, None, None
+    se = statistics.stdev(logs) / math.sqrt(len(logs))
+    half = float(stats.t.ppf(0.5 + level / 2, len(logs) - 1)) * se
+    return ratio, ratio * se, ratio * math.exp(-half), ratio * math.exp(half)
+
+
+@torch.no_grad()
+def measure_paired(model: torch.nn.Module, baseline: torch.nn.Module, spec: SpeedSpec, *,
+                   seed: int = 0) -> dict[str, float | None]:
+    """`model` (the pruned one) and `baseline` (the unpruned one, on the same device) timed in turn in one window, on
+    the same inputs: for each rate, `warmup` untimed runs of each, then `repeats` pairs, the order alternating (A B,
+    B A, ...) so that a change of load between the two runs of a pair weighs on both orders alike. Each pair's ratio
+    of times is one sample of the speedup (`paired_ratio`): a load that slows both runs of a pair cancels out.
+    Returns measure_speed's fields for the model, the same for the baseline under `unpruned_`, and per speedup its
+    value, `_se`, `_low` and `_high`, `memory_ratio` (counted: `_se` 0), `speed_pairs`."""
+    ours, theirs = _timings(model, spec, seed), _timings(baseline, spec, seed)
+    out: dict[str, float | None] = {}
+    for key, (work, run) in ours.items():
+        other = theirs[key][1]
+        for _ in range(spec.warmup):
+            run(), other()
+        times, base = [], []
+        for pair in range(spec.repeats):
+            if pair % 2:
+                base.append(other())
+                times.append(run())
+            else:
+                times.append(run())
+                base.append(other())
+        for prefix, seconds in (("", times), ("unpruned_", base)):
+            out[prefix + key], out[f"{prefix}{key}_se"] = _rate(work, median_and_se(seconds))
+        speedup = next(name for name, rate in SPEEDUPS.items() if rate == key)
+        ratio, se, low, high = paired_ratio(base, times)
+        out |= {speedup: ratio, f"{speedup}_se": se, f"{speedup}_low": low, f"{speedup}_high": high}
+    sizes, baseline_sizes = _sizes(model, spec), _sizes(baseline, spec)
+    memory = (sizes["weight_bytes"] + sizes["kv_cache_bytes"]) / sum(baseline_sizes.values())
+    return (out | sizes | {f"unpruned_{k}": v for k, v in baseline_sizes.items()}
+            | {"memory_ratio": memory, "memory_ratio_se": 0.0, "speed_pairs": spec.repeats})
+
+
+# A speedup beyond this factor either way is read as a damaged record, not a measurement: no structured pruning the
+# tool allows makes a model twenty times faster or slower
+PLAUSIBLE_SPEEDUP = 20.0
+
+
+def checked_paired(record: object) -> dict[str, float | None]:
+    """A stored `measure_paired` result, checked before it is reused: both models' fields as `checked_speed` checks
+    them, each speedup a finite number within PLAUSIBLE_SPEEDUP of 1 either way, its `_se`, `_low` and `_high` None
+    or finite and not negative (ValueError naming the first that is not)."""
+    if not isinstance(record, dict):
+        raise ValueError(f"a speed record is a mapping, not {type(record).__name__}")
+    checked = checked_speed(record) | {f"unpruned_{k}": v for k, v in checked_speed(
+        {k.removeprefix("unpruned_"): v for k, v in record.items() if k.startswith("unpruned_")}).items()}
+    for speedup in SPEEDUPS:
+        value = record.get(speedup)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                1 / PLAUSIBLE_SPEEDUP <= value <= PLAUSIBLE_SPEEDUP):
+            raise ValueError(f"speed record: {speedup} is {str(value)[:40]!r}, not a speedup within "
+                             f"{PLAUSIBLE_SPEEDUP:g}x of 1")
+        checked[speedup] = value
+        for part in ("_se", "_low", "_high"):
+            if speedup + part not in record:
+                raise ValueError(f"speed record: {speedup + part} is missing")
+            bound = record[speedup + part]
+            if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float))
+                                      or not math.isfinite(bound) or bound < 0):
+                raise ValueError(f"speed record: {speedup + part} is {str(bound)[:40]!r}, not a finite number >= 0 "
+                                 "or null")
+            checked[speedup + part] = bound
+    memory = record.get("memory_ratio")
+    if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not 0 < memory <= PLAUSIBLE_SPEEDUP:
+        raise ValueError(f"speed record: memory_ratio is {str(memory)[:40]!r}, not a positive ratio")
+    pairs = record.get("speed_pairs")
+    if isinstance(pairs, bool) or not isinstance(pairs, int) or pairs < 1:
+        raise ValueError(f"speed record: speed_pairs is {str(pairs)[:40]!r}, not a positive count")
+    return checked | {"memory_ratio": memory, "memory_ratio_se": 0.0, "speed_pairs": pairs}
 
 
 def speed_ratios(pruned: dict[str, float], unpruned: dict[str, float]) -> dict[str, float | None]:

@@ -170,7 +170,8 @@ def _speed_section(report: Report, m: ModelReport) -> tuple[str, list] | None:
         return None
     return ("9. Speed vs quality", [
         "Measured on each trial's device against the unpruned model: speedups of prefill, decode at batch 1 "
-        "and at the larger batch (> 1 = faster), memory of weights and KV cache (< 1 = smaller).",
+        "and at the larger batch (> 1 = faster), memory of weights and KV cache (< 1 = smaller). Where the trials "
+        "timed the two models in turn (paired), decode_speedup_low / _high are the 95% interval from the pairs.",
         m.speed,
     ])
 

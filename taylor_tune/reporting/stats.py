@@ -616,5 +616,5 @@ def speed_quality(df: pd.DataFrame) -> pd.DataFrame | None:
     if "decode_speedup" not in df or df["decode_speedup"].isna().all():
         return None
     columns = [c for c in ("trial_id", "pruning_method", "uniform", "sparsity", "taylor_seq_len", "taylor_num_samples",
-                           "acc_mean", "ppl", *SPEED_METRICS) if c in df]
+                           "acc_mean", "ppl", *SPEED_METRICS, "decode_speedup_low", "decode_speedup_high") if c in df]
     return df[columns].sort_values(["decode_speedup", "trial_id"], ascending=[False, True]).reset_index(drop=True)

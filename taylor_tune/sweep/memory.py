@@ -110,10 +110,14 @@ def perplexity(shape: Shape, window: int, dtype_bytes: int) -> StagePeak:
                    f"evaluation.ppl_window {window} ({PERPLEXITY_BATCH} windows a forward)")
 
 
-def speed(shape: Shape, prefill_batch: int, prefill_len: int, dtype_bytes: int) -> StagePeak:
-    """The prefill's forward (no loss); the decode's cache at its short prompts is smaller."""
-    return forward("speed measurement", shape, prefill_batch * prefill_len, dtype_bytes, 0,
+def speed(shape: Shape, prefill_batch: int, prefill_len: int, dtype_bytes: int, kept: float = 1.0) -> StagePeak:
+    """The prefill's forward (no loss) with the unpruned model loaded beside the pruned one (`kept`: its share of the
+    parameters), the two timed in turn; the decode's cache at its short prompts is smaller."""
+    peak = forward("speed measurement", shape, prefill_batch * prefill_len, dtype_bytes, 0,
                    f"evaluation.speed.prefill_batch {prefill_batch} x prefill_len {prefill_len}")
+    weights = peak.parts.pop("weights")
+    return StagePeak(peak.stage, {"weights": int(weights * kept), "unpruned weights": weights, **peak.parts},
+                     peak.levers)
 
 
 def recovery(shape: Shape, spec, dtype_bytes: int, kept: float = 1.0) -> StagePeak:
@@ -151,7 +155,8 @@ def trial_peaks(shape: Shape, prune, evaluation, recovery_spec, dtype_bytes: int
     if evaluation.ppl is not None:
         peaks.append(perplexity(shape, evaluation.ppl_window, dtype_bytes))
     if evaluation.speed is not None:
-        peaks.append(speed(shape, evaluation.speed.prefill_batch, evaluation.speed.prefill_len, dtype_bytes))
+        peaks.append(speed(shape, evaluation.speed.prefill_batch, evaluation.speed.prefill_len, dtype_bytes,
+                           1 - prune.sparsity))
     if recovery_spec is not None:
         peaks.append(recovery(shape, recovery_spec, dtype_bytes, 1 - prune.sparsity))
     return peaks

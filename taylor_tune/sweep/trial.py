@@ -1,7 +1,8 @@
 """One trial of a sweep, without Ray: the stages of `trial_stages`, in order, each adding its metrics and seconds.
 
-unpruned speed -> start, load, score, plan, apply (pruning's own stage functions) -> pruned -> speed -> recovery
-(when asked; with `evaluate_before`, the pruned model evaluated first) -> perplexity -> each zero-shot pass. Each
+start, load, score, plan, apply (pruning's own stage functions) -> pruned -> speed (timed in turn with the unpruned
+model) -> recovery (when asked; with `evaluate_before`, the pruned model evaluated first) -> perplexity -> each
+zero-shot pass. Each
 stage's glue lives in `sweep.stages` (pruning, speed, recovery, evaluation). `report` is called with the cumulative
 metrics after each stage that ends a step ASHA may stop at, and at each point of the recovery's held-out loss curve
 (the Ray trainable passes `tune.report`, so a trial can be stopped before its expensive evaluation); the artifacts
@@ -43,9 +44,8 @@ def trial_stages(trial: TrialConfig) -> list[Stage]:
     """A trial's stages, in the order they run."""
     fidelities, recovering = trial.evaluation.fidelities, trial.recovery is not None
     return [
-        Stage("unpruned_speed", speed.measure_unpruned),
         *pruning_stages(),
-        *([Stage("speed", speed.measure_pruned, reports=True)] if trial.evaluation.speed is not None else []),
+        *([Stage("speed", speed.measure, reports=True)] if trial.evaluation.speed is not None else []),
         *([Stage("before_recovery", evaluation.evaluate_before_recovery)]
           if recovering and trial.recovery.evaluate_before else []),
         *([Stage("recovery", recovery.recover, reports=True)] if recovering else []),
@@ -65,6 +65,8 @@ def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict]
     metrics = {**trial_columns(trial.prune, trial.recovery), "output_dir": output_dir or str(trial_dir)}
     run = TrialRun(trial, trial_dir, metrics, on_gpu=torch.cuda.is_available() and trial.prune.device != "cpu",
                    report=report)
+    if run.on_gpu:  # the peak the last report carries is this trial's, whatever ran before in this process
+        torch.cuda.reset_peak_memory_stats()
     for stage in trial_stages(trial):
         metrics |= stage.run(run) or {}
         if stage.reports:

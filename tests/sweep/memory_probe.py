@@ -35,7 +35,7 @@ def reset_peak() -> None:
 
 def main(stage: str, dtype: str, hidden: int, intermediate: int, layers: int, vocab: int, batch: int, seq_len: int):
     from taylor_tune.config import RecoverySpec
-    from taylor_tune.evaluation.speed import measure_speed
+    from taylor_tune.evaluation.speed import measure_paired
     from taylor_tune.pruning.groups import describe_layout
     from taylor_tune.pruning.importance import compute_importance
     from taylor_tune.pruning.measured import calibration_loss
@@ -63,8 +63,9 @@ def main(stage: str, dtype: str, hidden: int, intermediate: int, layers: int, vo
     elif stage == "speed":
         from taylor_tune.config import SpeedSpec
 
-        measure_speed(model, SpeedSpec(prefill_batch=batch, prefill_len=seq_len, decode_batch=2, prompt_len=8,
-                                       new_tokens=2, repeats=1, warmup=0))
+        unpruned = copy.deepcopy(model)  # loaded by the stage beside the (here unpruned) model it times
+        measure_paired(model, unpruned, SpeedSpec(prefill_batch=batch, prefill_len=seq_len, decode_batch=2,
+                                                  prompt_len=8, new_tokens=2, repeats=1, warmup=0))
     else:
         spec = RecoverySpec(steps=2, micro_batch_size=batch, seq_len=seq_len, warmup_steps=0, loss=loss)
         recover(model, torch.randint(0, vocab, (2 * batch, seq_len)), ids[:1], spec, teacher=teacher)

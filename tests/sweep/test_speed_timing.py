@@ -72,7 +72,8 @@ def test_a_model_of_the_same_shapes_reads_the_earlier_measurement(tmp_path):
     other = run_trial(with_speed(trial(8, cache), trial(8).prune.model_copy(update={"sparsity": 0.4})),
                       tmp_path / "c")
     assert first["speed_reused"] is False and second["speed_reused"] is True and other["speed_reused"] is False
-    for key in ("prefill_tokens_per_s", "decode_tokens_per_s", "decode_tokens_per_s_se", "decode_speedup"):
+    for key in ("prefill_tokens_per_s", "decode_tokens_per_s", "decode_tokens_per_s_se", "decode_speedup",
+                "decode_speedup_low", "unpruned_decode_tokens_per_s"):
         assert second[key] == first[key]
     assert "speed_timed_from" not in second and other["decode_tokens_per_s"] != first["decode_tokens_per_s"]
-    assert len(list((tmp_path / "sweep" / "pruned_speed").glob("*.json"))) == 2
+    assert len(list((tmp_path / "sweep" / "paired_speed").glob("*.json"))) == 2

@@ -10,8 +10,8 @@ from taylor_tune.pruning import scoring
 from taylor_tune.sweep import trial as trial_module
 from taylor_tune.sweep.trial import Stage, TrialConfig, run_trial
 
-EXPECTED = ["unpruned_speed", "start", "load", "score", "plan", "apply", "pruned", "speed", "evaluator", "ppl",
-            "zero_shot_0", "zero_shot_1"]
+EXPECTED = ["start", "load", "score", "plan", "apply", "pruned", "speed", "evaluator", "ppl", "zero_shot_0",
+            "zero_shot_1"]
 
 
 def a_trial(cache_dir: str, method: str = "taylor") -> TrialConfig:
@@ -49,14 +49,14 @@ def test_a_trial_runs_its_stages_in_order_from_one_list_and_asks_the_service_onc
     first = run_trial(a_trial(cache), tmp_path / "a",
                       report=lambda m: reports.append(m["stage"]) or passes.append(m.get(PASS)))
     # a miss: the service draws once (the largest sample count, inside the score stage) and computes
-    assert seen == EXPECTED[:4] + ["service", "draw"] + EXPECTED[4:]
+    assert seen == EXPECTED[:3] + ["service", "draw"] + EXPECTED[3:]
     assert reports == ["pruned", "speed", "ppl", "zero_shot_2", "zero_shot_4"]
     assert passes == [None, None, None, 0, 1]  # each zero-shot report's pass: the rung FidelityASHA counts it at
     assert first["importance_cache"] == "computed" and first["stage"] == "done"
 
     seen.clear()
     second = run_trial(a_trial(cache), tmp_path / "b")
-    assert seen == EXPECTED[:4] + ["service"] + EXPECTED[4:]  # a hit: no calibration drawn anywhere
+    assert seen == EXPECTED[:3] + ["service"] + EXPECTED[3:]  # a hit: no calibration drawn anywhere
     assert second["importance_cache"] == "hit" and "calibration_s" not in second
     summary = lambda folder: json.loads((tmp_path / folder / "pruning_summary.json").read_text())["removed_groups"]
     assert summary("a") == summary("b")
@@ -69,7 +69,7 @@ def test_a_stage_added_to_the_list_runs_in_its_place(tmp_path, monkeypatch):
 
     def with_planted(trial):
         stages = listed(trial)
-        return stages[:7] + [planted] + stages[7:]  # after the pruned report, before speed
+        return stages[:6] + [planted] + stages[6:]  # after the pruned report, before speed
 
     monkeypatch.setattr(trial_module, "trial_stages", with_planted)
     reports = []
@@ -84,7 +84,7 @@ def test_prune_runs_the_same_stage_functions_as_a_trial():
     names = [s.name for s in trial_module.trial_stages(a_trial("x"))]
     assert names == EXPECTED
     # the trial's load/score/plan/apply stages wrap pruning's own functions, in pruning's order
-    assert names[2:6] == [f.__name__ for f in pruning_stages.STAGES]
+    assert names[1:5] == [f.__name__ for f in pruning_stages.STAGES]
 
 
 def test_prune_without_a_cache_draws_calibration_before_the_weights(monkeypatch):

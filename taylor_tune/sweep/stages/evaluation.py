@@ -65,7 +65,7 @@ def zero_shot_pass(index: int) -> Callable[[TrialRun], dict]:
         shots.write_outcomes(run.trial_dir)  # before the report, so that its checkpoint carries them
         metrics = shots.metrics() | {"zero_shot_pass": index, "stage": shots.stage}
         if run.on_gpu:  # the trial's peak so far; the last report carries the whole trial's (pruning + evaluation)
-            metrics["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated()
+            metrics["peak_gpu_memory_bytes"] = max(run.peak_gpu_bytes, torch.cuda.max_memory_allocated())
         if index == len(fidelities) - 1:
             write_json(run.trial_dir / "evaluation.json",
                        {**run.metrics, **metrics, "tasks": shots.tasks, "limit": fidelities[index]})

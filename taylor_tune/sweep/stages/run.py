@@ -41,8 +41,7 @@ class TrialRun:
     trial_dir: Path
     metrics: dict[str, Any]
     pruning: Pruning | None = None
-    unpruned: dict | None = None  # the unpruned model's speed, when the trial measures speed
-    unpruned_read: bool = False  # read from the sweep's record (not measured by this trial)
+    peak_gpu_bytes: int = 0  # the trial's GPU peak before the speed stage loaded the unpruned model beside it
     evaluator: Evaluator | None = None
     report: Callable[[dict], None] = lambda metrics: None  # what Tune hears (run_trial's `report`)
     on_gpu: bool = False

@@ -1,27 +1,21 @@
-"""The speed stages of a trial: the unpruned model's speed (once per model, dtype, machine and settings in a sweep)
-and the pruned model's, timed under the node's timing lock, and their ratios."""
+"""The speed stage of a trial: the pruned model timed against the unpruned one, interleaved in one window under the
+node's timing lock (`evaluation.speed.measure_paired`), so that every speedup is a ratio of pairs run side by side
+with its own interval; a same-shape model of the sweep reads that measurement."""
 
 from __future__ import annotations
 
-import logging
 import socket
 import time
 from pathlib import Path
 
 import torch
 
-from taylor_tune.evaluation.speed import SPEEDUPS, checked_speed, measure_speed, speed_ratios
+from taylor_tune.evaluation.speed import checked_paired, measure_paired
 from taylor_tune.jsonio import built_once, digest
 from taylor_tune.pruning.prune import layer_shapes
-from taylor_tune.sources.models import load_model, resolve_device, resolve_dtype
+from taylor_tune.sources.models import load_model
 from taylor_tune.sweep.lock import timing_lock
-from taylor_tune.sweep.stages.run import TrialConfig, TrialRun
-
-log = logging.getLogger(__name__)
-
-# A speedup beyond this factor either way is read as a damaged unpruned record, not a measurement: no structured
-# pruning the tool allows makes a model twenty times faster or slower
-PLAUSIBLE_SPEEDUP = 20.0
+from taylor_tune.sweep.stages.run import TrialRun
 
 
 def machine(device: torch.device) -> str:
@@ -29,84 +23,40 @@ def machine(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu@{socket.gethostname()}"
 
 
-def unpruned_speed(trial: TrialConfig, *, again: bool = False) -> tuple[dict, float | None]:
-    """The unpruned model's speed (`measure_speed`) on this trial's device, and the seconds measuring it cost this
-    trial (None when read). Measured once per model, dtype, device and settings in a sweep: the first trial to ask
-    measures under a file lock, the others read its result. `again`: the sweep's record is dropped and measured anew
-    (a record the trial's own measurement shows to be implausible)."""
-    config, spec = trial.prune, trial.evaluation.speed
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
-
-    def measure() -> tuple[dict, float]:
-        start = time.perf_counter()
-        model = load_model(config.model, device=device, dtype=dtype, trust_remote_code=config.trust_remote_code,
-                           seed=config.seed)
-        with timing_lock():
-            measured = measure_speed(model, spec, seed=config.seed)
-        del model  # before the trial loads its own copy
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        return measured, time.perf_counter() - start
-
-    if trial.cache_dir is None:
-        return measure()
-    fields = {"model": config.model, "dtype": str(dtype), "device": machine(device), "speed": spec.model_dump()}
-    path = Path(trial.cache_dir).parent / "unpruned_speed" / f"{digest(fields)[:24]}.json"
-    spent = {}
-
-    def build() -> dict:
-        measured, spent["seconds"] = measure()
-        return measured
-
-    if again:
-        path.unlink(missing_ok=True)
-    measured, _ = built_once(path, fields, build, checked_speed, part="measured")
-    return measured, spent.get("seconds")
-
-
-def measure_unpruned(run: TrialRun) -> dict:
-    if run.trial.evaluation.speed is None:
-        return {}
-    run.unpruned, seconds = unpruned_speed(run.trial)
-    run.unpruned_read = seconds is None
+def time_pair(run: TrialRun, timing: dict) -> dict:
+    """The pruned model and the unpruned one (loaded as the trial loaded the model it pruned, for this window only)
+    timed in turn under the node's timing lock; `timing` gets the window (speed_timed_from / _to, epoch seconds) and
+    the wait for the lock (speed_wait_s)."""
+    config, model = run.config, run.pruning.model
+    parameter = next(model.parameters())
+    if run.on_gpu:  # the trial's peak before a second model joins the pruned one (the last report carries it)
+        run.peak_gpu_bytes = max(run.peak_gpu_bytes, torch.cuda.max_memory_allocated())
+    baseline = load_model(config.model, device=parameter.device, dtype=parameter.dtype,
+                          trust_remote_code=config.trust_remote_code, seed=config.seed)
+    with timing_lock() as waited:
+        timing["speed_timed_from"] = time.time()
+        measured = measure_paired(model, baseline, run.trial.evaluation.speed, seed=config.seed)
+        timing["speed_timed_to"] = time.time()
+    timing["speed_wait_s"] = waited
+    del baseline
     if run.on_gpu:
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    return {} if seconds is None else {"unpruned_speed_s": seconds}  # None: read from the sweep's record
+    return measured
 
 
-def plausible(ratios: dict) -> bool:
-    return all(1 / PLAUSIBLE_SPEEDUP <= ratios[k] <= PLAUSIBLE_SPEEDUP for k in SPEEDUPS)
-
-
-def measure_pruned(run: TrialRun) -> dict:
-    """The pruned model's speed, timed under the node's timing lock (no other trial times at the same moment; the
-    window is reported as speed_timed_from / _to, epoch seconds); in a sweep, a model whose layer shapes an earlier
-    trial of the sweep timed on the same machine, dtype and settings reads that measurement (speed_reused)."""
-    start, spec, model = time.perf_counter(), run.trial.evaluation.speed, run.pruning.model
-    timing: dict = {}
-
-    def measure() -> dict:
-        with timing_lock() as waited:
-            timing["speed_timed_from"] = time.time()
-            measured = measure_speed(model, spec, seed=run.config.seed)
-            timing["speed_timed_to"] = time.time()
-        timing["speed_wait_s"] = waited
-        return measured
-
+def measure(run: TrialRun) -> dict:
+    """The speed stage (`time_pair`); in a sweep, a model whose layer shapes an earlier trial of the sweep timed on
+    the same machine, dtype and settings reads that measurement (speed_reused), unless its record is damaged (then
+    timed again)."""
+    start, timing = time.perf_counter(), {}
     if run.trial.cache_dir is None:
-        measured = measure()
+        measured = time_pair(run, timing)
+        checked_paired(measured)  # what a reused record must be, a fresh one too
     else:
-        parameter = next(model.parameters())
+        parameter = next(run.pruning.model.parameters())
         fields = {"model": run.config.model, "dtype": str(parameter.dtype), "device": machine(parameter.device),
-                  "speed": spec.model_dump(), "layers": layer_shapes(model)}
-        path = Path(run.trial.cache_dir).parent / "pruned_speed" / f"{digest(fields)[:24]}.json"
-        measured, _ = built_once(path, fields, measure, checked_speed, part="measured")
-    ratios, again = speed_ratios(measured, run.unpruned), {}
-    if run.unpruned_read and not plausible(ratios):  # a record damaged in a way its checks cannot see: measure it
-        log.warning("the sweep's unpruned speed record gives %s against this trial's own measurement: measured "
-                    "again", ", ".join(f"{k} {ratios[k]:.3g}" for k in SPEEDUPS))
-        run.unpruned, seconds = unpruned_speed(run.trial, again=True)
-        ratios, again = speed_ratios(measured, run.unpruned), {"unpruned_speed_s": seconds or 0.0}
-    return (measured | ratios | {f"unpruned_{k}": v for k, v in run.unpruned.items()} | again
-            | timing | {"speed_reused": not timing, "stage": "speed", "speed_s": time.perf_counter() - start})
+                  "speed": run.trial.evaluation.speed.model_dump(), "layers": layer_shapes(run.pruning.model)}
+        path = Path(run.trial.cache_dir).parent / "paired_speed" / f"{digest(fields)[:24]}.json"
+        measured, _ = built_once(path, fields, lambda: time_pair(run, timing), checked_paired, part="measured")
+    return measured | timing | {"speed_reused": not timing, "stage": "speed", "speed_s": time.perf_counter() - start}
