@@ -21,7 +21,7 @@ def trial_storage(context):
 
 # Ray lowers every worker process's priority (nice 15; the driver stays at 0). A trial is the sweep's main work, not
 # background work: at 15, any CPU-bound process on the machine starves the trials (beside two busy loops on 2 cores a
-# niced trial got ~3% of a core and a 36-trial sweep stalled for most of an hour; BENCHMARKS.md). A local sweep's
+# niced trial got under 2% of a core, 30 s of CPU in 29 minutes; BENCHMARKS.md). A local sweep's
 # trials run at the priority of the user who started it.
 WORKER_NICENESS = 0
 
