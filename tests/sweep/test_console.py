@@ -3,7 +3,7 @@ dropped from the moment the storage is full, never before."""
 
 import logging
 
-from taylor_tune.sweep.tune.console import FullStorage, QuietWhenFull, quiet_when_full
+from taylor_tune.sweep.tune.console import FullStorage, QuietWhenFull, quiet_when_full, trial_line
 
 
 class Disk:
@@ -73,3 +73,13 @@ def test_the_console_counts_the_trials_the_search_will_run_not_those_created_so_
     assert first.startswith("[1/2] tiny-llama") and status.endswith("1 finished, 0 running, 0 pending, 0 errored, of 2")
     console.on_trial_complete(0, [Trial()] * 3, Trial())  # more than planned (a resumed sweep's extra): what Tune has
     assert out.getvalue().splitlines()[-1].startswith("[2/3]")
+
+
+def test_a_trials_line_shows_its_decode_speedup_with_the_pairs_interval():
+    config = {"model": "m", "pruning_method": "taylor", "taylor_seq_len": 64}
+    result = {"ppl": 12.345, "acc_mean": 0.5, "decode_speedup": 1.153, "decode_speedup_low": 0.9,
+              "decode_speedup_high": 1.478, "time_total_s": 7.4, "stage": "zero_shot_10"}
+    line = trial_line(config, result, "zero_shot_10")
+    assert line.endswith(": ppl 12.35, acc_mean 0.5000, decode 1.15x [0.90, 1.48], 7 s"), line
+    one_pair = result | {"decode_speedup_low": None, "decode_speedup_high": None}  # no interval: none shown
+    assert "decode 1.15x, 7 s" in trial_line(config, one_pair, "zero_shot_10")

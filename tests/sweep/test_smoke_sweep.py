@@ -85,7 +85,8 @@ def test_the_console_is_one_line_per_trial_and_a_few_status_lines(smoke):
     trial_lines = [line for line in lines if re.match(r"\[\d+/36\] ", line)]
     assert len(trial_lines) == 36, "\n".join(lines[:80])
     assert all(
-        re.search(r"seq_len=\d+ samples=\d+: ppl [\d.]+, acc_mean \d\.\d{4}, decode [\d.]+x, \d+ s$", line)
+        re.search(r"seq_len=\d+ samples=\d+: ppl [\d.]+, acc_mean \d\.\d{4}, decode [\d.]+x \[[\d.]+, [\d.]+\], "
+                  r"\d+ s$", line)
         for line in trial_lines
     ), trial_lines
     assert len({line.split(":")[0].split("] ")[1] for line in trial_lines}) == 36  # each configuration once

@@ -34,12 +34,14 @@ def trial_name(config: dict) -> str:
 
 
 def trial_line(config: dict, result: dict, final_stage: str) -> str:
-    """model method seq_len samples: ppl, acc_mean, measured decode speedup, seconds; and how far it got when it did
-    not finish."""
+    """model method seq_len samples: ppl, acc_mean, measured decode speedup (with its paired 95% interval), seconds;
+    and how far it got when it did not finish."""
     ppl, acc, speedup = result.get("ppl"), result.get("acc_mean"), result.get("decode_speedup")
+    low, high = result.get("decode_speedup_low"), result.get("decode_speedup_high")
+    interval = f" [{low:.2f}, {high:.2f}]" if all(isinstance(v, (int, float)) for v in (low, high)) else ""
     parts = [f"ppl {ppl:.2f}" if isinstance(ppl, (int, float)) else "ppl –",
              f"acc_mean {acc:.4f}" if isinstance(acc, (int, float)) else "acc_mean –",
-             *([f"decode {speedup:.2f}x"] if isinstance(speedup, (int, float)) else []),
+             *([f"decode {speedup:.2f}x{interval}"] if isinstance(speedup, (int, float)) else []),
              f"{result.get('time_total_s', 0):.0f} s"]
     stage = result.get("stage")
     if stage and stage != final_stage:
