@@ -120,12 +120,12 @@ class Evaluator:
         self.model, self.tokenizer, self.spec, self.model_name = model, tokenizer, spec, model_name
         self.request_cache = request_cache
         self.task_data = resolve_task_data(spec.task_data, model_name)
+        self.ppl_source = None if spec.ppl is None else resolve_text(spec.ppl, model_name)  # names resolved once
         self._lm = None
 
     def perplexity(self) -> PerplexityResult:
-        spec = self.spec
+        spec, source = self.spec, self.ppl_source
         start = time.perf_counter()
-        source = resolve_text(spec.ppl, self.model_name)
         with _eval_mode(self.model):
             out = perplexity(self.model, self.tokenizer, load_ppl_text(source), window=spec.ppl_window,
                              max_windows=spec.ppl_max_windows)
