@@ -211,3 +211,31 @@ def test_a_trials_stored_perplexity_windows_give_its_reported_ppl_exactly(tmp_pa
     windows = pq.read_table(tmp_path / "t" / "ppl_windows.parquet").to_pandas()
     assert len(windows) == metrics["ppl_windows"] == 5 and (windows["tokens"] == metrics["ppl_window"] - 1).all()
     assert math.exp(math.fsum(windows["nll"]) / windows["tokens"].sum()) == metrics["ppl"]
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_a_real_trials_stored_outcomes_give_its_reported_accuracies_and_ppl_exactly(tmp_path, assets):
+    """Issue 64, must-show 1 on real SmolLM2-135M and the seven real tasks: each task's stored item outcomes,
+    averaged in the task's metric, are its reported acc_<task>, their mean of task means acc_mean, and the stored
+    windows of the held-out Wikipedia text give its ppl, all exactly."""
+    import math
+
+    import pyarrow.parquet as pq
+
+    from taylor_tune.reporting.frame import read_outcomes
+
+    evaluation = Evaluation(tasks="all", task_data="real", ppl="wiki", ppl_window=128, ppl_max_windows=4,
+                            fidelities=[8], speed=None)
+    config = TrialConfig(prune=PruneConfig(model="smollm2-135m", method="magnitude", sparsity=0.2, device="cpu",
+                                           dtype="float32"), evaluation=evaluation)
+    metrics = run_trial(config, tmp_path / "t")
+    items = read_outcomes(str(tmp_path / "t"), "zero_shot_8")
+    tasks = evaluation.tasks
+    assert len(tasks) == 7 and len(items) == 7 * 8
+    means = {task: items.xs(task)[evaluation.metric(task)].mean() for task in tasks}
+    assert {task: metrics[f"acc_{task}"] for task in tasks} == means
+    assert metrics["acc_mean"] == sum(means.values()) / 7
+    windows = pq.read_table(tmp_path / "t" / "ppl_windows.parquet").to_pandas()
+    assert len(windows) == metrics["ppl_windows"] == 4
+    assert math.exp(math.fsum(windows["nll"]) / windows["tokens"].sum()) == metrics["ppl"]
