@@ -143,7 +143,7 @@ def check_plan(config: PruneConfig, layout: ModelLayout) -> None:
     scores = GroupScores(attn=tuple(np.ones(g) for g in layout.attn_groups),
                          mlp=tuple(np.ones(c) for c in layout.mlp_channels))
     similarity = LayerSimilarity(np.ones(layout.num_layers), np.ones((layout.num_layers + 1, 1, 1)))
-    if METHODS[config.method].scored_by is Scoring.LAYERS:
+    if METHODS[config.method].scored_by is Scoring.LAYERS and not uses_gradients(config):  # depth's taylor: groups
         scores = similarity
     make_plan(config, scores, layout, loss=lambda candidate: 0.0, similarity=similarity)
 

@@ -109,3 +109,17 @@ def test_two_names_of_one_text_are_drawn_once(tmp_path, monkeypatch):
     # `auto` is the model's own world's text: for tiny-llama, `world`
     preflight.check_calibration_sizes(experiment(tmp_path, NO_TEXT, calibration={"grid": ["auto", "world"]}))
     assert len(drawn) == 1
+
+
+@pytest.mark.parametrize("criterion", ["taylor", "block_influence", "angular", "measured_loss", "last"])
+def test_a_depth_cut_is_planned_before_the_run_with_what_its_criterion_ranks_by(criterion):
+    """Found by the pre-start property test: depth's taylor criterion ranks whole layers by their groups' Taylor
+    scores, so the check plans it from equal group scores (it was handed the layers' similarity: AttributeError
+    before Ray started); the hidden-state criteria from equal similarities; measured_loss and last from nothing."""
+    from taylor_tune.config import PruneConfig
+    from taylor_tune.pruning.prune import check_plan, meta_layout
+
+    layout = meta_layout("tiny-llama")
+    check_plan(PruneConfig(model="tiny-llama", method="depth", depth_criterion=criterion, sparsity=0.2), layout)
+    with pytest.raises(Exception, match="layer"):  # a cut of every layer cannot be had, whatever the criterion
+        check_plan(PruneConfig(model="tiny-llama", method="depth", depth_criterion=criterion, sparsity=0.99), layout)
