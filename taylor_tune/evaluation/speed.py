@@ -88,14 +88,19 @@ def checked_speed(record: object) -> dict[str, float]:
         value = record.get(field)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
             raise ValueError(f"speed record: {field} is {str(value)[:40]!r}, not a finite positive number")
-    errors = {}
-    for field in (f"{rate}_se" for rate in RATES if f"{rate}_se" in record):
-        value = record[field]
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not math.isfinite(value) or value < 0):
-            raise ValueError(f"speed record: {field} is {str(value)[:40]!r}, not a finite number >= 0 or null")
-        errors[field] = value
+    errors = {field: _error(record, field) for field in (f"{rate}_se" for rate in RATES) if field in record}
     return {field: record[field] for field in SPEED_FIELDS} | errors
+
+
+def _error(record: dict, field: str) -> float | None:
+    """A stored uncertainty: None (unknown) or a finite number >= 0 (ValueError otherwise, or when missing)."""
+    if field not in record:
+        raise ValueError(f"speed record: {field} is missing")
+    value = record[field]
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not math.isfinite(value) or value < 0):
+        raise ValueError(f"speed record: {field} is {str(value)[:40]!r}, not a finite number >= 0 or null")
+    return value
 
 
 def _timings(model: torch.nn.Module, spec: SpeedSpec, seed: int) -> dict[str, tuple[int, Callable[[], float]]]:
@@ -172,8 +177,8 @@ def measure_paired(model: torch.nn.Module, baseline: torch.nn.Module, spec: Spee
     value, `_se`, `_low` and `_high`, `memory_ratio` (counted: `_se` 0), `speed_pairs`."""
     ours, theirs = _timings(model, spec, seed), _timings(baseline, spec, seed)
     out: dict[str, float | None] = {}
-    for key, (work, run) in ours.items():
-        other = theirs[key][1]
+    for speedup, key in SPEEDUPS.items():
+        (work, run), other = ours[key], theirs[key][1]
         for _ in range(spec.warmup):
             run(), other()
         times, base = [], []
@@ -186,11 +191,10 @@ def measure_paired(model: torch.nn.Module, baseline: torch.nn.Module, spec: Spee
                 base.append(other())
         for prefix, seconds in (("", times), ("unpruned_", base)):
             out[prefix + key], out[f"{prefix}{key}_se"] = _rate(work, median_and_se(seconds))
-        speedup = next(name for name, rate in SPEEDUPS.items() if rate == key)
         ratio, se, low, high = paired_ratio(base, times)
         out |= {speedup: ratio, f"{speedup}_se": se, f"{speedup}_low": low, f"{speedup}_high": high}
     sizes, baseline_sizes = _sizes(model, spec), _sizes(baseline, spec)
-    memory = (sizes["weight_bytes"] + sizes["kv_cache_bytes"]) / sum(baseline_sizes.values())
+    memory = sum(sizes.values()) / sum(baseline_sizes.values())
     return (out | sizes | {f"unpruned_{k}": v for k, v in baseline_sizes.items()}
             | {"memory_ratio": memory, "memory_ratio_se": 0.0, "speed_pairs": spec.repeats})
 
@@ -215,15 +219,7 @@ def checked_paired(record: object) -> dict[str, float | None]:
             raise ValueError(f"speed record: {speedup} is {str(value)[:40]!r}, not a speedup within "
                              f"{PLAUSIBLE_SPEEDUP:g}x of 1")
         checked[speedup] = value
-        for part in ("_se", "_low", "_high"):
-            if speedup + part not in record:
-                raise ValueError(f"speed record: {speedup + part} is missing")
-            bound = record[speedup + part]
-            if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float))
-                                      or not math.isfinite(bound) or bound < 0):
-                raise ValueError(f"speed record: {speedup + part} is {str(bound)[:40]!r}, not a finite number >= 0 "
-                                 "or null")
-            checked[speedup + part] = bound
+        checked |= {speedup + part: _error(record, speedup + part) for part in ("_se", "_low", "_high")}
     memory = record.get("memory_ratio")
     if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not 0 < memory <= PLAUSIBLE_SPEEDUP:
         raise ValueError(f"speed record: memory_ratio is {str(memory)[:40]!r}, not a positive ratio")
