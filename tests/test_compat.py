@@ -84,3 +84,50 @@ def test_a_missing_transformers_name_fails_loudly(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers.initialization", types.ModuleType("transformers.initialization"))
     with pytest.raises(CompatError, match=r"transformers: transformers\.initialization\.no_init_weights no longer"):
         fence.no_init_weights()
+
+
+def test_models_built_in_several_threads_at_once_are_built_one_at_a_time_and_keep_their_tied_heads(
+        tmp_path, monkeypatch):
+    """transformers' `from_pretrained` swaps `PreTrainedModel.tie_weights` for a no-op on the class while it builds
+    (`no_tie_weights`); two threads inside it at once can leave the no-op there for good (the CI failure of
+    2026-11-28: a real model loaded later in that process kept its head on the meta device). The window is widened
+    here (a pause inside the context): four threads loading a tied model never overlap in it, the class keeps its
+    own `tie_weights`, and every head, and a later load's, is the embedding itself."""
+    import importlib
+    import threading
+    import time
+    from contextlib import contextmanager
+
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+    folder = tmp_path / "tied"
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)
+                     ).save_pretrained(folder)
+    initialization = importlib.import_module("transformers.initialization")
+    original, plain = PreTrainedModel.tie_weights, initialization.no_tie_weights
+    inside, most, count = [0], [0], threading.Lock()
+
+    @contextmanager
+    def slow_no_tie_weights():
+        with plain():
+            with count:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+            time.sleep(0.05)
+            yield
+            with count:
+                inside[0] -= 1
+
+    monkeypatch.setattr(initialization, "no_tie_weights", slow_no_tie_weights)
+    models = []
+    threads = [threading.Thread(target=lambda: models.append(load_model(str(folder)))) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    monkeypatch.undo()
+    later = load_model(str(folder))
+    assert most[0] == 1 and len(models) == 4
+    assert PreTrainedModel.tie_weights is original
+    assert all(m.lm_head.weight is m.model.embed_tokens.weight for m in [*models, later])

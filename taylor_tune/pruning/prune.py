@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
+from taylor_tune.compat.transformers import building
 from taylor_tune.config import PruneConfig
 from taylor_tune.errors import ConfigError
 from taylor_tune.jsonio import write_json
@@ -132,9 +133,9 @@ def _mixed(config: PruneConfig, scores, layout: ModelLayout, loss, similarity) -
 
 def meta_layout(model: str, *, trust_remote_code: bool = False) -> ModelLayout:
     """A model's layout from its config alone, built on the meta device (no weights, no memory)."""
-    with torch.device("meta"):
-        return describe_layout(AutoModelForCausalLM.from_config(
-            load_model_config(model, trust_remote_code=trust_remote_code)))
+    config = load_model_config(model, trust_remote_code=trust_remote_code)
+    with building(), torch.device("meta"):
+        return describe_layout(AutoModelForCausalLM.from_config(config))
 
 
 def check_plan(config: PruneConfig, layout: ModelLayout) -> None:

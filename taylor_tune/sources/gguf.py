@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from taylor_tune.compat.transformers import no_init_weights
+from taylor_tune.compat.transformers import building, no_init_weights
 from taylor_tune.errors import ModelLoadError
 
 
@@ -23,14 +23,15 @@ def convert_gguf(gguf: Path, out: Path, dtype: torch.dtype = torch.float32) -> P
     """
     gguf = Path(gguf)
     try:
-        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+        with building():
+            loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except (OSError, ValueError, KeyError) as error:
         raise ModelLoadError(f"model: cannot read the GGUF file {gguf}: {str(error).splitlines()[0]}") from None
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    with no_init_weights():
+    with building(), no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.load_state_dict(loaded.state_dict(), strict=True)
     model.tie_weights()

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
+from taylor_tune.compat.transformers import building
 from taylor_tune.errors import ModelLoadError, shown
 from taylor_tune.sources.assets import MANIFEST, MODEL_ASSETS, check_home, file_sha256, home
 from taylor_tune.sources.assets import require as require_asset
@@ -161,7 +162,7 @@ def load_model(
     source, location = _source(spec)
     config = load_model_config(spec, trust_remote_code=trust_remote_code)
     if source == "tiny":
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), building():
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
             # transformers starts biases at zero; random ones make a test see a bias kept or dropped by mistake
@@ -176,9 +177,11 @@ def load_model(
         if source == "folder":
             check_safetensors(Path(location), spec)
         try:  # safetensors only: pickled weights (pytorch_model.bin) are never read, from a folder or the hub
-            model = AutoModelForCausalLM.from_pretrained(
-                location, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=True
-            ).to(device)
+            with building():
+                model = AutoModelForCausalLM.from_pretrained(
+                    location, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=True
+                )
+            model = model.to(device)
         except Exception as error:  # transformers and safetensors raise many kinds for a damaged folder
             first = str(error).splitlines()[0] if str(error) else ""
             raise ModelLoadError(
@@ -219,7 +222,8 @@ def load_pruned(
     cls = AutoModelForCausalLM if uniform else PRUNED_CLASSES[config.model_type]
     check_safetensors(directory, str(directory))
     try:
-        model = cls.from_pretrained(directory, dtype=saved_dtype, use_safetensors=True)
+        with building():
+            model = cls.from_pretrained(directory, dtype=saved_dtype, use_safetensors=True)
     except (
         Exception
     ) as error:  # transformers and safetensors raise many kinds for a damaged folder; all mean "cannot load"
