@@ -2,6 +2,7 @@
 
 import gc
 import os
+from pathlib import Path
 
 # No test may reach the hub: fail fast instead of waiting on timeouts.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -10,7 +11,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
 
-from taylor_tune.sources.assets import ASSETS, fetch, require
+from taylor_tune.sources.assets import ASSETS, asset_dir, fetch, home, require
 from tests.helpers import ARCHS
 
 # The longest modules first (their seconds in a clean `make test`, BENCHMARKS.md), the rest in collection order:
@@ -57,10 +58,35 @@ def arch(request) -> str:
     return request.param
 
 
+def _this_run(tmp_path_factory) -> Path:
+    """A folder every pytest-xdist worker of this run shares (and no other run): the run's id under the workers'
+    common parent, or the base folder itself without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    shared = base.parent / f"run-{run}" if run else base / "run"
+    shared.mkdir(exist_ok=True)
+    return shared
+
+
 @pytest.fixture(scope="session")
-def assets() -> dict:
+def assets(tmp_path_factory) -> dict:
     """The real offline world (every asset of `ASSETS`), fetched into $TAYLOR_TUNE_HOME when missing: the one way a
-    test gets a fetched asset, so no test depends on another having fetched it first (CI runs from an empty home)."""
+    test gets a fetched asset, so no test depends on another having fetched it first (CI runs from an empty home).
+    Each asset this run downloads is recorded (its folder), for `fetched_from_empty`."""
+    records = _this_run(tmp_path_factory)
     for name in ASSETS:
-        fetch(name, log=lambda line: None)
+        if fetch(name, log=lambda line: None)["downloaded"]:
+            (records / f"downloaded-{name}").write_text(str(asset_dir(name)))
     return {name: require(name) for name in ASSETS}
+
+
+@pytest.fixture
+def fetched_from_empty(assets, tmp_path_factory) -> Path | None:
+    """$TAYLOR_TUNE_HOME when this run fetched every asset into it (CI: an empty home, so the session's fetch was a
+    fetch from an empty cache, by whichever worker came first), else None: the fetch test then fetches into an empty
+    home of its own rather than doing the same 100 s of downloads and conversions a second time."""
+    records = _this_run(tmp_path_factory)
+    downloaded = {name: records / f"downloaded-{name}" for name in ASSETS}
+    if all(r.is_file() and r.read_text() == str(asset_dir(name)) for name, r in downloaded.items()):
+        return home()
+    return None

@@ -117,7 +117,8 @@ def model_report(table: TrialTable, model: str, z: float = stats.Z95, seed: int 
         paired=_paired_sections(valid, table, objective, z),
         seeds=stats.seed_spread(valid, objective), heldout=heldout,
         speed=stats.speed_quality(valid), objective=objective, front_objectives=front_of,
-        front=pareto.pareto_front(valid, front_of, z) if front_of and len(valid) else None, constrained=constrained,
+        front=pareto.pareto_front(valid, front_of, z, table.outcomes, table.ppl_windows) if front_of and len(valid)
+        else None, constrained=constrained,
         recovery=stats.recovery_comparison(valid, objective, seed=seed), seed=seed,
     )
 

@@ -12,6 +12,13 @@ added in quadrature; NaN where neither was measured (one seed of a perplexity or
 
 A point dominates another when it is at least as good in every objective and better in one (each objective in its
 own direction); the front is the points no other point dominates, computed on the means.
+
+Whether a dominator's lead is resolved (`tied_with`) is judged on paired intervals where the trials allow it
+(`paired_resolved`): acc_mean by the per-item differences on the items both configurations scored (`paired.
+paired_difference`, items averaged over each configuration's seeds, the seeds' spread added), perplexity by the
+per-window differences of log ppl (`paired.paired_log_ppl`), a speedup by the two points' own intervals, each timed
+interleaved with the unpruned model (evaluation/speed.py), compared on the log scale. Anything else, and any pair
+without shared items, falls back to the independent bound (`resolved`).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from taylor_tune.reporting.paired import paired_difference, paired_log_ppl
 from taylor_tune.reporting.stats import Z95, Objective, multiplicative, searched
 from taylor_tune.schema import before_recovery_key
 
@@ -115,18 +123,108 @@ def resolved(values: np.ndarray, errors: np.ndarray, objectives: tuple[Objective
     return ((better[:, None, :] - better[None, :, :]) > margin).any(axis=2)
 
 
-def pareto_front(df: pd.DataFrame, objectives: tuple[Objective, ...], z: float = Z95) -> pd.DataFrame:
+def _seed_se(df: pd.DataFrame, ids: list[str], metric: str) -> float:
+    """The standard error of a configuration's mean over its seeds from their spread (0 with one seed); a perplexity's
+    or a speedup's on the log scale, the one it is compared on."""
+    values = pd.to_numeric(df.loc[df["trial_id"].astype(str).isin(ids), metric], errors="coerce").to_numpy(float)
+    values = np.log(values) if multiplicative(metric) or metric.endswith("_speedup") else values
+    return float(np.std(values, ddof=1) / math.sqrt(len(values))) if len(values) > 1 else 0.0
+
+
+def _items(ids: list[str], kept: dict) -> pd.Series | pd.DataFrame | None:
+    """A configuration's per-item outcomes (or windows) averaged over its seeds, when every seed kept them on the
+    same items; None otherwise."""
+    parts = [kept.get(i) for i in ids]
+    if any(p is None for p in parts) or any(not p.index.sort_values().equals(parts[0].index.sort_values())
+                                            for p in parts):
+        return None
+    return sum(p.reindex(parts[0].index) for p in parts) / len(parts)
+
+
+def _speed_half_width(low: float, high: float) -> float:
+    """Half the width of a speedup's 95% interval on the log scale (NaN where it has none)."""
+    return (math.log(high) - math.log(low)) / 2 if low > 0 and high >= low else math.nan
+
+
+def paired_resolved(table: pd.DataFrame, df: pd.DataFrame, objectives: tuple[Objective, ...], z: float,
+                    outcomes: dict | None = None, windows: dict | None = None,
+                    pairs: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(res, paired) for the configurations of `table` (`configurations` of `df`) over the point pairs `pairs`
+    selects (all by default; the others stay False): res[i, j], point i is better than point j beyond the
+    uncertainty in at least one objective; paired[i, j], some objective of the pair was judged paired.
+
+    Per objective: acc_mean on the shared items, z paired standard errors (`paired_difference`, the seeds' spread
+    of both added in quadrature); ppl on the shared windows in log ppl (`paired_log_ppl`, likewise); a
+    `<x>_speedup` that has `_low`/`_high` (each point timed interleaved with the unpruned model) by its log-ratio
+    against the two 95% half-widths in quadrature (scaled by z / Z95); anything else, and a pair without shared
+    items, by `resolved`'s independent bound."""
+    values = table[[o.metric for o in objectives]].to_numpy(dtype=float)
+    errors = table[[f"{o.metric}_se" for o in objectives]].to_numpy(dtype=float)
+    res = np.zeros((len(table), len(table)), dtype=bool)
+    paired = np.zeros_like(res)
+    pairs = ~np.eye(len(table), dtype=bool) if pairs is None else pairs & ~np.eye(len(table), dtype=bool)
+    ids = [t.split(";") for t in table["trials"]]
+    for k, objective in enumerate(objectives):
+        independent = resolved(values[:, [k]], errors[:, [k]], (objective,), z)
+        lead = _paired_lead(objective, values[:, k], ids, df, z, outcomes, windows)
+        for a, b in zip(*np.nonzero(pairs)):
+            verdict = lead(a, b)
+            res[a, b] |= independent[a, b] if verdict is None else verdict
+            paired[a, b] |= verdict is not None
+    return res, paired
+
+
+def _paired_lead(objective: Objective, values: np.ndarray, ids: list[list[str]], df: pd.DataFrame, z: float,
+                 outcomes: dict | None, windows: dict | None):
+    """lead(a, b): whether point a beats point b in `objective` beyond its paired interval, or None where the two
+    cannot be paired in it (`paired_resolved`)."""
+    metric, sign = objective.metric, (-1.0 if objective.ascending else 1.0)
+
+    def beyond(pair, a, b) -> bool | None:  # a PairedDifference of a minus b, seeds' spread added
+        if pair is None:
+            return None
+        se = math.hypot(pair.stderr, _seed_se(df, ids[a], metric), _seed_se(df, ids[b], metric))
+        return bool(sign * pair.difference > z * se)
+
+    if metric == "acc_mean" and outcomes:
+        items = [_items(i, outcomes) for i in ids]
+        return lambda a, b: beyond(None if items[a] is None or items[b] is None
+                                   else paired_difference(items[a], items[b]), a, b)
+    if metric == "ppl" and windows:
+        kept = [_items(i, windows) for i in ids]
+        return lambda a, b: beyond(None if kept[a] is None or kept[b] is None
+                                   else paired_log_ppl(kept[a], kept[b]), a, b)
+    if metric.endswith("_speedup") and {f"{metric}_low", f"{metric}_high"} <= set(df):
+        half = []
+        for i in ids:
+            rows = df[df["trial_id"].astype(str).isin(i)]
+            bounds = [pd.to_numeric(rows[f"{metric}_{end}"], errors="coerce").mean() for end in ("low", "high")]
+            half.append(math.hypot(_speed_half_width(*bounds) * z / Z95, z * _seed_se(df, i, metric)))
+
+        def speed(a, b):
+            if not (math.isfinite(half[a]) and math.isfinite(half[b]) and values[a] > 0 and values[b] > 0):
+                return None
+            return bool(sign * (math.log(values[a]) - math.log(values[b])) > math.hypot(half[a], half[b]))
+        return speed
+    return lambda a, b: None
+
+
+def pareto_front(df: pd.DataFrame, objectives: tuple[Objective, ...], z: float = Z95, outcomes: dict | None = None,
+                 windows: dict | None = None) -> pd.DataFrame:
     """Every configuration of one model's valid trials with its objectives' means and uncertainties, `on_front`,
     `dominated_by` (the points that dominate it, ';'-joined; '' on the front) and `tied_with` (those of them whose
-    lead lies within the uncertainty: better by no more than z standard errors of the difference in every objective,
-    `resolved`; such a point is off the front by its means only). The front comes first, ordered by the first
-    objective, best first. A configuration missing an objective is left out (`left_out` in attrs)."""
+    lead lies within the uncertainty in every objective, `paired_resolved`: paired where `outcomes` (trial_id -> its
+    items' outcomes) or `windows` (trial_id -> its perplexity windows) allow, else the independent bound; such a
+    point is off the front by its means only). attrs: `left_out` (configurations missing an objective),
+    `separated_by_pairing` (dominations the independent bound calls tied and the paired intervals resolve) and
+    `paired` (dominations judged paired in some objective). The front comes first, ordered by the first objective,
+    best first."""
     metrics = [o.metric for o in objectives]
     table = configurations(df, metrics)
     if table.empty:
         table = table.assign(on_front=pd.Series(dtype=bool), dominated_by=pd.Series(dtype=object),
                              tied_with=pd.Series(dtype=object))
-        table.attrs["left_out"] = 0
+        table.attrs.update(left_out=0, separated_by_pairing=0, paired=0)
         return table
     complete = np.isfinite(table[metrics].to_numpy(dtype=float)).all(axis=1)
     left_out = int((~complete).sum())
@@ -136,8 +234,11 @@ def pareto_front(df: pd.DataFrame, objectives: tuple[Objective, ...], z: float =
     table["on_front"] = ~dom.any(axis=0)
     table["dominated_by"] = [";".join(sorted(points[dom[:, j]])) for j in range(len(table))]
     errors = table[[f"{m}_se" for m in metrics]].to_numpy(dtype=float)
-    tied = dom & ~resolved(table[metrics].to_numpy(dtype=float), errors, objectives, z)
+    independent_tie = dom & ~resolved(table[metrics].to_numpy(dtype=float), errors, objectives, z)
+    res, paired = paired_resolved(table, df, objectives, z, outcomes, windows, pairs=dom)
+    tied = dom & ~res
     table["tied_with"] = [";".join(sorted(points[tied[:, j]])) for j in range(len(table))]
+    separated_by_pairing, judged_paired = int((independent_tie & ~tied).sum()), int((dom & paired).sum())
     first = objectives[0]
     table = table.sort_values(["on_front", first.metric, "point"], ascending=[False, first.ascending, True],
                               kind="stable").reset_index(drop=True)
@@ -149,7 +250,7 @@ def pareto_front(df: pd.DataFrame, objectives: tuple[Objective, ...], z: float =
               and df[before_recovery_key(m)].notna().any()]
     if before:  # recovery.evaluate_before: where each configuration stood before its recovery
         table = table.merge(configurations(df, before)[["point", *before]], on="point", how="left")
-    table.attrs["left_out"] = left_out
+    table.attrs.update(left_out=left_out, separated_by_pairing=separated_by_pairing, paired=judged_paired)
     return table
 
 

@@ -253,22 +253,27 @@ def _front_blocks(m: ModelReport) -> list:
         *([dominated[shown[:-1]].assign(
             dominated_by=[_first(ids.split(";")) for ids in dominated["dominated_by"]]).reset_index(drop=True)]
           if len(dominated) else []),
-        *_tied_lines(dominated),
+        *_tied_lines(dominated, table.attrs),
     ]
 
 
-def _tied_lines(dominated: pd.DataFrame) -> list[str]:
-    """The dominated points whose every dominator leads within the uncertainty: off the front by the means only."""
+def _tied_lines(dominated: pd.DataFrame, attrs: dict) -> list[str]:
+    """The dominated points whose every dominator leads within the uncertainty: off the front by the means only; and
+    how the leads were judged (pareto.paired_resolved)."""
     if "tied_with" not in dominated:
         return []
+    how = (f"Leads judged on paired intervals (the same items, windows, or each point's interleaved timing) for "
+           f"{attrs.get('paired', 0)} domination(s), the independent bound for the rest; separated by the paired "
+           f"intervals only: {attrs.get('separated_by_pairing', 0)}.")
     tied = dominated[[bool(t) and set(t.split(";")) == set(d.split(";"))
                       for t, d in zip(dominated["tied_with"], dominated["dominated_by"])]]
     if tied.empty:
         return ["Every dominated point is behind a point that dominates it by more than the uncertainty (95%) in "
-                "some objective."]
+                "some objective. " + how]
     return [f"Tied with the front: {len(tied)} dominated point(s) are within the uncertainty (95%) of every point "
             "that dominates them, so their place off the front is not resolved: "
-            + ", ".join(f"{p} (by {_first(t.split(';'))})" for p, t in zip(tied["point"], tied["tied_with"]))]
+            + ", ".join(f"{p} (by {_first(t.split(';'))})" for p, t in zip(tied["point"], tied["tied_with"]))
+            + ". " + how]
 
 
 def _first(ids: list[str], shown: int = 2) -> str:

@@ -294,3 +294,130 @@ def test_methods_and_values_compare_paired_by_configuration(pair):
     values = stats.paired_levels(df, "taylor_seq_len", 16, outcomes).set_index("level")
     assert values.at[32, "pairs"] == 3 and 64 not in values.index
     assert stats.paired_levels(df, "pruning_method", "taylor", {}, labels=stats.method_labels(df)) is None
+
+
+def _loop_stderr(a: pd.Series, b: pd.Series) -> float:
+    """The task-stratified standard error of acc_mean(a) - acc_mean(b), item by item."""
+    variance = 0.0
+    for task in SIZES:
+        d = [a[(task, i)] - b[(task, i)] for i in range(SIZES[task])]
+        mean = sum(d) / len(d)
+        variance += sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d)
+    return math.sqrt(variance) / len(SIZES)
+
+
+def test_the_fronts_ties_are_judged_on_paired_intervals_against_a_loop():
+    """Issue 64, build 4: variants of one model on the same items, each with a speedup timed interleaved with the
+    unpruned model (its own 95% interval). A dominated point is tied when, in every objective, its dominator's lead is
+    within the paired interval: acc_mean's per-item differences (a loop here), the speedups' log-ratio against the two
+    half-widths in quadrature. Without outcomes the independent bound judges acc_mean, and it ties more; the count of
+    dominations only the paired intervals resolve is the difference."""
+    from taylor_tune.reporting.pareto import pareto_front
+    from taylor_tune.reporting.stats import Z95, Objective
+
+    base = outcomes(0, {"arc_easy": 0.6, "boolq": 0.7, "piqa": 0.55})
+
+    def losing(share: float, seed: int) -> pd.Series:  # the base with a share of its right items answered wrong
+        rng, variant = np.random.default_rng(seed), base.copy()
+        right = np.flatnonzero(base.to_numpy() == 1)
+        variant.iloc[rng.choice(right, size=int(share * len(base)), replace=False)] = 0.0
+        return variant
+
+    series = {"v0": base, "v1": losing(0.03, 1), "v2": losing(0.005, 2), "v3": outcomes(3, {}, 0.01, base),
+              "v4": losing(0.10, 4), "v5": losing(0.06, 5)}
+    df = trials_table(series).assign(model="m", seed=0, pruning_method=[f"m{k}" for k in range(len(series))])
+    speed = np.array([1.05, 1.05, 1.00, 1.04, 1.30, 1.02])
+    width = np.array([0.03, 0.03, 0.03, 0.05, 0.02, 0.04])  # half-widths on the log scale
+    df = df.assign(decode_speedup=speed, decode_speedup_low=speed * np.exp(-width),
+                   decode_speedup_high=speed * np.exp(width), decode_speedup_se=width / 2,
+                   acc_mean_stderr=[math.sqrt(sum(df.at[i, f"acc_{t}_stderr"] ** 2 for t in SIZES)) / len(SIZES)
+                                    for i in df.index])
+    objectives = (Objective("acc_mean", "max"), Objective("decode_speedup", "max"))
+    front = pareto_front(df, objectives, Z95, outcomes=series).set_index("point")
+    plain = pareto_front(df, objectives, Z95).set_index("point")
+    rows = df.set_index("trial_id")
+    expected_ties, separated = {}, 0
+    for j in rows.index:
+        tied, tied_independent = [], []
+        for i in rows.index:
+            a, b = rows.loc[i], rows.loc[j]
+            if i == j or not (a["acc_mean"] >= b["acc_mean"] and a["decode_speedup"] >= b["decode_speedup"]
+                              and (a["acc_mean"] > b["acc_mean"] or a["decode_speedup"] > b["decode_speedup"])):
+                continue
+            speed_resolved = math.log(a["decode_speedup"] / b["decode_speedup"]) > math.hypot(
+                math.log(a["decode_speedup_high"] / a["decode_speedup_low"]) / 2,
+                math.log(b["decode_speedup_high"] / b["decode_speedup_low"]) / 2)
+            acc_paired = a["acc_mean"] - b["acc_mean"] > Z95 * _loop_stderr(series[i], series[j])
+            acc_independent = a["acc_mean"] - b["acc_mean"] > Z95 * math.hypot(a["acc_mean_stderr"],
+                                                                              b["acc_mean_stderr"])
+            if not (acc_paired or speed_resolved):
+                tied.append(i)
+            if not (acc_independent or speed_resolved):
+                tied_independent.append(i)
+        expected_ties[j] = sorted(tied)
+        separated += len(set(tied_independent) - set(tied))
+        got = front.loc[j, "tied_with"]
+        assert (sorted(got.split(";")) if got else []) == sorted(tied), (j, got, tied)
+        got = plain.loc[j, "tied_with"]
+        assert (sorted(got.split(";")) if got else []) == sorted(tied_independent), (j, got, tied_independent)
+    assert separated > 0 and front.attrs["separated_by_pairing"] == separated
+    assert front.attrs["paired"] == sum(len(d.split(";")) for d in front["dominated_by"] if d)
+    assert any(expected_ties.values())  # the draw leaves ties to find as well
+
+
+def test_a_configuration_on_other_items_is_judged_on_the_front_by_the_independent_bound():
+    """One variant scored fewer items (a trial stopped at a lower fidelity): its pairs fall back to the independent
+    bound on acc_mean, and only the speed interval (paired with the unpruned model) is still judged paired."""
+    from taylor_tune.reporting.pareto import pareto_front
+    from taylor_tune.reporting.stats import Z95, Objective
+
+    base = outcomes(0, {"arc_easy": 0.6, "boolq": 0.7, "piqa": 0.55})
+    series = {"a": base, "b": outcomes(3, {}, flip=0.03, base=base)}
+    df = trials_table(series).assign(model="m", seed=0, pruning_method=["x", "y"])
+    df = df.assign(acc_mean_stderr=0.02, decode_speedup=[1.0, 1.0], decode_speedup_se=0.0)
+    objectives = (Objective("acc_mean", "max"), Objective("decode_speedup", "max"))
+    shorter = {"a": base, "b": series["b"].iloc[:-7]}
+    assert pareto_front(df, objectives, Z95, outcomes=series).attrs["paired"] == 1
+    other = pareto_front(df, objectives, Z95, outcomes=shorter)
+    assert other.attrs["paired"] == 0
+    independent = pareto_front(df, objectives, Z95)
+    assert list(other["tied_with"]) == list(independent["tied_with"])
+
+
+def test_the_fronts_perplexity_ties_are_judged_on_paired_windows_against_a_loop():
+    """Lower is better here: a dominator's lead in perplexity is resolved when its log ppl is below by more than z
+    paired standard errors over the shared windows (a loop: the delta method for a ratio of sums), the speedups as
+    above; a sign slip or an independent judgement fails this."""
+    from taylor_tune.reporting.pareto import pareto_front
+    from taylor_tune.reporting.stats import Z95, Objective
+
+    rng = np.random.default_rng(11)
+    tokens = rng.integers(100, 128, 40).astype(float)
+    common = rng.normal(3.0, 0.4, 40) * tokens  # what every variant shares: the windows' own difficulty
+    shifts = {"w0": 0.0, "w1": 0.01, "w2": 0.03, "w3": 0.002, "w4": 0.08}
+    windows = {k: pd.DataFrame({"nll": common + (shift + rng.normal(0, 0.01, 40)) * tokens, "tokens": tokens})
+               for k, shift in shifts.items()}
+    ppl = {k: math.exp(w["nll"].sum() / w["tokens"].sum()) for k, w in windows.items()}
+    speed = {"w0": 1.05, "w1": 1.05, "w2": 1.0, "w3": 1.04, "w4": 1.3}
+    df = pd.DataFrame({"trial_id": list(windows), "model": "m", "seed": 0, "pruning_method": list(windows),
+                       "ppl": [ppl[k] for k in windows], "decode_speedup": [speed[k] for k in windows]})
+    df = df.assign(decode_speedup_low=df["decode_speedup"] * 0.97, decode_speedup_high=df["decode_speedup"] / 0.97)
+    front = pareto_front(df, (Objective("ppl", "min"), Objective("decode_speedup", "max")), Z95,
+                         windows=windows).set_index("point")
+    ties = 0
+    for j in windows:
+        tied = []
+        for i in windows:
+            if i == j or not (ppl[i] <= ppl[j] and speed[i] >= speed[j] and (ppl[i] < ppl[j] or speed[i] > speed[j])):
+                continue
+            d = (windows[i]["nll"] - windows[j]["nll"]).to_numpy()
+            lead = -d.sum() / tokens.sum()  # log ppl(j) - log ppl(i): positive when i is better
+            residual = d + lead * tokens
+            se = math.sqrt(sum(r * r for r in residual) * len(d) / (len(d) - 1)) / tokens.sum()
+            speed_resolved = math.log(speed[i] / speed[j]) > math.hypot(-math.log(0.97), -math.log(0.97))
+            if not (lead > Z95 * se or speed_resolved):
+                tied.append(i)
+        ties += len(tied)
+        got = front.loc[j, "tied_with"]
+        assert (sorted(got.split(";")) if got else []) == sorted(tied), (j, got, tied)
+    assert ties and front.attrs["paired"] == sum(len(d.split(";")) for d in front["dominated_by"] if d)

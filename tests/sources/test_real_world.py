@@ -220,8 +220,9 @@ def test_prefix_scorer_equals_hflm_request_by_request_on_the_real_tasks(assets, 
 
 @pytest.mark.timeout(1800)  # ~3 min alone on 2 cores; far longer on a machine busy with something else
 def test_real_demo_sweep_runs_through_ray_and_reports(assets, tmp_path):
-    """experiments/real_demo.yaml as shipped, its evaluation shrunk (2 items per task, 4 perplexity windows) and its
-    calibration shortened: every trial through Ray, seen by ExperimentAnalysis, and the report built from it."""
+    """experiments/real_demo.yaml as shipped, its evaluation shrunk (2 items per task, 4 perplexity windows, the
+    paired timing of each trial 2 pairs of short inputs) and its calibration shortened: every trial through Ray, seen
+    by ExperimentAnalysis, and the report built from it."""
     import pandas as pd
     import yaml
 
@@ -231,7 +232,9 @@ def test_real_demo_sweep_runs_through_ray_and_reports(assets, tmp_path):
     data = yaml.safe_load((REPO / "experiments" / "real_demo.yaml").read_text())
     data["search_space"] = {"taylor_seq_len": {"grid": [16, 32]}, "taylor_num_samples": {"grid": [8]},
                             "pruning_method": {"grid": ["taylor", "layerwise", "blockwise"]}}
-    data["evaluation"] |= {"fidelities": [2], "ppl_max_windows": 4}
+    data["evaluation"] |= {"fidelities": [2], "ppl_max_windows": 4,
+                           "speed": {"prefill_batch": 1, "prefill_len": 16, "decode_batch": 2, "prompt_len": 4,
+                                     "new_tokens": 2, "repeats": 2, "warmup": 1}}
     data["storage_path"] = str(tmp_path / "sweeps")
     experiment = tmp_path / "real_demo.yaml"
     experiment.write_text(yaml.safe_dump(data))
@@ -246,6 +249,7 @@ def test_real_demo_sweep_runs_through_ray_and_reports(assets, tmp_path):
     assert len(rows) == 6 and set(rows["pruning_method"]) == {"taylor", "layerwise", "blockwise"}
     assert rows["ppl"].between(5, 10_000).all() and rows["acc_mean"].between(0, 1).all()
     assert (rows["ppl_source"] == "wiki").all() and (rows["acc_boolq_n"] == 2).all()
+    assert (rows["decode_speedup"] > 0).all() and (rows["speed_pairs"] == 2).all()
     report = build_report(str(tmp_path / "sweeps" / "real_demo"))
     written = write_report(report, tmp_path / "report")
     assert any(Path(p).name == "final_analysis_report.txt" for p in written)
