@@ -30,6 +30,8 @@ demo: setup
 	$(VENV)/bin/taylor-tune sweep experiments/real_demo.yaml
 	$(VENV)/bin/taylor-tune status runs/sweeps/real_demo
 	$(VENV)/bin/taylor-tune report runs/sweeps/real_demo --output runs/reports/real_demo
+	rm -rf runs/export/real_demo
+	$(VENV)/bin/taylor-tune export runs/sweeps/real_demo --output runs/export/real_demo
 
 # The synthetic world's tiny models (36 trials, ~2 min): the pipeline end to end, no download.
 smoke-demo: setup

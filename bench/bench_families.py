@@ -28,6 +28,9 @@ from their recorded layers (measured_loss is not searched again), the others pru
     .venv/bin/python bench/bench_families.py --json bench/families.json --table
     .venv/bin/python bench/bench_families.py --set baselines --num-samples 128 --sparsities 0.2 --recover-steps 0 \
         --json bench/baselines.json
+    .venv/bin/python bench/bench_families.py --set baselines --num-samples 128 --sparsities 0.2 --recover-steps 0 \
+        --no-speed --outcomes --names taylor,layerwise,blockwise,"wanda_sp (uniform)",flap \
+        --json bench/baselines_paired.json                       # then: bench/paired_protocol.py
 """
 
 from __future__ import annotations
@@ -91,12 +94,30 @@ def acc_mean_stderr(tasks: dict) -> float:
     return float(stats.acc_mean_stderr(row, tuple(tasks)).iloc[0])
 
 
-def quality(model, tokenizer, model_name: str, args) -> dict:
-    """Held-out wiki perplexity and the seven tasks at args.eval_limit items."""
-    row = {"ppl": perplexity(model, tokenizer, load_ppl_text("wiki"), window=128, max_windows=args.windows)["ppl"]}
+def outcomes_folder(args, key: str) -> Path:
+    """Where a row's per-item outcomes and perplexity windows go (--outcomes): beside --json, one folder a row."""
+    return args.json.with_suffix(".outcomes") / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def quality(model, tokenizer, model_name: str, args, key: str = "") -> dict:
+    """Held-out wiki perplexity and the seven tasks at args.eval_limit items; with --outcomes, each item's outcome and
+    each window's NLL written to `outcomes_folder` (what the paired comparisons read, bench/paired_protocol.py)."""
+    if args.outcomes:  # the trial's own evaluator: the same windows and items as a sweep's, kept as a sweep keeps them
+        folder = outcomes_folder(args, key)
+        spec = EvalSpec(task_data="real", limit=args.eval_limit, ppl="wiki", ppl_window=128,
+                        ppl_max_windows=args.windows)
+        evaluator = Evaluator(model, tokenizer, spec, model_name=model_name)
+        result = evaluator.perplexity()
+        result.write_outcomes(folder)
+        row = {"ppl": result.ppl, "outcomes": folder.name}
+    else:
+        row = {"ppl": perplexity(model, tokenizer, load_ppl_text("wiki"), window=128,
+                                 max_windows=args.windows)["ppl"]}
     if args.eval_limit:
         spec = EvalSpec(task_data="real", limit=args.eval_limit, ppl=None)
         shots = Evaluator(model, tokenizer, spec, model_name=model_name).zero_shot(args.eval_limit)
+        if args.outcomes:
+            shots.write_outcomes(outcomes_folder(args, key))
         tasks = {t: {k: e[k] for k in ("score", "score_stderr", "n", "metric")} for t, e in shots.tasks.items()}
         row |= {"acc_mean": shots.acc_mean, "acc_mean_stderr": acc_mean_stderr(tasks), "tasks": tasks,
                 "zero_shot_s": shots.seconds}
@@ -195,7 +216,8 @@ def run(model_name: str, sparsity: float, name: str, args, cache: ImportanceCach
             row["plan_losses"] = {"measured": memo.measured, "remembered": memo.remembered}
         if not args.no_speed:
             row |= timed_beside_unpruned(model_name, model)
-    row |= quality(model, tokenizer, model_name, args)
+    row |= quality(model, tokenizer, model_name, args,
+                   f"{model_name}|{sparsity}|{name}|{'ce' if recover_steps else 'none'}")
     return row | {"wall_s": time.perf_counter() - start, "date": time.strftime("%Y-%m-%d %H:%M")}
 
 
@@ -297,6 +319,9 @@ def main() -> None:
     parser.add_argument("--recover-steps", type=int, default=50, help="0: no recovery")
     parser.add_argument("--table", action="store_true", help="print the Markdown tables of --json and exit")
     parser.add_argument("--no-speed", action="store_true", help="measure quality only; time later with --speeds")
+    parser.add_argument("--outcomes", action="store_true",
+                        help="keep each row's per-item outcomes and perplexity windows (for bench/paired_protocol.py)")
+    parser.add_argument("--names", default=None, help="only these configurations of --set (comma-separated)")
     parser.add_argument("--speeds", action="store_true",
                         help="only time the finished runs that have no timing beside the unpruned model")
     args = parser.parse_args()
@@ -305,7 +330,7 @@ def main() -> None:
         print(table(data))
         return
     settings = {"windows": args.windows, "eval_limit": args.eval_limit, "recover_steps": args.recover_steps,
-                "speed": SPEED.model_dump()}
+                "speed": SPEED.model_dump()} | ({"outcomes": True} if args.outcomes else {})
     if args.set != "families" or args.num_samples != 32:  # the first record (families, 32 rows) predates these
         settings |= {"set": args.set, "num_samples": args.num_samples}
     differ = [k for k in settings if k in data.get("settings", {}) and data["settings"][k] != settings[k]]
@@ -337,10 +362,14 @@ def main() -> None:
             write_json(args.json, data)
         if model_name not in data.setdefault("unpruned_quality", {}):
             data["unpruned_quality"][model_name] = quality(load_model(model_name, dtype=torch.float32).eval(),
-                                                           load_tokenizer(model_name), model_name, args)
+                                                           load_tokenizer(model_name), model_name, args,
+                                                           f"{model_name}|unpruned")
             write_json(args.json, data)
         # the greedy measured-loss search costs several times any other row: each sparsity's other rows come first
-        order = sorted(((s, n, 0) for s in sparsities for n in SETS[args.set]),
+        names = args.names.split(",") if args.names else list(SETS[args.set])
+        if unknown := set(names) - set(SETS[args.set]):
+            parser.error(f"--names: {', '.join(sorted(unknown))} not in --set {args.set}")
+        order = sorted(((s, n, 0) for s in sparsities for n in names),
                        key=lambda row: (row[0], row[1] == "depth/measured_loss"))
         for sparsity, name, steps in order:
             key = f"{model_name}|{sparsity}|{name}|none"

@@ -14,11 +14,15 @@ import os
 import sys
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from taylor_tune.config import (
     EvalSpec,
     PruneConfig,
+    RecoverySpec,
     build_eval_spec,
     build_prune_config,
+    format_validation_error,
     read_config_file,
 )
 from taylor_tune.errors import ConfigError, TaylorTuneError
@@ -42,26 +46,38 @@ writes OUTPUT/pruning_summary.json, OUTPUT/importance.safetensors and OUTPUT/mod
 """
 
 
-def _add_field_options(parser: argparse.ArgumentParser, model, names: tuple[str, ...]) -> None:
-    """One --option per config field; values stay strings: pydantic converts and validates them, naming the field."""
+def _add_field_options(parser: argparse.ArgumentParser, model, names: tuple[str, ...], prefix: str = "") -> None:
+    """One --option per config field; values stay strings: pydantic converts and validates them, naming the field.
+    With `prefix`, `--<prefix>-<name>` into `<prefix>_<name>` (another class's fields beside the first's)."""
     for name in names:
         field = model.model_fields[name]
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
+        flag = f"{prefix}_{name}" if prefix else name
+        parser.add_argument("--" + flag.replace("_", "-"), dest=flag, default=None,
                             help=f"{field.description} (default: {field.default})")
 
 
-def _add_config_flags(parser: argparse.ArgumentParser, model, skip: tuple[str, ...] = ()) -> None:
+def _add_config_flags(parser: argparse.ArgumentParser, model, skip: tuple[str, ...] = (), prefix: str = "") -> None:
     """Every field of a configuration class as an option, in the class's order, derived from it (a field added there
     is a flag here): `--name VALUE`, or `--name` / `--no-name` for a yes/no field."""
     for name, field in model.model_fields.items():
         if name in skip:
             continue
         if field.annotation is not bool:
-            _add_field_options(parser, model, (name,))
+            _add_field_options(parser, model, (name,), prefix)
             continue
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
+        flag = f"{prefix}_{name}" if prefix else name
+        parser.add_argument("--" + flag.replace("_", "-"), dest=flag, default=None,
                             action=argparse.BooleanOptionalAction,
                             help=f"{field.description} (default: {'yes' if field.default else 'no'})")
+
+
+def _given(args: argparse.Namespace, model, prefix: str = "") -> dict:
+    """The fields of `model` given on the command line (`_add_config_flags` with the same prefix)."""
+    values = {name: getattr(args, f"{prefix}_{name}" if prefix else name, None) for name in model.model_fields}
+    return {name: value for name, value in values.items() if value is not None}
+
+
+SWEEP_ONLY_RECOVERY = ("eval_every", "evaluate_before")  # what a sweep reports to Tune; a lone prune reports nothing
 
 
 def _add_prune(subparsers) -> None:
@@ -77,6 +93,11 @@ def _add_prune(subparsers) -> None:
     p.add_argument("--model", help=fields["model"].description)
     p.add_argument("--output", required=True, help="folder for the summary, the importance and the pruned model")
     _add_config_flags(p, PruneConfig, skip=("model",))
+    recovery = p.add_argument_group(
+        "recovery", "LoRA recovery of the pruned model before it is saved (its adapters merged): on with --recover "
+        "or any --recovery-* option; the config file's `recovery:` block gives the same settings")
+    recovery.add_argument("--recover", action="store_true", default=None, help="recover with the defaults below")
+    _add_config_flags(recovery, RecoverySpec, skip=SWEEP_ONLY_RECOVERY, prefix="recovery")
     p.set_defaults(handler=_run_prune)
 
 
@@ -97,19 +118,41 @@ def check_output(path: str, *, folder: bool) -> None:
 def _run_prune(args: argparse.Namespace) -> int:
     check_output(args.output, folder=True)
     values = read_config_file(args.config) if args.config else {}
-    values |= {k: v for k, v in vars(args).items() if k in PruneConfig.model_fields and v is not None}
+    recovery = values.pop("recovery", None)
+    values |= _given(args, PruneConfig)
     config = build_prune_config(values)
+    if recovery is not None and not isinstance(recovery, dict):
+        raise ConfigError("recovery: give a mapping of recovery settings (the --recovery-* options' names)")
+    given = _given(args, RecoverySpec, "recovery")
+    spec = None
+    if args.recover or given or recovery is not None:
+        try:
+            spec = RecoverySpec(**(recovery or {}) | given)
+        except ValidationError as error:
+            raise ConfigError("\n".join(f"recovery.{line}" for line in
+                                        format_validation_error(error).splitlines())) from None
 
     from taylor_tune.pruning.artifacts import write_prune_artifacts  # torch: only once the arguments are valid
     from taylor_tune.pruning.prune import prune
 
     result = prune(config)
+    recovered = ""
+    if spec is not None:
+        from taylor_tune.recovery.train import recover_pruned  # torch and peft: only when recovering
+        from taylor_tune.sources.data import resolve_text  # beside it, as the stages are deferred
+
+        done = recover_pruned(result.model, result.tokenizer, spec, model_name=config.model,
+                              heldout_text=resolve_text("auto", config.model),
+                              trust_remote_code=config.trust_remote_code, seed=config.seed)
+        result.model = done.model
+        recovered = (f"; recovered {spec.steps} steps ({spec.loss}): held-out loss {done.loss_before:.4f} -> "
+                     f"{done.loss_after:.4f}")
     out = write_prune_artifacts(args.output, config, result)
     d = result.diagnostics
     print(
         f"{config.method}: removed {d['params_count_before'] - d['params_count']} of {d['params_count_before']} "
         f"parameters (pruning_ratio {d['pruning_ratio']:.4f}, target {config.sparsity}); "
-        f"extreme layers {d['extreme_pruning_layers']}; wrote {out}"
+        f"extreme layers {d['extreme_pruning_layers']}{recovered}; wrote {out}"
     )
     return 0
 
@@ -316,6 +359,43 @@ def _run_report(args: argparse.Namespace) -> int:
     return 0
 
 
+EXPORT_EXAMPLE = """\
+example (the demo's best configuration, rebuilt, checked and written with its model card):
+  taylor-tune export runs/sweeps/real_demo --output runs/export/real_demo
+
+example (the best among the trials that decode at least 1.2x faster than the unpruned model):
+  taylor-tune export runs/sweeps/real_demo --constraint "decode_speedup>=1.2" --output runs/export/fast
+"""
+
+
+def _add_export(subparsers) -> None:
+    p = subparsers.add_parser(
+        "export", help="rebuild a sweep's best (or a named) trial's model, check it, and write it with a model card",
+        description="Rebuild one trial's model from its recorded configuration (pruning, then recovery when it "
+                    "recovered), check its held-out perplexity against the trial's, and write the model folder "
+                    "(safetensors, stock classes where every layer has one shape) with a model card (README.md).",
+        epilog=EXPORT_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("sweep", help="the sweep's folder (storage_path/name)")
+    p.add_argument("--output", required=True, help="a new folder for the model and its card")
+    p.add_argument("--model", help="which model of the sweep (needed when it swept several)")
+    chosen = p.add_mutually_exclusive_group()
+    chosen.add_argument("--trial", help="this trial id (default: the report's best configuration)")
+    chosen.add_argument("--rank", type=int, help="the K-th best by the sweep's objective (1 = the best)")
+    p.add_argument("--constraint", action="append", default=[],
+                   help="METRIC OP VALUE the trial must meet, e.g. decode_speedup>=1.2 (repeatable)")
+    p.set_defaults(handler=_run_export)
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from taylor_tune.export import export  # deferred like every stage (it loads torch only when it builds)
+
+    out = export(args.sweep, args.output, model=args.model, trial=args.trial, rank=args.rank,
+                 constraints=tuple(args.constraint))
+    print(f"wrote {out} (model card: {Path(out) / 'README.md'})")
+    return 0
+
+
 def _add_dashboard(subparsers) -> None:
     p = subparsers.add_parser(
         "dashboard", help="print the URLs to watch a sweep: Ray dashboard, TensorBoard, Prometheus, Grafana"
@@ -371,6 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_evaluate(subparsers)
     _add_sweep(subparsers)
     _add_report(subparsers)
+    _add_export(subparsers)
     _add_dashboard(subparsers)
     _add_fetch(subparsers)
     return parser

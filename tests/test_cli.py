@@ -293,3 +293,55 @@ def test_the_settings_missing_from_prune_reach_the_pruning(capsys, tmp_path, fla
     else:  # with compensation every layer's output projections gain a bias (checked by hand)
         assert all(layer.self_attn.o_proj.bias is None and layer.mlp.down_proj.bias is None
                    for layer in model.model.layers)
+
+
+def test_every_recovery_setting_is_a_prune_flag_and_a_new_one_becomes_one(monkeypatch):
+    """Issue 65, build 3: `prune` takes the recovery settings too, derived from RecoverySpec as --recovery-<name>
+    (what only a sweep reports to Tune aside); a toy field added to the class appears with no other change."""
+    from pydantic import Field, create_model
+
+    import taylor_tune.cli as cli
+    from taylor_tune.config import RecoverySpec
+
+    flags = prune_flags(cli.build_parser())
+    expected = {"--recovery-" + name.replace("_", "-") for name in RecoverySpec.model_fields
+                if name not in cli.SWEEP_ONLY_RECOVERY}
+    assert expected <= flags and "--recover" in flags and "--recovery-eval-every" not in flags
+    toy = create_model("ToyRecovery", __base__=RecoverySpec, toy_knob=(int, Field(3, description="a toy knob")))
+    monkeypatch.setattr(cli, "RecoverySpec", toy)
+    assert "--recovery-toy-knob" in prune_flags(cli.build_parser())
+
+
+@pytest.mark.slow  # prunes, then trains for a few steps
+def test_prune_with_recovery_flags_saves_the_recovered_model(capsys, tmp_path):
+    """`prune --recovery-steps 3 ...` saves what recovering the pruned model gives when done by hand (`prune`, then
+    `recover_pruned` with the same settings): the same logits."""
+    from taylor_tune.config import PruneConfig, RecoverySpec
+    from taylor_tune.pruning.prune import prune
+    from taylor_tune.recovery.train import recover_pruned
+    from taylor_tune.sources.data import resolve_text
+
+    out = tmp_path / "run"
+    code, stdout, err = run(capsys, *BASE, "--sparsity", "0.25", "--recovery-steps", "3", "--recovery-lr", "5e-3",
+                            "--recovery-seq-len", "16", "--recovery-micro-batch-size", "2",
+                            "--recovery-data", "sample", "--recovery-lora-dropout", "0", "--output", str(out))
+    assert code == 0, err
+    assert "recovered 3 steps (ce): held-out loss" in stdout
+    config = PruneConfig(model="tiny-llama-random", method="taylor", sparsity=0.25, seq_len=32, num_samples=16,
+                         calibration="sample", seed=0)
+    spec = RecoverySpec(steps=3, lr=5e-3, seq_len=16, micro_batch_size=2, data="sample", lora_dropout=0.0)
+    pruned = prune(config)
+    by_hand = recover_pruned(pruned.model, pruned.tokenizer, spec, model_name=config.model,
+                             heldout_text=resolve_text("auto", config.model), seed=0).model
+    saved, unrecovered = load_model(str(out / "model")), prune(config).model
+    ids = torch.tensor([[5, 9, 40, 41, 72, 101, 32, 115]])
+    with torch.no_grad():
+        assert torch.allclose(saved(input_ids=ids).logits, by_hand(input_ids=ids).logits, rtol=0, atol=1e-5)
+        assert not torch.allclose(saved(input_ids=ids).logits, unrecovered(input_ids=ids).logits,
+                                  rtol=0, atol=1e-4)  # recovery changed the model
+
+
+def test_a_bad_recovery_flag_is_one_line_naming_it(capsys, tmp_path):
+    code, _, err = run(capsys, *BASE, "--recovery-lora-rank", "0", "--output", str(tmp_path / "run"))
+    assert code == 2 and err.count("\n") == 1 and "recovery.lora_rank: Input should be greater than 0" in err, err
+    assert not (tmp_path / "run").exists()

@@ -275,8 +275,8 @@ def test_a_documented_setting_that_is_no_flag_is_caught(monkeypatch):
 
     monkeypatch.chdir(ROOT)
     derive = cli._add_config_flags
-    monkeypatch.setattr(cli, "_add_config_flags", lambda parser, model, skip=(): derive(parser, model,
-                                                                                         (*skip, "depth_share")))
+    monkeypatch.setattr(cli, "_add_config_flags", lambda parser, model, skip=(), prefix="": derive(
+        parser, model, (*skip, "depth_share"), prefix))
     readme = ROOT / "README.md"
     problems = problems_of(readme, readme.read_text() + "\nA mixed cut sets `depth_share`.\n")
     assert "setting depth_share: no taylor-tune prune --depth-share" in problems

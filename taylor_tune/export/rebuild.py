@@ -1,0 +1,94 @@
+"""A trial's model built again from its recorded configuration (its folder's config.json): the trial's own stages
+(pruning's, then recovery's when the trial recovered), with its seeds, dtype and device, then its perplexity, and
+checked against what the trial reported before anything is written.
+
+The importance is computed afresh, not read from the sweep's cache: a rebuild that went through the cache would not
+notice a calibration text that changed since. On the same device type the rebuild is the trial's computation again:
+on a CPU in float32 it gives the trial's numbers to the last bit (tests/export), so the tolerances below only leave
+room for another thread count's order of summation; a plan that differs by one group moves the perplexity by far more
+(docs/export.md says what was measured)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from pydantic import ValidationError
+
+from taylor_tune.export.choose import Chosen, ExportError
+from taylor_tune.sweep.stages import evaluation, recovery
+from taylor_tune.sweep.stages.pruning import pruning_stages
+from taylor_tune.sweep.stages.run import Stage, TrialConfig, TrialRun
+
+PPL_TOLERANCE = 1e-4  # relative: the rebuilt model's held-out perplexity against the trial's
+LOSS_TOLERANCE = 1e-6  # relative: a recovered model's held-out loss after recovery against the trial's
+
+
+@dataclass
+class Rebuilt:
+    """The trial's model as rebuilt (pruned, and recovered with its adapters merged), with what was checked."""
+
+    trial: TrialConfig
+    run: TrialRun
+    checks: dict  # name -> (reported, rebuilt)
+
+    @property
+    def model(self):
+        return self.run.pruning.model
+
+    @property
+    def tokenizer(self):
+        return self.run.pruning.tokenizer
+
+
+def trial_config(folder: str | Path) -> TrialConfig:
+    """The trial's recorded configuration (config.json: JSON, validated field by field; nothing else is read)."""
+    path = Path(folder) / "config.json"
+    try:
+        return TrialConfig.model_validate(json.loads(path.read_text()))
+    except OSError as error:
+        raise ExportError(f"{path}: cannot read the trial's configuration ({error.strerror})") from None
+    except ValueError as error:  # JSON and pydantic's ValidationError alike
+        first = error.errors()[0] if isinstance(error, ValidationError) else None
+        said = f"{'.'.join(map(str, first['loc']))}: {first['msg']}" if first else str(error).splitlines()[0]
+        raise ExportError(f"{path}: not a trial configuration this version reads ({said})") from None
+
+
+def rebuild(chosen: Chosen, work: Path) -> Rebuilt:
+    """Run the chosen trial's model-building stages again in `work` (a scratch folder: the pruning's record goes
+    there, never into the sweep), then its perplexity; ExportError when a number does not come back."""
+    recorded = trial_config(chosen.folder)
+    if recorded.prune.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ExportError(f"trial {chosen.trial_id} ran on {recorded.prune.device}: export it where there is a GPU "
+                          "(its numbers are checked on the device type they were measured on)")
+    trial = recorded.model_copy(update={"cache_dir": None})  # computed afresh (module docstring)
+    Path(work).mkdir(parents=True, exist_ok=True)
+    run = TrialRun(trial, Path(work), {})
+    for stage in [*pruning_stages(), *([Stage("recovery", recovery.recover)] if trial.recovery is not None else [])]:
+        run.metrics |= stage.run(run) or {}
+    checks = {}
+    if "params_count" in chosen.row:
+        checks["params_count"] = (chosen.row["params_count"], run.metrics["params_count"])
+    if trial.recovery is not None and "recovery_heldout_loss" in chosen.row:
+        checks["recovery_heldout_loss"] = (chosen.row["recovery_heldout_loss"], run.metrics["recovery_heldout_loss"])
+    if trial.evaluation.ppl is not None and "ppl" in chosen.row:
+        evaluation.start(run)
+        checks["ppl"] = (chosen.row["ppl"], evaluation.perplexity(run)["ppl"])
+    _check(chosen, checks)
+    return Rebuilt(recorded, run, checks)
+
+
+def _check(chosen: Chosen, checks: dict) -> None:
+    tolerances = {"params_count": 0.0, "recovery_heldout_loss": LOSS_TOLERANCE, "ppl": PPL_TOLERANCE}
+    for name, (reported, rebuilt) in checks.items():
+        if not math.isclose(float(reported), float(rebuilt), rel_tol=tolerances[name], abs_tol=0.0):
+            raise ExportError(
+                f"trial {chosen.trial_id}: the rebuilt model's {name} is {rebuilt!r}, the trial reported {reported!r} "
+                f"(relative tolerance {tolerances[name]:g}); not written: the configuration, its calibration data or "
+                "the packages changed since the sweep")
+    if "ppl" not in checks and "recovery_heldout_loss" not in checks:
+        raise ExportError(f"trial {chosen.trial_id} reported no held-out perplexity (evaluation.ppl: null) to check "
+                          "a rebuild against; not written")

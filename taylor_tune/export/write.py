@@ -1,0 +1,48 @@
+"""`export` itself: the output checked before any work, the trial chosen and rebuilt in a scratch folder beside the
+output, and the folder moved into place only when it is complete (a refused or failed export writes nothing)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from taylor_tune.export.card import model_card
+from taylor_tune.export.choose import ExportError, choose
+from taylor_tune.export.rebuild import rebuild
+from taylor_tune.jsonio import write_json
+from taylor_tune.pruning.apply import save_pruned
+from taylor_tune.sources.data import PRUNED_MANIFEST
+
+
+def check_output(output: Path, sweep: str) -> None:
+    """A new folder, outside the sweep, under a writable folder; ExportError naming --output otherwise."""
+    if output.exists():
+        raise ExportError(f"--output {output} exists; give a new folder (an export never writes over one)")
+    if output.resolve().is_relative_to(Path(sweep).resolve()):
+        raise ExportError(f"--output {output} lies inside the sweep {sweep}; give a folder outside it")
+    parent = next(p for p in output.resolve().parents if p.exists())
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise ExportError(f"--output {output}: {parent} is not a writable folder")
+
+
+def export(sweep: str, output: str | Path, *, model: str | None = None, trial: str | None = None,
+           rank: int | None = None, constraints: tuple[str, ...] = ()) -> Path:
+    output = Path(output)
+    check_output(output, sweep)
+    chosen = choose(sweep, model=model, trial=trial, rank=rank, constraints=tuple(constraints))
+    command = (f"taylor-tune export {sweep} --model {chosen.model} --trial {chosen.trial_id} --output {output}")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.export-") as scratch:
+        rebuilt = rebuild(chosen, Path(scratch) / "work")
+        folder = save_pruned(rebuilt.model, Path(scratch) / "model", rebuilt.tokenizer,
+                             source_model=rebuilt.trial.prune.model)
+        layout = "uniform" if json.loads((folder / PRUNED_MANIFEST).read_text())["uniform"] else "free"
+        record = rebuilt.trial.record()
+        (folder / "README.md").write_text(model_card(chosen, record, rebuilt.checks, layout=layout, command=command))
+        write_json(folder / "export.json", {"sweep": str(sweep), "trial_id": chosen.trial_id,
+                                            "trial_folder": chosen.folder, "why": chosen.why, "layout": layout,
+                                            "checks": rebuilt.checks, "config": record, "command": command})
+        os.replace(folder, output)
+    return output

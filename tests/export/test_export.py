@@ -1,0 +1,193 @@
+"""`taylor-tune export` (issue 65, builds 1 and 4; must-shows 1 and 3) on a sweep folder as Tune leaves it, whose
+trials ran here without Ray (`run_trial`, the trainable's own function, with the sweep's importance cache): free,
+uniform and depth layouts, a recovered trial, an unfinished one. The exported folders are checked against models built
+independently (`prune` without the cache, loaded back), not against the export's own rebuild."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from taylor_tune.config import Evaluation, PruneConfig, RecoverySpec
+from taylor_tune.export import export
+from taylor_tune.export.choose import ExportError
+from taylor_tune.jsonio import json_safe
+from taylor_tune.sources import world
+from taylor_tune.sweep.trial import TrialConfig, run_trial
+
+pytestmark = pytest.mark.slow  # seven tiny trials, then a rebuild per export
+
+EVALUATION = Evaluation(tasks="piqa", task_data="world", ppl="world", ppl_max_windows=4, batch_size=16,
+                        fidelities=[8], speed=None)
+RECOVERY = RecoverySpec(data="world", steps=4, lr=2e-3, warmup_steps=1, micro_batch_size=4, seq_len=32,
+                        lora_dropout=0.0)
+TRIALS = {  # trial id -> (PruneConfig fields, recovery)
+    "free": ({"method": "taylor"}, None),
+    "uniform": ({"method": "taylor", "uniform": True}, None),
+    "depth": ({"method": "depth", "depth_criterion": "angular"}, None),
+    "recovered": ({"method": "taylor"}, RECOVERY),
+}
+
+
+def trial_config(fields: dict, recovery, cache: str | None) -> TrialConfig:
+    prune = {"model": "tiny-llama", "sparsity": 0.25, "seq_len": 32, "num_samples": 8, "calibration": "world",
+             "device": "cpu", "dtype": "float32"} | fields
+    return TrialConfig(prune=PruneConfig(**prune), evaluation=EVALUATION, sample_counts=(8,), cache_dir=cache,
+                       recovery=recovery)
+
+
+def tune_folder(sweep, name: str, index: int):
+    """A trial folder named as Tune names a sweep's (sweep_trainable_<experiment>_<index>_<index>_<params>; the
+    trial id is `<name>_<index>`, here `ids[name]`), with its params.json."""
+    folder = sweep / f"sweep_trainable_{name}_{index:05d}_{index}_x"
+    folder.mkdir(parents=True)
+    (folder / "params.json").write_text(json.dumps({"fixed": {"evaluation": {"fidelities": [8]}}}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """name -> its trial's reported metrics; `ids`: name -> trial id; `path`: the sweep's folder."""
+    root = tmp_path_factory.mktemp("sweeps") / "exp"
+    cache, metrics = str(root / "importance_cache"), {}
+    calibration = root.parent / "calibration.txt"  # a calibration file of the user's own, read again by a rebuild
+    calibration.write_text(world.corpus_path().read_text())
+    trials = TRIALS | {"owntext": ({"method": "taylor", "calibration": str(calibration)}, None)}
+    ids = {name: f"{name}_{index:05d}" for index, name in enumerate([*trials, "stopped"])}
+    for index, (name, (fields, recovery)) in enumerate(trials.items()):
+        folder = tune_folder(root, name, index)
+        metrics[name] = run_trial(trial_config(fields, recovery, cache), folder)
+        (folder / "result.json").write_text(json.dumps(json_safe(metrics[name])) + "\n")
+    unfinished = tune_folder(root, "stopped", len(trials))  # pruned, then stopped before its evaluation
+    (unfinished / "result.json").write_text(json.dumps({"model": "tiny-llama", "stage": "pruned"}) + "\n")
+    metrics |= {"path": root, "calibration": calibration, "ids": ids}
+    return metrics
+
+
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+IDS = torch.tensor([[1, 40, 41, 72, 101, 32, 115, 99, 104, 111, 111, 108]])
+
+
+@pytest.mark.parametrize("name", ["free", "uniform", "depth"])
+def test_an_export_loads_as_the_trials_model_and_gives_its_perplexity(sweep, tmp_path, name):
+    """The folder's logits equal a pruning of the same configuration built here without the sweep's cache (fp32,
+    1e-5), and its held-out perplexity on the trial's windows is the trial's; stock layouts load in plain
+    from_pretrained without remote code, the free layout through taylor_tune's pruned classes."""
+    from transformers import AutoModelForCausalLM
+
+    from taylor_tune.evaluation.evaluate import Evaluator
+    from taylor_tune.pruning.prune import prune
+    from taylor_tune.sources.models import load_model, load_tokenizer
+
+    trial_id = sweep["ids"][name]
+    out = export(str(sweep["path"]), tmp_path / "out", trial=trial_id)
+    card = (out / "README.md").read_text()
+    front = yaml.safe_load(card.split("---")[1])
+    assert front["library_name"] == "transformers" and "taylor-tune" in front["tags"]
+    assert f"Trial `{trial_id}`" in card and f"{sweep[name]['acc_mean']:.4f}" in card
+    record = json.loads((out / "export.json").read_text())
+    layout = "free" if name == "free" else "uniform"
+    assert record["layout"] == layout and record["trial_id"] == trial_id
+    config = trial_config(*TRIALS[name], cache=None).prune
+    reference = prune(config).model
+    loaded = load_model(str(out))
+    assert torch.allclose(logits(loaded, IDS), logits(reference, IDS), rtol=0, atol=1e-5)
+    ppl = Evaluator(loaded, load_tokenizer(str(out)), EVALUATION.spec(None), model_name="tiny-llama").perplexity().ppl
+    assert ppl == pytest.approx(sweep[name]["ppl"], rel=1e-6)
+    if layout == "uniform":
+        stock = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=False)
+        assert torch.allclose(logits(stock, IDS), logits(reference, IDS), rtol=0, atol=1e-5)
+    else:
+        assert "auto_map" in json.loads((out / "config.json").read_text())  # the free layout's own classes
+
+
+def test_a_recovered_trials_export_is_its_recovered_model(sweep, tmp_path):
+    """The exported folder (the adapters merged) gives the trial's held-out loss after recovery to 1e-6 relative."""
+    from taylor_tune.recovery.train import heldout_loss
+    from taylor_tune.sources.data import resolve_text
+    from taylor_tune.sources.models import load_model, load_tokenizer
+    from taylor_tune.sources.recovery_data import heldout_ids
+
+    out = export(str(sweep["path"]), tmp_path / "out", trial=sweep["ids"]["recovered"])
+    loaded = load_model(str(out))
+    held = heldout_ids(load_tokenizer(str(out)), resolve_text("world", "tiny-llama"), RECOVERY)
+    loss = heldout_loss(loaded, held, RECOVERY.micro_batch_size)
+    assert loss == pytest.approx(sweep["recovered"]["recovery_heldout_loss"], rel=1e-6)
+    assert "lora-recovered" in (out / "README.md").read_text()
+
+
+def test_the_default_is_the_reports_best_and_a_rank_the_next(sweep, tmp_path):
+    from taylor_tune.reporting import build_report
+
+    report = build_report(str(sweep["path"]))
+    best = report.models["tiny-llama"].best["trial_id"]
+    out = export(str(sweep["path"]), tmp_path / "best")
+    assert json.loads((out / "export.json").read_text())["trial_id"] == best
+    ids = sweep["ids"]
+    ranked = sorted([*TRIALS, "owntext"], key=lambda t: (-sweep[t]["acc_mean"], sweep[t]["ppl"], ids[t]))
+    assert ids[ranked[0]] == best
+    second = export(str(sweep["path"]), tmp_path / "second", rank=2)
+    assert json.loads((second / "export.json").read_text())["trial_id"] == ids[ranked[1]]
+
+
+def test_a_rebuild_that_does_not_give_the_trials_numbers_is_refused_and_writes_nothing(sweep, tmp_path):
+    """A setting changed in the trial's record (its calibration seed), then the calibration text changed on disk:
+    each rebuild prunes another model, its perplexity is not the trial's, and nothing is written."""
+    import shutil
+
+    copy = tmp_path / "sweep"
+    shutil.copytree(sweep["path"], copy)
+    folder = next(copy.glob("sweep_trainable_free_*"))
+    record = json.loads((folder / "config.json").read_text())
+    record["prune"]["seed"] = 1
+    (folder / "config.json").write_text(json.dumps(record))
+    with pytest.raises(ExportError, match=r"trial free_00000: the rebuilt model's ppl is .* the trial reported"):
+        export(str(copy), tmp_path / "out", trial=sweep["ids"]["free"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]  # no output, no scratch folder left
+    text = sweep["calibration"].read_text()
+    try:
+        sweep["calibration"].write_text("\n".join(reversed(text.splitlines())))  # the same lines, another order
+        with pytest.raises(ExportError, match=r"trial owntext_00004: the rebuilt model's ppl"):
+            export(str(sweep["path"]), tmp_path / "out", trial=sweep["ids"]["owntext"])
+    finally:
+        sweep["calibration"].write_text(text)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]
+    export(str(sweep["path"]), tmp_path / "out", trial=sweep["ids"]["owntext"])  # the text as it was: as before
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "taylor_tune", "export", *map(str, args)], capture_output=True,
+                          text=True)
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("unknown trial", "--trial 'nope': no such trial of tiny-llama"),
+    ("unfinished trial", "--trial stopped_00005: not a finished trial (incomplete"),
+    ("not a sweep", "not a Tune experiment folder"),
+    ("output exists", "exists; give a new folder"),
+    ("output inside the sweep", "lies inside the sweep"),
+    ("no trial meets the constraint", "no finished trial of tiny-llama in"),
+    ("rank beyond the trials", "--rank 9: only 5 finished trial(s)"),
+])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(sweep, tmp_path, case, needle):
+    path, out = sweep["path"], tmp_path / "out"
+    (tmp_path / "plain").mkdir()  # a folder, but not a sweep's
+    args = {"unknown trial": [path, "--trial", "nope", "--output", out],
+            "unfinished trial": [path, "--trial", sweep["ids"]["stopped"], "--output", out],
+            "not a sweep": [tmp_path / "plain", "--output", out],
+            "output exists": [path, "--output", tmp_path],
+            "output inside the sweep": [path, "--output", path / "exported"],
+            "no trial meets the constraint": [path, "--constraint", "acc_mean>=2", "--output", out],
+            "rank beyond the trials": [path, "--rank", "9", "--output", out]}[case]
+    before = sorted(p.name for p in path.iterdir())
+    run = cli(*args)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1 and "Traceback" not in run.stderr, run.stderr
+    assert needle in run.stderr, run.stderr
+    assert not out.exists() and sorted(p.name for p in path.iterdir()) == before
