@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from taylor_tune.errors import ConfigError, ReportError
-from taylor_tune.reporting import load_trials, parse_constraint
+from taylor_tune.reporting import consolidate, parse_constraint, read_experiment
 from taylor_tune.reporting.stats import Objective, best_trial
 
 
@@ -39,7 +39,7 @@ def choose(sweep: str, *, model: str | None = None, trial: str | None = None, ra
     if rank is not None and rank < 1:
         raise ExportError(f"--rank {rank}: ranks start at 1 (the best)")
     try:
-        table = load_trials(sweep)
+        table = consolidate(read_experiment(sweep), sweep)  # not load_trials: choosing reads no item outcomes
     except ReportError as error:
         raise ExportError(f"SWEEP: {error}") from None
     if model is None and trial is not None:  # a trial names its model

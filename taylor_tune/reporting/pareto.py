@@ -179,11 +179,12 @@ def _paired_lead(objective: Objective, values: np.ndarray, ids: list[list[str]],
     """lead(a, b): whether point a beats point b in `objective` beyond its paired interval, or None where the two
     cannot be paired in it (`paired_resolved`)."""
     metric, sign = objective.metric, (-1.0 if objective.ascending else 1.0)
+    spread = [_seed_se(df, i, metric) for i in ids]  # once per configuration, not once per pair
 
     def beyond(pair, a, b) -> bool | None:  # a PairedDifference of a minus b, seeds' spread added
         if pair is None:
             return None
-        se = math.hypot(pair.stderr, _seed_se(df, ids[a], metric), _seed_se(df, ids[b], metric))
+        se = math.hypot(pair.stderr, spread[a], spread[b])
         return bool(sign * pair.difference > z * se)
 
     if metric == "acc_mean" and outcomes:
@@ -196,10 +197,10 @@ def _paired_lead(objective: Objective, values: np.ndarray, ids: list[list[str]],
                                    else paired_log_ppl(kept[a], kept[b]), a, b)
     if metric.endswith("_speedup") and {f"{metric}_low", f"{metric}_high"} <= set(df):
         half = []
-        for i in ids:
+        for i, seeds in zip(ids, spread):
             rows = df[df["trial_id"].astype(str).isin(i)]
             bounds = [pd.to_numeric(rows[f"{metric}_{end}"], errors="coerce").mean() for end in ("low", "high")]
-            half.append(math.hypot(_speed_half_width(*bounds) * z / Z95, z * _seed_se(df, i, metric)))
+            half.append(math.hypot(_speed_half_width(*bounds) * z / Z95, z * seeds))
 
         def speed(a, b):
             if not (math.isfinite(half[a]) and math.isfinite(half[b]) and values[a] > 0 and values[b] > 0):
