@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,gguf]"
 	touch $(STAMP)
 
 # The real offline world (SmolLM2-135M, Qwen2.5-0.5B, the seven tasks' real data, Wikipedia text) from pinned
@@ -31,7 +31,7 @@ demo: setup
 	$(VENV)/bin/taylor-tune status runs/sweeps/real_demo
 	$(VENV)/bin/taylor-tune report runs/sweeps/real_demo --output runs/reports/real_demo
 	rm -rf runs/export/real_demo
-	$(VENV)/bin/taylor-tune export runs/sweeps/real_demo --output runs/export/real_demo
+	$(VENV)/bin/taylor-tune export runs/sweeps/real_demo --gguf f16 --output runs/export/real_demo
 
 # The synthetic world's tiny models (36 trials, ~2 min): the pipeline end to end, no download.
 smoke-demo: setup

@@ -365,6 +365,9 @@ example (the demo's best configuration, rebuilt, checked and written with its mo
 
 example (the best among the trials that decode at least 1.2x faster than the unpruned model):
   taylor-tune export runs/sweeps/real_demo --constraint "decode_speedup>=1.2" --output runs/export/fast
+
+example (and a GGUF file for llama.cpp, f16):
+  taylor-tune export runs/sweeps/real_demo --gguf f16 --output runs/export/real_demo_gguf
 """
 
 
@@ -384,6 +387,9 @@ def _add_export(subparsers) -> None:
     chosen.add_argument("--rank", type=int, help="the K-th best by the sweep's objective (1 = the best)")
     p.add_argument("--constraint", action="append", default=[],
                    help="METRIC OP VALUE the trial must meet, e.g. decode_speedup>=1.2 (repeatable)")
+    p.add_argument("--gguf", choices=["f16", "f32"],
+                   help="also write model.<type>.gguf for llama.cpp, checked in llama.cpp when llama-cpp-python is "
+                        "installed (per-layer widths as the `deci` architecture; docs/export.md)")
     p.set_defaults(handler=_run_export)
 
 
@@ -391,7 +397,7 @@ def _run_export(args: argparse.Namespace) -> int:
     from taylor_tune.export import export  # deferred like every stage (it loads torch only when it builds)
 
     out = export(args.sweep, args.output, model=args.model, trial=args.trial, rank=args.rank,
-                 constraints=tuple(args.constraint))
+                 constraints=tuple(args.constraint), gguf=args.gguf)
     print(f"wrote {out} (model card: {Path(out) / 'README.md'})")
     return 0
 

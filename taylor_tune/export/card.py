@@ -54,13 +54,30 @@ def metrics_table(row: dict) -> list[str]:
     return lines
 
 
-def model_card(chosen: Chosen, record: dict, checks: dict, *, layout: str, command: str) -> str:
+def gguf_section(gguf: dict | None) -> list[str]:
+    """How to run the folder's GGUF in llama.cpp, and what its check measured."""
+    if not gguf:
+        return []
+    check = gguf["check"]
+    said = (f"read back by llama.cpp, its per-token log-probabilities on a check passage ({check['tokens']} tokens) "
+            f"are within {check['mean_abs_logprob_gap']:.2g} nats of the model's on average, "
+            f"{check['max_abs_logprob_gap']:.2g} at most" if check.get("checked") else f"not checked: {check['why']}")
+    return ["## llama.cpp", "",
+            f"`{gguf['file']}`: {gguf['file_type']}, architecture `{gguf['architecture']}`"
+            + (" (per-layer head counts and feed-forward widths)" if gguf["architecture"] == "deci" else "")
+            + f"; {said}.", "", "```sh", f"llama-cli -m {gguf['file']} -p \"The river rises\"", "```", "",
+            "```python", "from llama_cpp import Llama", f"llm = Llama(model_path=\"{gguf['file']}\")", "```", ""]
+
+
+def model_card(chosen: Chosen, record: dict, checks: dict, *, layout: str, command: str,
+               gguf: dict | None = None) -> str:
     """README.md of the exported folder. `record`: the trial's config.json; `checks`: what the rebuild reproduced
-    (name -> (reported, rebuilt)); `layout`: how the folder loads ("uniform" or "free")."""
+    (name -> (reported, rebuilt)); `layout`: how the folder loads ("uniform" or "free"); `gguf`: what `--gguf`
+    wrote (to_gguf.write_gguf's record with its check), if asked."""
     prune, recovery = record["prune"], record.get("recovery")
     front = {"library_name": "transformers", "pipeline_tag": "text-generation",
              "tags": ["taylor-tune", "pruned", "structured-pruning", prune["method"],
-                      *(["lora-recovered"] if recovery else [])]}
+                      *(["lora-recovered"] if recovery else []), *(["gguf"] if gguf else [])]}
     if base := base_model(prune["model"]):
         front = {"base_model": base} | front
     settings = [f"| {k} | {v} |" for k, v in prune.items() if v is not None]
@@ -86,4 +103,5 @@ def model_card(chosen: Chosen, record: dict, checks: dict, *, layout: str, comma
         "## Loading", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "tokenizer = AutoTokenizer.from_pretrained(folder)", *(["model = " + loading] if layout == "uniform"
                                                                else loading.splitlines()), "```", "",
+        *gguf_section(gguf),
     ])

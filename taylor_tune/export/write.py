@@ -11,6 +11,7 @@ from pathlib import Path
 from taylor_tune.export.card import model_card
 from taylor_tune.export.choose import ExportError, choose
 from taylor_tune.export.rebuild import rebuild
+from taylor_tune.export.to_gguf import FILE_TYPES, GGUFError, check_gguf, gguf_name, write_gguf
 from taylor_tune.jsonio import write_json
 from taylor_tune.pruning.apply import save_pruned
 from taylor_tune.sources.data import PRUNED_MANIFEST
@@ -28,11 +29,14 @@ def check_output(output: Path, sweep: str) -> None:
 
 
 def export(sweep: str, output: str | Path, *, model: str | None = None, trial: str | None = None,
-           rank: int | None = None, constraints: tuple[str, ...] = ()) -> Path:
+           rank: int | None = None, constraints: tuple[str, ...] = (), gguf: str | None = None) -> Path:
     output = Path(output)
     check_output(output, sweep)
+    if gguf is not None and gguf not in FILE_TYPES:
+        raise GGUFError(f"--gguf {gguf!r}: the GGUF types written are {', '.join(FILE_TYPES)}")
     chosen = choose(sweep, model=model, trial=trial, rank=rank, constraints=tuple(constraints))
-    command = (f"taylor-tune export {sweep} --model {chosen.model} --trial {chosen.trial_id} --output {output}")
+    command = (f"taylor-tune export {sweep} --model {chosen.model} --trial {chosen.trial_id} --output {output}"
+               + (f" --gguf {gguf}" if gguf else ""))
     output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.export-") as scratch:
         rebuilt = rebuild(chosen, Path(scratch) / "work")
@@ -40,9 +44,17 @@ def export(sweep: str, output: str | Path, *, model: str | None = None, trial: s
                              source_model=rebuilt.trial.prune.model)
         layout = "uniform" if json.loads((folder / PRUNED_MANIFEST).read_text())["uniform"] else "free"
         record = rebuilt.trial.record()
-        (folder / "README.md").write_text(model_card(chosen, record, rebuilt.checks, layout=layout, command=command))
+        written = None
+        if gguf is not None:
+            written = write_gguf(rebuilt.model, rebuilt.tokenizer, folder / gguf_name(gguf), file_type=gguf,
+                                 name=f"{rebuilt.trial.prune.model} pruned ({chosen.trial_id})")
+            written["check"] = check_gguf(folder / gguf_name(gguf), rebuilt.model, rebuilt.tokenizer, gguf)
+            written = {"file": gguf_name(gguf)} | written
+        (folder / "README.md").write_text(model_card(chosen, record, rebuilt.checks, layout=layout, command=command,
+                                                     gguf=written))
         write_json(folder / "export.json", {"sweep": str(sweep), "trial_id": chosen.trial_id,
                                             "trial_folder": chosen.folder, "why": chosen.why, "layout": layout,
-                                            "checks": rebuilt.checks, "config": record, "command": command})
+                                            "checks": rebuilt.checks, "gguf": written, "config": record,
+                                            "command": command})
         os.replace(folder, output)
     return output

@@ -162,6 +162,36 @@ def test_a_rebuild_that_does_not_give_the_trials_numbers_is_refused_and_writes_n
     export(str(sweep["path"]), tmp_path / "out", trial=sweep["ids"]["owntext"])  # the text as it was: as before
 
 
+def test_export_with_gguf_writes_a_file_llama_cpp_reads_as_the_exported_model(sweep, tmp_path):
+    """`--gguf f32` on the free trial: the folder's GGUF (architecture `deci`, per-layer widths) checked by the export
+    in llama.cpp, recorded in export.json and the card; read again here against the exported folder's model."""
+    from taylor_tune.export.to_gguf import gguf_logprobs, torch_logprobs
+    from taylor_tune.sources.models import load_model, load_tokenizer
+
+    run = cli(sweep["path"], "--trial", sweep["ids"]["free"], "--gguf", "f32", "--output", tmp_path / "out")
+    assert run.returncode == 0, run.stderr
+    out = tmp_path / "out"
+    record = json.loads((out / "export.json").read_text())
+    assert record["gguf"]["file"] == "model.f32.gguf" and record["gguf"]["architecture"] == "deci"
+    assert record["gguf"]["check"]["checked"] and record["gguf"]["check"]["max_abs_logprob_gap"] < 1e-3
+    assert record["command"].endswith("--gguf f32")
+    assert "## llama.cpp" in (out / "README.md").read_text()
+    assert "gguf" in yaml.safe_load((out / "README.md").read_text().split("---")[1])["tags"]
+    tokens = load_tokenizer(str(out)).encode(world.heldout_path().read_text())[:64]
+    gap = abs(gguf_logprobs(out / "model.f32.gguf", tokens) - torch_logprobs(load_model(str(out)), tokens))
+    assert gap.max() < 1e-4
+
+
+def test_an_unknown_gguf_type_is_refused_before_any_work(sweep, tmp_path):
+    run = cli(sweep["path"], "--gguf", "q4_0", "--output", tmp_path / "out")
+    assert run.returncode == 2 and "Traceback" not in run.stderr and "invalid choice: 'q4_0'" in run.stderr
+    from taylor_tune.export.to_gguf import GGUFError
+
+    with pytest.raises(GGUFError, match=r"--gguf 'q4_0': the GGUF types written are f16, f32"):
+        export(str(sweep["path"]), tmp_path / "out", gguf="q4_0")
+    assert not (tmp_path / "out").exists()
+
+
 def cli(*args):
     return subprocess.run([sys.executable, "-m", "taylor_tune", "export", *map(str, args)], capture_output=True,
                           text=True)

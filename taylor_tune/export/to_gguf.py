@@ -1,0 +1,290 @@
+"""A pruned model as a GGUF file that llama.cpp runs: f16 or f32, written with the `gguf` library.
+
+Which architecture the file names (what llama.cpp 0.3.36's bundled source does with each, read in src/models/):
+- Layers of one shape (uniform, depth) are written as their own architecture, `llama` (Llama and Mistral) or
+  `qwen2`, with the usual scalar metadata, as llama.cpp's converter writes them.
+- Layers of different shapes (the free layout) are written as `deci`. llama.cpp's loader reads
+  `feed_forward_length`, `attention.head_count` and `attention.head_count_kv` as per-layer arrays for every
+  architecture (llama-model.cpp, `get_key_or_arr`), but `llama` and `qwen2` then build every layer's tensors and
+  graph from layer 0's values (`LLAMA_LOAD_LOCALS`), so a ragged file fails to load as either. `deci` (DeciLM,
+  Nemotron-NAS) sizes each layer from its own entries, tensors and graph alike, with optional q/k/v and output
+  biases: a Llama-style decoder with per-layer widths, which is what the free layout is. Its RoPE is llama's
+  (pairs of consecutive values), so q and k are permuted as the converter does for `llama`; Qwen2's HF rotation is
+  the same as Llama's, so a Qwen2 goes through the same permutation.
+- A Qwen2 or Mistral with output biases (FLAP's compensation; their transformers classes cannot hold them either) is
+  written as `deci` too, which takes them on any layer; a uniform Llama with them stays `llama` (its graph adds both
+  biases when present).
+
+The tokenizer goes in as llama.cpp's converter writes a byte-level BPE (`gpt2`): the token list, types, merges and
+special ids, and the pre-tokenizer's name, which llama.cpp needs to split text as the model's tokenizer does. The
+name is recognised as the converter recognises it (the hash of the token ids of its check text), for the families
+this tool prunes; anything else is refused with one line rather than written with a pre-tokenizer that splits text
+differently.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from hashlib import sha256
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from taylor_tune.export.choose import ExportError
+from taylor_tune.pruning.groups import decoder_layers, head_dim
+
+FILE_TYPES = ("f16", "f32")
+
+# llama.cpp's check text and the hashes of its token ids for the tokenizers of the families this tool prunes, from the
+# bundled convert_hf_to_gguf (conversion/base.py, get_vocab_base_pre; the converter's own refs in the comments).
+CHECK_TEXT = (
+    "\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) "
+    "✅ 🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 កាន់តែពិសេសអាច😁 "
+    "?我想在apple工作1314151天～ ------======= нещо на Български ''''''```````\"\"\"\"......!!!!!!?????? "
+    "I've been 'told he's there, 'RE you sure? 'M not sure I'll make it, 'D you like some tea? We'Ve a'lL")
+PRE_TOKENIZERS = {
+    "855059429035d75a914d1eda9f10a876752e281a054a7a3d421ef0533e5b6249": "smollm",  # HuggingFaceTB/SmolLM-135M
+    "0ef9807a4087ebef797fc749390439009c3b9eda9ad1a097abbe738f486c01e5": "llama-bpe",  # meta-llama/Meta-Llama-3-8B
+    "e636dc30a262dcc0d8c323492e32ae2b70728f4df7dfe9737d9f920a282b8aea": "qwen2",  # Qwen/Qwen1.5-7B
+    "d4540891389ea895b53b399da6ac824becc30f2fba0e9ddbb98f92e55ca0e97c": "qwen2",  # Qwen/Qwen3-Embedding-0.6B
+}
+# A neutral passage the export's own check scores in llama.cpp and in torch (tests use held-out text).
+CHECK_PASSAGE = ("The river rises in the hills north of the town and flows south through farmland for about forty "
+                 "miles before it reaches the sea. In the nineteenth century mills were built along its banks, and "
+                 "the town grew around them; most closed after the war, and the buildings are now homes and shops.")
+# Per-token log-probability gaps (nats) between llama.cpp and torch in float32 allowed by the check above: f16 weights
+# round each to 11 bits, f32 ones differ only by the order of summation. About 10x what was measured on real SmolLM2
+# (docs/export.md); a writer bug (q and k left unpermuted) moves them by nats.
+TOLERANCE = {"f32": {"mean": 1e-4, "max": 1e-3}, "f16": {"mean": 1e-2, "max": 0.1}}
+# Qwen2's split pattern (its tokenizer.json; llama.cpp's `qwen2` pre-tokenizer is this pattern), for vocabularies
+# that split as Qwen2's does but are not Qwen2's own (the hash above knows only the released vocabularies).
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")
+GGML_F32 = 0  # ggml_type's GGML_TYPE_F32
+STOCK_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}  # model_type -> llama.cpp's architecture
+
+
+class GGUFError(ExportError):
+    """A model that cannot be written as a GGUF llama.cpp runs (one line: what and why; exit 2 like every export
+    refusal)."""
+
+
+def write_gguf(model: nn.Module, tokenizer, path: str | Path, *, file_type: str = "f16", name: str = "") -> dict:
+    """Write `model` (a loaded pruned or unpruned model) and its tokenizer to `path`; return what was written
+    (architecture, file type, per-layer shapes). GGUFError before anything is written when it cannot be."""
+    import gguf
+
+    if file_type not in FILE_TYPES:
+        raise GGUFError(f"--gguf {file_type!r}: the GGUF types written are {', '.join(FILE_TYPES)} "
+                        "(quantize the f16 file with llama.cpp's llama-quantize)")
+    config = model.config
+    if config.model_type not in STOCK_ARCH:
+        raise GGUFError(f"--gguf: a {config.model_type} model is not written as GGUF (llama, mistral and qwen2 are)")
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") != "default":
+        raise GGUFError(f"--gguf: RoPE scaling {rope['rope_type']!r} is not written as GGUF yet (only plain RoPE)")
+    layers = decoder_layers(model)
+    shapes = [_shape(layer) for layer in layers]
+    size = head_dim(layers[0].self_attn)
+    biased = any(layer.self_attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None for layer in layers)
+    uniform = all(shape == shapes[0] for shape in shapes)
+    arch = architecture(config.model_type, uniform=uniform, biased=biased)
+    vocab = _vocab(tokenizer, config.vocab_size)
+
+    path = Path(path)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(name or getattr(config, "_name_or_path", "") or "pruned")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(len(layers))
+    per_layer = (lambda key: shapes[0][key]) if arch != "deci" else (lambda key: [s[key] for s in shapes])
+    writer.add_feed_forward_length(per_layer("ff"))
+    writer.add_head_count(per_layer("heads"))
+    writer.add_head_count_kv(per_layer("kv_heads"))
+    writer.add_key_length(size)  # spelled out: a pruned model's width / heads is not its head size
+    writer.add_value_length(size)
+    writer.add_rope_dimension_count(size)
+    writer.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if file_type == "f16" else gguf.LlamaFileType.ALL_F32)
+    _add_vocab(writer, vocab)
+
+    permute = arch in ("llama", "deci")  # llama.cpp's RoPE for these rotates consecutive pairs; HF's rotates halves
+    for tensor_name, tensor in _tensors(model, layers, shapes, permute, config.tie_word_embeddings):
+        data = tensor.detach().to("cpu", torch.float32)
+        data = data.to(torch.float16) if file_type == "f16" and data.ndim == 2 else data  # vectors stay f32
+        writer.add_tensor(tensor_name, data.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return {"architecture": arch, "file_type": file_type, "pre_tokenizer": vocab["pre"],
+            "tokens_without_embedding": vocab["beyond"], "layers": [dict(s) for s in shapes]}
+
+
+def architecture(model_type: str, *, uniform: bool, biased: bool) -> str:
+    """llama.cpp's architecture for a model (module docstring): its own where its layers share one shape and its
+    graph takes its biases, `deci` otherwise."""
+    return STOCK_ARCH[model_type] if uniform and not (biased and model_type != "llama") else "deci"
+
+
+def _shape(layer: nn.Module) -> dict[str, int]:
+    attn, size = layer.self_attn, head_dim(layer.self_attn)
+    return {"heads": attn.q_proj.out_features // size, "kv_heads": attn.k_proj.out_features // size,
+            "ff": layer.mlp.gate_proj.out_features}
+
+
+def _rope_permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """HF's rotate-half order -> llama.cpp's interleaved pairs, head by head (the converter's `permute`)."""
+    if heads == 0:
+        return weight
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
+        weight.shape)
+
+
+def _tensors(model, layers, shapes, permute: bool, tied: bool):
+    yield "token_embd.weight", model.get_input_embeddings().weight
+    yield "output_norm.weight", model.model.norm.weight
+    if not tied:
+        yield "output.weight", model.get_output_embeddings().weight
+    for index, (layer, shape) in enumerate(zip(layers, shapes)):
+        block, attn, mlp = f"blk.{index}", layer.self_attn, layer.mlp
+        if shape["heads"]:
+            yield f"{block}.attn_norm.weight", layer.input_layernorm.weight
+            for ours, theirs, heads in (("q_proj", "attn_q", shape["heads"]), ("k_proj", "attn_k", shape["kv_heads"]),
+                                        ("v_proj", "attn_v", 0)):
+                linear = getattr(attn, ours)
+                turn = (lambda t, h=heads: _rope_permute(t, h)) if permute and heads else (lambda t: t)
+                yield f"{block}.{theirs}.weight", turn(linear.weight)
+                if linear.bias is not None:
+                    yield f"{block}.{theirs}.bias", turn(linear.bias)
+            yield f"{block}.attn_output.weight", attn.o_proj.weight
+            if attn.o_proj.bias is not None:
+                yield f"{block}.attn_output.bias", attn.o_proj.bias
+        if shape["ff"]:
+            yield f"{block}.ffn_norm.weight", layer.post_attention_layernorm.weight
+            for ours, theirs in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
+                linear = getattr(mlp, ours)
+                yield f"{block}.{theirs}.weight", linear.weight
+                if linear.bias is not None:
+                    yield f"{block}.{theirs}.bias", linear.bias
+
+
+def pre_tokenizer(tokenizer) -> str:
+    """llama.cpp's name for the tokenizer's pre-tokenizer: recognised by the hash of its token ids on the check text,
+    as llama.cpp's converter does; otherwise by its split: byte-level with GPT-2's pattern is `gpt-2`, Qwen2's
+    pattern is `qwen2`."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise GGUFError("--gguf: only a fast (tokenizer.json) byte-level BPE tokenizer is written as GGUF; "
+                        f"this model's is {type(tokenizer).__name__}")
+    spec = json.loads(backend.to_str())
+    if spec["model"]["type"] != "BPE":
+        raise GGUFError(f"--gguf: the tokenizer is {spec['model']['type']}, not a byte-level BPE; not written as GGUF "
+                        "(SentencePiece vocabularies are not supported yet)")
+    digest = sha256(str(tokenizer.encode(CHECK_TEXT)).encode()).hexdigest()
+    if digest in PRE_TOKENIZERS:
+        return PRE_TOKENIZERS[digest]
+    split = spec.get("pre_tokenizer") or {}
+    if split.get("type") == "ByteLevel" and split.get("use_regex", True):
+        return "gpt-2"
+    steps = split.get("pretokenizers", []) if split.get("type") == "Sequence" else []
+    if ([step["type"] for step in steps] == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True)
+            and steps[0].get("pattern", {}).get("Regex") == QWEN2_SPLIT):
+        return "qwen2"
+    raise GGUFError(f"--gguf: the tokenizer's pre-tokenizer is not one llama.cpp is known to split as it does "
+                    f"(check hash {digest[:16]}...); the families written are SmolLM, Llama 3 and Qwen2")
+
+
+def _vocab(tokenizer, vocab_size: int) -> dict:
+    """The converter's byte-level BPE vocabulary (`get_vocab_base`): every id below the embedding's rows, added
+    tokens as CONTROL (special) or USER_DEFINED, unused ids padded."""
+    import gguf
+
+    pre = pre_tokenizer(tokenizer)
+    # An id past the embedding's rows (an added token the model was never given a row for) can never be fed to the
+    # model: the file's vocabulary is the embedding's, and what is left out is counted in the record.
+    reverse = {index: token for token, index in tokenizer.get_vocab().items() if index < vocab_size}
+    beyond = len(tokenizer.get_vocab()) - len(reverse)
+    added, decoder = tokenizer.get_added_vocab(), tokenizer.added_tokens_decoder
+    tokens, types = [], []
+    for index in range(vocab_size):
+        token = reverse.get(index)
+        if token is None:
+            tokens.append(f"[PAD{index}]")
+            types.append(gguf.TokenType.UNUSED)
+        elif token in added:
+            special = decoder[index].special if index in decoder else False
+            types.append(gguf.TokenType.CONTROL if special else gguf.TokenType.USER_DEFINED)
+            tokens.append(token)
+        else:
+            types.append(gguf.TokenType.NORMAL)
+            tokens.append(token)
+    with tempfile.TemporaryDirectory() as folder:  # SpecialVocab reads merges and special ids from saved files
+        tokenizer.save_pretrained(folder)
+        special = gguf.SpecialVocab(folder, load_merges=True, n_vocab=vocab_size)
+    return {"pre": pre, "tokens": tokens, "types": types, "special": special, "beyond": beyond}
+
+
+def _add_vocab(writer, vocab: dict) -> None:
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(vocab["pre"])
+    writer.add_token_list(vocab["tokens"])
+    writer.add_token_types(vocab["types"])
+    vocab["special"].add_to_gguf(writer)
+
+
+def gguf_name(file_type: str) -> str:
+    return f"model.{file_type}.gguf"
+
+
+def torch_logprobs(model: nn.Module, tokens: list[int]) -> np.ndarray:
+    """Each next token's log-probability under `model` (float32 on its device): what the GGUF must reproduce."""
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens], device=device)).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)[:-1].gather(1, torch.tensor(tokens[1:], device=device)[:, None])
+    return logp[:, 0].double().cpu().numpy()
+
+
+def check_gguf(path: Path, model: nn.Module, tokenizer, file_type: str) -> dict:
+    """The written file read back by llama.cpp: its per-token log-probabilities on a fixed passage against the
+    model's, GGUFError beyond `TOLERANCE[file_type]`. Without llama-cpp-python installed the file is written
+    unchecked, and the record says so."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return {"checked": False, "why": "llama-cpp-python is not installed (pip install 'taylor-tune[gguf]')"}
+    tokens = tokenizer.encode(CHECK_PASSAGE)
+    theirs, ours = gguf_logprobs(path, tokens), torch_logprobs(model, tokens)
+    gap = np.abs(theirs - ours)
+    measured = {"checked": True, "tokens": len(tokens) - 1, "mean_abs_logprob_gap": float(gap.mean()),
+                "max_abs_logprob_gap": float(gap.max())}
+    limit = TOLERANCE[file_type]
+    if measured["mean_abs_logprob_gap"] > limit["mean"] or measured["max_abs_logprob_gap"] > limit["max"]:
+        raise GGUFError(f"--gguf: llama.cpp reads {path.name} with per-token log-probabilities "
+                        f"{measured['mean_abs_logprob_gap']:.2g} (mean) / {measured['max_abs_logprob_gap']:.2g} (max) "
+                        f"from the model's, beyond {limit['mean']:g} / {limit['max']:g}; not written")
+    return measured
+
+
+def gguf_logprobs(path: str | Path, tokens: list[int], *, threads: int = 1) -> np.ndarray:
+    """Each next token's log-probability under llama.cpp (llama-cpp-python) reading `path`: the check that the file
+    is the model, and what a user's llama.cpp computes."""
+    from llama_cpp import Llama
+
+    # The KV cache in f32 (llama.cpp's default is f16): the comparison is of the file, not of the cache's rounding.
+    llm = Llama(model_path=str(path), n_ctx=max(64, len(tokens)), n_batch=max(64, len(tokens)), logits_all=True,
+                n_threads=threads, type_k=GGML_F32, type_v=GGML_F32, verbose=False)
+    try:
+        llm.eval(tokens)
+        logits = np.asarray(llm.scores[: len(tokens)], dtype=np.float64)
+    finally:
+        llm.close()
+    logits -= logits.max(axis=1, keepdims=True)
+    logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+    return logp[np.arange(len(tokens) - 1), tokens[1:]]

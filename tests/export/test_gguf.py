@@ -1,0 +1,123 @@
+"""`export --gguf` (issue 65, build 2): the GGUF file read back by two readers that share no code with the writer,
+llama.cpp (llama-cpp-python, built from its source distribution by `make setup`) and transformers' own GGUF loader,
+against the model it was written from. The tiny models here (fast); real SmolLM2 in tests/sources/test_real_world.py.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from taylor_tune.config import build_prune_config
+from taylor_tune.export import to_gguf
+from taylor_tune.export.to_gguf import GGUFError, check_gguf, gguf_logprobs, torch_logprobs, write_gguf
+from taylor_tune.pruning.apply import layer_shapes
+from taylor_tune.pruning.prune import prune
+from taylor_tune.sources import world
+
+LAYOUTS = {  # name -> (model, PruneConfig fields)
+    "llama-free": ("tiny-llama", {"method": "taylor"}),
+    "llama-uniform": ("tiny-llama", {"method": "taylor", "uniform": True}),
+    "llama-depth": ("tiny-llama", {"method": "depth", "depth_criterion": "angular"}),
+    "qwen2-free": ("tiny-qwen2", {"method": "taylor"}),  # q/k/v biases, permuted with their weights
+    "qwen2-uniform": ("tiny-qwen2", {"method": "taylor", "uniform": True}),
+    "mistral-free": ("tiny-mistral", {"method": "taylor"}),
+    "llama-flap": ("tiny-llama", {"criterion": "flap"}),  # output biases (FLAP's compensation)
+    "qwen2-flap-uniform": ("tiny-qwen2", {"criterion": "flap", "uniform": True}),
+}
+ARCH = {"llama-free": "deci", "llama-uniform": "llama", "llama-depth": "llama", "qwen2-free": "deci",
+        "qwen2-uniform": "qwen2", "mistral-free": "deci", "llama-flap": "deci", "qwen2-flap-uniform": "deci"}
+
+
+@pytest.fixture(scope="module")
+def pruned():
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            model, fields = LAYOUTS[name]
+            config = build_prune_config({"model": model, "sparsity": 0.3, "seq_len": 32, "num_samples": 8,
+                                         "calibration": "world", "device": "cpu", "dtype": "float32"} | fields)
+            cache[name] = prune(config)
+        return cache[name]
+    return get
+
+
+def held_out_tokens(tokenizer, count: int = 96) -> list[int]:
+    """Tokens of the world's held-out text, which no pruning here calibrated on."""
+    return tokenizer.encode(world.heldout_path().read_text())[:count]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_llama_cpp_reads_each_layout_as_the_model_gives_it(pruned, tmp_path, name):
+    """f32: every next token's log-probability in llama.cpp within 1e-4 nats of the model's (the order of summation
+    only); the file's architecture and per-layer head counts and widths are the model's."""
+    import gguf
+
+    result = pruned(name)
+    path = tmp_path / "model.gguf"
+    written = write_gguf(result.model, result.tokenizer, path, file_type="f32")
+    assert written["architecture"] == ARCH[name]
+    fields = gguf.GGUFReader(path).fields
+    arch = ARCH[name]
+    shapes = layer_shapes(result.model)
+    shapes = [(s["num_attention_heads"], s["num_key_value_heads"], s["intermediate_size"]) for s in shapes]
+    keys = ("attention.head_count", "attention.head_count_kv", "feed_forward_length")
+    stored = [fields[f"{arch}.{key}"].contents() for key in keys]
+    if arch == "deci":
+        assert list(zip(*stored)) == shapes
+        assert len(set(shapes)) > 1 or name.endswith("flap-uniform")  # the free layout's layers differ
+    else:
+        assert len(set(shapes)) == 1 and tuple(stored) == shapes[0]
+    tokens = held_out_tokens(result.tokenizer)
+    gap = np.abs(gguf_logprobs(path, tokens) - torch_logprobs(result.model, tokens))
+    assert gap.max() < 1e-4, gap.max()
+
+
+@pytest.mark.parametrize("name", ["llama-uniform", "llama-depth", "qwen2-uniform"])
+def test_transformers_gguf_reader_gives_the_models_logits(pruned, tmp_path, name):
+    """The stock architectures are also what transformers' own GGUF loader reads (it undoes the q/k permutation
+    itself): the same logits to 1e-5 in f32."""
+    from transformers import AutoModelForCausalLM
+
+    result = pruned(name)
+    write_gguf(result.model, result.tokenizer, tmp_path / "model.gguf", file_type="f32")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="model.gguf", dtype=torch.float32)
+    ids = torch.tensor([held_out_tokens(result.tokenizer, 48)])
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, result.model(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_f16_stays_within_the_stated_tolerance_and_the_check_passes(pruned, tmp_path):
+    result = pruned("llama-free")
+    path = tmp_path / "model.gguf"
+    write_gguf(result.model, result.tokenizer, path, file_type="f16")
+    measured = check_gguf(path, result.model, result.tokenizer, "f16")
+    assert measured["checked"] and measured["max_abs_logprob_gap"] <= to_gguf.TOLERANCE["f16"]["max"]
+    assert measured["max_abs_logprob_gap"] > 0  # f16 rounding does show: the f32 comparison is not vacuous
+
+
+def test_the_check_refuses_a_file_written_without_the_rope_permutation(pruned, tmp_path, monkeypatch):
+    """A planted writer bug (q and k left in HF's order): llama.cpp's numbers move far beyond the tolerance, and the
+    check says so in one line."""
+    result = pruned("llama-free")
+    monkeypatch.setattr(to_gguf, "_rope_permute", lambda weight, heads: weight)
+    path = tmp_path / "model.gguf"
+    write_gguf(result.model, result.tokenizer, path, file_type="f32")
+    with pytest.raises(GGUFError, match=r"llama.cpp reads model.gguf with per-token log-probabilities .* not written"):
+        check_gguf(path, result.model, result.tokenizer, "f32")
+
+
+def test_what_cannot_be_written_is_refused_in_one_line_before_writing(pruned, tmp_path):
+    result = pruned("llama-uniform")
+    path = tmp_path / "model.gguf"
+    with pytest.raises(GGUFError, match=r"--gguf 'q4_0': the GGUF types written are f16, f32"):
+        write_gguf(result.model, result.tokenizer, path, file_type="q4_0")
+    config = result.model.config
+    saved = config.rope_parameters
+    try:
+        config.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+        with pytest.raises(GGUFError, match=r"RoPE scaling 'yarn' is not written as GGUF"):
+            write_gguf(result.model, result.tokenizer, path, file_type="f32")
+    finally:
+        config.rope_parameters = saved
+    assert not path.exists()
