@@ -25,7 +25,10 @@ differently.
 from __future__ import annotations
 
 import json
+import os
+import sys
 import tempfile
+from contextlib import contextmanager, redirect_stderr
 from hashlib import sha256
 from pathlib import Path
 
@@ -274,17 +277,48 @@ def check_gguf(path: Path, model: nn.Module, tokenizer, file_type: str) -> dict:
 
 def gguf_logprobs(path: str | Path, tokens: list[int], *, threads: int = 1) -> np.ndarray:
     """Each next token's log-probability under llama.cpp (llama-cpp-python) reading `path`: the check that the file
-    is the model, and what a user's llama.cpp computes."""
+    is the model, and what a user's llama.cpp computes. GGUFError with llama.cpp's own reason when it cannot load it.
+    """
     from llama_cpp import Llama
 
-    # The KV cache in f32 (llama.cpp's default is f16): the comparison is of the file, not of the cache's rounding.
-    llm = Llama(model_path=str(path), n_ctx=max(64, len(tokens)), n_batch=max(64, len(tokens)), logits_all=True,
-                n_threads=threads, type_k=GGML_F32, type_v=GGML_F32, verbose=False)
-    try:
-        llm.eval(tokens)
-        logits = np.asarray(llm.scores[: len(tokens)], dtype=np.float64)
-    finally:
-        llm.close()
+    llm, logits = None, None
+    # llama.cpp's log (verbose: its reason for refusing a file is in it) is kept out of the user's terminal.
+    with _captured_stderr() as said:
+        try:
+            # The KV cache in f32 (llama.cpp's default is f16): the comparison is of the file, not the cache.
+            llm = Llama(model_path=str(path), n_ctx=max(64, len(tokens)), n_batch=max(64, len(tokens)),
+                        logits_all=True, n_threads=threads, type_k=GGML_F32, type_v=GGML_F32, verbose=True)
+            llm.eval(tokens)
+            logits = np.asarray(llm.scores[: len(tokens)], dtype=np.float64)
+        except ValueError:
+            pass
+        finally:
+            if llm is not None:
+                llm.close()
+    if logits is None:
+        errors = [line for line in said() if "error" in line] or ["no reason given"]
+        raise GGUFError(f"--gguf: llama.cpp cannot load {Path(path).name}: {errors[0].strip()}")
     logits -= logits.max(axis=1, keepdims=True)
     logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
     return logp[np.arange(len(tokens) - 1), tokens[1:]]
+
+
+@contextmanager
+def _captured_stderr():
+    """Standard error, Python's and file descriptor 2 (what C code writes), sent to a temporary file for the block;
+    yields a function giving its lines once the block is over."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    lines: list[str] = []
+    with tempfile.TemporaryFile(mode="w+") as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            with redirect_stderr(sink):
+                yield lambda: lines
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.flush()
+            sink.seek(0)
+            lines.extend(sink.read().splitlines())
