@@ -121,6 +121,14 @@ MUTANTS = (
        "strictly = (better[:, None, :] >= better[None, :, :]).any(axis=2)")),
     m("pareto-mode-ignored", "reporting/pareto.py", "every objective maximized, a perplexity too",
       ("better = np.where([o.ascending for o in objectives], -values, values)", "better = values")),
+    # racing
+    m("racing-direction", "sweep/racing.py", "a trial raced out for being better than the incumbent, not worse",
+      ("worse = found.difference < 0 and found.separated(self.z)",
+       "worse = found.difference > 0 and found.separated(self.z)")),
+    m("racing-unpaired", "sweep/racing.py", "the incumbent's items shuffled within each task: compared as unpaired",
+      ("theirs = theirs.loc[mine.index]",
+       "theirs = theirs.loc[mine.index].groupby(level=0, group_keys=False).apply(\n"
+       "            lambda s: s.sample(frac=1, random_state=0).set_axis(s.index))")),
     # the importance cache
     m("cache-key-without-seq-len", "pruning/scoring.py", "the importance-cache key ignores seq_len",
       ('"seq_len": config.seq_len,\n', "")),
