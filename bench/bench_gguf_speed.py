@@ -1,7 +1,8 @@
 """Issue 65, must-show 5: the exported SmolLM2-135M best (the real demo's best configuration: layerwise, seq_len 64,
 32 samples, 20%) in llama.cpp on this CPU, free layout (`deci`) and the same configuration with `uniform: true`
-(`llama`), against the unpruned model, all three written as f16 GGUF by taylor_tune's writer (the unpruned one too,
-so that the file format is not what differs). The speed a laptop user would see.
+(`llama`), against the unpruned model, all written as f16 GGUF by taylor_tune's writer (the unpruned one too, so that
+the file format is not what differs), and the unpruned model written as `deci` (whether a free layout's speed comes
+from the `deci` graph or from its widths). The speed a laptop user would see.
 
 Timing: llama-cpp-python, one `Llama` per file, all loaded before timing; `rounds` rounds, each timing every model
 once in a fresh random order (interleaved, so that the machine's state drifts over all three alike):
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from taylor_tune.config import build_prune_config
+from taylor_tune.export import to_gguf
 from taylor_tune.export.to_gguf import write_gguf
 from taylor_tune.jsonio import write_json
 from taylor_tune.pruning.prune import prune
@@ -37,11 +39,19 @@ BEST = {"model": "smollm2-135m", "method": "layerwise", "sparsity": 0.2, "seq_le
 
 
 def build(folder: Path) -> dict[str, Path]:
-    files = {"unpruned": folder / "unpruned.f16.gguf", "free": folder / "free.f16.gguf",
-             "uniform": folder / "uniform.f16.gguf"}
-    if not files["unpruned"].exists():
-        write_gguf(load_model("smollm2-135m", dtype=torch.float32), load_tokenizer("smollm2-135m"),
-                   files["unpruned"], file_type="f16")
+    files = {"unpruned": folder / "unpruned.f16.gguf", "unpruned_deci": folder / "unpruned_deci.f16.gguf",
+             "free": folder / "free.f16.gguf", "uniform": folder / "uniform.f16.gguf"}
+    if not files["unpruned"].exists() or not files["unpruned_deci"].exists():
+        model, tokenizer = load_model("smollm2-135m", dtype=torch.float32), load_tokenizer("smollm2-135m")
+        write_gguf(model, tokenizer, files["unpruned"], file_type="f16")
+        # The unpruned model under the free layout's architecture: whether a free layout's speed comes from the
+        # `deci` graph or from its widths.
+        chosen = to_gguf.architecture
+        to_gguf.architecture = lambda model_type, uniform, biased: "deci"
+        try:
+            write_gguf(model, tokenizer, files["unpruned_deci"], file_type="f16")
+        finally:
+            to_gguf.architecture = chosen
     for layout, extra in (("free", {}), ("uniform", {"uniform": True})):
         if not files[layout].exists():
             result = prune(build_prune_config(BEST | extra))
@@ -113,7 +123,7 @@ def main() -> None:
               "tokens_per_s": {name: {phase: float(np.median(values)) for phase, values in phases.items()}
                                for name, phases in rates.items()},
               "speedup": {}}
-    for name in ("free", "uniform"):
+    for name in ("free", "uniform", "unpruned_deci"):
         for phase in ("prefill", "decode"):
             ratios = [a / b for a, b in zip(rates[name][phase], rates["unpruned"][phase])]
             median, low, high = interval(ratios)
