@@ -56,13 +56,16 @@ def sweep(tmp_path_factory):
     calibration = root.parent / "calibration.txt"  # a calibration file of the user's own, read again by a rebuild
     calibration.write_text(world.corpus_path().read_text())
     trials = TRIALS | {"owntext": ({"method": "taylor", "calibration": str(calibration)}, None)}
-    ids = {name: f"{name}_{index:05d}" for index, name in enumerate([*trials, "stopped"])}
+    ids = {name: f"{name}_{index:05d}" for index, name in enumerate([*trials, "stopped", "failed"])}
     for index, (name, (fields, recovery)) in enumerate(trials.items()):
         folder = tune_folder(root, name, index)
         metrics[name] = run_trial(trial_config(fields, recovery, cache), folder)
         (folder / "result.json").write_text(json.dumps(json_safe(metrics[name])) + "\n")
     unfinished = tune_folder(root, "stopped", len(trials))  # pruned, then stopped before its evaluation
     (unfinished / "result.json").write_text(json.dumps({"model": "tiny-llama", "stage": "pruned"}) + "\n")
+    failed = tune_folder(root, "failed", len(trials) + 1)  # pruned, then errored (Tune's error.txt)
+    (failed / "result.json").write_text(json.dumps({"model": "tiny-llama", "stage": "pruned"}) + "\n")
+    (failed / "error.txt").write_text("Failure # 1 (occurred at 2026-11-28)\nRuntimeError: CUDA error: out of memory\n")
     metrics |= {"path": root, "calibration": calibration, "ids": ids}
     return metrics
 
@@ -200,6 +203,7 @@ def cli(*args):
 @pytest.mark.parametrize("case, needle", [
     ("unknown trial", "--trial 'nope': no such trial of tiny-llama"),
     ("unfinished trial", "--trial stopped_00005: not a finished trial (incomplete"),
+    ("errored trial", "--trial failed_00006: not a finished trial (errored: RuntimeError: CUDA error: out of memory)"),
     ("not a sweep", "not a Tune experiment folder"),
     ("output exists", "exists; give a new folder"),
     ("output inside the sweep", "lies inside the sweep"),
@@ -211,6 +215,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(sweep, tmp_path, case, 
     (tmp_path / "plain").mkdir()  # a folder, but not a sweep's
     args = {"unknown trial": [path, "--trial", "nope", "--output", out],
             "unfinished trial": [path, "--trial", sweep["ids"]["stopped"], "--output", out],
+            "errored trial": [path, "--trial", sweep["ids"]["failed"], "--output", out],
             "not a sweep": [tmp_path / "plain", "--output", out],
             "output exists": [path, "--output", tmp_path],
             "output inside the sweep": [path, "--output", path / "exported"],
