@@ -21,8 +21,9 @@ HFLM_ATTRIBUTES = ("backend", "mixed_precision_dtype", "softmax_dtype", "cache_h
 ENVIRONMENT_RECORD = ("get_git_commit_hash", "add_env_info")  # names in lm_eval.evaluator
 TEMPLATE_NAMES = ("apply_template", "env")  # names in lm_eval.utils
 # build_all_requests' arguments in a plain zero-shot pass: what the request cache stands in for, and nothing else
-# (fewshot_as_multiturn, True by simple_evaluate's default, acts only with a chat template)
-PLAIN_BUILD = {"samples": None, "rank": 0, "world_size": 1, "system_instruction": None, "apply_chat_template": False}
+# (fewshot_as_multiturn, True by simple_evaluate's default, acts only with a chat template; `samples`, a list of
+# documents to score, is passed on to the build)
+PLAIN_BUILD = {"rank": 0, "world_size": 1, "system_instruction": None, "apply_chat_template": False}
 
 
 def _versions_only(results: dict) -> None:
@@ -64,8 +65,8 @@ def compiled_templates() -> Iterator[None]:
 
 @contextmanager
 def building_requests(build: Callable) -> Iterator[None]:
-    """Inside, a plain zero-shot pass's `Task.build_all_requests(limit=...)` (no chat template, no system instruction,
-    one process, no sample list) sets the task's instances to `build(task, limit, lm_eval_build)`, where
+    """Inside, a plain zero-shot pass's `Task.build_all_requests(limit=..., samples=...)` (no chat template, no
+    system instruction, one process) sets the task's instances to `build(task, limit, lm_eval_build, samples)`, where
     `lm_eval_build()` builds and returns them as lm-eval does. Any other call is lm-eval's own."""
     from lm_eval.api.task import Task
 
@@ -80,7 +81,7 @@ def building_requests(build: Callable) -> Iterator[None]:
                 or arguments.get("cache_requests"):
             return saved(self, limit=limit, **arguments)
         listed_documents(self)
-        self._instances = build(self, limit, lm_eval_build)
+        self._instances = build(self, limit, lm_eval_build, arguments.get("samples"))
 
     Task.build_all_requests = patched
     try:
@@ -99,9 +100,12 @@ def listed_documents(task) -> None:
     setattr(task, "test_docs" if task.has_test_docs() else "validation_docs", lambda: listed)
 
 
-def task_documents(task, limit: int | None) -> list[tuple[int, dict]]:
-    """(doc_id, document) of every document a plain pass at `limit` scores, as build_all_requests iterates them."""
-    return list(task.doc_iterator(rank=0, limit=limit, world_size=1))
+def task_documents(task, limit: int | None, samples: list[int] | None = None) -> list[tuple[int, dict]]:
+    """(doc_id, document) of every document a plain pass at `limit` (or of the listed `samples`) scores, as
+    build_all_requests iterates them. With `samples` lm-eval (0.4.13) keeps the listed documents in the task's own
+    order and numbers them 0..k-1; its logged samples then carry `samples[k]`, which is the document's index in the
+    task only when the list is sorted."""
+    return list(task.doc_iterator(rank=0, limit=limit, world_size=1, samples=samples))
 
 
 def _canonical(value):

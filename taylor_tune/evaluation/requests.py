@@ -82,7 +82,8 @@ class PassRequests:
         finally:
             self.lm.encoded = None
 
-    def __call__(self, task, limit: int | None, lm_eval_build: Callable[[], list]) -> list:
+    def __call__(self, task, limit: int | None, lm_eval_build: Callable[[], list],
+                 samples: list[int] | None = None) -> list:
         start = time.perf_counter()
         try:
             if self.cache is None:
@@ -91,23 +92,23 @@ class PassRequests:
                 for (*_, context, continuation, context_ids, continuation_ids) in self._rows(instances):
                     self.lm.encoded[(context, continuation)] = (context_ids, continuation_ids)
                 return instances
-            docs = dict(task_documents(task, limit))
+            docs = dict(task_documents(task, limit, samples))
             instances, built = self.cache.get_or_build(
-                self.fields(task, limit, docs), lambda: self._rows(lm_eval_build()),
+                self.fields(task, limit, docs, samples), lambda: self._rows(lm_eval_build()),
                 lambda rows: self._rows_to_instances(task, docs, rows))
             self.built += built
             return instances
         finally:
             self.seconds += time.perf_counter() - start
 
-    def fields(self, task, limit: int | None, docs: dict | None = None) -> dict:
-        """The cache key's fields of `task` at `limit`: the same in every process that would build the same requests
-        (a sweep's trials run in several)."""
-        docs = dict(task_documents(task, limit)) if docs is None else docs
+    def fields(self, task, limit: int | None, docs: dict | None = None, samples: list[int] | None = None) -> dict:
+        """The cache key's fields of `task` at `limit` (or of its listed `samples`): the same in every process that
+        would build the same requests (a sweep's trials run in several)."""
+        docs = dict(task_documents(task, limit, samples)) if docs is None else docs
         return {"task": task.config.task, "docs": digest(list(docs.items())),
                 "definition": digest(task_definition(task)), "lm_eval": version("lm_eval"),
                 "tokenizer": self.tokenizer, "limit": limit,
-                "scorer": getattr(self.lm, "scorer", None)}
+                "scorer": getattr(self.lm, "scorer", None)} | ({"samples": digest(samples)} if samples else {})
 
     def _rows(self, instances: list) -> list:
         """Each request as a JSON row: doc_id, idx, request type, repeats, context, continuation and lm-eval's tokens

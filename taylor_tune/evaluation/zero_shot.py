@@ -21,7 +21,12 @@ import torch
 from lm_eval import simple_evaluate
 from lm_eval.tasks import TaskManager
 
-from taylor_tune.compat.lm_eval import building_requests, compiled_templates, load_task_yaml, without_environment_record
+from taylor_tune.compat.lm_eval import (
+    building_requests,
+    compiled_templates,
+    load_task_yaml,
+    without_environment_record,
+)
 from taylor_tune.config import EvalSpec
 from taylor_tune.errors import EvaluationError
 from taylor_tune.evaluation.requests import PassRequests
@@ -102,10 +107,12 @@ def item_outcomes(samples: dict[str, list[dict]]) -> pd.DataFrame:
     return frame.astype({"doc_id": "int64", "acc": "float64", "acc_norm": "float64"})
 
 
-def _simple_evaluate(lm, spec: EvalSpec, sources: list[tuple[str | dict, object]], requests: PassRequests) -> dict:
+def _simple_evaluate(lm, spec: EvalSpec, sources: list[tuple[str | dict, object]], requests: PassRequests,
+                     samples: dict[str, list[int]] | None = None) -> dict:
     with without_environment_record(), compiled_templates(), building_requests(requests), requests.scoring():
         return simple_evaluate(
-            model=lm, tasks=[source for source, _ in sources], task_manager=sources[0][1], limit=spec.limit,
+            model=lm, tasks=[source for source, _ in sources], task_manager=sources[0][1],
+            limit=spec.limit if samples is None else None, samples=samples,
             bootstrap_iters=1000, log_samples=True, verbosity="ERROR",
         )
 
@@ -115,24 +122,31 @@ def _failure(task: str | None, error: Exception) -> EvaluationError:
     return EvaluationError(f"{f'task {task}' if task else 'zero-shot'}: {type(error).__name__}: {first_line}")
 
 
-def zero_shot(lm, spec: EvalSpec, task_data: str,
-              requests: PassRequests | None = None) -> tuple[dict[str, dict], float, pd.DataFrame]:
+def zero_shot(lm, spec: EvalSpec, task_data: str, requests: PassRequests | None = None,
+              samples: dict[str, list[int]] | None = None) -> tuple[dict[str, dict], float, pd.DataFrame]:
     """Every task in one `simple_evaluate` call: lm-eval then pools the requests of all tasks into one sorted
     batch stream, and pays its per-call set-up once, not per task (it collects the environment by running pip).
     A pass's time is reported as a whole: per-task times do not exist in one call. `requests` builds the pass's
     requests (with a cache, read from it) and counts their time; default: built and tokenized once, no cache.
+    `samples` (task -> the indices of its items to score, instead of the spec's limit) scores chosen items, as a
+    race's blocks do; their outcomes keep each item's index in its task.
     Returns the tasks' results, the pass's seconds and every item's outcome (`item_outcomes`)."""
     sources = {task: task_source(task, task_data) for task in spec.tasks}
     requests = PassRequests(lm) if requests is None else requests
+    # sorted: lm-eval numbers the listed items 0..k-1 in the task's order and logs each under `list[k]`, the index
+    # in the task only when the list is in that order (`compat.lm_eval.task_documents`)
+    listed = None if samples is None else {result_name(sources[task][0]): sorted(set(samples[task]))
+                                           for task in spec.tasks}
     start = time.perf_counter()
     try:
-        result = _simple_evaluate(lm, spec, list(sources.values()), requests)
+        result = _simple_evaluate(lm, spec, list(sources.values()), requests, listed)
     except torch.cuda.OutOfMemoryError as error:  # the model's, not a task's: running tasks alone would only repeat it
         raise _failure(None, error) from None
     except Exception as error:  # lm-eval and datasets raise anything: find the task it came from by running each alone
         for task, source in sources.items():
             try:
-                _simple_evaluate(lm, spec, [source], PassRequests(lm))
+                _simple_evaluate(lm, spec, [source], PassRequests(lm),
+                                 None if listed is None else {result_name(source): listed[result_name(source)]})
             except Exception as task_error:
                 raise _failure(task, task_error) from None
         raise _failure(None, error) from None

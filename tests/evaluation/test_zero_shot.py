@@ -141,3 +141,27 @@ def test_a_failure_is_named_by_the_task_that_repeats_it_alone_or_else_the_pass(l
     alone = [["boolq_offline"], ["piqa_offline"]] if piqa_fails else [[f"{t}_offline"] for t in ("boolq", "piqa",
                                                                                                    "arc_easy")]
     assert calls == [["boolq_offline", "piqa_offline", "arc_easy_offline"], *alone]  # the pass, then each alone
+
+
+@pytest.mark.parametrize("scorer, cached", [("prefix", False), ("prefix", True), ("hflm", False)])
+def test_listed_items_score_as_in_the_full_pass_and_keep_their_indices(tmp_path, scorer, cached):
+    """`samples` (a race's blocks): each listed item's outcome (acc and acc_norm) equals its outcome in a pass over
+    every item, under its own index in the task (lm-eval numbers listed items 0..k-1; zero_shot gives the index
+    back), and the task's score is the mean over exactly those items. Through the request cache too: a listed pass
+    is keyed apart from the full one."""
+    from taylor_tune.evaluation.requests import RequestCache
+
+    lm = make_lm(load_model("tiny-llama"), load_tokenizer("tiny-llama"), 16, scorer=scorer)
+    cache = RequestCache(tmp_path / "requests") if cached else None
+    tasks = "boolq,piqa,hellaswag"
+    full = zs.zero_shot(lm, spec(tasks=tasks, limit=None), "world", PassRequests(lm, cache))[2]
+    full = full.set_index(["task", "doc_id"])
+    listed = {"boolq": [150, 3, 77, 12, 199], "piqa": [0, 198, 64], "hellaswag": [5, 4, 120, 33]}
+    out, _, items = zs.zero_shot(lm, spec(tasks=tasks, limit=None), "world", PassRequests(lm, cache), samples=listed)
+    items = items.set_index(["task", "doc_id"])
+    expected = [(task, i) for task in sorted(listed) for i in sorted(listed[task])]
+    assert sorted(items.index) == expected
+    pd.testing.assert_frame_equal(items.loc[expected], full.loc[expected])
+    for task, ids in listed.items():
+        assert out[task]["n"] == len(ids)
+        assert out[task]["acc"] == pytest.approx(full.loc[[(task, i) for i in ids], "acc"].mean(), abs=1e-12)
