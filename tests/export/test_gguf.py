@@ -121,3 +121,22 @@ def test_what_cannot_be_written_is_refused_in_one_line_before_writing(pruned, tm
     finally:
         config.rope_parameters = saved
     assert not path.exists()
+
+
+def test_a_tokenizer_llama_cpp_would_split_otherwise_is_refused_in_one_line():
+    """Only vocabularies whose split llama.cpp reproduces are written: a byte-level BPE with another pre-tokenizer
+    (here a whitespace split) and a vocabulary that is not BPE (here word-level, as a stand-in for SentencePiece's
+    unigram) are refused, naming why."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from taylor_tune.export.to_gguf import pre_tokenizer
+
+    vocab = {"a": 0, "b": 1, "ab": 2, "[UNK]": 3}
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b")], unk_token="[UNK]"))
+    bpe.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    with pytest.raises(GGUFError, match=r"pre-tokenizer is not one llama.cpp is known to split as it does"):
+        pre_tokenizer(PreTrainedTokenizerFast(tokenizer_object=bpe))
+    words = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    with pytest.raises(GGUFError, match=r"the tokenizer is WordLevel, not a byte-level BPE"):
+        pre_tokenizer(PreTrainedTokenizerFast(tokenizer_object=words))
