@@ -179,41 +179,60 @@ def test_pruned_real_folder_runs_in_lm_eval_cli(tmp_path, assets):
     assert cli["acc_norm,none"] == ours["tasks"]["arc_easy"]["acc_norm"]
 
 
-def test_in_memory_scores_equal_lm_eval_hf_on_the_real_tasks(assets):
-    """SmolLM2-135M on the seven real tasks, 20 items each: our in-memory evaluation against lm-eval's own
-    `hf` model loading the folder itself."""
+@pytest.fixture(scope="module")
+def lm_eval_hf(assets):
+    """lm-eval's own `hf` model loading the SmolLM2-135M folder itself, on the seven real tasks, 20 items each: one
+    pass read by the two tests below. `names`: our task -> lm-eval's name for it; `requests`: every request's
+    (log-likelihood, is_greedy) and `scores`: (acc, acc_norm), both by lm-eval's name, as `responses` gives them."""
     from lm_eval import simple_evaluate
 
+    from taylor_tune.evaluation.zero_shot import TASK_YAML, _task_manager, offline_task_config
+
+    configs = {task: offline_task_config(task, assets["real"] / f"{task}.jsonl") for task in TASK_YAML}
+    result = simple_evaluate(model="hf", model_args=f"pretrained={assets['smollm2-135m']},dtype=float32,device=cpu",
+                             tasks=list(configs.values()), task_manager=_task_manager(False), limit=20,
+                             batch_size=16, bootstrap_iters=0, log_samples=True, verbosity="ERROR")
+    return {"names": {task: config["task"] for task, config in configs.items()}, "results": result["results"],
+            "requests": {name: [r[0] for sample in samples for r in sample["resps"]]
+                         for name, samples in result["samples"].items()},
+            "scores": {name: (raw.get("acc,none"), raw.get("acc_norm,none"))
+                       for name, raw in result["results"].items()}}
+
+
+def test_in_memory_scores_equal_lm_eval_hf_on_the_real_tasks(lm_eval_hf):
+    """SmolLM2-135M on the seven real tasks, 20 items each: our in-memory evaluation against lm-eval's own
+    `hf` model loading the folder itself."""
     from taylor_tune.evaluation.evaluate import evaluate
-    from taylor_tune.evaluation.zero_shot import _task_manager, offline_task_config
 
     model, tokenizer = load_model("smollm2-135m", dtype=torch.float32), load_tokenizer("smollm2-135m")
     spec = EvalSpec(tasks="all", task_data="real", limit=20, ppl=None, batch_size=16)
     ours = evaluate(model, tokenizer, spec, model_name="smollm2-135m")["tasks"]
-    configs = [offline_task_config(task, assets["real"] / f"{task}.jsonl") for task in spec.tasks]
-    theirs = simple_evaluate(model="hf", model_args=f"pretrained={assets['smollm2-135m']},dtype=float32,device=cpu",
-                             tasks=configs, task_manager=_task_manager(False), limit=20, batch_size=16,
-                             bootstrap_iters=0, verbosity="ERROR")["results"]
-    for task, config in zip(spec.tasks, configs):
+    for task in spec.tasks:
+        theirs = lm_eval_hf["results"][lm_eval_hf["names"][task]]
         assert ours[task]["n"] == 20
-        assert ours[task]["acc"] == theirs[config["task"]]["acc,none"], task
-        assert ours[task]["acc_norm"] == theirs[config["task"]].get("acc_norm,none"), task  # None for BoolQ, WinoGrande
+        assert ours[task]["acc"] == theirs["acc,none"], task
+        assert ours[task]["acc_norm"] == theirs.get("acc_norm,none"), task  # None for BoolQ, WinoGrande
 
 
 @pytest.mark.parametrize("pruned", [False, True], ids=["smollm2", "pruned-smollm2"])
-def test_prefix_scorer_equals_hflm_request_by_request_on_the_real_tasks(assets, pruned):
-    """The seven real tasks, 20 items each: every request's log-likelihood within 1e-4 of lm-eval's HFLM, the same
-    is_greedy, the same acc and acc_norm; on SmolLM2-135M and on a blockwise-pruned one (layers of unequal shape)."""
+def test_prefix_scorer_equals_hflm_request_by_request_on_the_real_tasks(lm_eval_hf, pruned):
+    """The seven real tasks, 20 items each: every request's log-likelihood within 1e-4 of lm-eval's, the same
+    is_greedy, the same acc and acc_norm. SmolLM2-135M against lm-eval's `hf` loading the folder itself (the pass
+    shared with the test above); a blockwise-pruned one (layers of unequal shape) against HFLM around the same
+    in-memory model."""
     from tests.evaluation.test_scorer import assert_same_answers, responses
 
     if pruned:
         result = _pruned("smollm2-135m", "blockwise", blockwise_attention="closest_ratio")
         model, tokenizer = result.model, result.tokenizer
+        model.eval()
+        theirs, their_scores = responses(model, tokenizer, "hflm", batch_size=16, limit=20, task_data="real")
     else:
         model, tokenizer = load_model("smollm2-135m", dtype=torch.float32), load_tokenizer("smollm2-135m")
-    model.eval()
-    theirs, their_scores = responses(model, tokenizer, "hflm", batch_size=16, limit=20, task_data="real")
+        model.eval()
+        theirs, their_scores = lm_eval_hf["requests"], lm_eval_hf["scores"]
     ours, our_scores = responses(model, tokenizer, "prefix", batch_size=16, limit=20, task_data="real")
+    assert set(ours) == set(theirs) == set(lm_eval_hf["names"].values())
     assert_same_answers(ours, theirs)
     assert our_scores == their_scores
 
