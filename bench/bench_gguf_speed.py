@@ -8,8 +8,9 @@ Timing: llama-cpp-python, one `Llama` per file, all loaded before timing; `round
 once in a fresh random order (interleaved, so that the machine's state drifts over all three alike):
 - prefill: `eval` of a `prefill`-token prompt from a reset context, tokens / s;
 - decode: after an 8-token prompt, `decode` single-token `eval` calls (the model's own greedy tokens), tokens / s.
-Each round gives a ratio pruned / unpruned per model and phase; reported as the median ratio with a 95% bootstrap
-interval over the rounds (paired by round), and each model's median tokens/s.
+Each round gives a ratio pruned / unpruned per model and phase; reported as a trial's paired timing reports it (the
+geometric mean of the rounds' ratios with its 95% t interval, `evaluation.speed.paired_ratio`), and each model's
+median tokens/s.
 
     .venv/bin/python bench/bench_gguf_speed.py --json bench/gguf_speed.json [--rounds 30] [--threads 2]
 """
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 from taylor_tune.config import build_prune_config
+from taylor_tune.evaluation.speed import paired_ratio
 from taylor_tune.export import to_gguf
 from taylor_tune.export.to_gguf import write_gguf
 from taylor_tune.jsonio import write_json
@@ -77,11 +79,16 @@ def decode_rate(llm, prompt: list[int], steps: int) -> float:
     return steps / (time.perf_counter() - start)
 
 
-def interval(ratios: list[float], seed: int = 0) -> tuple[float, float, float]:
-    ratios = np.asarray(ratios)
-    rng = np.random.default_rng(seed)
-    boot = np.median(rng.choice(ratios, size=(2000, len(ratios))), axis=1)
-    return float(np.median(ratios)), float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975))
+def speedups(rates: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float]]:
+    """Each model's speedup per phase against the unpruned one, paired by round, with the estimator a trial's paired
+    timing reports (`evaluation.speed.paired_ratio`: the geometric mean of the rounds' ratios, a t interval)."""
+    out = {}
+    for name in [n for n in rates if n != "unpruned"]:
+        for phase in ("prefill", "decode"):
+            ratio, _, low, high = paired_ratio([1 / r for r in rates["unpruned"][phase]],
+                                               [1 / r for r in rates[name][phase]])
+            out[f"{name}_{phase}"] = {"ratio": ratio, "low": low, "high": high}
+    return out
 
 
 def main() -> None:
@@ -122,14 +129,9 @@ def main() -> None:
               "files_mb": {name: round(path.stat().st_size / 2**20, 1) for name, path in files.items()},
               "tokens_per_s": {name: {phase: float(np.median(values)) for phase, values in phases.items()}
                                for name, phases in rates.items()},
-              "speedup": {}}
-    for name in ("free", "uniform", "unpruned_deci"):
-        for phase in ("prefill", "decode"):
-            ratios = [a / b for a, b in zip(rates[name][phase], rates["unpruned"][phase])]
-            median, low, high = interval(ratios)
-            result["speedup"][f"{name}_{phase}"] = {"median": median, "low": low, "high": high}
-            print(f"{name} {phase}: {median:.3f}x [{low:.3f}, {high:.3f}]")
-    result["rates"] = rates
+              "speedup": speedups(rates), "rates": rates}
+    for key, found in result["speedup"].items():
+        print(f"{key}: {found['ratio']:.3f}x [{found['low']:.3f}, {found['high']:.3f}]")
     write_json(Path(args.json), result)
 
 

@@ -28,8 +28,9 @@ ALLOWED = {
     "evaluation": {"sources", "root"},
     "reporting": {"root"},
     "sweep": {"pruning", "recovery", "evaluation", "reporting", "sources", "root"},
-    # a trial's stages again (the sweep's), its pruned folder written (pruning's apply), the trial chosen (reporting)
-    "export": {"sweep", "pruning", "reporting", "sources", "root"},
+    # a trial's stages again (the sweep's), its pruned folder written (pruning's apply), the trial chosen (reporting),
+    # a GGUF checked by recovery's own next-token losses
+    "export": {"sweep", "pruning", "recovery", "reporting", "sources", "root"},
     "cli": {*STAGES, "root"},
 }
 STAGE_MODULE = "taylor_tune.pruning.prune"  # the one pruning module the sweep may import

@@ -38,6 +38,7 @@ from torch import nn
 
 from taylor_tune.export.choose import ExportError
 from taylor_tune.pruning.groups import decoder_layers, head_dim
+from taylor_tune.recovery.losses import token_losses
 
 FILE_TYPES = ("f16", "f32")
 
@@ -75,14 +76,18 @@ class GGUFError(ExportError):
     refusal)."""
 
 
+def check_file_type(file_type: str) -> None:
+    if file_type not in FILE_TYPES:
+        raise GGUFError(f"--gguf {file_type!r}: the GGUF types written are {', '.join(FILE_TYPES)} "
+                        "(quantize the f16 file with llama.cpp's llama-quantize)")
+
+
 def write_gguf(model: nn.Module, tokenizer, path: str | Path, *, file_type: str = "f16", name: str = "") -> dict:
     """Write `model` (a loaded pruned or unpruned model) and its tokenizer to `path`; return what was written
     (architecture, file type, per-layer shapes). GGUFError before anything is written when it cannot be."""
     import gguf
 
-    if file_type not in FILE_TYPES:
-        raise GGUFError(f"--gguf {file_type!r}: the GGUF types written are {', '.join(FILE_TYPES)} "
-                        "(quantize the f16 file with llama.cpp's llama-quantize)")
+    check_file_type(file_type)
     config = model.config
     if config.model_type not in STOCK_ARCH:
         raise GGUFError(f"--gguf: a {config.model_type} model is not written as GGUF (llama, mistral and qwen2 are)")
@@ -211,8 +216,9 @@ def _vocab(tokenizer, vocab_size: int) -> dict:
     pre = pre_tokenizer(tokenizer)
     # An id past the embedding's rows (an added token the model was never given a row for) can never be fed to the
     # model: the file's vocabulary is the embedding's, and what is left out is counted in the record.
-    reverse = {index: token for token, index in tokenizer.get_vocab().items() if index < vocab_size}
-    beyond = len(tokenizer.get_vocab()) - len(reverse)
+    every = tokenizer.get_vocab()
+    reverse = {index: token for token, index in every.items() if index < vocab_size}
+    beyond = len(every) - len(reverse)
     added, decoder = tokenizer.get_added_vocab(), tokenizer.added_tokens_decoder
     tokens, types = [], []
     for index in range(vocab_size):
@@ -247,11 +253,9 @@ def gguf_name(file_type: str) -> str:
 
 def torch_logprobs(model: nn.Module, tokens: list[int]) -> np.ndarray:
     """Each next token's log-probability under `model` (float32 on its device): what the GGUF must reproduce."""
-    device = next(model.parameters()).device
+    ids = torch.tensor([tokens], device=next(model.parameters()).device)
     with torch.no_grad():
-        logits = model(torch.tensor([tokens], device=device)).logits[0].float()
-    logp = torch.log_softmax(logits, dim=-1)[:-1].gather(1, torch.tensor(tokens[1:], device=device)[:, None])
-    return logp[:, 0].double().cpu().numpy()
+        return -token_losses(model(ids).logits, ids)[0].double().cpu().numpy()
 
 
 def check_gguf(path: Path, model: nn.Module, tokenizer, file_type: str) -> dict:

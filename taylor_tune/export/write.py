@@ -11,7 +11,7 @@ from pathlib import Path
 from taylor_tune.export.card import model_card
 from taylor_tune.export.choose import ExportError, choose
 from taylor_tune.export.rebuild import rebuild
-from taylor_tune.export.to_gguf import FILE_TYPES, GGUFError, check_gguf, gguf_name, write_gguf
+from taylor_tune.export.to_gguf import check_file_type, check_gguf, gguf_name, write_gguf
 from taylor_tune.jsonio import write_json
 from taylor_tune.pruning.apply import save_pruned
 from taylor_tune.sources.data import PRUNED_MANIFEST
@@ -32,8 +32,8 @@ def export(sweep: str, output: str | Path, *, model: str | None = None, trial: s
            rank: int | None = None, constraints: tuple[str, ...] = (), gguf: str | None = None) -> Path:
     output = Path(output)
     check_output(output, sweep)
-    if gguf is not None and gguf not in FILE_TYPES:
-        raise GGUFError(f"--gguf {gguf!r}: the GGUF types written are {', '.join(FILE_TYPES)}")
+    if gguf is not None:
+        check_file_type(gguf)  # before any work
     chosen = choose(sweep, model=model, trial=trial, rank=rank, constraints=tuple(constraints))
     command = (f"taylor-tune export {sweep} --model {chosen.model} --trial {chosen.trial_id} --output {output}"
                + (f" --gguf {gguf}" if gguf else ""))
@@ -46,10 +46,10 @@ def export(sweep: str, output: str | Path, *, model: str | None = None, trial: s
         record = rebuilt.trial.record()
         written = None
         if gguf is not None:
-            written = write_gguf(rebuilt.model, rebuilt.tokenizer, folder / gguf_name(gguf), file_type=gguf,
-                                 name=f"{rebuilt.trial.prune.model} pruned ({chosen.trial_id})")
-            written["check"] = check_gguf(folder / gguf_name(gguf), rebuilt.model, rebuilt.tokenizer, gguf)
-            written = {"file": gguf_name(gguf)} | written
+            path = folder / gguf_name(gguf)
+            written = {"file": path.name} | write_gguf(rebuilt.model, rebuilt.tokenizer, path, file_type=gguf,
+                                                       name=f"{rebuilt.trial.prune.model} pruned ({chosen.trial_id})")
+            written["check"] = check_gguf(path, rebuilt.model, rebuilt.tokenizer, gguf)
         (folder / "README.md").write_text(model_card(chosen, record, rebuilt.checks, layout=layout, command=command,
                                                      gguf=written))
         write_json(folder / "export.json", {"sweep": str(sweep), "trial_id": chosen.trial_id,
