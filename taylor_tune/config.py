@@ -391,6 +391,13 @@ class Evaluation(EvalSpec):
     speed: SpeedSpec | None = Field(
         SpeedSpec(), description="speed and memory against the unpruned model, measured in every trial; null = off"
     )
+    # A trial's stored settings from before this field existed lack it: such a sweep resumes on lm-eval's first N
+    # documents, as it began (the trainable reads a missing item_seed as null).
+    item_seed: int | None = Field(
+        0, description="a pass of N items scores the first N of each task in an order shuffled by this seed, the "
+                       "same for every trial of a model (a fair sample, and shared items for paired tests); null = "
+                       "lm-eval's first N documents"
+    )
 
     @field_validator("fidelities")
     @classmethod
@@ -414,9 +421,15 @@ class Evaluation(EvalSpec):
             raise ValueError("a sweep limits items per pass with fidelities, e.g. fidelities: [40, null]")
         return value
 
+    @classmethod
+    def stored(cls, values: dict) -> Evaluation:
+        """A trial's evaluation as a sweep stored it: one stored before `item_seed` existed scored lm-eval's first
+        N documents, and goes on doing so (a resumed sweep, a rebuilt trial)."""
+        return cls(**{"item_seed": None, **values})
+
     def spec(self, limit: int | None) -> EvalSpec:
         """The EvalSpec of one zero-shot pass."""
-        return EvalSpec(**self.model_dump(exclude={"fidelities", "limit", "speed"}), limit=limit)
+        return EvalSpec(**self.model_dump(exclude={"fidelities", "limit", "speed", "item_seed"}), limit=limit)
 
 
 def build_eval_spec(values: dict[str, Any]) -> EvalSpec:

@@ -104,6 +104,8 @@ def stage_seconds(metrics: dict) -> dict[str, float]:
 
 # per-item outcomes of a zero-shot pass, in the trial's folder: one row per item (task, doc_id, acc, acc_norm)
 OUTCOME_COLUMNS = ("task", "doc_id", "acc", "acc_norm")
+# a racing sweep's state, in the experiment folder: each raced trial's last pass and every decision (JSON)
+RACE_FILE = "race.json"
 # the perplexity's windows, in the trial's folder: each window's summed NLL and its predicted tokens
 PPL_WINDOWS_FILE = "ppl_windows.parquet"
 

@@ -140,14 +140,15 @@ class Evaluator:
                                self.spec.fused)
         return self._lm
 
-    def zero_shot(self, limit: int | None) -> ZeroShotResult:
-        """One pass over the spec's tasks at `limit` items per task (the spec's own limit is not used)."""
+    def zero_shot(self, limit: int | None, samples: dict[str, list[int]] | None = None) -> ZeroShotResult:
+        """One pass over the spec's tasks at `limit` items per task (the spec's own limit is not used): lm-eval's
+        first `limit` documents, or the listed `samples` (task -> item indices; `limit` then names the pass)."""
         lm = self.lm
         before = lm.tokens_forwarded
         requests = PassRequests(lm, self.request_cache)
         with _eval_mode(self.model):
             tasks, seconds, outcomes = zero_shot(lm, self.spec.model_copy(update={"limit": limit}), self.task_data,
-                                                 requests)
+                                                 requests, samples)
         return ZeroShotResult(tasks, limit, self.task_data, self.spec.scorer, lm.tokens_forwarded - before, seconds,
                               requests.seconds, requests.built, outcomes)
 

@@ -19,7 +19,7 @@ import lm_eval.tasks
 import pandas as pd
 import torch
 from lm_eval import simple_evaluate
-from lm_eval.tasks import TaskManager
+from lm_eval.tasks import TaskManager, get_task_dict
 
 from taylor_tune.compat.lm_eval import (
     building_requests,
@@ -73,6 +73,21 @@ def task_source(task: str, task_data: str) -> tuple[str | dict, object]:
     if path is None:
         return task, _task_manager(True)
     return offline_task_config(task, path), _task_manager(False)
+
+
+def task_sizes(tasks: tuple[str, ...], task_data: str) -> dict[str, int]:
+    """Each task's item count (the documents of the split it is scored on): what a race's blocks are drawn from."""
+    return dict(_task_sizes(tuple(tasks), task_data))
+
+
+@lru_cache(maxsize=4)  # a sweep's trials in one worker ask for the same tasks
+def _task_sizes(tasks: tuple[str, ...], task_data: str) -> tuple[tuple[str, int], ...]:
+    sizes = []
+    for task in tasks:
+        source, manager = task_source(task, task_data)
+        (loaded,) = get_task_dict([source], manager).values()
+        sizes.append((task, len(loaded.eval_docs)))
+    return tuple(sizes)
 
 
 def result_name(source: str | dict) -> str:

@@ -25,6 +25,7 @@ from taylor_tune.schema import (
     CONFIG_COLUMNS,
     OUTCOME_COLUMNS,
     PPL_WINDOWS_FILE,
+    RACE_FILE,
     SPEED_METRICS,
     is_recovery_stage,
     outcomes_file,
@@ -237,10 +238,24 @@ def read_experiment(location: str, filesystem=None) -> pd.DataFrame:
         except (ValueError, UnicodeDecodeError, CompatError) as error:
             raise ReportError(f"{location}: not a readable Tune experiment ({error})") from None
     rows = pd.DataFrame([read_trial(filesystem, d) for d in trial_dirs])
+    raced = _race_lines(filesystem, root)
+    if raced and len(rows):
+        rows["race"] = [raced.get(trial_id) for trial_id in rows["trial_id"]]
     if "://" in str(location) and given is None and len(rows):  # keep the scheme: s3://bucket/... not bucket/...
         scheme = str(location).split("://", 1)[0]
         rows["output_dir"] = [f"{scheme}://{d}" for d in rows["output_dir"]]
     return rows
+
+
+def _race_lines(filesystem, root: str) -> dict[str, str]:
+    """A racing sweep's word on each trial it stopped (race.json, the scheduler's: trial id -> why), {} otherwise."""
+    text = read_text(filesystem, posixpath.join(root, RACE_FILE))
+    try:
+        trials = json.loads(text).get("trials", {}) if text else {}
+    except (ValueError, AttributeError):
+        return {}
+    return {trial_id: entry["why"] for trial_id, entry in trials.items()
+            if isinstance(entry, dict) and not entry.get("final") and isinstance(entry.get("why"), str)}
 
 
 # ---------------------------------------------------------------- deciding validity
@@ -277,7 +292,8 @@ def _reason(row: pd.Series, tasks: tuple[str, ...]) -> str | None:
         return f"errored: {error}" if error else f"no {metric}, the sweep's metric"
     expected, reached = row.get("final_fidelity"), row.get("fidelity")
     if _finite(expected) and _finite(reached) and int(reached) != int(expected):
-        why = f"errored: {error}" if error else "stopped early by the scheduler"
+        raced = row.get("race") if isinstance(row.get("race"), str) else None
+        why = f"errored: {error}" if error else raced or "stopped early by the scheduler"
         return f"incomplete: evaluated on {int(reached)} items per task, not the full {int(expected) or 'set'} ({why})"
     for task in tasks:
         if not _finite(row.get(task_key(task))):

@@ -140,7 +140,7 @@ SearchSpace = search_space_class()
 class Search(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     algorithm: Literal["grid", "tpe"] = "grid"
-    scheduler: Literal["none", "asha"] = "none"
+    scheduler: Literal["none", "asha", "race"] = "none"
     num_trials: int = Field(1, gt=0, description="tpe: trials per model; grid: ignored (the grid decides)")
     repeats: int = Field(1, gt=0, description="calibration seeds per configuration (seeds 0..repeats-1)")
     seed: int = 0
@@ -153,6 +153,10 @@ class Search(BaseModel):
         ge=2,
         allow_inf_nan=False,
         description="asha: each cheap zero-shot pass lets the best 1/reduction_factor of the trials seen there go on",
+    )
+    alpha: float = Field(
+        0.05, gt=0, lt=0.5, description="race: after each zero-shot pass a trial stops when a one-sided paired test on "
+                                        "the items it shares with the incumbent says it is worse at this level"
     )
 
 
@@ -278,9 +282,13 @@ class Experiment(BaseModel):
                 raise ValueError(f"mode: {mode!r} would search for the worst {metric}; use mode: {better(metric)}")
             if metrics.count(metric) > 1:
                 raise ValueError(f"objectives: {metric} is listed twice")
-        if len(metrics) > 1 and self.search.scheduler == "asha":
-            raise ValueError("search.scheduler: asha stops trials by one metric and cannot rank several objectives; "
-                             "use scheduler: none with objectives (or one metric with asha)")
+        if len(metrics) > 1 and self.search.scheduler in ("asha", "race"):
+            raise ValueError(f"search.scheduler: {self.search.scheduler} stops trials by one metric and cannot rank "
+                             f"several objectives; use scheduler: none with objectives (or one metric with "
+                             f"{self.search.scheduler})")
+        if self.search.scheduler == "race" and metrics != ["acc_mean"]:
+            raise ValueError(f"search.scheduler: race compares trials item by item on the zero-shot tasks, so it ranks "
+                             f"by acc_mean, not {metrics[0]}; use asha for {metrics[0]}")
         return self
 
     @model_validator(mode="after")
@@ -324,6 +332,14 @@ class Experiment(BaseModel):
                 "search.scheduler: asha stops trials at a cheap zero-shot pass (or a recovery's held-out loss), and "
                 "evaluation.fidelities has only one; give cheaper limits first, e.g. fidelities: [200, null]"
             )
+        if self.search.scheduler == "race":
+            if len(self.evaluation.fidelities) < 2:
+                raise ValueError("search.scheduler: race stops trials after a cheap zero-shot pass, and "
+                                 "evaluation.fidelities has only one; give the blocks' sizes first, e.g. "
+                                 "fidelities: [50, 150, null]")
+            if self.evaluation.item_seed is None:
+                raise ValueError("evaluation.item_seed: race compares trials on the same seeded items; null (lm-eval's "
+                                 "first N documents) is for asha or none")
         if self.search.algorithm == "grid" and any(d.grid is None for d in self.search_space.domains().values()):
             raise ValueError("search.algorithm grid needs grid domains in the search space (choice is for tpe)")
         if self.search.algorithm == "tpe" and not self.search_space.domains():

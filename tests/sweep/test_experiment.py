@@ -1,6 +1,7 @@
 """Experiment files: every shipped one validates (sweeps and the prune configs); bad ones are refused before Ray
 starts, naming the field."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -210,3 +211,20 @@ def test_validation_reads_no_file_and_the_sources_are_checked_as_a_step(tmp_path
     experiment = load_experiment(bad(tmp_path, prune={"calibration": "/no/such.txt"}))  # valid where it is built
     with pytest.raises(ConfigError, match="calibration: '/no/such.txt' is neither a dataset"):
         check_sources(experiment)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(search={"scheduler": "race"}), "search.scheduler: race stops trials after a cheap zero-shot pass"),
+    (dict(search={"scheduler": "race"}, evaluation={**SMALL["evaluation"], "fidelities": [5, None], "item_seed": None}),
+     "evaluation.item_seed: race compares trials on the same seeded items"),
+    (dict(search={"scheduler": "race"}, metric="ppl", mode="min",
+          evaluation={**SMALL["evaluation"], "fidelities": [5, None], "ppl": "world"}),
+     "search.scheduler: race compares trials item by item on the zero-shot tasks, so it ranks by acc_mean, not ppl"),
+    (dict(search={"scheduler": "race", "alpha": 0.5}, evaluation={**SMALL["evaluation"], "fidelities": [5, None]}),
+     "search.alpha: Input should be less than 0.5"),
+])
+def test_a_race_needs_blocks_seeded_items_and_acc_mean(changes, message, tmp_path):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_experiment(bad(tmp_path, **changes))
+    load_experiment(bad(tmp_path, search={"scheduler": "race"}, evaluation={**SMALL["evaluation"],
+                                                                            "fidelities": [5, None]}))

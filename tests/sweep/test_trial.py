@@ -239,3 +239,39 @@ def test_a_real_trials_stored_outcomes_give_its_reported_accuracies_and_ppl_exac
     windows = pq.read_table(tmp_path / "t" / "ppl_windows.parquet").to_pandas()
     assert len(windows) == metrics["ppl_windows"] == 4
     assert math.exp(math.fsum(windows["nll"]) / windows["tokens"].sum()) == metrics["ppl"]
+
+
+def test_a_trials_passes_score_the_models_seeded_items_and_a_stored_trial_without_a_seed_the_first_n(tmp_path):
+    """item_seed (issue 66): each pass of N items scores the first N of each task in the model's seeded order, the
+    same for any trial of the model, each pass's items a superset of the one before; a trial stored before item_seed
+    existed (its evaluation lacks the field) scores lm-eval's first N documents and records what it recorded then."""
+    import numpy as np
+
+    from taylor_tune.reporting.frame import read_outcomes
+    from taylor_tune.sweep.racing import race_seed
+    from taylor_tune.sweep.tune.trainable import trial_config
+
+    evaluation = Evaluation(tasks="piqa,arc_easy", task_data="world", ppl=None, batch_size=16, fidelities=[6, 15],
+                            speed=None)
+    seeded = trial(8).model_copy(update={"evaluation": evaluation})
+    run_trial(seeded, tmp_path / "seeded")
+    items = {stage: read_outcomes(str(tmp_path / "seeded"), stage).index for stage in ("zero_shot_6", "zero_shot_15")}
+    # the order written out: numpy's permutation of each task's 200 items (the world's), tasks in sorted order
+    rng = np.random.default_rng(race_seed(0, "tiny-llama"))
+    order = {task: rng.permutation(200) for task in ("arc_easy", "piqa")}
+    for stage, n in (("zero_shot_6", 6), ("zero_shot_15", 15)):
+        expected = sorted((task, int(doc)) for task, docs in order.items() for doc in docs[:n])
+        assert sorted(items[stage]) == expected
+    assert set(items["zero_shot_6"]) < set(items["zero_shot_15"])
+
+    stored = {"fixed": {"prune": {"method": "taylor", "seq_len": 32, "num_samples": 8, "calibration": "world",
+                                  "device": "cpu", "dtype": "float32"},
+                        "evaluation": evaluation.model_dump(exclude={"item_seed"}), "sample_counts": [8, 16],
+                        "cache_dir": None},
+              "model": "tiny-llama", "seed": 0}
+    old = trial_config(stored)
+    assert old.evaluation.item_seed is None and "item_seed" not in old.record()["evaluation"]
+    assert old.record()["evaluation"] == {k: v for k, v in seeded.record()["evaluation"].items() if k != "item_seed"}
+    run_trial(old, tmp_path / "old")
+    first = read_outcomes(str(tmp_path / "old"), "zero_shot_6").index
+    assert sorted(first) == sorted((task, doc) for task in ("arc_easy", "piqa") for doc in range(6))

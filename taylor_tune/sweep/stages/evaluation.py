@@ -13,7 +13,9 @@ import torch
 from taylor_tune import schema
 from taylor_tune.evaluation.evaluate import Evaluator
 from taylor_tune.evaluation.requests import RequestCache
+from taylor_tune.evaluation.zero_shot import task_sizes
 from taylor_tune.jsonio import write_json
+from taylor_tune.sweep.racing import Blocks, race_seed
 from taylor_tune.sweep.stages.run import TrialRun
 
 
@@ -34,7 +36,8 @@ def evaluate_before_recovery(run: TrialRun) -> dict:
     if evaluation.ppl is not None:
         metrics["ppl"] = before.perplexity().ppl
     if evaluation.tasks:
-        shots = before.zero_shot(evaluation.fidelities[-1])
+        last = len(evaluation.fidelities) - 1
+        shots = before.zero_shot(evaluation.fidelities[last], pass_items(run, before, last))
         metrics["acc_mean"] = shots.acc_mean
         for task, entry in shots.tasks.items():
             metrics[schema.task_key(task)] = entry["score"]
@@ -42,6 +45,21 @@ def evaluate_before_recovery(run: TrialRun) -> dict:
             metrics[schema.task_key(task, "_n")] = entry["n"]
     return {schema.before_recovery_key(k): v for k, v in metrics.items()} | {
         schema.seconds_key("before_recovery"): time.perf_counter() - start}
+
+
+def pass_items(run: TrialRun, scorer: Evaluator, index: int) -> dict[str, list[int]] | None:
+    """The items the index-th zero-shot pass scores: with `item_seed`, the first N of each task in the model's seeded
+    order (`racing.Blocks`: the same items for every trial of the model, each pass's a superset of the one before);
+    None for lm-eval's first N documents (item_seed null) or every item (a null fidelity)."""
+    evaluation = run.trial.evaluation
+    if evaluation.item_seed is None or evaluation.fidelities[index] is None:
+        return None
+    if run.blocks is None:
+        limits = [limit for limit in evaluation.fidelities if limit is not None]
+        sizes = task_sizes(tuple(evaluation.tasks), scorer.task_data)
+        run.blocks = Blocks.plan(sizes, (*limits, limits[-1] + 1),  # a last block of every item, as a plan ends
+                                 race_seed(evaluation.item_seed, run.config.model))
+    return run.blocks.items(index)
 
 
 def start(run: TrialRun) -> dict:
@@ -61,7 +79,7 @@ def zero_shot_pass(index: int) -> Callable[[TrialRun], dict]:
 
     def zero_shot(run: TrialRun) -> dict:
         fidelities = run.trial.evaluation.fidelities
-        shots = run.evaluator.zero_shot(fidelities[index])
+        shots = run.evaluator.zero_shot(fidelities[index], pass_items(run, run.evaluator, index))
         shots.write_outcomes(run.trial_dir)  # before the report, so that its checkpoint carries them
         metrics = shots.metrics() | {"zero_shot_pass": index, "stage": shots.stage}
         if run.on_gpu:  # the trial's peak so far; the last report carries the whole trial's (pruning + evaluation)

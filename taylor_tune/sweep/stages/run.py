@@ -15,6 +15,7 @@ from taylor_tune.config import Evaluation, PruneConfig, RecoverySpec
 from taylor_tune.evaluation.evaluate import Evaluator
 from taylor_tune.jsonio import json_safe
 from taylor_tune.pruning.prune import Pruning
+from taylor_tune.sweep.racing import Blocks
 
 
 class TrialConfig(BaseModel):
@@ -26,11 +27,13 @@ class TrialConfig(BaseModel):
     recovery: RecoverySpec | None = None  # LoRA recovery between pruning and evaluation (None: off)
 
     def record(self) -> dict:
-        """The trial's config.json: every field, but `recovery` only when set (so that the record of a trial
-        without recovery is what it was before recovery existed, and a finished trial of an older sweep is found
-        finished)."""
-        return json.loads(json.dumps(json_safe(self.model_dump(exclude={"recovery"} if self.recovery is None
-                                                                else set()))))
+        """The trial's config.json: every field, but `recovery` only when set and the evaluation's `item_seed` only
+        when not null (so that the record of a trial without either is what it was before they existed, and a
+        finished trial of an older sweep is found finished)."""
+        exclude: dict = {"recovery": True} if self.recovery is None else {}
+        if self.evaluation.item_seed is None:
+            exclude["evaluation"] = {"item_seed"}
+        return json.loads(json.dumps(json_safe(self.model_dump(exclude=exclude))))
 
 
 @dataclass
@@ -43,6 +46,7 @@ class TrialRun:
     pruning: Pruning | None = None
     peak_gpu_bytes: int = 0  # the trial's GPU peak before the speed stage loaded the unpruned model beside it
     evaluator: Evaluator | None = None
+    blocks: Blocks | None = None  # the seeded items of the zero-shot passes (`evaluation.pass_items`), drawn once
     report: Callable[[dict], None] = lambda metrics: None  # what Tune hears (run_trial's `report`)
     on_gpu: bool = False
 

@@ -44,7 +44,7 @@ from taylor_tune.sweep.preflight import (
 from taylor_tune.sweep.status import sweep_status  # noqa: F401 (where callers found it before)
 from taylor_tune.sweep.tune.console import ConsoleCallback, FullStorage, quiet_when_full
 from taylor_tune.sweep.tune.metrics import SweepMetricsCallback
-from taylor_tune.sweep.tune.scheduler import FidelityASHA
+from taylor_tune.sweep.tune.scheduler import FidelityASHA, RaceScheduler
 from taylor_tune.sweep.tune.search import PerModelSearcher, domains_of
 from taylor_tune.sweep.tune.space import fixed_settings, param_space
 from taylor_tune.sweep.tune.trainable import sweep_trainable
@@ -150,6 +150,8 @@ def _fit(experiment: Experiment, verbose: bool):
                 len(experiment.evaluation.fidelities), recovery_points=experiment.recovery_points(),
                 reduction_factor=experiment.search.reduction_factor,
             )
+        elif experiment.search.scheduler == "race":
+            scheduler = RaceScheduler(path, alpha=experiment.search.alpha)
         cache_dir = f"{path}/importance_cache"
         if experiment.search.algorithm == "grid":
             search_alg, num_samples, space = None, 1, param_space(experiment, cache_dir=cache_dir)

@@ -1,4 +1,7 @@
-"""ASHA for the sweep: one rung per point of the recovery's held-out loss curve, then one per cheap zero-shot pass.
+"""The sweep's schedulers: ASHA on the trials' own rungs (`FidelityASHA`), and racing on shared items
+(`RaceScheduler`).
+
+ASHA: one rung per point of the recovery's held-out loss curve, then one per cheap zero-shot pass.
 
 A trial reports after pruning, at each point of its recovery's held-out loss curve (when it recovers), after the
 perplexity and after each zero-shot pass (`evaluation.fidelities`, cheapest first). ASHA puts its rungs at
@@ -11,13 +14,30 @@ better, whatever the sweep's metric; the metric is not measured yet), at a zero-
 Every trial's recovery reports its points at the same steps (`eval_every`), so a rung compares like with like; a
 trial with fewer points (fewer steps searched) skips the later recovery rungs. Other results (pruned, speed, ppl)
 carry neither and are not scheduled.
+
+Racing: after each zero-shot pass (a block of the model's seeded items, `evaluation.item_seed`) the trial's per-item
+outcomes are read from its folder in storage (the trainable puts them there before the report) and recorded in its
+model's `racing.Race`, which says whether it goes on: a one-sided paired test against the incumbent on the items they
+share, at `search.alpha`. A Ray Tune `TrialScheduler` rather than Optuna's WilcoxonPruner: the sweep's searcher is
+its own per-model TPE or Tune's grid (neither is Tune's OptunaSearch, and that one never asks Optuna whether to
+prune), the test is the report's task-stratified paired difference, not Wilcoxon's on items of different tasks, and
+a grid sweep has no study at all. Tune saves neither scheduler's state; a race's is written to `race.json` in the
+experiment folder after every decision, and a resumed driver's scheduler reads it (and each trial's outcomes) back.
 """
 
 from __future__ import annotations
 
-from ray.tune.schedulers import AsyncHyperBandScheduler
+import dataclasses
+import json
+import posixpath
 
-from taylor_tune.schema import is_recovery_stage
+import pandas as pd
+from ray.tune.schedulers import AsyncHyperBandScheduler, FIFOScheduler, TrialScheduler
+
+from taylor_tune.config import Evaluation
+from taylor_tune.reporting.frame import open_filesystem, read_outcomes
+from taylor_tune.schema import RACE_FILE, is_recovery_stage
+from taylor_tune.sweep.racing import Decision, Race
 
 PASS = "zero_shot_pass"
 POINT = "recovery_point"
@@ -55,3 +75,83 @@ class FidelityASHA(AsyncHyperBandScheduler):
 
     def on_trial_complete(self, tune_controller, trial, result: dict) -> None:
         super().on_trial_complete(tune_controller, trial, self._timed(result))
+
+
+def item_scores(outcomes: pd.DataFrame, metrics: dict[str, str]) -> pd.Series:
+    """Each item's score in its task's metric (acc or acc_norm), indexed by (task, doc_id): what a race compares."""
+    return pd.concat([outcomes.xs(task, level="task", drop_level=False)[metric]
+                      for task, metric in sorted(metrics.items())])
+
+
+class RaceScheduler(FIFOScheduler):
+    """One `racing.Race` per model; stops a trial after a zero-shot pass that its race says it lost. `location`: the
+    experiment folder (local path or URI), where the trials' folders and race.json live."""
+
+    def __init__(self, location: str, alpha: float = 0.05):
+        super().__init__()
+        self._supports_buffered_results = False  # a decision after every pass, not after a batch of them
+        self.location, self.alpha = location, alpha
+        self.races: dict[str, Race] = {}
+        self.trials: dict[str, dict] = {}  # trial id -> model, block, stage, folder, metrics, final: race.json's
+        self.loaded = False
+
+    def _filesystem(self):
+        return open_filesystem(self.location)
+
+    def _load(self) -> None:
+        """After a resume: the races as race.json left them, each trial's outcomes read again from its folder."""
+        self.loaded = True
+        filesystem, root = self._filesystem()
+        try:
+            with filesystem.open_input_stream(posixpath.join(root, RACE_FILE)) as stream:
+                saved = json.loads(stream.read())
+        except (OSError, FileNotFoundError, ValueError):
+            return  # a new sweep (or a state we cannot read: the race starts again from the next results)
+        for trial_id, entry in saved.get("trials", {}).items():
+            outcomes = read_outcomes(entry["folder"], entry["stage"], filesystem)
+            if outcomes is None:
+                continue
+            race = self.races.setdefault(entry["model"], Race(self.alpha))
+            race.outcomes[trial_id] = item_scores(outcomes, entry["metrics"])
+            race.blocks[trial_id] = entry["block"]
+            self.trials[trial_id] = entry
+        for model, decisions in saved.get("decisions", {}).items():
+            race = self.races.setdefault(model, Race(self.alpha))
+            race.decisions = [Decision(**d) for d in decisions]
+
+    def _save(self) -> None:
+        filesystem, root = self._filesystem()
+        state = {"alpha": self.alpha, "trials": self.trials,
+                 "decisions": {model: [dataclasses.asdict(d) for d in race.decisions]
+                               for model, race in self.races.items()}}
+        path = posixpath.join(root, RACE_FILE)
+        with filesystem.open_output_stream(path + ".tmp") as stream:
+            stream.write(json.dumps(state, indent=1).encode())
+        filesystem.move(path + ".tmp", path)  # whole or not at all
+
+    def on_trial_result(self, tune_controller, trial, result: dict) -> str:
+        if PASS not in result:
+            return TrialScheduler.CONTINUE
+        if not self.loaded:
+            self._load()
+        filesystem, _ = self._filesystem()
+        outcomes = read_outcomes(result["output_dir"], result["stage"], filesystem)
+        if outcomes is None:  # nothing to compare on (cannot happen with the trainable): never stop blind
+            return TrialScheduler.CONTINUE
+        evaluation = Evaluation.stored(trial.config["fixed"]["evaluation"])
+        metrics = {task: evaluation.metric(task) for task in evaluation.tasks}
+        model, block = trial.config["model"], result[PASS]
+        race = self.races.setdefault(model, Race(self.alpha))
+        decision = race.record(trial.trial_id, block, item_scores(outcomes, metrics))
+        final = block == len(evaluation.fidelities) - 1
+        self.trials[trial.trial_id] = {"model": model, "block": block, "stage": result["stage"],
+                                       "folder": result["output_dir"], "metrics": metrics, "final": final,
+                                       "why": decision.says()}  # the report's line for a trial stopped here
+        self._save()
+        # the last pass ends the trial anyway: it is recorded (it may lead the race), never "raced out"
+        return TrialScheduler.CONTINUE if decision.go_on or final else TrialScheduler.STOP
+
+    def debug_string(self) -> str:
+        stopped = sum(not d.go_on for race in self.races.values() for d in race.decisions)
+        return f"RaceScheduler: alpha {self.alpha}, {len(self.trials)} trials raced, {stopped} stopped"
+

@@ -16,7 +16,7 @@ from ray import tune
 
 from taylor_tune.compat.ray import trial_storage
 from taylor_tune.config import Evaluation, PruneConfig, recovery_of
-from taylor_tune.schema import DIMENSIONS, zero_shot_stage
+from taylor_tune.schema import DIMENSIONS, outcomes_file, zero_shot_stage
 from taylor_tune.sweep.trial import FINISHED_ARTIFACTS, TrialConfig, completed_metrics, run_trial
 from taylor_tune.sweep.tune.metrics import TrialMetrics
 
@@ -27,7 +27,7 @@ def trial_config(config: dict) -> TrialConfig:
     prune = PruneConfig(model=config["model"], seed=config["seed"], **fixed["prune"], **searched)
     return TrialConfig(
         prune=prune,
-        evaluation=Evaluation(**fixed["evaluation"]),
+        evaluation=Evaluation.stored(fixed["evaluation"]),
         sample_counts=tuple(fixed["sample_counts"]),
         cache_dir=fixed["cache_dir"],
         recovery=recovery_of(fixed.get("recovery"), config),  # with the searched recovery dimensions
@@ -110,6 +110,10 @@ def sweep_trainable(config: dict) -> None:
 
     def report(metrics: dict) -> None:
         emit.observe(metrics)
+        if "zero_shot_pass" in metrics:  # in storage before the report: what a racing scheduler compares
+            name = outcomes_file(metrics["stage"])
+            fs.copy_files(str(working / name), f"{storage.trial_fs_path}/{name}",
+                          destination_filesystem=storage.storage_filesystem)
         if metrics.get("stage") != final_stage:
             tune.report(metrics)
             return

@@ -1,0 +1,92 @@
+"""The racing scheduler's side of Tune (issue 66): it reads each pass's outcomes from the trial's folder, stops a trial
+exactly when the paired test written out in test_racing rejects, never stops a trial at its last pass, and a driver
+resumed mid-sweep (Tune restores the scheduler as it was pickled at the start) decides as an uninterrupted one."""
+
+import json
+import pickle
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+from ray.tune.schedulers import TrialScheduler
+
+from taylor_tune.schema import outcomes_file, zero_shot_stage
+from taylor_tune.sweep.racing import Blocks, race_seed
+from taylor_tune.sweep.tune.scheduler import RaceScheduler
+from tests.sweep.test_racing import TASKS, reference, scores, worse_copy
+
+FIDELITIES = (20, 50, 100, None)
+EVALUATION = {"tasks": ",".join(TASKS), "task_data": "world", "ppl": None, "fidelities": list(FIDELITIES)}
+BLOCKS = Blocks.plan(TASKS, (20, 50, 100, 101), seed=race_seed(0, "tiny-llama"))
+
+
+def trial(trial_id: str) -> SimpleNamespace:
+    return SimpleNamespace(trial_id=trial_id, config={"model": "tiny-llama", "fixed": {"evaluation": EVALUATION}})
+
+
+def pass_result(folder, values: dict[str, np.ndarray], block: int) -> dict:
+    """What the trainable leaves and reports after pass `block`: the items' outcomes in the trial's folder (acc and
+    acc_norm both the item's 0/1, as for the world's tasks' metrics here), then the result."""
+    stage = zero_shot_stage(FIDELITIES[block])
+    rows = [(task, doc, float(values[task][doc])) for task, ids in BLOCKS.items(block).items() for doc in ids]
+    frame = pd.DataFrame(rows, columns=["task", "doc_id", "acc"]).assign(acc_norm=lambda f: f["acc"])
+    folder.mkdir(parents=True, exist_ok=True)
+    frame.to_parquet(folder / outcomes_file(stage))
+    return {"zero_shot_pass": block, "stage": stage, "output_dir": str(folder)}
+
+
+def race(scheduler_of, root, trials: dict[str, dict], order: list[tuple[str, int]]) -> list[tuple[str, int, str]]:
+    """Feed the results in `order` ((trial, block) pairs), none of a trial after it was stopped (Tune ends it);
+    `scheduler_of(step)` is the scheduler at each step. Returns (trial, block, what the scheduler said)."""
+    said, stopped = [], set()
+    for step, (name, block) in enumerate(order):
+        if name in stopped:
+            continue
+        result = pass_result(root / name, trials[name], block)
+        word = scheduler_of(step).on_trial_result(None, trial(name), result)
+        said.append((name, block, word))
+        if word == TrialScheduler.STOP:
+            stopped.add(name)
+    return said
+
+
+def test_the_scheduler_stops_a_trial_when_the_written_out_test_rejects_and_resumes_as_it_was(tmp_path):
+    rng = np.random.default_rng(5)
+    best = scores(rng, 0.7)
+    trials = {"a": best, "b": worse_copy(rng, best, lose=0.10, gain=0.02), "c": worse_copy(rng, best, 0.01, 0.01)}
+    order = [("a", 0), ("a", 1), ("a", 2), ("a", 3)] + [(t, b) for b in range(4) for t in ("b", "c")]
+
+    whole = RaceScheduler(str(tmp_path / "one"), alpha=0.05)
+    said = race(lambda step: whole, tmp_path / "one", trials, order)
+
+    # the reference: a trial goes on until the written-out test against the leader (a, every item) rejects
+    for name, block, word in said:
+        if name != "a":
+            worse = reference(trials[name], best, BLOCKS.items(block))[2]
+            assert word == (TrialScheduler.STOP if worse and block < 3 else TrialScheduler.CONTINUE), (name, block)
+    stopped = {name: block for name, block, word in said if word == TrialScheduler.STOP}
+    assert list(stopped) == ["b"] and stopped["b"] < 3  # 10% of its right answers lost: out early; c ties, goes on
+
+    # race.json: what the report reads (the stopped trial's line) and what a resumed driver reads back
+    saved = json.loads((tmp_path / "one" / "race.json").read_text())
+    assert saved["trials"]["b"]["why"].startswith("raced out at block 1, worse than a by ")
+    assert saved["trials"]["c"]["final"] and saved["trials"]["a"]["final"]
+
+    # a driver killed after 6 results: Tune restores the scheduler pickled at the start (empty), which reads
+    # race.json and the trials' outcomes back; and a scheduler pickled mid-sweep goes on from its own state
+    (tmp_path / "two").mkdir()
+    start = pickle.dumps(RaceScheduler(str(tmp_path / "two"), alpha=0.05))
+    before, restored = pickle.loads(start), pickle.loads(start)
+    later = []
+
+    def resumed(step: int) -> RaceScheduler:
+        if step < 6:
+            return before
+        if step < 9:
+            return restored
+        if not later:
+            later.append(pickle.loads(pickle.dumps(restored)))
+        return later[0]
+
+    assert race(resumed, tmp_path / "two", trials, order) == said
+    assert json.loads((tmp_path / "two" / "race.json").read_text())["decisions"] == saved["decisions"]

@@ -1,0 +1,84 @@
+"""Racing on shared items through Ray (issue 66, must-show 2): a grid raced on seeded blocks stops trials after a
+cheap pass, each stop checked against a paired test written out here on the outcomes the trials left in their
+folders, and the best trial is scored on every item."""
+
+import json
+from statistics import NormalDist
+
+import pandas as pd
+import pytest
+
+from taylor_tune.reporting import load_trials
+from taylor_tune.reporting.frame import read_outcomes
+from tests.sweep_helpers import analysis_rows, run_sweep_to_end, write_experiment
+
+pytestmark = pytest.mark.slow  # a Ray sweep
+
+TASKS = ("piqa", "arc_easy", "hellaswag")
+ALPHA = 0.45  # a loose level, so that tiny random models (all near chance) separate on a few hundred items
+
+
+def scores(folder: str, stage: str) -> pd.Series:
+    """Each item's score in its task's default metric (acc for PIQA and ARC-e, acc_norm for HellaSwag)."""
+    outcomes = read_outcomes(folder, stage)
+    return pd.concat([outcomes.loc[[t]]["acc_norm" if t == "hellaswag" else "acc"] for t in TASKS])
+
+
+def written_out_test(trial: pd.Series, incumbent: pd.Series) -> tuple[float, float]:
+    """The paired difference trial - incumbent on the trial's items: the mean over tasks of each task's mean
+    difference, its standard error from each task's sample variance (tasks independent)."""
+    both = pd.DataFrame({"t": trial, "i": incumbent.loc[trial.index]})
+    per_task = [(g["t"] - g["i"]) for _, g in both.groupby(level=0)]
+    difference = sum(d.mean() for d in per_task) / len(per_task)
+    stderr = sum(d.var(ddof=1) / len(d) for d in per_task) ** 0.5 / len(per_task)
+    return difference, stderr
+
+
+def test_a_raced_grid_stops_trials_by_a_paired_test_and_its_best_is_scored_on_every_item(tmp_path):
+    experiment = write_experiment(
+        tmp_path, "race",
+        search_space={"taylor_seq_len": {"grid": [16, 32, 48]}, "taylor_num_samples": {"grid": [8]},
+                      "pruning_method": {"grid": ["taylor", "blockwise"]}},
+        search={"algorithm": "grid", "scheduler": "race", "alpha": ALPHA, "max_concurrent": 1},
+        evaluation={"tasks": ",".join(TASKS), "task_data": "world", "ppl": None, "batch_size": 16,
+                    "fidelities": [20, 60, None], "speed": None},
+    )
+    run_sweep_to_end(experiment)
+    folder = tmp_path / "sweeps" / "race"
+    rows = {r["trial_id"]: r for r in analysis_rows(folder)}
+    race = json.loads((folder / "race.json").read_text())
+    assert len(rows) == 6 and set(race["trials"]) == set(rows)
+
+    # every trial's first pass scored the same 20 items of each task, a seeded sample (not the first 20 documents)
+    first = {tid: scores(r["output_dir"], "zero_shot_20").index for tid, r in rows.items()}
+    shared = next(iter(first.values()))
+    assert all(index.equals(shared) for index in first.values())
+    assert all(len(shared[shared.get_level_values(0) == t]) == 20 for t in TASKS)
+    assert sorted(shared[shared.get_level_values(0) == "piqa"].get_level_values(1)) != list(range(20))
+
+    stopped = {tid: r for tid, r in rows.items() if r["stage"] != "zero_shot_all"}
+    assert stopped, "a race at alpha 0.45 over six near-chance trials stops some"
+    z = NormalDist().inv_cdf(1 - ALPHA)
+    for tid, row in stopped.items():
+        decision = next(d for d in reversed(race["decisions"]["tiny-llama"]) if d["trial"] == tid)
+        assert not decision["go_on"] and decision["block"] == row["zero_shot_pass"]
+        incumbent = race["trials"][decision["incumbent"]]
+        mine = scores(row["output_dir"], row["stage"])
+        theirs = scores(rows[decision["incumbent"]]["output_dir"], incumbent["stage"])
+        difference, stderr = written_out_test(mine, theirs)
+        assert difference < 0 and difference + z * stderr < 0  # worse at one-sided level alpha
+        assert decision["difference"] == pytest.approx(difference, abs=1e-12)
+        assert decision["stderr"] == pytest.approx(stderr, abs=1e-12)
+
+    finished = {tid: r for tid, r in rows.items() if r["stage"] == "zero_shot_all"}
+    best = max(finished.values(), key=lambda r: r["acc_mean"])
+    assert all(best[f"acc_{t}_n"] == 200 for t in TASKS)  # every item of each task (the world's 200)
+    assert len(scores(best["output_dir"], "zero_shot_all")) == 3 * 200
+
+    # the report says why each stopped trial stopped, on how many items
+    table = load_trials(folder)
+    reasons = dict(zip(table.invalid["trial_id"], table.invalid["reason"]))
+    assert set(reasons) == set(stopped)
+    for tid, row in stopped.items():
+        assert reasons[tid].startswith(f"incomplete: evaluated on {int(row['fidelity'])} items per task")
+        assert "raced out at block" in reasons[tid] and ", paired" in reasons[tid]
