@@ -9,6 +9,7 @@ duration and given back in the mode it came in.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from taylor_tune.config import EvalSpec
 from taylor_tune.evaluation.perplexity import check_window, perplexity
 from taylor_tune.evaluation.requests import PassRequests, RequestCache
 from taylor_tune.evaluation.scorer import make_lm
-from taylor_tune.evaluation.zero_shot import zero_shot
+from taylor_tune.evaluation.zero_shot import task_results, zero_shot
 from taylor_tune.jsonio import write_bytes
 from taylor_tune.sources.data import load_ppl_text, resolve_task_data, resolve_text
 
@@ -151,6 +152,26 @@ class Evaluator:
                                                  requests, samples)
         return ZeroShotResult(tasks, limit, self.task_data, self.spec.scorer, lm.tokens_forwarded - before, seconds,
                               requests.seconds, requests.built, outcomes)
+
+
+    def zero_shot_adding(self, previous: ZeroShotResult, limit: int | None,
+                         added: dict[str, list[int]]) -> ZeroShotResult:
+        """The pass at `limit` that scores only the `added` items (task -> indices `previous` did not score) and
+        reports every item of both, from their outcomes (`task_results`): what one pass over all of them reports,
+        for the added items' cost. Its seconds, tokens and requests are the added items'."""
+        tasks = [task for task in self.spec.tasks if added.get(task)]
+        if not tasks:  # every task's items were all scored already
+            return dataclasses.replace(previous, limit=limit, tokens=0, seconds=0.0, requests_seconds=0.0,
+                                       requests_built=0)
+        lm = self.lm
+        before = lm.tokens_forwarded
+        requests = PassRequests(lm, self.request_cache)
+        spec = self.spec.model_copy(update={"tasks": tuple(tasks), "limit": limit})
+        with _eval_mode(self.model):
+            _, seconds, outcomes = zero_shot(lm, spec, self.task_data, requests, {t: added[t] for t in tasks})
+        outcomes = pd.concat([previous.outcomes, outcomes], ignore_index=True)
+        return ZeroShotResult(task_results(outcomes, self.spec), limit, self.task_data, self.spec.scorer,
+                              lm.tokens_forwarded - before, seconds, requests.seconds, requests.built, outcomes)
 
 
 def flatten(ppl: PerplexityResult | None, shots: ZeroShotResult | None) -> dict:

@@ -113,6 +113,31 @@ def split_scores(samples: list[dict], metric: str) -> dict:
     return out
 
 
+def task_results(outcomes: pd.DataFrame, spec: EvalSpec) -> dict[str, dict]:
+    """Each task's entry of a pass (as `zero_shot` returns them) computed from its items' outcomes, as lm-eval
+    aggregates them (the mean, and `mean_stderr`: the sample standard deviation over sqrt(n)): what a pass that
+    adds items to an earlier pass's reports for all of them."""
+    out = {}
+    for task in spec.tasks:
+        items = outcomes[outcomes["task"] == task].sort_values("doc_id")
+        entry: dict = {"metric": spec.metric(task), "n": len(items)}
+        for name in ("acc", "acc_norm"):
+            values = items[name].tolist()
+            known = bool(values) and not any(math.isnan(v) for v in values)
+            mean = sum(values) / len(values) if known else None
+            entry[name] = mean
+            entry[f"{name}_stderr"] = (math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+                                       / math.sqrt(len(values))) if known and len(values) > 1 else None
+        if entry[entry["metric"]] is None:
+            raise EvaluationError(f"task {task}: no {entry['metric']} among its items' outcomes")
+        entry["score"], entry["score_stderr"] = entry[entry["metric"]], entry[f"{entry['metric']}_stderr"]
+        entry |= split_scores([{"doc_id": d, entry["metric"]: v} for d, v in zip(items["doc_id"],
+                                                                                items[entry["metric"]])],
+                              entry["metric"])
+        out[task] = entry
+    return out
+
+
 def item_outcomes(samples: dict[str, list[dict]]) -> pd.DataFrame:
     """Each item's outcome from lm-eval's logged samples, {task: samples}: task, doc_id, acc and acc_norm (NaN where
     the task has no acc_norm), in the order of `schema.OUTCOME_COLUMNS`."""

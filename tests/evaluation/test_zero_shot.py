@@ -165,3 +165,34 @@ def test_listed_items_score_as_in_the_full_pass_and_keep_their_indices(tmp_path,
     for task, ids in listed.items():
         assert out[task]["n"] == len(ids)
         assert out[task]["acc"] == pytest.approx(full.loc[[(task, i) for i in ids], "acc"].mean(), abs=1e-12)
+
+
+def test_passes_that_add_items_report_what_one_pass_over_all_of_them_reports():
+    """Issue 66: on seeded blocks a pass scores only the items the pass before lacked and reports every item from
+    the outcomes (`Evaluator.zero_shot_adding`); that equals one lm-eval pass over the same items (the scores, n and
+    halves exactly, lm-eval's stderr to rounding), for a block of a few items and for the rest of every task, and a
+    task whose items ran out adds nothing."""
+    from taylor_tune.evaluation.evaluate import Evaluator
+    from taylor_tune.sweep.racing import Blocks
+
+    # the random-weight tiny model: near chance, so each task's outcomes vary (the trained one is right on all)
+    evaluator = Evaluator(load_model("tiny-llama-random"), load_tokenizer("tiny-llama-random"),
+                          spec(tasks="piqa,hellaswag,arc_easy", ppl=None, batch_size=16))
+    sizes = zs.task_sizes(("piqa", "hellaswag", "arc_easy"), "world")
+    blocks = Blocks.plan(sizes, (5, 13, 14), seed=3)
+    first = evaluator.zero_shot(5, blocks.items(0))
+    second = evaluator.zero_shot_adding(first, 13, blocks.new_items(1))
+    last = evaluator.zero_shot_adding(second, None, blocks.new_items(2))
+    for added, alone in ((second, evaluator.zero_shot(13, blocks.items(1))), (last, evaluator.zero_shot(None))):
+        assert added.tasks.keys() == alone.tasks.keys()
+        for task, entry in alone.tasks.items():
+            mine = added.tasks[task]
+            assert {k: mine[k] for k in entry if not k.endswith("stderr")} == \
+                   {k: v for k, v in entry.items() if not k.endswith("stderr")}, task
+            assert all(mine[k] == pytest.approx(v, rel=1e-12) for k, v in entry.items() if k.endswith("stderr"))
+        key = ["task", "doc_id"]
+        pd.testing.assert_frame_equal(added.outcomes.sort_values(key).reset_index(drop=True),
+                                      alone.outcomes.sort_values(key).reset_index(drop=True))
+    assert last.tasks["piqa"]["n"] == sizes["piqa"] and 0 < second.tokens < last.tokens
+    assert all(0 < entry["score"] < 1 for entry in last.tasks.values())  # outcomes that vary: the stderr is tested
+    assert evaluator.zero_shot_adding(last, None, {t: [] for t in sizes}).tasks == last.tasks

@@ -75,11 +75,17 @@ def perplexity(run: TrialRun) -> dict:
 
 def zero_shot_pass(index: int) -> Callable[[TrialRun], dict]:
     """The zero-shot pass at the index-th fidelity: each writes its items' outcomes, the last one evaluation.json
-    (before its report, so a checkpoint of it can carry the files)."""
+    (before its report, so a checkpoint of it can carry the files). On seeded items a pass scores only the items the
+    pass before it lacks and reports all of them (`Evaluator.zero_shot_adding`): a trial that reaches the last pass
+    pays for each item once."""
 
     def zero_shot(run: TrialRun) -> dict:
         fidelities = run.trial.evaluation.fidelities
-        shots = run.evaluator.zero_shot(fidelities[index], pass_items(run, run.evaluator, index))
+        if run.shots is not None and run.trial.evaluation.item_seed is not None:  # the items the last pass lacked
+            shots = run.evaluator.zero_shot_adding(run.shots, fidelities[index], run.blocks.new_items(index))
+        else:
+            shots = run.evaluator.zero_shot(fidelities[index], pass_items(run, run.evaluator, index))
+        run.shots = shots
         shots.write_outcomes(run.trial_dir)  # before the report, so that its checkpoint carries them
         metrics = shots.metrics() | {"zero_shot_pass": index, "stage": shots.stage}
         if run.on_gpu:  # the trial's peak so far; the last report carries the whole trial's (pruning + evaluation)

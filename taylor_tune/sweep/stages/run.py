@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from taylor_tune.config import Evaluation, PruneConfig, RecoverySpec
-from taylor_tune.evaluation.evaluate import Evaluator
+from taylor_tune.evaluation.evaluate import Evaluator, ZeroShotResult
 from taylor_tune.jsonio import json_safe
 from taylor_tune.pruning.prune import Pruning
 from taylor_tune.sweep.racing import Blocks
@@ -47,6 +47,7 @@ class TrialRun:
     peak_gpu_bytes: int = 0  # the trial's GPU peak before the speed stage loaded the unpruned model beside it
     evaluator: Evaluator | None = None
     blocks: Blocks | None = None  # the seeded items of the zero-shot passes (`evaluation.pass_items`), drawn once
+    shots: ZeroShotResult | None = None  # the last zero-shot pass: the items the next one adds to
     report: Callable[[dict], None] = lambda metrics: None  # what Tune hears (run_trial's `report`)
     on_gpu: bool = False
 

@@ -1,0 +1,213 @@
+"""Racing against the other searches (issue 66, must-show 3): replayed offline on complete grids with per-item outcomes.
+
+Input: a finished grid sweep whose every trial kept its per-item outcomes of one zero-shot pass over a population of
+items (e.g. `fidelities: [300]`: 300 items of each of the seven tasks). The population is what the replays race on:
+each replay seed draws the blocks (`racing.Blocks`, the product's own, over the population) and an order of the
+configurations, then runs, by lookup, one trial at a time:
+- grid: every configuration on every item;
+- random: `--budget` configurations drawn at random, each on every item, the best picked;
+- asha: the grid, each trial on the blocks in turn, `FidelityASHA` (the product's) stopping it at a block;
+- tpe_asha: the product's `PerModelSearcher` (TPE) proposing `--budget` trials, with ASHA on the blocks;
+- race: the grid, each trial raced block by block by the product's `Race` at `--alpha`;
+- tpe_race: TPE proposing `--budget` trials, each raced.
+A search's pick: the best configuration it scored on every item (a race's incumbent). It is in the band when the
+paired test on all items (`reporting.paired.paired_difference`, two-sided 95%) does not separate it from the grid's
+best. Cost: seconds, from the sweep's own measurements: each trial's load and prune seconds, each seq_len's importance
+pass once per search (the sweep's cache), and each item scored at the grid's median seconds per item. A pass scores
+only the items its block adds to the one before (`--cost added`: what the product's passes do), or, as a what-if,
+every item of its block again (`--cost rescored`: what they did before passes kept the earlier blocks' outcomes).
+
+    .venv/bin/python bench/bench_race.py /tmp/s7/sweeps/race_paper_grid --blocks 25,75 --alpha 0.05 \
+        --json bench/race_smollm2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from statistics import NormalDist
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from taylor_tune.config import Evaluation  # noqa: E402
+from taylor_tune.jsonio import write_json  # noqa: E402
+from taylor_tune.reporting.frame import read_outcomes  # noqa: E402
+from taylor_tune.reporting.paired import paired_difference  # noqa: E402
+from taylor_tune.sweep.racing import Blocks, Race, race_seed  # noqa: E402
+from taylor_tune.sweep.tune.scheduler import PASS, FidelityASHA, item_scores  # noqa: E402
+from taylor_tune.sweep.tune.search import PerModelSearcher  # noqa: E402
+
+NAMES = ("taylor_seq_len", "taylor_num_samples", "pruning_method")
+SEARCHES = ("grid", "random", "asha", "tpe_asha", "race", "tpe_race")
+
+
+def load_grid(path: Path) -> dict:
+    """configuration -> its items' scores (indexed by task, doc_id) and seconds; plus the importance passes'."""
+    configs, importance, per_item = {}, {}, []
+    for trial in sorted(p for p in path.iterdir() if (p / "result.json").is_file()):
+        rows = [json.loads(line) for line in (trial / "result.json").read_text().splitlines() if line.strip()]
+        last = rows[-1]
+        stage = last.get("stage", "")
+        outcomes = read_outcomes(str(trial), stage) if stage.startswith("zero_shot_") else None
+        if outcomes is None:
+            raise SystemExit(f"{trial}: no per-item outcomes of its last pass; replay a finished grid kept with them")
+        evaluation = Evaluation.stored(json.loads((trial / "params.json").read_text())["fixed"]["evaluation"])
+        scores = item_scores(outcomes, {task: evaluation.metric(task) for task in evaluation.tasks})
+        key = tuple(last[name] for name in NAMES)
+        configs[key] = {"scores": scores, "prune_s": last["load_s"] + last["prune_s"]}
+        per_item.append(last[f"{stage}_s"] / len(scores))
+        if last.get("importance_cache") == "computed":
+            importance[key[0]] = last["importance_s"] + last.get("calibration_s", 0.0)
+    events = path / "importance_cache" / "events.jsonl"
+    for event in (json.loads(x) for x in (events.read_text().splitlines() if events.is_file() else []) if x.strip()):
+        if event["event"] == "computed":
+            importance.setdefault(int(event["seq_len"]), event["seconds"])
+    return {"configs": configs, "importance": importance, "item_s": statistics.median(per_item)}
+
+
+def acc_mean(scores: pd.Series) -> float:
+    return float(scores.groupby(level=0).mean().mean())
+
+
+def band(configs: dict) -> tuple[tuple, set]:
+    """The grid's best and every configuration the paired test on all items does not separate from it."""
+    means = {key: acc_mean(c["scores"]) for key, c in configs.items()}
+    best = max(means, key=lambda key: (means[key], str(key)))
+    z = NormalDist().inv_cdf(0.975)
+    tied = {key for key in configs
+            if key == best or not paired_difference(configs[key]["scores"], configs[best]["scores"]).separated(z)}
+    return best, tied
+
+
+class Replay:
+    """One search's bookkeeping: the seconds it spent, and the configurations it scored on every item."""
+
+    def __init__(self, data: dict, blocks: Blocks, cost: str):
+        self.data, self.blocks, self.cost = data, blocks, cost
+        self.seconds, self.seq_lens, self.full = 0.0, set(), {}
+
+    def prune(self, key: tuple) -> None:
+        if key[0] not in self.seq_lens:  # the sweep's importance cache: one pass per seq_len
+            self.seq_lens.add(key[0])
+            self.seconds += self.data["importance"].get(key[0], 0.0)
+        self.seconds += self.data["configs"][key]["prune_s"]
+
+    def score(self, key: tuple, block: int, first: bool) -> pd.Series:
+        """The configuration's scores on the items after `block`, paying for the pass (`first`: the trial's first)."""
+        items = self.blocks.items(block)
+        paid = self.blocks.new_items(block) if self.cost == "added" and not first else items
+        self.seconds += sum(map(len, paid.values())) * self.data["item_s"]
+        index = pd.MultiIndex.from_tuples([(t, i) for t, ids in items.items() for i in ids], names=["task", "doc_id"])
+        scores = self.data["configs"][key]["scores"].loc[index]
+        if block == self.blocks.count - 1:
+            self.full[key] = acc_mean(scores)
+        return scores
+
+    def pick(self) -> tuple | None:
+        return max(self.full, key=lambda key: (self.full[key], str(key))) if self.full else None
+
+
+def searcher_of(keys: list[tuple], seed: int, budget: int) -> PerModelSearcher:
+    domains = {name: sorted({k[i] for k in keys}, key=str) for i, name in enumerate(NAMES)}
+    return PerModelSearcher(["model"], domains, budget, {}, metric="acc_mean", mode="max", seed=seed,
+                            n_startup_trials=min(10, budget))
+
+
+def proposals(search: str, keys: list[tuple], rng, seed: int, budget: int):
+    """The configurations a search tries, in its order; TPE's are proposed one at a time, told each result."""
+    if search.startswith("tpe"):
+        searcher = searcher_of(keys, seed, budget)
+        for n in range(budget):
+            config = searcher.suggest(str(n))
+            if not isinstance(config, dict):
+                return
+            told = yield tuple(config[name] for name in NAMES)
+            searcher.on_trial_complete(str(n), {"acc_mean": told})
+        return
+    order = [keys[i] for i in rng.permutation(len(keys))]
+    for key in order[:budget] if search == "random" else order:  # noqa: UP028 (send() reaches a generator only)
+        yield key
+
+
+def run(search: str, data: dict, sizes: tuple[int, ...], seed: int, args) -> dict:
+    configs = data["configs"]
+    keys = sorted(configs, key=str)
+    tasks = {t: int((next(iter(configs.values()))["scores"].index.get_level_values(0) == t).sum())
+             for t in sorted(set(next(iter(configs.values()))["scores"].index.get_level_values(0)))}
+    blocks = Blocks.plan(tasks, (*sizes, max(tasks.values())), race_seed(seed, "replay"))
+    replay, rng = Replay(data, blocks, args.cost), np.random.default_rng(seed)
+    race = Race(alpha=args.alpha) if search.endswith("race") else None
+    asha = FidelityASHA(blocks.count, reduction_factor=args.reduction_factor, metric="acc_mean", mode="max") \
+        if search.endswith("asha") else None
+    tried, stopped, told, reached = proposals(search, keys, rng, seed, args.budget), 0, None, []
+    while True:
+        try:
+            key = tried.send(told)  # TPE is told the last pass's acc_mean, as Tune tells it a stopped trial's
+        except StopIteration:
+            break
+        replay.prune(key)
+        trial = SimpleNamespace(trial_id=str(key))
+        if asha:
+            asha.on_trial_add(None, trial)
+        for block in range(blocks.count) if (race or asha) else [blocks.count - 1]:
+            scores = replay.score(key, block, first=block == 0 or not (race or asha))
+            told = acc_mean(scores)
+            if race:
+                goes_on = race.record(str(key), block, scores).go_on
+            elif asha:
+                goes_on = asha.on_trial_result(None, trial, {"acc_mean": told, PASS: block}) != "STOP"
+            else:
+                goes_on = True
+            if block < blocks.count - 1 and not goes_on:
+                stopped += 1
+                break
+        reached.append(block)
+        if asha:
+            asha.on_trial_complete(None, trial, {"acc_mean": told, PASS: block})
+    pick = replay.pick()
+    return {"pick": None if pick is None else list(pick), "seconds": replay.seconds, "stopped": stopped,
+            "trials": len(reached), "reached": reached}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("grid", type=Path)
+    parser.add_argument("--blocks", default="25,75", help="items per task after each cheap block (the last: all)")
+    parser.add_argument("--alpha", type=float, default=0.05)
+    parser.add_argument("--budget", type=int, default=12, help="random, tpe_asha, tpe_race: trials per search")
+    parser.add_argument("--reduction-factor", type=float, default=3)
+    parser.add_argument("--cost", choices=("added", "rescored"), default="added")
+    parser.add_argument("--seeds", type=int, default=20)
+    parser.add_argument("--searches", default=",".join(SEARCHES))
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    data = load_grid(args.grid)
+    best, tied = band(data["configs"])
+    sizes = tuple(int(s) for s in args.blocks.split(","))
+    grid_s = run("grid", data, sizes, 0, args)["seconds"]
+    print(f"{args.grid}: {len(data['configs'])} configurations, {len(next(iter(data['configs'].values()))['scores'])}"
+          f" items each, {data['item_s'] * 1000:.1f} ms per item; best {best}, {len(tied)} in its paired band; grid "
+          f"{grid_s:.0f} s; blocks {sizes} + all, alpha {args.alpha}, budget {args.budget}, cost {args.cost}")
+    out = {"grid": str(args.grid), "best": list(best), "band": sorted(map(list, tied)), "grid_s": grid_s,
+           "settings": {k: str(v) for k, v in vars(args).items()}, "searches": {}}
+    for search in args.searches.split(","):
+        runs = [run(search, data, sizes, seed, args) for seed in range(args.seeds)]
+        inside = sum(r["pick"] is not None and tuple(r["pick"]) in tied for r in runs)
+        ratios = [r["seconds"] / grid_s for r in runs]
+        out["searches"][search] = {"runs": runs, "in_band": inside, "cost_ratio_median": statistics.median(ratios),
+                                   "cost_ratio_max": max(ratios)}
+        print(f"  {search:9s} pick in the band {inside}/{args.seeds}; cost / grid: median "
+              f"{statistics.median(ratios):.3f} (max {max(ratios):.3f}); trials stopped early: median "
+              f"{statistics.median(r['stopped'] for r in runs)}")
+    if args.json:
+        write_json(args.json, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""bench/bench_race.py (issue 66, must-show 3) on a constructed grid kept as a sweep keeps it: the band is the written-
+out paired test's, the grid's cost the sum of what its trials spent, and a race's cost what its trials' blocks
+scored, its pick in the band."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+import bench_race  # noqa: E402
+
+TASKS = {"piqa": 120, "arc_easy": 100}
+EVALUATION = {"tasks": list(TASKS), "task_data": "world", "ppl": None, "fidelities": [None]}
+KEYS = [(16, 8, "taylor"), (32, 8, "taylor"), (16, 8, "blockwise"), (32, 8, "blockwise"), (16, 8, "layerwise"),
+        (32, 8, "layerwise")]
+ACCURACY = {KEYS[0]: 0.80, KEYS[1]: 0.79, KEYS[2]: 0.45, KEYS[3]: 0.40, KEYS[4]: 0.55, KEYS[5]: 0.50}
+
+
+def write_grid(root: Path) -> dict:
+    """A trial folder per configuration: params.json, result.json (its seconds) and the outcomes of every item."""
+    rng = np.random.default_rng(0)
+    base = {t: rng.random(n) for t, n in TASKS.items()}  # one difficulty per item, shared: outcomes correlate
+    truth = {}
+    for n, key in enumerate(KEYS):
+        folder = root / f"sweep_trainable_x_{n:05d}"
+        folder.mkdir(parents=True)
+        rows = [(t, i, float(base[t][i] < ACCURACY[key]), np.nan) for t, size in TASKS.items() for i in range(size)]
+        outcomes = pd.DataFrame(rows, columns=["task", "doc_id", "acc", "acc_norm"])
+        outcomes.to_parquet(folder / "outcomes_zero_shot_all.parquet")
+        (folder / "params.json").write_text(json.dumps({"fixed": {"evaluation": EVALUATION}}))
+        result = {"taylor_seq_len": key[0], "taylor_num_samples": key[1], "pruning_method": key[2], "load_s": 1.0,
+                  "prune_s": 2.0 + n, "stage": "zero_shot_all", "zero_shot_all_s": 22.0,
+                  **({"importance_cache": "computed", "importance_s": 30.0} if key[1:] == (8, "taylor") else {})}
+        (folder / "result.json").write_text(json.dumps(result) + "\n")
+        truth[key] = pd.Series([r[2] for r in rows], index=pd.MultiIndex.from_tuples([r[:2] for r in rows]))
+    return truth
+
+
+def test_the_replay_prices_what_trials_spent_and_races_to_a_pick_in_the_band(tmp_path):
+    truth = write_grid(tmp_path)
+    data = bench_race.load_grid(tmp_path)
+    assert data["item_s"] == 22.0 / 220 and data["importance"] == {16: 30.0, 32: 30.0}
+
+    # the band written out: not separated from the best by the task-stratified paired test at 95%, two-sided
+    means = {k: np.mean([s.loc[t].mean() for t in TASKS]) for k, s in truth.items()}
+    best = max(means, key=means.get)
+    tied = set()
+    for key, scores in truth.items():
+        d = [(scores.loc[t] - truth[best].loc[t]) for t in TASKS]
+        se = np.sqrt(sum(x.var(ddof=1) / len(x) for x in d)) / len(TASKS)
+        if key == best or abs(np.mean([x.mean() for x in d])) <= 1.959963984540054 * se:
+            tied.add(key)
+    assert bench_race.band(data["configs"]) == (best, tied) and tied == {KEYS[0], KEYS[1]}
+
+    args = SimpleNamespace(alpha=0.05, budget=3, reduction_factor=3, cost="added")
+    grid = bench_race.run("grid", data, (20, 50), 0, args)
+    assert grid["seconds"] == sum(3.0 + n for n in range(6)) + 60.0 + 6 * 22.0 and tuple(grid["pick"]) == best
+    race = bench_race.run("race", data, (20, 50), 0, args)
+    assert tuple(race["pick"]) in tied and race["stopped"] >= 3  # the four far worse trials: most stop early
+    reach = {0: 40, 1: 100, 2: 220}  # items a trial has paid for when it stops after each block (20, 50 a task; all)
+    assert len(race["reached"]) == 6
+    spent = race["seconds"] - sum(3.0 + n for n in range(6)) - 60.0
+    assert spent == pytest.approx(0.1 * sum(reach[b] for b in race["reached"]))
+    assert race["stopped"] == sum(b < 2 for b in race["reached"]) and spent < 6 * 22.0
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "bench_race.py"), str(tmp_path), "--blocks", "20,50",
+                          "--seeds", "3", "--budget", "3", "--json", str(tmp_path / "race.json")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    saved = json.loads((tmp_path / "race.json").read_text())
+    assert set(saved["searches"]) == set(bench_race.SEARCHES) and saved["searches"]["grid"]["in_band"] == 3
