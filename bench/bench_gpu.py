@@ -163,8 +163,10 @@ def trial(folder: Path, params: int, samples: int, seq_len: int, args, device: t
     config = PruneConfig(model=str(folder), method="taylor", sparsity=0.2, seq_len=seq_len, num_samples=samples,
                          calibration="wiki", micro_batch_size=args.micro_batch_size, device=args.device,
                          dtype=args.dtype, uniform=uniform)
+    # item_seed null: a --limit scores the first N documents, the items whose requests the passes before it built
+    # (every item, the default, is the same items either way)
     evaluation = Evaluation(tasks="all", task_data="real", ppl="wiki", ppl_max_windows=args.ppl_windows,
-                            fidelities=(args.limit,), speed=SpeedSpec(**args.speed))
+                            fidelities=(args.limit,), speed=SpeedSpec(**args.speed), item_seed=None)
     _reset(device)
     torch._dynamo.reset()  # as in a trial's own process: no compiled graph in memory (Inductor's disk cache stays)
     start = time.perf_counter()
