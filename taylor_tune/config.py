@@ -77,7 +77,8 @@ class PruneConfig(BaseModel):
         0.2, gt=0.0, lt=1.0, description="fraction of the model's total parameters to remove",
         json_schema_extra=searchable())
     seq_len: int = Field(
-        64, gt=0, description="tokens per calibration sequence", json_schema_extra=searchable("taylor_seq_len"))
+        64, gt=1, description="tokens per calibration sequence (at least 2: the loss predicts each next token)",
+        json_schema_extra=searchable("taylor_seq_len"))
     num_samples: int = Field(
         128, gt=0, description="number of calibration sequences", json_schema_extra=searchable("taylor_num_samples"))
     calibration: str = Field(

@@ -104,7 +104,7 @@ BEFORE_LOADING = [
         ["--method", "pruneall"],
         "method: unknown method 'pruneall'; allowed: blockwise, depth, layerwise, magnitude, random, taylor",
     ),
-    (["--seq-len", "0"], "seq_len: Input should be greater than 0"),
+    (["--seq-len", "1"], "seq_len: Input should be greater than 1"),
     (["--seq-len", "4096"], "seq_len: 4096 exceeds the model's maximum context of 512 tokens"),
     (["--num-samples", "0"], "num_samples: Input should be greater than 0"),
     (["--num-samples", "abc"], "num_samples: Input should be a valid integer"),

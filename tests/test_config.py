@@ -23,7 +23,7 @@ def test_every_bad_field_is_named_at_once():
         build_prune_config({"model": "x", "sparsity": -1, "seq_len": 0, "colour": "red"})
     text = str(error.value)
     assert "sparsity: Input should be greater than 0 (got -1)" in text
-    assert "seq_len: Input should be greater than 0 (got 0)" in text
+    assert "seq_len: Input should be greater than 1 (got 0)" in text
     assert "colour: unknown key" in text
 
 
