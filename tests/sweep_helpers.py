@@ -111,13 +111,12 @@ def kill_ray_started_after(started_after: float, temp: Path = RAY_TEMP) -> None:
             pass
 
 
-def submit_job(command: list[str], log_path: Path, job_env: dict, cwd: Path, attempts: int = 120,
+def submit_job(command: list[str], log_path: Path, job_env: dict, cwd: Path, attempts: int = 30,
                pause: float = 2, settle: float = 10) -> subprocess.Popen:
     """`ray job submit ...` (blocking, its output to `log_path`), submitted again while the head's job agent is still
     starting: right after `ray start` the head answers "No available agent to submit job" at once and starts
     nothing. A submission still running after `settle` seconds went through. Bounded: after `attempts` tries `pause`
-    seconds apart the last answer stands (120 tries, over 4 minutes: on a loaded machine the agent took longer than
-    the minute 30 gave, and the smoke sweep's 14 tests errored)."""
+    seconds apart the last answer stands."""
     for attempt in range(attempts):
         with open(log_path, "w") as log:
             job = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=job_env, cwd=cwd)

@@ -22,7 +22,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # flags of other tools the pages show (Ray's CLI): not ours to check
 OTHER_TOOLS = {"--address", "--working-dir", "--runtime-env-json", "--metrics-export-port", "--entrypoint-num-gpus",
                "--head", "--dashboard-host", "--model_args", "--model", "--tasks", "--no-wait", "--submission-id",
-               "--follow"}
+               "--follow", "--dashboard-agent-listen-port"}
 FENCE = re.compile(r"^```([a-z]*)\n(.*?)^```", re.S | re.M)
 
 

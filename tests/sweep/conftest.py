@@ -46,7 +46,7 @@ def smoke(tmp_path_factory):
     API, screenshots the dashboard's jobs page with headless Chromium and runs `taylor-tune dashboard`.
     The cluster is stopped afterwards."""
     storage = tmp_path_factory.mktemp("smoke")
-    port, dashboard, metrics = free_port(), free_port(), free_port()
+    port, dashboard, metrics, agent = free_port(), free_port(), free_port(), free_port()
     temp = Path("/tmp") / f"tt-ray-{os.getpid()}"  # Ray's socket paths must stay short
     # the trials at the priority of the suite (docs/operations.md): Ray's default niceness of 15 starves them beside
     # any CPU-bound process on the machine
@@ -67,6 +67,9 @@ def smoke(tmp_path_factory):
     try:
         subprocess.run([str(bin_dir / "ray"), "start", "--head", f"--port={port}", "--dashboard-host=127.0.0.1",
                         f"--dashboard-port={dashboard}", f"--metrics-export-port={metrics}", "--num-cpus=2",
+                        # the job agent's own port: Ray's fixed default (52365) is taken by any other Ray on the
+                        # machine (a user's sweep), and the head then answers every submission "No available agent"
+                        f"--dashboard-agent-listen-port={agent}",
                         f"--temp-dir={temp}", "--disable-usage-stats"],
                        check=True, env=ray_env, capture_output=True, timeout=120)
         runtime_env = json.dumps({"env_vars": {"TAYLOR_TUNE_METRICS_FLUSH_S": "4"}})  # the driver's last values get out
