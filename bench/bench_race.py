@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -64,6 +65,10 @@ def load_grid(path: Path) -> dict:
         per_item.append(last[f"{stage}_s"] / len(scores))
         if last.get("importance_cache") == "computed":
             importance[key[0]] = last["importance_s"] + last.get("calibration_s", 0.0)
+    product = math.prod(len({key[i] for key in configs}) for i in range(len(NAMES)))
+    if len(configs) != product:  # a search proposes from the domains' product: every point must be there
+        raise SystemExit(f"{path}: {len(configs)} configurations kept, not the {product} of their grid; replay a "
+                         "finished grid")
     events = path / "importance_cache" / "events.jsonl"
     for event in (json.loads(x) for x in (events.read_text().splitlines() if events.is_file() else []) if x.strip()):
         if event["event"] == "computed":
