@@ -73,7 +73,9 @@ def load_grid(path: Path) -> dict:
     for event in (json.loads(x) for x in (events.read_text().splitlines() if events.is_file() else []) if x.strip()):
         if event["event"] == "computed":
             importance.setdefault(int(event["seq_len"]), event["seconds"])
-    return {"configs": configs, "importance": importance, "item_s": statistics.median(per_item)}
+    index = next(iter(configs.values()))["scores"].index.get_level_values(0)
+    tasks = {task: int((index == task).sum()) for task in sorted(set(index))}  # each task's items in the population
+    return {"configs": configs, "importance": importance, "item_s": statistics.median(per_item), "tasks": tasks}
 
 
 def acc_mean(scores: pd.Series) -> float:
@@ -143,8 +145,7 @@ def proposals(search: str, keys: list[tuple], rng, seed: int, budget: int):
 def run(search: str, data: dict, sizes: tuple[int, ...], seed: int, args) -> dict:
     configs = data["configs"]
     keys = sorted(configs, key=str)
-    tasks = {t: int((next(iter(configs.values()))["scores"].index.get_level_values(0) == t).sum())
-             for t in sorted(set(next(iter(configs.values()))["scores"].index.get_level_values(0)))}
+    tasks = data["tasks"]
     blocks = Blocks.plan(tasks, (*sizes, max(tasks.values())), race_seed(seed, "replay"))
     replay, rng = Replay(data, blocks, args.cost), np.random.default_rng(seed)
     race = Race(alpha=args.alpha) if search.endswith("race") else None

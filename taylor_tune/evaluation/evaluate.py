@@ -144,15 +144,8 @@ class Evaluator:
     def zero_shot(self, limit: int | None, samples: dict[str, list[int]] | None = None) -> ZeroShotResult:
         """One pass over the spec's tasks at `limit` items per task (the spec's own limit is not used): lm-eval's
         first `limit` documents, or the listed `samples` (task -> item indices; `limit` then names the pass)."""
-        lm = self.lm
-        before = lm.tokens_forwarded
-        requests = PassRequests(lm, self.request_cache)
-        with _eval_mode(self.model):
-            tasks, seconds, outcomes = zero_shot(lm, self.spec.model_copy(update={"limit": limit}), self.task_data,
-                                                 requests, samples)
-        return ZeroShotResult(tasks, limit, self.task_data, self.spec.scorer, lm.tokens_forwarded - before, seconds,
-                              requests.seconds, requests.built, outcomes)
-
+        tasks, *counted, outcomes = self._pass(self.spec.model_copy(update={"limit": limit}), samples)
+        return ZeroShotResult(tasks, limit, self.task_data, self.spec.scorer, *counted, outcomes)
 
     def zero_shot_adding(self, previous: ZeroShotResult, limit: int | None,
                          added: dict[str, list[int]]) -> ZeroShotResult:
@@ -163,15 +156,20 @@ class Evaluator:
         if not tasks:  # every task's items were all scored already
             return dataclasses.replace(previous, limit=limit, tokens=0, seconds=0.0, requests_seconds=0.0,
                                        requests_built=0)
+        spec = self.spec.model_copy(update={"tasks": tuple(tasks), "limit": limit})
+        _, *counted, outcomes = self._pass(spec, {task: added[task] for task in tasks})
+        outcomes = pd.concat([previous.outcomes, outcomes], ignore_index=True)
+        return ZeroShotResult(task_results(outcomes, self.spec), limit, self.task_data, self.spec.scorer, *counted,
+                              outcomes)
+
+    def _pass(self, spec: EvalSpec, samples: dict[str, list[int]] | None) -> tuple:
+        """One lm-eval pass: (tasks, tokens forwarded, seconds, requests' seconds, requests built, outcomes)."""
         lm = self.lm
         before = lm.tokens_forwarded
         requests = PassRequests(lm, self.request_cache)
-        spec = self.spec.model_copy(update={"tasks": tuple(tasks), "limit": limit})
         with _eval_mode(self.model):
-            _, seconds, outcomes = zero_shot(lm, spec, self.task_data, requests, {t: added[t] for t in tasks})
-        outcomes = pd.concat([previous.outcomes, outcomes], ignore_index=True)
-        return ZeroShotResult(task_results(outcomes, self.spec), limit, self.task_data, self.spec.scorer,
-                              lm.tokens_forwarded - before, seconds, requests.seconds, requests.built, outcomes)
+            tasks, seconds, outcomes = zero_shot(lm, spec, self.task_data, requests, samples)
+        return tasks, lm.tokens_forwarded - before, seconds, requests.seconds, requests.built, outcomes
 
 
 def flatten(ppl: PerplexityResult | None, shots: ZeroShotResult | None) -> dict:

@@ -48,10 +48,7 @@ def trial_config(folder: str | Path) -> TrialConfig:
     """The trial's recorded configuration (config.json: JSON, validated field by field; nothing else is read)."""
     path = Path(folder) / "config.json"
     try:
-        record = json.loads(path.read_text())
-        if isinstance(record, dict) and isinstance(record.get("evaluation"), dict):
-            record["evaluation"] = {"item_seed": None, **record["evaluation"]}  # as `Evaluation.stored`
-        return TrialConfig.model_validate(record)
+        return TrialConfig.from_record(json.loads(path.read_text()))
     except OSError as error:
         raise ExportError(f"{path}: cannot read the trial's configuration ({error.strerror})") from None
     except ValueError as error:  # JSON and pydantic's ValidationError alike

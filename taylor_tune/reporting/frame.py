@@ -255,7 +255,7 @@ def _race_lines(filesystem, root: str) -> dict[str, str]:
     except (ValueError, AttributeError):
         return {}
     return {trial_id: entry["why"] for trial_id, entry in trials.items()
-            if isinstance(entry, dict) and not entry.get("final") and isinstance(entry.get("why"), str)}
+            if isinstance(entry, dict) and entry.get("stopped") is True and isinstance(entry.get("why"), str)}
 
 
 # ---------------------------------------------------------------- deciding validity

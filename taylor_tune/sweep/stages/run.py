@@ -35,6 +35,14 @@ class TrialConfig(BaseModel):
             exclude["evaluation"] = {"item_seed"}
         return json.loads(json.dumps(json_safe(self.model_dump(exclude=exclude))))
 
+    @classmethod
+    def from_record(cls, record: object) -> TrialConfig:
+        """`record()` read back (config.json, validated field by field): a record without `item_seed`, written before
+        it existed, scored lm-eval's first N documents (`Evaluation.stored`)."""
+        if isinstance(record, dict) and isinstance(record.get("evaluation"), dict):
+            record = {**record, "evaluation": {"item_seed": None, **record["evaluation"]}}
+        return cls.model_validate(record)
+
 
 @dataclass
 class TrialRun:

@@ -143,15 +143,15 @@ class RaceScheduler(FIFOScheduler):
         model, block = trial.config["model"], result[PASS]
         race = self.races.setdefault(model, Race(self.alpha))
         decision = race.record(trial.trial_id, block, item_scores(outcomes, metrics))
-        final = block == len(evaluation.fidelities) - 1
+        final = block == len(evaluation.fidelities) - 1  # the last pass ends the trial: recorded, never "raced out"
         self.trials[trial.trial_id] = {"model": model, "block": block, "stage": result["stage"],
                                        "folder": result["output_dir"], "metrics": metrics, "final": final,
+                                       "stopped": not (decision.go_on or final),
                                        "why": decision.says()}  # the report's line for a trial stopped here
         self._save()
-        # the last pass ends the trial anyway: it is recorded (it may lead the race), never "raced out"
-        return TrialScheduler.CONTINUE if decision.go_on or final else TrialScheduler.STOP
+        return TrialScheduler.STOP if self.trials[trial.trial_id]["stopped"] else TrialScheduler.CONTINUE
 
     def debug_string(self) -> str:
-        stopped = sum(not d.go_on for race in self.races.values() for d in race.decisions)
+        stopped = sum(entry["stopped"] for entry in self.trials.values())
         return f"RaceScheduler: alpha {self.alpha}, {len(self.trials)} trials raced, {stopped} stopped"
 
