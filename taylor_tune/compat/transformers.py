@@ -1,10 +1,12 @@
 """transformers 5.23's private names: building a model from its config without initialising weights that a
-state dict will overwrite at once (GGUF conversion); and one lock around every model build, because transformers
-builds inside process-wide patches (below)."""
+state dict will overwrite at once (GGUF conversion); one lock around every model build, because transformers
+builds inside process-wide patches (below); and one parse of a GGUF file per conversion."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from pathlib import Path
 
 from taylor_tune.compat import missing
 
@@ -29,6 +31,31 @@ def no_init_weights():
     from transformers.initialization import no_init_weights as context
 
     return context()
+
+
+@contextlib.contextmanager
+def one_gguf_parse():
+    """Within (and under `building()`): `gguf.GGUFReader(path)` parses each file once. transformers' GGUF loading
+    (`load_gguf_checkpoint`, which imports the reader from gguf at each call) parses the whole file for the config,
+    again for the tokenizer and again for the weights, and the parse reads the vocabulary one field part at a time:
+    two of the three parses were most of a model asset's fetch. The reader only reads its memory map, so one serves
+    all three."""
+    import gguf
+
+    original, readers = gguf.GGUFReader, {}
+
+    def reader(path, mode="r"):
+        key = (str(Path(path).resolve()), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    with building():  # the patch is process-wide: no other build may see it half-way
+        gguf.GGUFReader = reader
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = original
 
 
 def check() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from taylor_tune.compat.transformers import building, no_init_weights
+from taylor_tune.compat.transformers import building, no_init_weights, one_gguf_parse
 from taylor_tune.errors import ModelLoadError
 
 
@@ -23,9 +23,9 @@ def convert_gguf(gguf: Path, out: Path, dtype: torch.dtype = torch.float32) -> P
     """
     gguf = Path(gguf)
     try:
-        with building():
+        with one_gguf_parse():
             loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except (OSError, ValueError, KeyError) as error:
         raise ModelLoadError(f"model: cannot read the GGUF file {gguf}: {str(error).splitlines()[0]}") from None
     config = loaded.config

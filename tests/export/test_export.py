@@ -210,7 +210,10 @@ def cli(*args):
     ("no trial meets the constraint", "no finished trial of tiny-llama in"),
     ("rank beyond the trials", "--rank 9: only 5 finished trial(s)"),
 ])
-def test_bad_input_is_one_line_exit_2_and_writes_nothing(sweep, tmp_path, case, needle):
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(sweep, tmp_path, capsys, case, needle):
+    """`main` in this process, the body of the entry point (which the test above runs as a user would)."""
+    from taylor_tune.cli import main
+
     path, out = sweep["path"], tmp_path / "out"
     (tmp_path / "plain").mkdir()  # a folder, but not a sweep's
     args = {"unknown trial": [path, "--trial", "nope", "--output", out],
@@ -222,7 +225,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(sweep, tmp_path, case, 
             "no trial meets the constraint": [path, "--constraint", "acc_mean>=2", "--output", out],
             "rank beyond the trials": [path, "--rank", "9", "--output", out]}[case]
     before = sorted(p.name for p in path.iterdir())
-    run = cli(*args)
-    assert run.returncode == 2 and run.stderr.count("\n") == 1 and "Traceback" not in run.stderr, run.stderr
-    assert needle in run.stderr, run.stderr
+    code, err = main(["export", *map(str, args)]), capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert needle in err, err
     assert not out.exists() and sorted(p.name for p in path.iterdir()) == before

@@ -140,3 +140,28 @@ def test_a_tokenizer_llama_cpp_would_split_otherwise_is_refused_in_one_line():
     words = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     with pytest.raises(GGUFError, match=r"the tokenizer is WordLevel, not a byte-level BPE"):
         pre_tokenizer(PreTrainedTokenizerFast(tokenizer_object=words))
+
+
+def test_a_gguf_conversion_parses_the_file_once_and_writes_what_three_parses_write(pruned, tmp_path, monkeypatch):
+    """`sources.gguf.convert_gguf` (the model assets' fetch, `--model file.gguf`): transformers asks for the file's
+    parse three times (config, tokenizer, weights); one parse serves them, and the folder written is the one the
+    three separate parses write, byte for byte."""
+    import gguf
+
+    from taylor_tune.compat.transformers import building
+    from taylor_tune.sources import gguf as conversion
+
+    result = pruned("llama-uniform")
+    write_gguf(result.model, result.tokenizer, tmp_path / "model.gguf", file_type="f32")
+    parses = []
+    build_fields = gguf.GGUFReader._build_fields
+    monkeypatch.setattr(gguf.GGUFReader, "_build_fields", lambda self, *a: parses.append(1) or build_fields(self, *a))
+    once = conversion.convert_gguf(tmp_path / "model.gguf", tmp_path / "once")
+    assert len(parses) == 1
+    monkeypatch.setattr(conversion, "one_gguf_parse", building)  # the lock alone: no shared parse
+    thrice = conversion.convert_gguf(tmp_path / "model.gguf", tmp_path / "thrice")
+    assert len(parses) == 4  # the planted slip: without the shared parse, transformers parses three times
+    assert gguf.GGUFReader.__name__ == "GGUFReader"  # the patch is gone after the conversion
+    assert sorted(p.name for p in once.iterdir()) == sorted(p.name for p in thrice.iterdir())
+    for file in once.iterdir():
+        assert file.read_bytes() == (thrice / file.name).read_bytes(), file.name

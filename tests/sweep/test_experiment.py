@@ -146,19 +146,36 @@ CASES = [
 ]
 
 
+def refused(code: int, err: str, message: str) -> None:
+    assert code == 2, err
+    assert message in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("changes, message", CASES)
-def test_bad_experiment_files_exit_2_before_ray_starts(changes, message, tmp_path):
+def test_bad_experiment_files_exit_2_before_ray_starts(changes, message, tmp_path, capsys, monkeypatch):
+    """`main` in this process (the body of the entry point, which the test below runs as a user would): each case a
+    one-line refusal, and no Ray started."""
+    import ray
     import torch
+
+    from taylor_tune.cli import main
 
     if "GPU" in message and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    path = bad(tmp_path, **changes)
-    proc = subprocess.run([sys.executable, "-m", "taylor_tune", "sweep", str(path)], capture_output=True, text=True,
-                          env={**env(), "RAY_ADDRESS": ""}, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert message in proc.stderr, proc.stderr
-    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    code = main(["sweep", str(bad(tmp_path, **changes))])
+    refused(code, capsys.readouterr().err, message)
+    assert not ray.is_initialized()
+
+
+@pytest.mark.slow
+def test_a_bad_experiment_file_through_the_entry_point_exits_2_before_ray_starts(tmp_path):
+    changes, message = CASES[4]  # an unknown model: the refusal needs the model registry, after the heavy imports
+    proc = subprocess.run([sys.executable, "-m", "taylor_tune", "sweep", str(bad(tmp_path, **changes))],
+                          capture_output=True, text=True, env={**env(), "RAY_ADDRESS": ""}, timeout=120)
+    refused(proc.returncode, proc.stderr, message)
     assert "Started a local Ray instance" not in proc.stderr + proc.stdout
 
 

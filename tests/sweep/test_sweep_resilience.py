@@ -51,10 +51,10 @@ def interrupt_sweep(experiment, log_path, until, sig, settle: float = 3, **fault
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_an_interrupted_sweep_resumes_without_rerunning_finished_trials(sig, tmp_path):
-    # 12 trials one at a time, each held 1.5 s before it starts (a reused worker and a speed measurement read from
+    # 8 trials one at a time, each held 1.5 s before it starts (a reused worker and a speed measurement read from
     # the sweep's record make a trial well under a second), so the interruption (2 finished + 3 s for the saved
-    # state) leaves most of the grid still to run
-    space = {"taylor_seq_len": {"grid": [16, 32, 48]}, "taylor_num_samples": {"grid": [8, 16]},
+    # state) leaves half the grid or more still to run
+    space = {"taylor_seq_len": {"grid": [16, 32]}, "taylor_num_samples": {"grid": [8, 16]},
              "pruning_method": {"grid": ["taylor", "blockwise"]}}
     experiment = write_experiment(
         tmp_path, "resume", search_space=space, search={"algorithm": "grid", "max_concurrent": 1}
@@ -69,20 +69,20 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_trials(sig, tmp
     # finished = what Tune's saved state records as TERMINATED: a trial whose files were uploaded in the instant
     # before a SIGKILL, but whose completion the driver had not yet saved, is in flight and may run again
     before = {t: (trial_dirs(path)[t] / "result.json").read_bytes() for t in terminated(path)}
-    assert 2 <= len(before) < 12, "the sweep must be interrupted part-way for this test to mean anything"
+    assert 2 <= len(before) < 8, "the sweep must be interrupted part-way for this test to mean anything"
 
     again = run_sweep(experiment)
     kill_ray_started_after(started)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     after = finished(path)
-    assert set(after) == set(trial_dirs(path)) and len(after) == 12  # the rest completed, no extra trials
+    assert set(after) == set(trial_dirs(path)) and len(after) == 8  # the rest completed, no extra trials
     for trial_id, result in before.items():
         assert (after[trial_id] / "result.json").read_bytes() == result  # not rerun: results untouched
     rows = analysis_rows(path)
     assert {(r["pruning_method"], r["taylor_seq_len"], r["taylor_num_samples"]) for r in rows} == {
-        (m, s, n) for m in ("taylor", "blockwise") for s in (16, 32, 48) for n in (8, 16)}
+        (m, s, n) for m in ("taylor", "blockwise") for s in (16, 32) for n in (8, 16)}
     table = load_trials(path)  # a re-run trial's first, partial folder does not count as a broken trial
-    assert len(table.valid) == 12 and table.invalid.empty
+    assert len(table.valid) == 8 and table.invalid.empty
 
 
 @pytest.mark.parametrize("settle", [3, 0], ids=["state-saved", "killed-at-once"])
