@@ -35,27 +35,34 @@ def no_init_weights():
 
 @contextlib.contextmanager
 def one_gguf_parse():
-    """Within (and under `building()`): `gguf.GGUFReader(path)` parses each file once. transformers' GGUF loading
-    (`load_gguf_checkpoint`, which imports the reader from gguf at each call) parses the whole file for the config,
-    again for the tokenizer and again for the weights, and the parse reads the vocabulary one field part at a time:
-    two of the three parses were most of a model asset's fetch. The reader only reads its memory map, so one serves
-    all three."""
+    """Within (and under `building()`): `gguf.GGUFReader(path)` parses each file once, and `gguf.get_tensor_name_map`
+    builds each architecture's name table once. transformers' GGUF loading imports both from gguf at each call; it
+    parses the whole file for the config, again for the tokenizer and again for the weights (the parse reads the
+    vocabulary one field part at a time), and builds the name table again for every module of the model. Both are
+    read-only once built, so one serves every call; the repeats were most of a model asset's fetch."""
     import gguf
 
-    original, readers = gguf.GGUFReader, {}
+    originals = {"GGUFReader": gguf.GGUFReader, "get_tensor_name_map": gguf.get_tensor_name_map}
+    made = {}
 
     def reader(path, mode="r"):
-        key = (str(Path(path).resolve()), mode)
-        if key not in readers:
-            readers[key] = original(path, mode)
-        return readers[key]
+        key = ("reader", str(Path(path).resolve()), mode)
+        if key not in made:
+            made[key] = originals["GGUFReader"](path, mode)
+        return made[key]
+
+    def name_map(arch, n_blocks):
+        key = ("names", arch, n_blocks)
+        if key not in made:
+            made[key] = originals["get_tensor_name_map"](arch, n_blocks)
+        return made[key]
 
     with building():  # the patch is process-wide: no other build may see it half-way
-        gguf.GGUFReader = reader
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
         try:
             yield
         finally:
-            gguf.GGUFReader = original
+            gguf.GGUFReader, gguf.get_tensor_name_map = originals["GGUFReader"], originals["get_tensor_name_map"]
 
 
 def check() -> None:

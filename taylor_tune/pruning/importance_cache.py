@@ -183,6 +183,9 @@ class ImportanceCache:
                 continue
             with os.fdopen(fd, "w") as f:
                 f.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+            if entry.is_file():  # written (and its lock let go) between the look above and taking the lock: read it
+                lock.unlink(missing_ok=True)
+                continue
             return self._compute(key, fields, entry, lock, compute, extra_tensors, encode)
 
     def _stale(self, lock: Path) -> bool:

@@ -145,7 +145,7 @@ def test_a_tokenizer_llama_cpp_would_split_otherwise_is_refused_in_one_line():
 def test_a_gguf_conversion_parses_the_file_once_and_writes_what_three_parses_write(pruned, tmp_path, monkeypatch):
     """`sources.gguf.convert_gguf` (the model assets' fetch, `--model file.gguf`): transformers asks for the file's
     parse three times (config, tokenizer, weights); one parse serves them, and the folder written is the one the
-    three separate parses write, byte for byte."""
+    three separate parses write, byte for byte (the name table, built once too, included)."""
     import gguf
 
     from taylor_tune.compat.transformers import building
@@ -161,7 +161,7 @@ def test_a_gguf_conversion_parses_the_file_once_and_writes_what_three_parses_wri
     monkeypatch.setattr(conversion, "one_gguf_parse", building)  # the lock alone: no shared parse
     thrice = conversion.convert_gguf(tmp_path / "model.gguf", tmp_path / "thrice")
     assert len(parses) == 4  # the planted slip: without the shared parse, transformers parses three times
-    assert gguf.GGUFReader.__name__ == "GGUFReader"  # the patch is gone after the conversion
+    assert gguf.GGUFReader.__name__ == "GGUFReader" and gguf.get_tensor_name_map.__module__ == "gguf.tensor_mapping"
     assert sorted(p.name for p in once.iterdir()) == sorted(p.name for p in thrice.iterdir())
     for file in once.iterdir():
         assert file.read_bytes() == (thrice / file.name).read_bytes(), file.name

@@ -267,6 +267,30 @@ def test_an_entry_found_damaged_a_second_time_is_an_error_not_a_loop(tmp_path):
     assert compute.calls == 0
 
 
+def test_an_entry_written_between_the_look_and_the_lock_is_read_not_computed_again(tmp_path, monkeypatch):
+    """Another trial finishes (its entry written, its lock let go) in the instant between this trial's look for the
+    entry and its taking the lock: this trial reads that entry and computes nothing. (Found as a flaky failure of the
+    test above under load: the other trial's write landed in that window and this one computed again.)"""
+    from taylor_tune.pruning import importance_cache
+
+    root = tmp_path / "cache"
+    ImportanceCache(root).get_or_compute(FIELDS, [8], Compute({8: importance(8, 3)}))
+    (entry,) = root.glob("*.safetensors")
+    data = entry.read_bytes()
+    entry.unlink()
+    real_open = os.open
+
+    def the_other_trial_finishes_first(path, flags, *args):
+        if str(path).endswith(".lock") and not entry.exists():
+            entry.write_bytes(data)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(importance_cache.os, "open", the_other_trial_finishes_first)
+    compute = Compute({8: importance(8, 1)})
+    assert_same(ImportanceCache(root).get_or_compute(FIELDS, [8], compute), {8: importance(8, 3)})
+    assert compute.calls == 0 and not list(root.glob("*.lock"))
+
+
 def test_a_damaged_entry_that_another_trial_removes_first_is_computed_again(tmp_path):
     """Two trials find the entry damaged at once; the other removes it between this one's warning and its removal."""
     root = tmp_path / "cache"
