@@ -19,6 +19,7 @@ every item of its block again (`--cost rescored`: what they did before passes ke
 
     .venv/bin/python bench/bench_race.py /tmp/s7/sweeps/race_paper_grid --blocks 25,75 --alpha 0.05 \
         --json bench/race_smollm2.json
+    .venv/bin/python bench/bench_race.py /tmp/s7/sweeps/race_paper_grid --only taylor_seq_len=16,32   # a sub-grid
 """
 
 from __future__ import annotations
@@ -48,12 +49,15 @@ NAMES = ("taylor_seq_len", "taylor_num_samples", "pruning_method")
 SEARCHES = ("grid", "random", "asha", "tpe_asha", "race", "tpe_race")
 
 
-def load_grid(path: Path) -> dict:
-    """configuration -> its items' scores (indexed by task, doc_id) and seconds; plus the importance passes'."""
+def load_grid(path: Path, only: dict[str, set] | None = None) -> dict:
+    """configuration -> its items' scores (indexed by task, doc_id) and seconds; plus the importance passes'.
+    `only`: {dimension: values} keeps the trials with those values (a complete sub-grid of a grid still running)."""
     configs, importance, per_item = {}, {}, []
     for trial in sorted(p for p in path.iterdir() if (p / "result.json").is_file()):
         rows = [json.loads(line) for line in (trial / "result.json").read_text().splitlines() if line.strip()]
         last = rows[-1]
+        if only and any(str(last.get(name)) not in values for name, values in only.items()):
+            continue
         stage = last.get("stage", "")
         outcomes = read_outcomes(str(trial), stage) if stage.startswith("zero_shot_") else None
         if outcomes is None:
@@ -192,8 +196,16 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--searches", default=",".join(SEARCHES))
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--only", action="append", default=[], metavar="DIMENSION=V1,V2",
+                        help=f"replay only the trials with these values ({', '.join(NAMES)}); repeatable")
     args = parser.parse_args()
-    data = load_grid(args.grid)
+    only = {}
+    for item in args.only:
+        name, _, values = item.partition("=")
+        if name not in NAMES or not values:
+            parser.error(f"--only {item!r}: give one of {', '.join(NAMES)}, '=' and its values, comma-separated")
+        only[name] = set(values.split(","))
+    data = load_grid(args.grid, only)
     best, tied = band(data["configs"])
     sizes = tuple(int(s) for s in args.blocks.split(","))
     grid_s = run("grid", data, sizes, 0, args)["seconds"]

@@ -75,3 +75,22 @@ def test_the_replay_prices_what_trials_spent_and_races_to_a_pick_in_the_band(tmp
     assert out.returncode == 0, out.stderr
     saved = json.loads((tmp_path / "race.json").read_text())
     assert set(saved["searches"]) == set(bench_race.SEARCHES) and saved["searches"]["grid"]["in_band"] == 3
+
+
+def test_a_sub_grid_of_a_grid_still_running_is_replayed_alone(tmp_path):
+    """`--only`: the trials with the named values (a complete sub-grid) are replayed; a running trial outside it, whose
+    folder has no outcomes yet, is passed over instead of refusing the whole folder."""
+    truth = write_grid(tmp_path)
+    running = tmp_path / "sweep_trainable_x_00006_6_running"
+    running.mkdir()
+    (running / "result.json").write_text(json.dumps({"stage": "ppl", "taylor_seq_len": 64, "taylor_num_samples": 8,
+                                                     "pruning_method": "taylor"}) + "\n")
+    with pytest.raises(SystemExit, match="no per-item outcomes"):
+        bench_race.load_grid(tmp_path)
+    data = bench_race.load_grid(tmp_path, {"taylor_seq_len": {"16"}})
+    assert set(data["configs"]) == {key for key in KEYS if key[0] == 16}
+    for key, config in data["configs"].items():
+        assert list(config["scores"].sort_index().items()) == list(truth[key].sort_index().items())
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "bench_race.py"), str(tmp_path), "--only", "seq_len=16"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "--only 'seq_len=16': give one of taylor_seq_len" in out.stderr
