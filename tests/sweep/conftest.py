@@ -72,7 +72,9 @@ def smoke(tmp_path_factory):
                         f"--dashboard-agent-listen-port={agent}",
                         f"--temp-dir={temp}", "--disable-usage-stats"],
                        check=True, env=ray_env, capture_output=True, timeout=120)
-        runtime_env = json.dumps({"env_vars": {"TAYLOR_TUNE_METRICS_FLUSH_S": "4"}})  # the driver's last values get out
+        # the driver holds its last values long enough for the metrics agent to export them (4 s fell short once
+        # under load; a cluster's default is 12)
+        runtime_env = json.dumps({"env_vars": {"TAYLOR_TUNE_METRICS_FLUSH_S": "8"}})
         job = submit_job([str(bin_dir / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{dashboard}",
                           "--runtime-env-json", runtime_env, "--", str(bin_dir / "taylor-tune"), "sweep",
                           str(REPO / "experiments" / "smoke.yaml"), "--storage", str(storage)],
