@@ -5,8 +5,8 @@ builds inside process-wide patches (below); and one parse of a GGUF file per con
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
-from pathlib import Path
 
 from taylor_tune.compat import missing
 
@@ -42,27 +42,13 @@ def one_gguf_parse():
     read-only once built, so one serves every call; the repeats were most of a model asset's fetch."""
     import gguf
 
-    originals = {"GGUFReader": gguf.GGUFReader, "get_tensor_name_map": gguf.get_tensor_name_map}
-    made = {}
-
-    def reader(path, mode="r"):
-        key = ("reader", str(Path(path).resolve()), mode)
-        if key not in made:
-            made[key] = originals["GGUFReader"](path, mode)
-        return made[key]
-
-    def name_map(arch, n_blocks):
-        key = ("names", arch, n_blocks)
-        if key not in made:
-            made[key] = originals["get_tensor_name_map"](arch, n_blocks)
-        return made[key]
-
+    originals = gguf.GGUFReader, gguf.get_tensor_name_map
     with building():  # the patch is process-wide: no other build may see it half-way
-        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+        gguf.GGUFReader, gguf.get_tensor_name_map = map(functools.cache, originals)
         try:
             yield
         finally:
-            gguf.GGUFReader, gguf.get_tensor_name_map = originals["GGUFReader"], originals["get_tensor_name_map"]
+            gguf.GGUFReader, gguf.get_tensor_name_map = originals
 
 
 def check() -> None:
