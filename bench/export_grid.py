@@ -1,7 +1,8 @@
-"""Keep a finished sweep's results in the repository: each trial folder's JSON files (params, Tune's result lines,
-config, evaluation, layer analysis), without checkpoints, TensorBoard events or the large pruning_summary.json,
-and the importance cache's events.jsonl (which pass was computed, and in how many seconds), not its entries.
-bench/bench_search.py and `taylor-tune report` read the copy as they read the sweep's folder.
+"""Keep a sweep's results in the repository: each trial folder's JSON files (params, Tune's result lines, config,
+evaluation, layer analysis) and its per-item outcomes and perplexity windows (parquet), without checkpoints,
+TensorBoard events or the large pruning_summary.json, and the importance cache's events.jsonl (which pass was
+computed, and in how many seconds), not its entries. bench/bench_search.py, bench/bench_race.py and `taylor-tune
+report` read the copy as they read the sweep's folder. Run it again as a long sweep goes on: it copies what is new.
 
     .venv/bin/python bench/export_grid.py runs/sweeps/real_paper_grid bench/real_paper_grid
 """
@@ -13,15 +14,17 @@ import sys
 from pathlib import Path
 
 KEEP = ("params.json", "result.json", "config.json", "evaluation.json", "layer_analysis.json")
+KEEP_PATTERNS = ("outcomes_*.parquet", "ppl_windows*.parquet")
 
 
 def export(source: Path, target: Path) -> int:
     folders = sorted(p for p in source.iterdir() if (p / "params.json").is_file())
     for folder in folders:
         (target / folder.name).mkdir(parents=True, exist_ok=True)
-        for name in KEEP:
-            if (folder / name).is_file():
-                shutil.copy2(folder / name, target / folder.name / name)
+        kept = [folder / name for name in KEEP] + [p for pattern in KEEP_PATTERNS for p in folder.glob(pattern)]
+        for path in kept:
+            if path.is_file():
+                shutil.copy2(path, target / folder.name / path.name)
     events = source / "importance_cache" / "events.jsonl"
     if events.is_file():
         (target / "importance_cache").mkdir(parents=True, exist_ok=True)

@@ -255,7 +255,11 @@ def test_an_entry_found_damaged_a_second_time_is_an_error_not_a_loop(tmp_path):
 
     def other_trial():
         assert wait_for(lambda: not entry.exists(), 30)  # this trial removed the damaged entry
-        entry.write_bytes(data)
+        # written as the cache writes (a temporary file renamed into place): a plain write_bytes let this trial read
+        # the entry half-written once, under load, and fail on its header instead of on the planted damage
+        tmp = entry.with_name(f".{entry.name}.other.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, entry)
         lock.unlink()
 
     writer = threading.Thread(target=other_trial)
