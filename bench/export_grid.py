@@ -18,7 +18,8 @@ KEEP_PATTERNS = ("outcomes_*.parquet", "ppl_windows*.parquet")
 
 
 def export(source: Path, target: Path) -> int:
-    folders = sorted(p for p in source.iterdir() if (p / "params.json").is_file())
+    # finished trials only (their evaluation written): a running one's files are copied on a later run, whole
+    folders = sorted(p for p in source.iterdir() if (p / "params.json").is_file() and (p / "evaluation.json").is_file())
     for folder in folders:
         (target / folder.name).mkdir(parents=True, exist_ok=True)
         kept = [folder / name for name in KEEP] + [p for pattern in KEEP_PATTERNS for p in folder.glob(pattern)]
