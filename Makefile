@@ -11,7 +11,7 @@ DEMO_OUT ?= runs/demo
 
 setup: $(STAMP)
 
-# pip byte-compiles what it installs on one core; compileall does it on every core (~20 s less on 2 cores, measured).
+# pip byte-compiles what it installs on one core; compileall does it on every core (BENCHMARKS, ninth session).
 # A few files of the wheels are not Python 3.11 (torch's py312 test helpers): pip skips them silently, so does this.
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -54,7 +54,7 @@ lint: setup
 
 # Every tier, one pytest worker more than cores (each module on one worker, so the smoke sweep's session fixture is
 # built once): the suite waits on its Ray sweeps' subprocesses and daemons, and a third worker on 2 cores fills those
-# waits (4-10% less wall, measured twice; BENCHMARKS). The 30 slowest tests listed at the end (what dominates).
+# waits (BENCHMARKS, ninth session). The 30 slowest tests listed at the end (what dominates).
 TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
 test: lint
 	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=30

@@ -17,9 +17,8 @@ from tests.sweep_helpers import write_experiment
 
 ROOT = Path(__file__).resolve().parents[2]
 # (dtype, hidden, intermediate, layers, vocab, batch, seq_len): a vocabulary-bound shape, a layer-bound one in 16 bits
-# (a float32 shape with a 4x MLP, 512 wide, held too when written). The 16-bit shape is 1,024 tokens 512 wide: on a CPU
-# without AVX-512 torch multiplies bfloat16 matrices in a slow fallback (9.2 s for a 4096x1024 by 1024x1024 product
-# that takes 0.14 s in float32 on the project's AMD machine), and 4,096 tokens 1,024 wide ran past 300 s a stage.
+# (a float32 shape with a 4x MLP, 512 wide, held too when written). The 16-bit shape is small: on a CPU without AVX-512
+# torch multiplies bfloat16 matrices in a slow fallback; a larger one ran past the limit (BENCHMARKS, ninth session).
 SHAPES = {"vocab-bound": ("float32", 128, 512, 2, 32000, 8, 256),
           "layer-bound-bf16": ("bfloat16", 512, 512, 4, 1000, 4, 256)}
 STAGES = ("importance", "calibration_forward", "speed", "recovery", "recovery_kd")
