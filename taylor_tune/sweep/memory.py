@@ -10,7 +10,7 @@ each stage between 0.4 times the measured peak and the peak):
 - LoRA adds, per token and targeted projection, at least its dropped-out input;
 - the logits are the vocabulary-wide part: their own dtype plus float32 copies for the loss (the upcast and the
   log-softmax's gradient; distillation's for both models);
-- a forward without gradients holds one layer's transients at a time.
+- a forward without gradients holds one layer's transients at a time, or the logits after the last layer.
 The zero-shot passes are not estimated: on CUDA the prefix scorer sizes its batches from the free memory, on CPU it
 keeps 16 rows and only the continuations' logits.
 """
@@ -90,13 +90,13 @@ def importance(shape: Shape, micro_batch_size: int, seq_len: int, dtype_bytes: i
 
 
 def forward(stage: str, shape: Shape, tokens: int, dtype_bytes: int, loss_bytes: int, levers: str) -> StagePeak:
-    """A forward without gradients over `tokens` tokens: the weights, one layer's transients, and the logits with
-    `loss_bytes` more per logit where a loss is taken over them (the upcast and the log-softmax)."""
-    return StagePeak(stage, {
-        "weights": shape.params * dtype_bytes,
-        "activations": forward_pass(shape, tokens, dtype_bytes),
-        "logits": tokens * shape.vocab * (dtype_bytes + loss_bytes),
-    }, levers)
+    """A forward without gradients over `tokens` tokens: the weights, and the larger of one layer's transients and
+    the logits with `loss_bytes` more per logit where a loss is taken over them (the upcast and the log-softmax).
+    The two are not held at once: a layer's transients are freed before the head computes the logits."""
+    activations = forward_pass(shape, tokens, dtype_bytes)
+    head = tokens * shape.vocab * (dtype_bytes + loss_bytes)
+    return StagePeak(stage, {"weights": shape.params * dtype_bytes}
+                     | ({"activations": activations} if activations > head else {"logits": head}), levers)
 
 
 def calibration_forward(shape: Shape, micro_batch_size: int, seq_len: int, dtype_bytes: int) -> StagePeak:

@@ -1,6 +1,7 @@
 """Run one stage of a trial on a random LLaMA-shaped model and print what it added to the process's peak resident
 memory (bytes over the resident set just before it, the high-water mark reset there), as JSON: the measurement
-`sweep.memory`'s estimate is held to.
+`sweep.memory`'s estimate is held to. The stage runs once on a few tokens first, so that the libraries' code it
+executes is already resident and not counted as what it allocates.
 
 Run in a fresh process with MALLOC_MMAP_THRESHOLD_ fixed: glibc otherwise raises its mmap threshold after each large
 free, so later tensors come from the heap and stay resident after they are freed, and the peak would count that
@@ -33,13 +34,32 @@ def reset_peak() -> None:
         f.write("5")
 
 
-def main(stage: str, dtype: str, hidden: int, intermediate: int, layers: int, vocab: int, batch: int, seq_len: int):
-    from taylor_tune.config import RecoverySpec
+def run(stage: str, model, teacher, layout, ids: torch.Tensor) -> None:
+    from taylor_tune.config import RecoverySpec, SpeedSpec
     from taylor_tune.evaluation.speed import measure_paired
-    from taylor_tune.pruning.groups import describe_layout
     from taylor_tune.pruning.importance import compute_importance
     from taylor_tune.pruning.measured import calibration_loss
     from taylor_tune.recovery.train import recover
+
+    batch, seq_len = ids.shape
+    if stage == "importance":
+        compute_importance(model, layout, ids, micro_batch_size=batch)
+    elif stage == "calibration_forward":
+        with torch.no_grad():
+            calibration_loss(model, ids, batch)
+    elif stage == "speed":
+        unpruned = copy.deepcopy(model)  # loaded by the stage beside the (here unpruned) model it times
+        measure_paired(model, unpruned, SpeedSpec(prefill_batch=batch, prefill_len=seq_len, decode_batch=2,
+                                                  prompt_len=8, new_tokens=2, repeats=1, warmup=0))
+    else:
+        loss = stage.removeprefix("recovery_") if stage.startswith("recovery_") else "ce"
+        spec = RecoverySpec(steps=2, micro_batch_size=batch, seq_len=seq_len, warmup_steps=0, loss=loss)
+        recover(model, torch.randint(0, model.config.vocab_size, (2 * batch, seq_len)), ids[:1], spec,
+                teacher=teacher)
+
+
+def main(stage: str, dtype: str, hidden: int, intermediate: int, layers: int, vocab: int, batch: int, seq_len: int):
+    from taylor_tune.pruning.groups import describe_layout
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -50,25 +70,14 @@ def main(stage: str, dtype: str, hidden: int, intermediate: int, layers: int, vo
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     ids = torch.randint(0, vocab, (batch, seq_len))
     layout = describe_layout(model)
-    loss = stage.removeprefix("recovery_") if stage.startswith("recovery_") else "ce"
-    teacher = copy.deepcopy(model) if stage.startswith("recovery") and loss != "ce" else None
+    teacher = copy.deepcopy(model) if stage == "recovery_kd" else None
+    # the stage once on a few tokens first: the libraries' code it runs is paged in then, not counted as what the
+    # stage allocates (how much of it a first run maps depends on what the page cache holds, so it varies by run)
+    run(stage, copy.deepcopy(model), teacher, layout, ids[:1, :8])
     gc.collect()
     reset_peak()
     before = resident()
-    if stage == "importance":
-        compute_importance(model, layout, ids, micro_batch_size=batch)
-    elif stage == "calibration_forward":
-        with torch.no_grad():
-            calibration_loss(model, ids, batch)
-    elif stage == "speed":
-        from taylor_tune.config import SpeedSpec
-
-        unpruned = copy.deepcopy(model)  # loaded by the stage beside the (here unpruned) model it times
-        measure_paired(model, unpruned, SpeedSpec(prefill_batch=batch, prefill_len=seq_len, decode_batch=2,
-                                                  prompt_len=8, new_tokens=2, repeats=1, warmup=0))
-    else:
-        spec = RecoverySpec(steps=2, micro_batch_size=batch, seq_len=seq_len, warmup_steps=0, loss=loss)
-        recover(model, torch.randint(0, vocab, (2 * batch, seq_len)), ids[:1], spec, teacher=teacher)
+    run(stage, model, teacher, layout, ids)
     print(json.dumps({"added": peak() - before,
                       "params": sum(p.numel() for p in model.parameters()),
                       "layer_params": sum(layout.layer_params)}))

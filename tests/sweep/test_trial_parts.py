@@ -164,6 +164,33 @@ def test_the_unpruned_model_timed_is_the_trials_own_and_a_same_shape_trial_reads
     assert len(list((tmp_path / "sweep" / "paired_speed").glob("*.json"))) == 2
 
 
+@pytest.mark.parametrize("disturbed", [1, speed_stages.WINDOWS])
+def test_a_window_whose_speedup_is_implausible_is_timed_again_and_refused_when_every_one_is(tmp_path, monkeypatch,
+                                                                                              disturbed):
+    """A trial's own pair whose decode speedup comes out 100 times off (what a preemption in runs of milliseconds
+    gives) is timed again in the same lock; the trial reports the first plausible window, stored for a same-shape
+    trial, or, where every window is off, fails naming the speedup and the settings that lengthen the runs."""
+    windows, measure = [], speed_stages.measure_paired
+
+    def measured(*args, **kwargs):
+        pair = measure(*args, **kwargs)
+        windows.append(pair)
+        return pair | {"decode_speedup": pair["decode_speedup"] / 100} if len(windows) <= disturbed else pair
+
+    monkeypatch.setattr(speed_stages, "measure_paired", measured)
+    trial = a_trial(str(tmp_path / "sweep" / "importance_cache"), speed=SPEED, uniform=True, sparsity=0.3)
+    if disturbed == speed_stages.WINDOWS:
+        with pytest.raises(ValueError, match="decode_speedup .* in each of 3 windows.*repeats or new_tokens"):
+            run_trial(trial, tmp_path / "trial")
+        assert len(windows) == 3 and not list((tmp_path / "sweep" / "paired_speed").glob("*.json"))
+        return
+    metrics = run_trial(trial, tmp_path / "trial")
+    assert len(windows) == 2 and metrics["decode_speedup"] == windows[1]["decode_speedup"]
+    assert metrics["speed_timed_from"] <= metrics["speed_timed_to"]
+    again = run_trial(trial, tmp_path / "again")  # the same shapes: the stored (plausible) pair is read
+    assert len(windows) == 2 and again["speed_reused"] and again["decode_speedup"] == metrics["decode_speedup"]
+
+
 def test_a_measurement_is_of_the_gpu_it_ran_on_or_of_this_host(monkeypatch):
     """Speed entries are keyed by what they measured: a CUDA device's own name (each index asked by itself), or the
     CPU of this host. The CUDA query is replaced (this machine has no GPU); tests/test_gpu.py runs it for real."""
