@@ -39,6 +39,7 @@ DEFAULT_TASK_METRIC = {
     "hellaswag": "acc_norm", "arc_challenge": "acc_norm", "openbookqa": "acc_norm",
 }
 PPL_DATASETS = ("auto", "wikitext2", "wiki", "world")
+PPL_BATCH = 8  # perplexity windows a forward (evaluation.perplexity; the memory estimate's perplexity stage)
 # wiki: the real offline world's Wikipedia text (fetched); world: the synthetic world's corpus; sample: a shipped text
 BUILTIN_TEXTS = ("auto", "wiki", "sample", "world")
 TASK_DATA = ("auto", "hub", "real", "world")
@@ -400,7 +401,13 @@ class Evaluation(EvalSpec):
                        "lm-eval's first N documents"
     )
 
-    @field_validator("fidelities")
+    ppl_fidelities: tuple[int | None, ...] = Field(
+        (None,), description="perplexity window counts, cheapest first, each a pass reported to Tune (what a race on "
+                             "ppl decides after); null = every window. With item_seed the windows are a seeded "
+                             "sample, the same for every trial of a model"
+    )
+
+    @field_validator("fidelities", "ppl_fidelities")
     @classmethod
     def _fidelities(cls, value: tuple) -> tuple:
         if not value:
@@ -430,7 +437,8 @@ class Evaluation(EvalSpec):
 
     def spec(self, limit: int | None) -> EvalSpec:
         """The EvalSpec of one zero-shot pass."""
-        return EvalSpec(**self.model_dump(exclude={"fidelities", "limit", "speed", "item_seed"}), limit=limit)
+        return EvalSpec(**self.model_dump(exclude={"fidelities", "ppl_fidelities", "limit", "speed", "item_seed"}),
+                        limit=limit)
 
 
 def build_eval_spec(values: dict[str, Any]) -> EvalSpec:

@@ -106,6 +106,7 @@ def stage_seconds(metrics: dict) -> dict[str, float]:
 OUTCOME_COLUMNS = ("task", "doc_id", "acc", "acc_norm")
 # a racing sweep's state, in the experiment folder: each raced trial's last pass and every decision (JSON)
 RACE_FILE = "race.json"
+RACE_OBJECTIVES = ("acc_mean", "ppl")  # what a race compares: per-item outcomes, or perplexity windows
 # the perplexity's windows, in the trial's folder: each window's summed NLL and its predicted tokens
 PPL_WINDOWS_FILE = "ppl_windows.parquet"
 

@@ -216,7 +216,7 @@ def stage_problems(text: str) -> list[str]:
         return ["stages: no `start -> ...` chain"]
     full = TrialConfig(prune=PruneConfig(model="tiny-llama"), evaluation=Evaluation(ppl="world"),
                        recovery=RecoverySpec(evaluate_before=True))
-    expected = [re.sub(r"zero_shot_\d+", "zero_shot_N", stage.name) for stage in trial_stages(full)]
+    expected = [re.sub(r"(zero_shot|ppl)_\d+", r"\1_N", stage.name) for stage in trial_stages(full)]
     written = re.split(r"\s*->\s*", chains[0])
     return [] if written == expected else [f"stages: the README says {written}, trial_stages {expected}"]
 

@@ -10,6 +10,7 @@ duration and given back in the mode it came in.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -18,8 +19,8 @@ from pathlib import Path
 import pandas as pd
 
 from taylor_tune import schema
-from taylor_tune.config import EvalSpec
-from taylor_tune.evaluation.perplexity import check_window, perplexity
+from taylor_tune.config import PPL_BATCH, EvalSpec
+from taylor_tune.evaluation.perplexity import check_window, curve_of, perplexity, windows_of
 from taylor_tune.evaluation.requests import PassRequests, RequestCache
 from taylor_tune.evaluation.scorer import make_lm
 from taylor_tune.evaluation.zero_shot import task_results, zero_shot
@@ -47,12 +48,23 @@ class PerplexityResult:
     source: str  # the text, resolved (never auto)
     seconds: float
     window_nll: list = field(default_factory=list, compare=False, repr=False)  # each window's summed NLL
+    window_ids: list | None = field(default=None, compare=False, repr=False)  # which windows; None: 0, 1, ...
+
+    def adding(self, added: PerplexityResult) -> PerplexityResult:
+        """This pass's windows and `added`'s (other windows of the same text, window and model) as one result: the
+        perplexity over all of them, their curve in this order; the seconds are the added pass's."""
+        nll, ids = [*self.window_nll, *added.window_nll], [*self.ids(), *added.ids()]
+        tokens = len(nll) * (self.window - 1)
+        return PerplexityResult(math.exp(math.fsum(nll) / tokens), self.window, len(nll), tokens,
+                                curve_of(nll, self.window, PPL_BATCH), self.source, added.seconds, nll, ids)
+
+    def ids(self) -> list[int]:
+        return list(range(len(self.window_nll))) if self.window_ids is None else list(self.window_ids)
 
     def write_outcomes(self, folder: Path) -> Path:
         """Each window's summed NLL and its predicted tokens as `schema.PPL_WINDOWS_FILE` in `folder` (parquet),
         written whole or not at all."""
-        frame = pd.DataFrame({"window": range(len(self.window_nll)), "nll": self.window_nll,
-                              "tokens": self.window - 1})
+        frame = pd.DataFrame({"window": self.ids(), "nll": self.window_nll, "tokens": self.window - 1})
         return _write_parquet(frame, Path(folder) / schema.PPL_WINDOWS_FILE)
 
     def metrics(self) -> dict:
@@ -124,14 +136,21 @@ class Evaluator:
         self.ppl_source = None if spec.ppl is None else resolve_text(spec.ppl, model_name)  # names resolved once
         self._lm = None
 
-    def perplexity(self) -> PerplexityResult:
+    def perplexity(self, select: list[int] | None = None) -> PerplexityResult:
+        """Perplexity over the text's windows (the spec's window and max_windows), or over those `select` lists."""
         spec, source = self.spec, self.ppl_source
         start = time.perf_counter()
         with _eval_mode(self.model):
             out = perplexity(self.model, self.tokenizer, load_ppl_text(source), window=spec.ppl_window,
-                             max_windows=spec.ppl_max_windows)
+                             batch_size=PPL_BATCH, max_windows=spec.ppl_max_windows, select=select)
         return PerplexityResult(out["ppl"], out["ppl_window"], out["ppl_windows"], out["ppl_tokens"], out["ppl_curve"],
-                                source, time.perf_counter() - start, out["window_nll"])
+                                source, time.perf_counter() - start, out["window_nll"],
+                                None if select is None else out["window_ids"])
+
+    def ppl_windows(self) -> int:
+        """How many windows `perplexity` scores in all."""
+        return len(windows_of(self.tokenizer, load_ppl_text(self.ppl_source), self.spec.ppl_window,
+                              self.spec.ppl_max_windows))
 
     @property
     def lm(self):

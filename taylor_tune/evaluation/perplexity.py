@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from taylor_tune.config import PPL_BATCH
 from taylor_tune.errors import EvaluationError
 from taylor_tune.progress import bar
 
@@ -21,25 +22,40 @@ def check_window(window: int, model_config) -> None:
         raise EvaluationError(f"ppl_window: {window} is longer than the model's maximum context of {limit} tokens")
 
 
-@torch.no_grad()
-def perplexity(
-    model, tokenizer, text: str, *, window: int = 128, batch_size: int = 8, max_windows: int | None = None
-) -> dict:
-    """exp(mean token NLL) over non-overlapping windows (the first `max_windows` if given); returns ppl, window,
-    windows and tokens scored, `ppl_curve`: [windows, ppl over those first windows] after each batch (a cheaper
-    perplexity's value, for free: what a search could have stopped on), and `window_nll`: each window's summed NLL
-    over its window - 1 predicted tokens (ppl is exp of their exact sum over the tokens: two models compare paired,
-    window by window)."""
-    check_window(window, model.config)
+def windows_of(tokenizer, text: str, window: int, max_windows: int | None) -> torch.Tensor:
+    """The text's non-overlapping windows (count x window token ids), the first `max_windows` if given."""
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     count = ids.numel() // window
     if count == 0:
         raise EvaluationError(f"ppl: the text has {ids.numel()} tokens, fewer than one window of {window}")
     count = min(count, max_windows or count)
-    windows = ids[: count * window].view(count, window)
+    return ids[: count * window].view(count, window)
+
+
+def curve_of(window_nll: list[float], window: int, batch_size: int) -> list[list]:
+    """[windows, ppl over those first windows] after each batch of `batch_size` windows."""
+    ends = [*range(batch_size, len(window_nll), batch_size), len(window_nll)]
+    return [[n, math.exp(math.fsum(window_nll[:n]) / (n * (window - 1)))] for n in ends]
+
+
+@torch.no_grad()
+def perplexity(
+    model, tokenizer, text: str, *, window: int = 128, batch_size: int = PPL_BATCH, max_windows: int | None = None,
+    select: list[int] | None = None,
+) -> dict:
+    """exp(mean token NLL) over non-overlapping windows (the first `max_windows` if given; of those, the ones
+    `select` lists, in its order); returns ppl, window, windows and tokens scored, `ppl_curve`: [windows, ppl over
+    those first windows] after each batch (a cheaper perplexity's value, for free: what a search could have stopped
+    on), `window_nll`: each window's summed NLL over its window - 1 predicted tokens (ppl is exp of their exact sum
+    over the tokens: two models compare paired, window by window), and `window_ids`: which windows those are."""
+    check_window(window, model.config)
+    windows = windows_of(tokenizer, text, window, max_windows)
+    ids = list(range(len(windows))) if select is None else [int(i) for i in select]
+    if not ids or min(ids) < 0 or max(ids) >= len(windows):
+        raise EvaluationError(f"ppl: windows {ids[:5]}... are not among the text's {len(windows)}")
+    windows, count = windows[ids], len(ids)
     device = next(model.parameters()).device
     summed: list[float] = []  # each window's summed NLL (float64 over float32 token losses)
-    curve = []
     with bar(count * window, "perplexity", unit="tok", unit_scale=True) as progress:
         for start in range(0, count, batch_size):
             batch = windows[start : start + batch_size].to(device)
@@ -49,7 +65,7 @@ def perplexity(
             )
             summed += nll.double().view(len(batch), window - 1).sum(dim=1).cpu().tolist()
             progress.update(batch.numel())
-            curve.append([len(summed), math.exp(math.fsum(summed) / (len(summed) * (window - 1)))])
     scored = count * (window - 1)
     return {"ppl": math.exp(math.fsum(summed) / scored), "ppl_window": window, "ppl_windows": count,
-            "ppl_tokens": scored, "ppl_curve": curve, "window_nll": summed}
+            "ppl_tokens": scored, "ppl_curve": curve_of(summed, window, batch_size), "window_nll": summed,
+            "window_ids": ids}

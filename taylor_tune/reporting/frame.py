@@ -279,6 +279,10 @@ def _reason(row: pd.Series, tasks: tuple[str, ...]) -> str | None:
         stage = row.get("stage")
         if is_recovery_stage(stage):  # ASHA's recovery rungs: stopped before the evaluation
             return f"incomplete: stopped during recovery, before the evaluation (last stage {stage!r})"
+        raced = row.get("race") if isinstance(row.get("race"), str) else None
+        if raced and isinstance(stage, str) and stage.startswith("ppl") and _finite(row.get("ppl_windows")):
+            # a race on ppl: stopped after a perplexity pass, before the zero-shot passes
+            return f"incomplete: perplexity on {int(row['ppl_windows'])} windows, not every window ({raced})"
         return (
             f"incomplete: no finite acc_mean (last stage {stage!r})" if isinstance(stage, str) else "no finite acc_mean"
         )

@@ -41,6 +41,7 @@ from taylor_tune.config import (
 from taylor_tune.errors import ConfigError, TaylorTuneError, shown
 from taylor_tune.schema import (
     DIMENSIONS,
+    RACE_OBJECTIVES,
     RECOVERY_DIMENSIONS,
     SPEED_METRICS,
     better,
@@ -155,8 +156,9 @@ class Search(BaseModel):
         description="asha: each cheap zero-shot pass lets the best 1/reduction_factor of the trials seen there go on",
     )
     alpha: float = Field(
-        0.05, gt=0, lt=0.5, description="race: after each zero-shot pass a trial stops when a one-sided paired test on "
-                                        "the items it shares with the incumbent says it is worse at this level"
+        0.05, gt=0, lt=0.5, description="race: after each cheap zero-shot pass (perplexity pass, when the metric is "
+                                        "ppl) a trial stops when a one-sided paired test on the items (windows) it "
+                                        "shares with the incumbent says it is worse at this level"
     )
 
 
@@ -286,9 +288,9 @@ class Experiment(BaseModel):
             raise ValueError(f"search.scheduler: {self.search.scheduler} stops trials by one metric and cannot rank "
                              f"several objectives; use scheduler: none with objectives (or one metric with "
                              f"{self.search.scheduler})")
-        if self.search.scheduler == "race" and metrics != ["acc_mean"]:
-            raise ValueError(f"search.scheduler: race compares trials item by item on the zero-shot tasks, so it ranks "
-                             f"by acc_mean, not {metrics[0]}; use asha for {metrics[0]}")
+        if self.search.scheduler == "race" and metrics[0] not in RACE_OBJECTIVES:
+            raise ValueError(f"search.scheduler: race compares trials item by item (zero-shot items or perplexity "
+                             f"windows), so it ranks by acc_mean or ppl, not {metrics[0]}; use asha for {metrics[0]}")
         return self
 
     @model_validator(mode="after")
@@ -333,7 +335,11 @@ class Experiment(BaseModel):
                 "evaluation.fidelities has only one; give cheaper limits first, e.g. fidelities: [200, null]"
             )
         if self.search.scheduler == "race":
-            if len(self.evaluation.fidelities) < 2:
+            if self.metric == "ppl" and len(self.evaluation.ppl_fidelities) < 2:
+                raise ValueError("search.scheduler: race on ppl stops trials after a cheap perplexity pass, and "
+                                 "evaluation.ppl_fidelities has only one; give the blocks' window counts first, e.g. "
+                                 "ppl_fidelities: [16, 48, null]")
+            if self.metric != "ppl" and len(self.evaluation.fidelities) < 2:
                 raise ValueError("search.scheduler: race stops trials after a cheap zero-shot pass, and "
                                  "evaluation.fidelities has only one; give the blocks' sizes first, e.g. "
                                  "fidelities: [50, 150, null]")

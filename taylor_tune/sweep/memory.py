@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from taylor_tune.config import PPL_BATCH
+
 GIB = 2**30
-PERPLEXITY_BATCH = 8  # windows per forward in evaluation.perplexity
 
 
 @dataclass(frozen=True)
@@ -106,8 +107,8 @@ def calibration_forward(shape: Shape, micro_batch_size: int, seq_len: int, dtype
 
 
 def perplexity(shape: Shape, window: int, dtype_bytes: int) -> StagePeak:
-    return forward("perplexity", shape, PERPLEXITY_BATCH * window, dtype_bytes, 6,
-                   f"evaluation.ppl_window {window} ({PERPLEXITY_BATCH} windows a forward)")
+    return forward("perplexity", shape, PPL_BATCH * window, dtype_bytes, 6,
+                   f"evaluation.ppl_window {window} ({PPL_BATCH} windows a forward)")
 
 
 def speed(shape: Shape, prefill_batch: int, prefill_len: int, dtype_bytes: int, kept: float = 1.0) -> StagePeak:

@@ -27,8 +27,7 @@ import numpy as np
 import pandas as pd
 
 from taylor_tune.reporting.paired import PairedDifference, paired_difference, paired_log_ppl
-
-OBJECTIVES = ("acc_mean", "ppl")  # what a race can compare: per-item outcomes, or perplexity windows
+from taylor_tune.schema import RACE_OBJECTIVES
 
 
 def race_seed(seed: int, model: str) -> int:
@@ -112,8 +111,8 @@ class Race:
     decisions: list[Decision] = field(default_factory=list)
 
     def __post_init__(self):
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"objective: a race compares {' or '.join(OBJECTIVES)}, not {self.objective!r}")
+        if self.objective not in RACE_OBJECTIVES:
+            raise ValueError(f"objective: a race compares {' or '.join(RACE_OBJECTIVES)}, not {self.objective!r}")
         if not 0 < self.alpha < 0.5:
             raise ValueError(f"alpha must lie in (0, 0.5), got {self.alpha}")
 

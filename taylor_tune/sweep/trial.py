@@ -50,7 +50,8 @@ def trial_stages(trial: TrialConfig) -> list[Stage]:
           if recovering and trial.recovery.evaluate_before else []),
         *([Stage("recovery", recovery.recover, reports=True)] if recovering else []),
         Stage("evaluator", evaluation.start),
-        *([Stage("ppl", evaluation.perplexity, reports=True)] if trial.evaluation.ppl is not None else []),
+        *(Stage(f"ppl_{i}", evaluation.perplexity_pass(i), reports=True)
+          for i in range(len(trial.evaluation.ppl_fidelities) if trial.evaluation.ppl is not None else 0)),
         *(Stage(f"zero_shot_{i}", evaluation.zero_shot_pass(i), reports=True) for i in range(len(fidelities))),
     ]
 

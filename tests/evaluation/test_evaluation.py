@@ -138,6 +138,34 @@ def test_perplexity_equals_a_plain_loop_over_windows(window):
     assert ours["ppl"] == pytest.approx(math.exp(sum(losses) / len(losses)), rel=1e-4)
 
 
+def test_perplexity_of_chosen_windows_is_the_plain_loops_and_passes_added_together_give_the_whole_text():
+    """`select` scores the listed windows (their NLL as a plain loop over those windows computes it); two passes over
+    disjoint windows added together (`PerplexityResult.adding`) give every window's perplexity, its windows once each,
+    the curve's last point the perplexity."""
+    from taylor_tune.evaluation.evaluate import Evaluator
+
+    model, tok = load_model("tiny-llama"), load_tokenizer("tiny-llama")
+    window, select = 32, [9, 2, 7]
+    text = heldout_path().read_text()[:8000]
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    chosen = perplexity(model, tok, text, window=window, max_windows=12, select=select)
+    with torch.no_grad():
+        loop = [model(input_ids=torch.tensor([ids[w * window: (w + 1) * window]]),
+                      labels=torch.tensor([ids[w * window: (w + 1) * window]])).loss.item() * (window - 1)
+                for w in select]
+    assert chosen["window_ids"] == select and chosen["ppl_windows"] == 3
+    assert chosen["window_nll"] == pytest.approx(loop, rel=1e-5)
+    with pytest.raises(EvaluationError, match="not among the text's 12"):
+        perplexity(model, tok, text, window=window, max_windows=12, select=[12])
+
+    evaluator = Evaluator(model, tok, world_spec(ppl_window=window, ppl_max_windows=12), model_name="tiny-llama")
+    whole, first = evaluator.perplexity(), evaluator.perplexity([5, 0, 11])
+    both = first.adding(evaluator.perplexity([w for w in range(12) if w not in (5, 0, 11)]))
+    assert evaluator.ppl_windows() == whole.windows == both.windows == 12 and sorted(both.ids()) == list(range(12))
+    assert both.ppl == pytest.approx(whole.ppl, rel=1e-6) and both.tokens == whole.tokens
+    assert both.curve[-1] == [12, pytest.approx(both.ppl, rel=1e-12)] and both.ids()[:3] == [5, 0, 11]
+
+
 def test_offline_tasks_keep_lm_evals_own_definitions():
     import lm_eval.tasks.hellaswag.utils as hellaswag_utils
 

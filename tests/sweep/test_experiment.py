@@ -236,12 +236,22 @@ def test_validation_reads_no_file_and_the_sources_are_checked_as_a_step(tmp_path
      "evaluation.item_seed: race compares trials on the same seeded items"),
     (dict(search={"scheduler": "race"}, metric="ppl", mode="min",
           evaluation={**SMALL["evaluation"], "fidelities": [5, None], "ppl": "world"}),
-     "search.scheduler: race compares trials item by item on the zero-shot tasks, so it ranks by acc_mean, not ppl"),
+     "search.scheduler: race on ppl stops trials after a cheap perplexity pass, and evaluation.ppl_fidelities has "
+     "only one"),
+    (dict(search={"scheduler": "race"}, metric="acc_piqa",
+          evaluation={**SMALL["evaluation"], "fidelities": [5, None]}),
+     "search.scheduler: race compares trials item by item (zero-shot items or perplexity windows), so it ranks by "
+     "acc_mean or ppl, not acc_piqa"),
+    (dict(search={"scheduler": "race"}, metric="ppl", mode="min",
+          evaluation={**SMALL["evaluation"], "ppl": "world", "ppl_fidelities": [8, 4, None]}),
+     "evaluation.ppl_fidelities: limits must increase strictly"),
     (dict(search={"scheduler": "race", "alpha": 0.5}, evaluation={**SMALL["evaluation"], "fidelities": [5, None]}),
      "search.alpha: Input should be less than 0.5"),
 ])
-def test_a_race_needs_blocks_seeded_items_and_acc_mean(changes, message, tmp_path):
+def test_a_race_needs_blocks_seeded_items_and_acc_mean_or_ppl(changes, message, tmp_path):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_experiment(bad(tmp_path, **changes))
     load_experiment(bad(tmp_path, search={"scheduler": "race"}, evaluation={**SMALL["evaluation"],
                                                                             "fidelities": [5, None]}))
+    load_experiment(bad(tmp_path, search={"scheduler": "race"}, metric="ppl", mode="min",  # one zero-shot pass
+                        evaluation={**SMALL["evaluation"], "ppl": "world", "ppl_fidelities": [8, None]}))

@@ -4,13 +4,15 @@ resumed mid-sweep (Tune restores the scheduler as it was pickled at the start) d
 
 import json
 import pickle
+from statistics import NormalDist
 from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
+import pytest
 from ray.tune.schedulers import TrialScheduler
 
-from taylor_tune.schema import outcomes_file, zero_shot_stage
+from taylor_tune.schema import PPL_WINDOWS_FILE, outcomes_file, zero_shot_stage
 from taylor_tune.sweep.racing import Blocks, race_seed
 from taylor_tune.sweep.tune.scheduler import RaceScheduler
 from tests.sweep.test_racing import TASKS, reference, scores, worse_copy
@@ -90,3 +92,75 @@ def test_the_scheduler_stops_a_trial_when_the_written_out_test_rejects_and_resum
 
     assert race(resumed, tmp_path / "two", trials, order) == said
     assert json.loads((tmp_path / "two" / "race.json").read_text())["decisions"] == saved["decisions"]
+
+
+PPL_FIDELITIES = (8, 16, 32, None)
+PPL_EVALUATION = {"tasks": "piqa", "task_data": "world", "ppl": "world", "ppl_fidelities": list(PPL_FIDELITIES),
+                  "fidelities": [None]}
+WINDOWS = Blocks.plan({"ppl": 64}, (8, 16, 32, 33), seed=race_seed(0, "tiny-llama"))
+
+
+def ppl_pass_result(folder, nll: np.ndarray, tokens: np.ndarray, block: int) -> dict:
+    """What the trainable leaves and reports after perplexity pass `block`: every window scored so far (in the order
+    scored) in the trial's folder, then the result."""
+    ids = WINDOWS.items(block)["ppl"]
+    folder.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame({"window": ids, "nll": nll[ids], "tokens": tokens[ids]}).to_parquet(folder / PPL_WINDOWS_FILE)
+    stage = "ppl" if block == len(PPL_FIDELITIES) - 1 else f"ppl_{len(ids)}"
+    return {"ppl_pass": block, "stage": stage, "output_dir": str(folder)}
+
+
+def test_a_race_on_ppl_stops_a_trial_after_a_perplexity_pass_by_the_written_out_window_test(tmp_path):
+    """metric ppl: the scheduler decides after each perplexity pass on the windows scored so far (the seeded blocks),
+    by the paired log-perplexity difference written out here; a zero-shot result after the passes (which carries the
+    last ppl_pass) decides nothing; a scheduler restored from its start reads each trial's windows of its recorded
+    pass back, not the ones a later pass added."""
+    rng = np.random.default_rng(8)
+    tokens = rng.integers(100, 128, 64).astype(float)
+    nll = {"a": tokens * rng.normal(3.0, 0.3, 64)}
+    nll["b"] = nll["a"] + tokens * rng.normal(0.05, 0.05, 64)  # 5% worse log ppl per token, noisy: out early
+    nll["c"] = nll["a"] + tokens * rng.normal(0.0, 0.05, 64)  # ties
+    z = NormalDist().inv_cdf(1 - 0.05)
+
+    def ppl_trial(name):
+        return SimpleNamespace(trial_id=name, config={"model": "tiny-llama", "fixed": {"evaluation": PPL_EVALUATION}})
+
+    scheduler = RaceScheduler(str(tmp_path), alpha=0.05, objective="ppl")
+    for block in range(4):
+        assert scheduler.on_trial_result(None, ppl_trial("a"), ppl_pass_result(tmp_path / "a", nll["a"], tokens,
+                                                                              block)) == TrialScheduler.CONTINUE
+    said = {}
+    for block in range(4):
+        for name in ("b", "c"):
+            if said.get(name) == TrialScheduler.STOP:
+                continue
+            word = scheduler.on_trial_result(None, ppl_trial(name), ppl_pass_result(tmp_path / name, nll[name],
+                                                                                   tokens, block))
+            ids = WINDOWS.items(block)["ppl"]
+            d = nll["a"][ids] - nll[name][ids]  # incumbent minus trial: < 0 when the trial is worse
+            difference = d.sum() / tokens[ids].sum()
+            stderr = (((d - difference * tokens[ids]) ** 2).sum() * len(d) / (len(d) - 1)) ** 0.5 / tokens[ids].sum()
+            decision = scheduler.races["tiny-llama"].decisions[-1]
+            assert (decision.trial, decision.items) == (name, len(ids))
+            assert decision.difference == pytest.approx(difference, rel=1e-9)
+            assert decision.stderr == pytest.approx(stderr, rel=1e-9)
+            rejects = difference < 0 and -difference > z * stderr
+            said[name] = word
+            assert word == (TrialScheduler.STOP if rejects and block < 3 else TrialScheduler.CONTINUE), (name, block)
+    assert said == {"b": TrialScheduler.STOP, "c": TrialScheduler.CONTINUE}
+    stopped = json.loads((tmp_path / "race.json").read_text())["trials"]["b"]
+    assert stopped["stopped"] and stopped["why"].startswith(f"raced out at block {stopped['block'] + 1}, worse than a")
+    assert "in log ppl" in stopped["why"] and stopped["items"] == len(WINDOWS.items(stopped["block"])["ppl"])
+
+    decisions = len(scheduler.races["tiny-llama"].decisions)
+    zero_shot = {"ppl_pass": 3, "zero_shot_pass": 0, "stage": "zero_shot_all", "output_dir": str(tmp_path / "c")}
+    assert scheduler.on_trial_result(None, ppl_trial("c"), zero_shot) == TrialScheduler.CONTINUE
+    assert len(scheduler.races["tiny-llama"].decisions) == decisions
+
+    ppl_pass_result(tmp_path / "b", nll["b"], tokens, 3)  # b's folder now holds more windows than its recorded pass
+    restored = RaceScheduler(str(tmp_path), alpha=0.05, objective="ppl")
+    restored._load()
+    for name in "abc":
+        pd.testing.assert_frame_equal(restored.races["tiny-llama"].outcomes[name],
+                                      scheduler.races["tiny-llama"].outcomes[name])
+    assert restored.races["tiny-llama"].decisions == scheduler.races["tiny-llama"].decisions

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from taylor_tune.reporting import load_trials
-from taylor_tune.reporting.frame import read_outcomes
+from taylor_tune.reporting.frame import read_outcomes, read_ppl_windows
 from tests.sweep_helpers import analysis_rows, run_sweep_to_end, write_experiment
 
 pytestmark = pytest.mark.slow  # a Ray sweep
@@ -32,6 +32,12 @@ def written_out_test(trial: pd.Series, incumbent: pd.Series) -> tuple[float, flo
     difference = sum(d.mean() for d in per_task) / len(per_task)
     stderr = sum(d.var(ddof=1) / len(d) for d in per_task) ** 0.5 / len(per_task)
     return difference, stderr
+
+
+def stop_reasons(folder) -> dict[str, str]:
+    """The report's reason for each trial it leaves out of the statistics."""
+    table = load_trials(folder)
+    return dict(zip(table.invalid["trial_id"], table.invalid["reason"]))
 
 
 def test_a_raced_grid_stops_trials_by_a_paired_test_and_its_best_is_scored_on_every_item(tmp_path):
@@ -76,9 +82,54 @@ def test_a_raced_grid_stops_trials_by_a_paired_test_and_its_best_is_scored_on_ev
     assert len(scores(best["output_dir"], "zero_shot_all")) == 3 * 200
 
     # the report says why each stopped trial stopped, on how many items
-    table = load_trials(folder)
-    reasons = dict(zip(table.invalid["trial_id"], table.invalid["reason"]))
+    reasons = stop_reasons(folder)
     assert set(reasons) == set(stopped)
     for tid, row in stopped.items():
         assert reasons[tid].startswith(f"incomplete: evaluated on {int(row['fidelity'])} items per task")
         assert "raced out at block" in reasons[tid] and ", paired" in reasons[tid]
+
+
+def test_a_grid_raced_on_ppl_stops_trials_after_a_perplexity_pass_and_its_best_scores_every_window(tmp_path):
+    """metric ppl: the race decides after each perplexity pass (seeded windows), each stop checked against the paired
+    log-perplexity test written out here on the windows the trials left; a stopped trial never reaches its zero-shot
+    pass; the best is scored on every window; the report says why each stopped."""
+    experiment = write_experiment(
+        tmp_path, "ppl-race", metric="ppl", mode="min",
+        search_space={"taylor_seq_len": {"grid": [16, 32, 48]}, "taylor_num_samples": {"grid": [8]},
+                      "pruning_method": {"grid": ["taylor", "blockwise"]}},
+        search={"algorithm": "grid", "scheduler": "race", "alpha": ALPHA, "max_concurrent": 1},
+        evaluation={"tasks": "piqa", "task_data": "world", "ppl": "world", "ppl_window": 32, "ppl_max_windows": 48,
+                    "ppl_fidelities": [6, 16, None], "batch_size": 16, "fidelities": [20], "speed": None},
+    )
+    run_sweep_to_end(experiment)
+    folder = tmp_path / "sweeps" / "ppl-race"
+    rows = {r["trial_id"]: r for r in analysis_rows(folder)}
+    race = json.loads((folder / "race.json").read_text())
+    assert len(rows) == 6 and set(race["trials"]) == set(rows) and race["objective"] == "ppl"
+
+    stopped = {tid: r for tid, r in rows.items() if race["trials"][tid]["stopped"]}
+    assert stopped, "a race at alpha 0.45 over six trials stops some"
+    z = NormalDist().inv_cdf(1 - ALPHA)
+    for tid, row in stopped.items():
+        assert row["stage"].startswith("ppl_") and pd.isna(row.get("acc_mean"))  # out before its zero-shot pass
+        decision = next(d for d in reversed(race["decisions"]["tiny-llama"]) if d["trial"] == tid)
+        assert not decision["go_on"] and decision["block"] == row["ppl_pass"]
+        mine = read_ppl_windows(row["output_dir"])
+        theirs = read_ppl_windows(rows[decision["incumbent"]]["output_dir"]).loc[mine.index]
+        d = theirs["nll"] - mine["nll"]  # incumbent minus trial: < 0 when the trial is worse
+        difference = d.sum() / mine["tokens"].sum()
+        stderr = (((d - difference * mine["tokens"]) ** 2).sum() * len(d) / (len(d) - 1)) ** 0.5 / mine["tokens"].sum()
+        assert len(mine) == row["ppl_windows"] < 48 and difference < 0 and difference + z * stderr < 0
+        assert decision["difference"] == pytest.approx(difference, abs=1e-12)
+        assert decision["stderr"] == pytest.approx(stderr, abs=1e-12)
+
+    finished = [r for tid, r in rows.items() if tid not in stopped]
+    best = min(finished, key=lambda r: r["ppl"])
+    assert best["ppl_windows"] == 48 and best["stage"] == "zero_shot_20"
+    assert len(read_ppl_windows(best["output_dir"])) == 48
+
+    reasons = stop_reasons(folder)
+    assert set(reasons) == set(stopped)
+    for tid, row in stopped.items():
+        assert reasons[tid].startswith(f"incomplete: perplexity on {int(row['ppl_windows'])} windows, not every window")
+        assert "raced out at block" in reasons[tid] and "in log ppl, paired" in reasons[tid]

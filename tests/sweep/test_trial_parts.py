@@ -3,6 +3,7 @@ analysis (from the pruned model's own shapes), the unpruned model it times (load
 measurement per resolved dtype), and the machine a measurement is of."""
 
 import json
+import math
 import time
 
 import pytest
@@ -251,3 +252,42 @@ def test_on_a_gpu_the_trials_peak_is_taken_before_the_unpruned_model_joins_and_c
     assert measured["speed_reused"] is False and measured["speed_pairs"] == 1
     run.evaluator = evaluator(run)
     assert zero_shot_pass(0)(run)["peak_gpu_memory_bytes"] == 700  # the larger span: the pruning's
+
+
+def test_perplexity_passes_score_the_models_seeded_windows_once_each_and_end_at_the_whole_texts(tmp_path,
+                                                                                                monkeypatch):
+    """ppl_fidelities [2, 4, null]: three passes, each reported with its index; the first scores the first 2 windows
+    of the model's seeded order (racing.Blocks, as a race's blocks), each later one only the windows it adds; the
+    last reports the perplexity of every window, as one pass over the text does, and leaves every window's NLL."""
+    from taylor_tune.evaluation.evaluate import Evaluator
+    from taylor_tune.reporting.frame import read_ppl_windows
+    from taylor_tune.sweep.racing import Blocks, race_seed
+
+    scored, perplexity = [], Evaluator.perplexity
+    monkeypatch.setattr(Evaluator, "perplexity", lambda self, select=None: scored.append(select) or perplexity(
+        self, select))
+
+    def trial(**evaluation) -> TrialConfig:
+        return TrialConfig(
+            prune=PruneConfig(model="tiny-llama-random", method="taylor", seq_len=16, num_samples=4,
+                              calibration="world", device="cpu", sparsity=0.3),
+            evaluation=Evaluation(tasks="piqa", task_data="world", ppl="world", ppl_window=32, ppl_max_windows=12,
+                                  batch_size=8, fidelities=[2], speed=None, **evaluation),
+            sample_counts=(4,), cache_dir=None)
+
+    reports = []
+    passes = run_trial(trial(ppl_fidelities=[2, 4, None]), tmp_path / "passes", report=reports.append)
+    ppl = [r for r in reports if r["stage"].startswith("ppl")]
+    assert [(r["stage"], r["ppl_pass"], r["ppl_windows"]) for r in ppl] == [("ppl_2", 0, 2), ("ppl_4", 1, 4),
+                                                                            ("ppl", 2, 12)]
+    order = Blocks.plan({"ppl": 12}, (2, 4, 5), race_seed(0, "tiny-llama-random")).order["ppl"]
+    assert scored[0] == list(order[:2]) and scored[1] == list(order[2:4])
+    assert sorted(scored[2]) == sorted(order[4:])  # the rest, once each
+    windows = read_ppl_windows(str(tmp_path / "passes"))
+    assert list(windows.index) == list(order[:4]) + scored[2] and windows["tokens"].eq(31).all()
+
+    scored.clear()
+    once = run_trial(trial(), tmp_path / "once")
+    assert scored == [None] and once["ppl_pass"] == 0
+    assert passes["ppl"] == pytest.approx(once["ppl"], rel=1e-6)
+    assert ppl[0]["ppl"] == pytest.approx(math.exp(windows["nll"].iloc[:2].sum() / 62), rel=1e-12)

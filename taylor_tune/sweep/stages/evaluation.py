@@ -67,10 +67,41 @@ def start(run: TrialRun) -> dict:
     return {}
 
 
-def perplexity(run: TrialRun) -> dict:
-    result = run.evaluator.perplexity()
-    result.write_outcomes(run.trial_dir)  # each window's NLL, before the report
-    return result.metrics() | {"stage": "ppl"}
+def pass_windows(run: TrialRun, index: int) -> list[int] | None:
+    """The windows the index-th perplexity pass scores (`evaluation.ppl_fidelities`): with `item_seed`, the first N
+    of the text's windows in the model's seeded order (the same windows for every trial of the model, each pass's a
+    superset of the one before); without, the first N; None for every window (a null fidelity)."""
+    evaluation = run.trial.evaluation
+    fidelities = evaluation.ppl_fidelities
+    if fidelities[index] is None:
+        return None
+    if run.windows is None:
+        limits = [limit for limit in fidelities if limit is not None]
+        count, seed = run.evaluator.ppl_windows(), evaluation.item_seed
+        run.windows = Blocks.plan({"ppl": count}, (*limits, limits[-1] + 1),
+                                  race_seed(seed, run.config.model)) if seed is not None else \
+            Blocks({"ppl": tuple(range(count))}, (*limits, limits[-1] + 1))
+    return run.windows.items(index)["ppl"]
+
+
+def perplexity_pass(index: int) -> Callable[[TrialRun], dict]:
+    """The perplexity pass at the index-th of `ppl_fidelities`: it writes every window scored so far (before its
+    report) and reports the perplexity over them, scoring only the windows the pass before lacked."""
+
+    def perplexity(run: TrialRun) -> dict:
+        windows = pass_windows(run, index)
+        if run.ppl is None:
+            result = run.evaluator.perplexity(windows)
+        else:
+            done = set(run.ppl.ids())
+            added = [w for w in (windows or range(run.evaluator.ppl_windows())) if w not in done]
+            result = run.ppl.adding(run.evaluator.perplexity(added)) if added else run.ppl
+        run.ppl = result
+        result.write_outcomes(run.trial_dir)  # each window's NLL, before the report
+        last = index == len(run.trial.evaluation.ppl_fidelities) - 1
+        return result.metrics() | {"stage": "ppl" if last else f"ppl_{len(result.window_nll)}", "ppl_pass": index}
+
+    return perplexity
 
 
 def zero_shot_pass(index: int) -> Callable[[TrialRun], dict]:

@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from taylor_tune.config import Evaluation, PruneConfig, RecoverySpec
-from taylor_tune.evaluation.evaluate import Evaluator, ZeroShotResult
+from taylor_tune.evaluation.evaluate import Evaluator, PerplexityResult, ZeroShotResult
 from taylor_tune.jsonio import json_safe
 from taylor_tune.pruning.prune import Pruning
 from taylor_tune.sweep.racing import Blocks
@@ -56,6 +56,8 @@ class TrialRun:
     evaluator: Evaluator | None = None
     blocks: Blocks | None = None  # the seeded items of the zero-shot passes (`evaluation.pass_items`), drawn once
     shots: ZeroShotResult | None = None  # the last zero-shot pass: the items the next one adds to
+    windows: Blocks | None = None  # the perplexity passes' windows (`evaluation.pass_windows`), drawn once
+    ppl: PerplexityResult | None = None  # the last perplexity pass: the windows the next one adds to
     report: Callable[[dict], None] = lambda metrics: None  # what Tune hears (run_trial's `report`)
     on_gpu: bool = False
 

@@ -151,7 +151,7 @@ def _fit(experiment: Experiment, verbose: bool):
                 reduction_factor=experiment.search.reduction_factor,
             )
         elif experiment.search.scheduler == "race":
-            scheduler = RaceScheduler(path, alpha=experiment.search.alpha)
+            scheduler = RaceScheduler(path, alpha=experiment.search.alpha, objective=experiment.metric)
         cache_dir = f"{path}/importance_cache"
         if experiment.search.algorithm == "grid":
             search_alg, num_samples, space = None, 1, param_space(experiment, cache_dir=cache_dir)

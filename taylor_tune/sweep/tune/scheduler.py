@@ -35,11 +35,12 @@ import pandas as pd
 from ray.tune.schedulers import AsyncHyperBandScheduler, FIFOScheduler, TrialScheduler
 
 from taylor_tune.config import Evaluation
-from taylor_tune.reporting.frame import open_filesystem, read_outcomes
+from taylor_tune.reporting.frame import open_filesystem, read_outcomes, read_ppl_windows
 from taylor_tune.schema import RACE_FILE, is_recovery_stage
 from taylor_tune.sweep.racing import Decision, Race
 
 PASS = "zero_shot_pass"
+PPL_PASS = "ppl_pass"
 POINT = "recovery_point"
 LOSS = "recovery_heldout_loss"
 TIME = "zero_shot_rung_t"
@@ -84,13 +85,15 @@ def item_scores(outcomes: pd.DataFrame, metrics: dict[str, str]) -> pd.Series:
 
 
 class RaceScheduler(FIFOScheduler):
-    """One `racing.Race` per model; stops a trial after a zero-shot pass that its race says it lost. `location`: the
-    experiment folder (local path or URI), where the trials' folders and race.json live."""
+    """One `racing.Race` per model; stops a trial after a pass that its race says it lost: a zero-shot pass when the
+    objective is acc_mean, a perplexity pass (its windows, `evaluation.ppl_fidelities`) when it is ppl. `location`:
+    the experiment folder (local path or URI), where the trials' folders and race.json live."""
 
-    def __init__(self, location: str, alpha: float = 0.05):
+    def __init__(self, location: str, alpha: float = 0.05, objective: str = "acc_mean"):
         super().__init__()
         self._supports_buffered_results = False  # a decision after every pass, not after a batch of them
-        self.location, self.alpha = location, alpha
+        self.location, self.alpha, self.objective = location, alpha, objective
+        self.key = PASS if objective == "acc_mean" else PPL_PASS
         self.races: dict[str, Race] = {}
         self.trials: dict[str, dict] = {}  # trial id -> model, block, stage, folder, metrics, final: race.json's
         self.loaded = False
@@ -108,20 +111,22 @@ class RaceScheduler(FIFOScheduler):
         except (OSError, FileNotFoundError, ValueError):
             return  # a new sweep (or a state we cannot read: the race starts again from the next results)
         for trial_id, entry in saved.get("trials", {}).items():
-            outcomes = read_outcomes(entry["folder"], entry["stage"], filesystem)
+            outcomes = self._outcomes(entry["folder"], entry["stage"], entry["metrics"], filesystem)
             if outcomes is None:
                 continue
-            race = self.races.setdefault(entry["model"], Race(self.alpha))
-            race.outcomes[trial_id] = item_scores(outcomes, entry["metrics"])
+            if self.objective == "ppl":  # the file has every window scored since: those of the recorded pass come first
+                outcomes = outcomes.iloc[: entry["items"]]
+            race = self.races.setdefault(entry["model"], Race(self.alpha, self.objective))
+            race.outcomes[trial_id] = outcomes
             race.blocks[trial_id] = entry["block"]
             self.trials[trial_id] = entry
         for model, decisions in saved.get("decisions", {}).items():
-            race = self.races.setdefault(model, Race(self.alpha))
+            race = self.races.setdefault(model, Race(self.alpha, self.objective))
             race.decisions = [Decision(**d) for d in decisions]
 
     def _save(self) -> None:
         filesystem, root = self._filesystem()
-        state = {"alpha": self.alpha, "trials": self.trials,
+        state = {"alpha": self.alpha, "objective": self.objective, "trials": self.trials,
                  "decisions": {model: [dataclasses.asdict(d) for d in race.decisions]
                                for model, race in self.races.items()}}
         path = posixpath.join(root, RACE_FILE)
@@ -129,29 +134,39 @@ class RaceScheduler(FIFOScheduler):
             stream.write(json.dumps(state, indent=1).encode())
         filesystem.move(path + ".tmp", path)  # whole or not at all
 
+    def _outcomes(self, folder: str, stage: str, metrics: dict, filesystem) -> pd.Series | pd.DataFrame | None:
+        """What the race compares: each item's score (acc_mean), or each window's NLL and tokens (ppl)."""
+        if self.objective == "ppl":
+            return read_ppl_windows(folder, filesystem)
+        outcomes = read_outcomes(folder, stage, filesystem)
+        return None if outcomes is None else item_scores(outcomes, metrics)
+
     def on_trial_result(self, tune_controller, trial, result: dict) -> str:
-        if PASS not in result:
+        # a race on ppl decides after each perplexity pass only (the zero-shot passes' results carry its last index)
+        if self.key not in result or (self.objective == "ppl" and not str(result.get("stage")).startswith("ppl")):
             return TrialScheduler.CONTINUE
         if not self.loaded:
             self._load()
         filesystem, _ = self._filesystem()
-        outcomes = read_outcomes(result["output_dir"], result["stage"], filesystem)
-        if outcomes is None:  # nothing to compare on (cannot happen with the trainable): never stop blind
-            return TrialScheduler.CONTINUE
         evaluation = Evaluation.stored(trial.config["fixed"]["evaluation"])
         metrics = {task: evaluation.metric(task) for task in evaluation.tasks}
-        model, block = trial.config["model"], result[PASS]
-        race = self.races.setdefault(model, Race(self.alpha))
-        decision = race.record(trial.trial_id, block, item_scores(outcomes, metrics))
-        final = block == len(evaluation.fidelities) - 1  # the last pass ends the trial: recorded, never "raced out"
+        outcomes = self._outcomes(result["output_dir"], result["stage"], metrics, filesystem)
+        if outcomes is None:  # nothing to compare on (cannot happen with the trainable): never stop blind
+            return TrialScheduler.CONTINUE
+        model, block = trial.config["model"], result[self.key]
+        race = self.races.setdefault(model, Race(self.alpha, self.objective))
+        decision = race.record(trial.trial_id, block, outcomes)
+        passes = evaluation.fidelities if self.objective == "acc_mean" else evaluation.ppl_fidelities
+        final = block == len(passes) - 1  # the last pass ends the race for the trial: recorded, never "raced out"
         self.trials[trial.trial_id] = {"model": model, "block": block, "stage": result["stage"],
-                                       "folder": result["output_dir"], "metrics": metrics, "final": final,
-                                       "stopped": not (decision.go_on or final),
-                                       "why": decision.says()}  # the report's line for a trial stopped here
+                                       "folder": result["output_dir"], "metrics": metrics, "items": len(outcomes),
+                                       "final": final, "stopped": not (decision.go_on or final),
+                                       "why": decision.says(self.objective)}  # the report's line for a stopped trial
         self._save()
         return TrialScheduler.STOP if self.trials[trial.trial_id]["stopped"] else TrialScheduler.CONTINUE
 
     def debug_string(self) -> str:
         stopped = sum(entry["stopped"] for entry in self.trials.values())
-        return f"RaceScheduler: alpha {self.alpha}, {len(self.trials)} trials raced, {stopped} stopped"
+        return (f"RaceScheduler: {self.objective} at alpha {self.alpha}, {len(self.trials)} trials raced, {stopped} "
+                "stopped")
 

@@ -16,7 +16,7 @@ from ray import tune
 
 from taylor_tune.compat.ray import trial_storage
 from taylor_tune.config import Evaluation, PruneConfig, recovery_of
-from taylor_tune.schema import DIMENSIONS, outcomes_file, zero_shot_stage
+from taylor_tune.schema import DIMENSIONS, PPL_WINDOWS_FILE, outcomes_file, zero_shot_stage
 from taylor_tune.sweep.trial import FINISHED_ARTIFACTS, TrialConfig, completed_metrics, run_trial
 from taylor_tune.sweep.tune.metrics import TrialMetrics
 
@@ -110,8 +110,11 @@ def sweep_trainable(config: dict) -> None:
 
     def report(metrics: dict) -> None:
         emit.observe(metrics)
-        if "zero_shot_pass" in metrics:  # in storage before the report: what a racing scheduler compares
-            name = outcomes_file(metrics["stage"])
+        # in storage before the report: what a racing scheduler compares (a pass's items, or the windows so far)
+        stage = str(metrics.get("stage"))
+        name = outcomes_file(stage) if "zero_shot_pass" in metrics else \
+            PPL_WINDOWS_FILE if stage.startswith("ppl") and "ppl_pass" in metrics else None
+        if name is not None:
             fs.copy_files(str(working / name), f"{storage.trial_fs_path}/{name}",
                           destination_filesystem=storage.storage_filesystem)
         if metrics.get("stage") != final_stage:
