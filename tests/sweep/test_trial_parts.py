@@ -126,6 +126,25 @@ def test_a_trials_layer_analysis_is_what_its_pruned_model_kept(tmp_path):
     assert "peak_gpu_memory_bytes" not in metrics  # a CPU trial claims no GPU memory
 
 
+def test_a_trial_recorded_before_ppl_fidelities_existed_is_found_finished_and_one_with_passes_reads_back(tmp_path):
+    """One perplexity pass over every window (the default) is left out of config.json, so that a finished trial of a
+    sweep from before `ppl_fidelities` (whose record lacks it) is found finished on resume; passes are recorded and
+    read back."""
+    from taylor_tune.jsonio import write_json
+
+    trial = a_trial(str(tmp_path / "cache"))
+    old = {**trial.record(), "evaluation": {k: v for k, v in trial.record()["evaluation"].items()
+                                            if k != "ppl_fidelities"}}
+    assert old == trial.record()
+    write_json(tmp_path / "config.json", old)
+    final = {"stage": schema.zero_shot_stage(trial.evaluation.fidelities[-1]), "acc_mean": 0.5}
+    write_json(tmp_path / "evaluation.json", final | {"tasks": ["piqa"], "limit": 2})
+    assert completed_metrics(tmp_path, trial) == final
+    passes = trial.model_copy(update={"evaluation": trial.evaluation.model_copy(update={"ppl_fidelities": (4, None)})})
+    assert passes.record()["evaluation"]["ppl_fidelities"] == [4, None]
+    assert TrialConfig.from_record(passes.record()) == passes and completed_metrics(tmp_path, passes) is None
+
+
 def test_the_unpruned_model_timed_is_the_trials_own_and_a_same_shape_trial_reads_the_pair(tmp_path, monkeypatch):
     """The unpruned model a trial's speedups are timed against: loaded exactly as the trial loads the model it prunes
     (device, dtype, remote code, seed), in that dtype (its weight bytes), and timed in the trial's own window after

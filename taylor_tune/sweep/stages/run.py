@@ -27,12 +27,13 @@ class TrialConfig(BaseModel):
     recovery: RecoverySpec | None = None  # LoRA recovery between pruning and evaluation (None: off)
 
     def record(self) -> dict:
-        """The trial's config.json: every field, but `recovery` only when set and the evaluation's `item_seed` only
-        when not null (so that the record of a trial without either is what it was before they existed, and a
-        finished trial of an older sweep is found finished)."""
+        """The trial's config.json: every field, but `recovery` only when set, the evaluation's `item_seed` only
+        when not null and its `ppl_fidelities` only when not the one pass over every window (so that the record of a
+        trial without them is what it was before they existed, and a finished trial of an older sweep is found
+        finished)."""
         exclude: dict = {"recovery": True} if self.recovery is None else {}
-        if self.evaluation.item_seed is None:
-            exclude["evaluation"] = {"item_seed"}
+        exclude["evaluation"] = ({"item_seed"} if self.evaluation.item_seed is None else set()) | (
+            {"ppl_fidelities"} if self.evaluation.ppl_fidelities == (None,) else set())
         return json.loads(json.dumps(json_safe(self.model_dump(exclude=exclude))))
 
     @classmethod
