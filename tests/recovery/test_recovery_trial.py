@@ -124,7 +124,7 @@ def test_a_recovery_stage_reports_the_losses_of_the_models_it_trains_and_the_eva
     assert [r["recovery_step"] for r in reports[1:3]] == [2, 4]
     assert [s.name for s in trial_module.trial_stages(a_tiny_trial(spec))] == [
         "start", "load", "score", "plan", "apply", "pruned", "before_recovery", "recovery",
-        "evaluator", "ppl", "zero_shot_0"]  # evaluated before, recovered, evaluated after
+        "evaluator", "ppl_0", "zero_shot_0"]  # evaluated before, recovered, evaluated after
     assert json.loads((tmp_path / "r" / "config.json").read_text())["recovery"] == spec.model_dump(mode="json")
     settings = spec.model_dump()  # the recovery's settings are columns of its row, as a search varies them
     assert {c: recovered[c] for c in schema.RECOVERY_DIMENSIONS} == {

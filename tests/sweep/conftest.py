@@ -72,9 +72,9 @@ def smoke(tmp_path_factory):
                         f"--dashboard-agent-listen-port={agent}",
                         f"--temp-dir={temp}", "--disable-usage-stats"],
                        check=True, env=ray_env, capture_output=True, timeout=120)
-        # the driver holds its last values long enough for the metrics agent to export them (4 s fell short once
-        # under load; a cluster's default is 12)
-        runtime_env = json.dumps({"env_vars": {"TAYLOR_TUNE_METRICS_FLUSH_S": "8"}})
+        # the driver holds its last values long enough for the metrics agent to export them: a cluster's default
+        # (4 s fell short once under load, 8 s once beside other work: Ray exports every 10 s)
+        runtime_env = json.dumps({"env_vars": {"TAYLOR_TUNE_METRICS_FLUSH_S": "12"}})
         job = submit_job([str(bin_dir / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{dashboard}",
                           "--runtime-env-json", runtime_env, "--", str(bin_dir / "taylor-tune"), "sweep",
                           str(REPO / "experiments" / "smoke.yaml"), "--storage", str(storage)],

@@ -10,7 +10,7 @@ from taylor_tune.pruning import scoring
 from taylor_tune.sweep import trial as trial_module
 from taylor_tune.sweep.trial import Stage, TrialConfig, run_trial
 
-EXPECTED = ["start", "load", "score", "plan", "apply", "pruned", "speed", "evaluator", "ppl", "zero_shot_0",
+EXPECTED = ["start", "load", "score", "plan", "apply", "pruned", "speed", "evaluator", "ppl_0", "zero_shot_0",
             "zero_shot_1"]
 
 
