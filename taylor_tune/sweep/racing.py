@@ -107,7 +107,6 @@ class Race:
     alpha: float = 0.05
     objective: str = "acc_mean"
     outcomes: dict[str, pd.Series | pd.DataFrame] = field(default_factory=dict)  # trial -> its items so far
-    blocks: dict[str, int] = field(default_factory=dict)  # trial -> its last block scored
     decisions: list[Decision] = field(default_factory=list)
 
     def __post_init__(self):
@@ -155,7 +154,6 @@ class Race:
         """The trial's items after `block` (all of them so far: acc_mean's 0/1 outcomes indexed by (task, doc_id), or
         perplexity's windows with nll and tokens); returns whether it goes on."""
         self.outcomes[trial] = outcomes
-        self.blocks[trial] = block
         leader = self.incumbent()
         if leader == trial:
             decision = Decision(trial, block, self._size(trial), True, None)

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from taylor_tune.sweep.racing import Blocks, Race, race_seed
+from taylor_tune.sweep.racing import Blocks, Decision, Race, race_seed
 
 TASKS = {"boolq": 300, "piqa": 250, "arc_easy": 200}
 SIZES = (20, 50, 100, 300)
@@ -211,3 +211,39 @@ def test_the_order_is_the_models_own_and_stable():
     assert len({race_seed(0, "smollm2-135m"), race_seed(0, "qwen2.5-0.5b"), race_seed(1, "smollm2-135m")}) == 3
     with pytest.raises(ValueError, match="objective: a race compares acc_mean or ppl"):
         Race(objective="decode_speedup")
+
+
+def test_the_order_seed_blocks_and_level_are_what_they_are_written_to_be():
+    """The items' seed is the first 8 bytes of sha256("seed:model"), little-endian (written out); a block of one item
+    is a block; there is no block past the last; the level lies strictly between 0 and 0.5."""
+    import hashlib
+
+    assert race_seed(3, "tiny-llama") == int.from_bytes(hashlib.sha256(b"3:tiny-llama").digest()[:8], "little")
+    blocks = Blocks.plan({"piqa": 5}, (1, 3), seed=0)
+    assert [len(blocks.items(b)["piqa"]) for b in range(2)] == [1, 5]
+    with pytest.raises(IndexError, match="block 2 of 2"):
+        blocks.items(2)
+    for alpha in (0.0, 0.5, 0.7):
+        with pytest.raises(ValueError, match="alpha must lie in"):
+            Race(alpha=alpha)
+
+
+def test_the_incumbent_is_best_by_the_mean_of_task_means_and_each_decision_says_why():
+    """Two trials on the same items: a is better in the mean of its task means (piqa 1.0, boolq 0.25: 0.625) and worse
+    in the mean over all items (6/10 against b's 7/10: boolq has more items), so a leads. The leader's decision names
+    it with its items; the lines the report prints, for acc_mean (the default) and for ppl, written out."""
+    index = pd.MultiIndex.from_tuples([("piqa", d) for d in range(2)] + [("boolq", d) for d in range(8)])
+    a = pd.Series([1, 1, 1, 1, 0, 0, 0, 0, 0, 0], index=index, dtype=float)
+    b = pd.Series([0, 0, 1, 1, 1, 1, 1, 1, 1, 0], index=index, dtype=float)
+    assert a.mean() < b.mean() and (1.0 + 0.25) / 2 > (0.0 + 6 / 8) / 2  # the two means disagree
+    race = Race()
+    first = race.record("b", 0, b)
+    assert (first.trial, first.items, first.incumbent, first.go_on) == ("b", 10, None, True)
+    assert first.says() == "leads after block 1 (10 items)"
+    race.record("a", 0, a)
+    assert race.incumbent() == "a"
+    went_on = Decision("c", 1, 10, True, "a", -0.0123, 0.0456)
+    assert went_on.says() == "went on after block 2: 0.012 ± 0.046 from a, paired, not separated"
+    assert went_on.says("ppl") == "went on after block 2: 0.012 ± 0.046 in log ppl from a, paired, not separated"
+    out = Decision("c", 0, 10, False, "a", -0.031, 0.009)
+    assert out.says() == "raced out at block 1, worse than a by 0.031 ± 0.009, paired"

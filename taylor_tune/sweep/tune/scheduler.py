@@ -118,7 +118,6 @@ class RaceScheduler(FIFOScheduler):
                 outcomes = outcomes.iloc[: entry["items"]]
             race = self.races.setdefault(entry["model"], Race(self.alpha, self.objective))
             race.outcomes[trial_id] = outcomes
-            race.blocks[trial_id] = entry["block"]
             self.trials[trial_id] = entry
         for model, decisions in saved.get("decisions", {}).items():
             race = self.races.setdefault(model, Race(self.alpha, self.objective))
