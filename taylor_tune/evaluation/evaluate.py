@@ -144,8 +144,7 @@ class Evaluator:
             out = perplexity(self.model, self.tokenizer, load_ppl_text(source), window=spec.ppl_window,
                              batch_size=PPL_BATCH, max_windows=spec.ppl_max_windows, select=select)
         return PerplexityResult(out["ppl"], out["ppl_window"], out["ppl_windows"], out["ppl_tokens"], out["ppl_curve"],
-                                source, time.perf_counter() - start, out["window_nll"],
-                                None if select is None else out["window_ids"])
+                                source, time.perf_counter() - start, out["window_nll"], out["window_ids"])
 
     def ppl_windows(self) -> int:
         """How many windows `perplexity` scores in all."""

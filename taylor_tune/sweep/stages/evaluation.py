@@ -47,17 +47,26 @@ def evaluate_before_recovery(run: TrialRun) -> dict:
         schema.seconds_key("before_recovery"): time.perf_counter() - start}
 
 
+def pass_blocks(fidelities: tuple[int | None, ...], sizes: dict[str, int], seed: int | None) -> Blocks:
+    """The blocks of passes at `fidelities` (counts, cheapest first; null = every item) over items of these `sizes`:
+    in the model's seeded order (`racing.Blocks`), or in their own order (seed None); a last block of every item, as
+    a plan ends."""
+    limits = [limit for limit in fidelities if limit is not None]
+    cuts = (*limits, limits[-1] + 1)
+    if seed is None:
+        return Blocks({name: tuple(range(count)) for name, count in sorted(sizes.items())}, cuts)
+    return Blocks.plan(sizes, cuts, seed)
+
+
 def pass_items(run: TrialRun, scorer: Evaluator, index: int) -> dict[str, list[int]] | None:
     """The items the index-th zero-shot pass scores: with `item_seed`, the first N of each task in the model's seeded
-    order (`racing.Blocks`: the same items for every trial of the model, each pass's a superset of the one before);
+    order (`pass_blocks`: the same items for every trial of the model, each pass's a superset of the one before);
     None for lm-eval's first N documents (item_seed null) or every item (a null fidelity)."""
     evaluation = run.trial.evaluation
     if evaluation.item_seed is None or evaluation.fidelities[index] is None:
         return None
     if run.blocks is None:
-        limits = [limit for limit in evaluation.fidelities if limit is not None]
-        sizes = task_sizes(tuple(evaluation.tasks), scorer.task_data)
-        run.blocks = Blocks.plan(sizes, (*limits, limits[-1] + 1),  # a last block of every item, as a plan ends
+        run.blocks = pass_blocks(evaluation.fidelities, task_sizes(tuple(evaluation.tasks), scorer.task_data),
                                  race_seed(evaluation.item_seed, run.config.model))
     return run.blocks.items(index)
 
@@ -69,18 +78,15 @@ def start(run: TrialRun) -> dict:
 
 def pass_windows(run: TrialRun, index: int) -> list[int] | None:
     """The windows the index-th perplexity pass scores (`evaluation.ppl_fidelities`): with `item_seed`, the first N
-    of the text's windows in the model's seeded order (the same windows for every trial of the model, each pass's a
-    superset of the one before); without, the first N; None for every window (a null fidelity)."""
+    of the text's windows in the model's seeded order (`pass_blocks`: the same windows for every trial of the model,
+    each pass's a superset of the one before); without, the first N; a null fidelity, every window. None for the one
+    pass over every window."""
     evaluation = run.trial.evaluation
-    fidelities = evaluation.ppl_fidelities
-    if fidelities[index] is None:
+    if evaluation.ppl_fidelities == (None,):
         return None
     if run.windows is None:
-        limits = [limit for limit in fidelities if limit is not None]
-        count, seed = run.evaluator.ppl_windows(), evaluation.item_seed
-        run.windows = Blocks.plan({"ppl": count}, (*limits, limits[-1] + 1),
-                                  race_seed(seed, run.config.model)) if seed is not None else \
-            Blocks({"ppl": tuple(range(count))}, (*limits, limits[-1] + 1))
+        seed = None if evaluation.item_seed is None else race_seed(evaluation.item_seed, run.config.model)
+        run.windows = pass_blocks(evaluation.ppl_fidelities, {"ppl": run.evaluator.ppl_windows()}, seed)
     return run.windows.items(index)["ppl"]
 
 
@@ -94,7 +100,7 @@ def perplexity_pass(index: int) -> Callable[[TrialRun], dict]:
             result = run.evaluator.perplexity(windows)
         else:
             done = set(run.ppl.ids())
-            added = [w for w in (windows or range(run.evaluator.ppl_windows())) if w not in done]
+            added = [w for w in windows if w not in done]
             result = run.ppl.adding(run.evaluator.perplexity(added)) if added else run.ppl
         run.ppl = result
         result.write_outcomes(run.trial_dir)  # each window's NLL, before the report

@@ -111,9 +111,11 @@ def sweep_trainable(config: dict) -> None:
     def report(metrics: dict) -> None:
         emit.observe(metrics)
         # in storage before the report: what a racing scheduler compares (a pass's items, or the windows so far)
-        stage = str(metrics.get("stage"))
-        name = outcomes_file(stage) if "zero_shot_pass" in metrics else \
-            PPL_WINDOWS_FILE if stage.startswith("ppl") and "ppl_pass" in metrics else None
+        name = None
+        if "zero_shot_pass" in metrics:
+            name = outcomes_file(metrics["stage"])
+        elif "ppl_pass" in metrics:  # a perplexity pass (the zero-shot passes after it carry zero_shot_pass)
+            name = PPL_WINDOWS_FILE
         if name is not None:
             fs.copy_files(str(working / name), f"{storage.trial_fs_path}/{name}",
                           destination_filesystem=storage.storage_filesystem)
