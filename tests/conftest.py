@@ -90,3 +90,20 @@ def fetched_from_empty(assets, tmp_path_factory) -> Path | None:
     if all(r.is_file() and r.read_text() == str(asset_dir(name)) for name, r in downloaded.items()):
         return home()
     return None
+
+
+@pytest.fixture(scope="session")
+def ray_head() -> str:
+    """The run's Ray head (`sweep_helpers.shared_head`), for the sweeps that only read their results:
+    `run_sweep(..., cluster=ray_head)`."""
+    from tests.sweep_helpers import shared_head
+
+    return shared_head()
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workerinput"):
+        return  # an xdist worker: the controlling process stops the head once every worker is done
+    from tests.sweep_helpers import stop_head
+
+    stop_head()

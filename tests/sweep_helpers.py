@@ -49,15 +49,19 @@ def sweep_command(experiment: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "taylor_tune", "sweep", str(experiment), *extra]
 
 
-def run_sweep(experiment: Path, *extra: str, timeout: float = 600, **faults: str) -> subprocess.CompletedProcess:
+def run_sweep(experiment: Path, *extra: str, timeout: float = 600, cluster: str | None = None,
+              **faults: str) -> subprocess.CompletedProcess:
+    """`taylor-tune sweep` in a subprocess: a local Ray of its own, or with `cluster` (a `ray_head` address) the
+    driver joins that head as under `ray job submit` (RAY_ADDRESS), its metrics not held for an exporter."""
+    joined = {"RAY_ADDRESS": cluster, "TAYLOR_TUNE_METRICS_FLUSH_S": "0"} if cluster else {}
     return subprocess.run(sweep_command(experiment, *extra), capture_output=True, text=True, timeout=timeout,
-                          env=env(**faults), cwd=REPO)
+                          env={**env(**faults), **joined}, cwd=REPO)
 
 
-def run_sweep_to_end(experiment: Path) -> subprocess.CompletedProcess:
+def run_sweep_to_end(experiment: Path, cluster: str | None = None) -> subprocess.CompletedProcess:
     """Run a sweep that must finish (exit 0), then stop whatever Ray it started."""
     started = time.time()
-    proc = run_sweep(experiment)
+    proc = run_sweep(experiment, cluster=cluster)
     kill_ray_started_after(started)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc
@@ -111,6 +115,56 @@ def kill_ray_started_after(started_after: float, temp: Path = RAY_TEMP) -> None:
             pass
 
 
+# One Ray head for the whole run, shared by the sweeps that only read what they produce: each such sweep joins it
+# (RAY_ADDRESS, as under `ray job submit`) instead of starting and stopping a local Ray of its own, whose daemons and
+# start-up cost ~8 CPU-s and ~10 s a sweep; an idle head costs ~2 CPU-s a minute, so one for the run, not one per
+# worker (BENCHMARKS, eleventh session). Tests of the driver's own lifecycle (signals, faults injected through the
+# driver's environment, what a local Ray listens on) keep a local Ray each. Named by the run's controlling process
+# (an xdist worker's parent), which stops it at the end (conftest's pytest_sessionfinish); its own temp root, so a
+# test's `kill_ray_started_after` never reaches it.
+_CONTROLLER = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
+HEAD_TEMP = Path("/tmp") / f"ttrh-{_CONTROLLER}-h"  # "-h": no run's root is a prefix of another's
+
+
+def shared_head() -> str:
+    """The run's head, started by whichever process asks first (every service on 127.0.0.1, two CPUs for each
+    worker of the run, workers at the suite's priority); its address."""
+    import fcntl
+    import socket
+
+    address = Path(f"{HEAD_TEMP}.address")
+    with open(f"{HEAD_TEMP}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if address.is_file() and ray_processes(0, HEAD_TEMP):
+            return address.read_text()
+        ports = []
+        for _ in range(3):  # Ray's fixed defaults for the dashboard and its agent are any other Ray's on the machine
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                ports.append(s.getsockname()[1])
+        port, dashboard, agent = ports
+        cpus = 2 * int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        subprocess.run([str(Path(sys.executable).parent / "ray"), "start", "--head", "--node-ip-address=127.0.0.1",
+                        f"--port={port}", f"--num-cpus={cpus}", "--include-dashboard=false",
+                        f"--dashboard-port={dashboard}", f"--dashboard-agent-listen-port={agent}",
+                        f"--temp-dir={HEAD_TEMP}", "--disable-usage-stats"],
+                       check=True, capture_output=True, timeout=120, cwd=REPO,
+                       env={**env(), "RAY_worker_niceness": "0", "RAY_AUTH_MODE": "disabled"})
+        address.write_text(f"127.0.0.1:{port}")
+        return address.read_text()
+
+
+def stop_head() -> None:
+    """Stop the run's head, if one was started, and remove what it kept."""
+    import shutil
+
+    kill_ray_started_after(0, HEAD_TEMP)
+    wait_for(lambda: not ray_processes(0, HEAD_TEMP), timeout=30)
+    for leftover in (f"{HEAD_TEMP}.address", f"{HEAD_TEMP}.lock"):
+        Path(leftover).unlink(missing_ok=True)
+    shutil.rmtree(HEAD_TEMP, ignore_errors=True)
+
+
 def submit_job(command: list[str], log_path: Path, job_env: dict, cwd: Path, attempts: int = 30,
                pause: float = 2, settle: float = 10) -> subprocess.Popen:
     """`ray job submit ...` (blocking, its output to `log_path`), submitted again while the head's job agent is still
@@ -130,26 +184,22 @@ def submit_job(command: list[str], log_path: Path, job_env: dict, cwd: Path, att
     raise AssertionError("unreachable")
 
 
-def _from_analysis(experiment_dir: Path, expression: str):
-    """`expression` over `analysis = ExperimentAnalysis(experiment_dir)`, evaluated in a fresh process, as JSON."""
-    code = ("import json, sys\nfrom ray.tune import ExperimentAnalysis\nanalysis = ExperimentAnalysis(sys.argv[1])\n"
-            f"print(json.dumps({expression}))\n")
-    out = subprocess.run(
-        [sys.executable, "-c", code, str(experiment_dir)], capture_output=True, text=True, check=True, env=env()
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def _analysis(experiment_dir: Path):
+    from ray.tune import ExperimentAnalysis
+
+    return ExperimentAnalysis(str(experiment_dir))
 
 
 def analysis_rows(experiment_dir: Path) -> list[dict]:
-    """ExperimentAnalysis in a fresh process: one dict per trial (last result, config flattened). pandas' to_json
-    keeps 10 decimals by default: a decode speedup of 0.04 (a loaded machine) then differs from the searcher's."""
-    frame = "analysis.dataframe().to_json(orient='records', double_precision=15)"
-    return _from_analysis(experiment_dir, f"json.loads({frame})")
+    """ExperimentAnalysis, as a notebook reads it: one dict per trial (last result, config flattened), through JSON
+    (missing values None). pandas' to_json keeps 10 decimals by default: a decode speedup of 0.04 (a loaded machine)
+    then differs from the searcher's. In the test's process: a fresh one for each call cost ~2 CPU-s of imports."""
+    return json.loads(_analysis(experiment_dir).dataframe().to_json(orient="records", double_precision=15))
 
 
 def terminated(experiment_dir: Path) -> set[str]:
-    """Trial ids that Tune's saved experiment state records as finished (TERMINATED), read in a fresh process."""
-    return set(_from_analysis(experiment_dir, "[t.trial_id for t in analysis.trials if t.status == 'TERMINATED']"))
+    """Trial ids that Tune's saved experiment state records as finished (TERMINATED)."""
+    return {t.trial_id for t in _analysis(experiment_dir).trials if t.status == "TERMINATED"}
 
 
 RAY_LABELS = {

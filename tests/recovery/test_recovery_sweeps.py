@@ -23,7 +23,7 @@ def reports(folder) -> list[dict]:
     return [json.loads(line) for line in (folder / "result.json").read_text().splitlines() if line.strip()]
 
 
-def test_asha_stops_trials_at_the_recovery_rungs_as_successive_halving_on_the_heldout_loss(tmp_path):
+def test_asha_stops_trials_at_the_recovery_rungs_as_successive_halving_on_the_heldout_loss(tmp_path, ray_head):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     experiment = write_experiment(
@@ -34,7 +34,7 @@ def test_asha_stops_trials_at_the_recovery_rungs_as_successive_halving_on_the_he
         recovery=RECOVERY,
         search={"algorithm": "grid", "scheduler": "asha", "max_concurrent": 1, "reduction_factor": 2},
     )
-    run_sweep_to_end(experiment)
+    run_sweep_to_end(experiment, cluster=ray_head)
     path = tmp_path / "sweeps" / "asha_recovery"
     folders = trial_dirs(path)
     assert len(folders) == 6
@@ -88,7 +88,7 @@ def test_asha_stops_trials_at_the_recovery_rungs_as_successive_halving_on_the_he
 FINAL = ("ppl", "acc_mean", "recovery_heldout_loss_before", "recovery_heldout_loss_after", "params_count")
 
 
-def test_a_trial_killed_during_recovery_runs_again_and_finishes_as_an_uninterrupted_one(tmp_path):
+def test_a_trial_killed_during_recovery_runs_again_and_finishes_as_an_uninterrupted_one(tmp_path, ray_head):
     """Resume guarantees the result, not the progress: a trial has no checkpoint before its final report, so Tune
     runs a trial killed during recovery again from its pruning; pruning and recovery are seeded, so the rerun's
     curve and final metrics equal an uninterrupted run's exactly."""
@@ -103,7 +103,7 @@ def test_a_trial_killed_during_recovery_runs_again_and_finishes_as_an_uninterrup
     (tmp_path / "killed").mkdir()
     whole_exp = write_experiment(tmp_path / "whole", "recover", **changes)
     killed_exp = write_experiment(tmp_path / "killed", "recover", **changes)
-    run_sweep_to_end(whole_exp)
+    run_sweep_to_end(whole_exp, cluster=ray_head)  # the reference; the killed sweep and its resume run locally
 
     path = tmp_path / "killed" / "sweeps" / "recover"
 

@@ -238,7 +238,7 @@ def test_prefix_scorer_equals_hflm_request_by_request_on_the_real_tasks(lm_eval_
 
 
 @pytest.mark.timeout(1800)  # ~3 min alone on 2 cores; far longer on a machine busy with something else
-def test_real_demo_sweep_runs_through_ray_and_reports(assets, tmp_path):
+def test_real_demo_sweep_runs_through_ray_and_reports(assets, tmp_path, ray_head):
     """experiments/real_demo.yaml as shipped, its evaluation shrunk (2 items per task, 4 perplexity windows, the
     paired timing of each trial 2 pairs of short inputs) and its grid to one calibration setting of each method:
     every trial through Ray, seen by ExperimentAnalysis, and the report built from it."""
@@ -259,7 +259,7 @@ def test_real_demo_sweep_runs_through_ray_and_reports(assets, tmp_path):
     experiment.write_text(yaml.safe_dump(data))
     started = time.time()
     try:
-        run = run_sweep(experiment, timeout=1500)
+        run = run_sweep(experiment, timeout=1500, cluster=ray_head)
     finally:  # a driver killed by a timeout leaves its Ray processes (and their trials) running
         kill_ray_started_after(started)
     assert run.returncode == 0, run.stderr[-3000:]

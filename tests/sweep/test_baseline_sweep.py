@@ -21,7 +21,7 @@ def test_flap_with_layerwise_in_the_grid_is_refused_before_ray(capsys, tmp_path)
 
 
 @pytest.mark.slow  # a Ray sweep
-def test_taylor_wanda_sp_and_flap_side_by_side_through_ray(tmp_path):
+def test_taylor_wanda_sp_and_flap_side_by_side_through_ray(tmp_path, ray_head):
     path = write_experiment(
         tmp_path, "baselines",
         search_space={"criterion": {"grid": ["taylor", "wanda_sp", "flap"]}},
@@ -31,7 +31,7 @@ def test_taylor_wanda_sp_and_flap_side_by_side_through_ray(tmp_path):
                     "fidelities": [10]},
         search={"algorithm": "grid", "max_concurrent": 1},
     )
-    run_sweep_to_end(path)
+    run_sweep_to_end(path, cluster=ray_head)
     rows = {r["criterion"]: r for r in analysis_rows(tmp_path / "sweeps" / "baselines")}
     assert set(rows) == {"taylor", "wanda_sp", "flap"} and all(r["stage"] == "zero_shot_10" for r in rows.values())
     assert all(r["ppl"] > 1 and 0 <= r["acc_mean"] <= 1 for r in rows.values())

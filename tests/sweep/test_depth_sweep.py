@@ -18,7 +18,7 @@ def test_depth_with_a_depth_share_in_the_grid_is_refused_before_ray(capsys, tmp_
 
 
 @pytest.mark.slow  # a Ray sweep
-def test_width_and_depth_trials_side_by_side_and_their_families_in_the_report(tmp_path):
+def test_width_and_depth_trials_side_by_side_and_their_families_in_the_report(tmp_path, ray_head):
     path = write_experiment(
         tmp_path, "families",
         search_space={"pruning_method": {"grid": ["taylor", "depth"]}, "depth_share": {"grid": [0.0]}},
@@ -31,7 +31,7 @@ def test_width_and_depth_trials_side_by_side_and_their_families_in_the_report(tm
         objectives=[{"metric": "acc_mean"}, {"metric": "decode_speedup"}],
         search={"algorithm": "grid", "max_concurrent": 2},
     )
-    run_sweep_to_end(path)
+    run_sweep_to_end(path, cluster=ray_head)
     rows = {r["pruning_method"]: r for r in analysis_rows(tmp_path / "sweeps" / "families")}
     assert set(rows) == {"taylor", "depth"} and all(r["stage"] == "zero_shot_10" for r in rows.values())
     assert rows["depth"]["depth_criterion"] == "block_influence" and rows["depth"]["decode_speedup_se"] >= 0

@@ -124,22 +124,23 @@ def test_without_a_reservation_a_cpu_trial_is_bounded_by_the_machine(tmp_path, m
 
 
 @pytest.mark.slow
-def test_a_reservation_no_node_of_the_cluster_offers_is_refused_once_ray_has_started(tmp_path):
+def test_a_reservation_no_node_of_the_cluster_offers_is_refused_once_ray_has_started(tmp_path, ray_head):
     """Below the machine's memory but above what its Ray node offers (the memory less the object store): refused in
-    one line when Ray reports its nodes, exit 2, no trial started. A reservation that fits is passed to Ray as the
-    trial's `memory` resource, which Ray accepts: the sweep finishes."""
+    one line when Ray reports the cluster's nodes (the run's head, as under `ray job submit`), exit 2, no trial
+    started. A reservation that fits is passed to Ray as the trial's `memory` resource, which Ray accepts: the sweep
+    finishes."""
     from taylor_tune.sweep.preflight import memory_bytes
     from tests.sweep_helpers import SMALL, finished, run_sweep
 
     experiment = write_experiment(tmp_path, "too_much", resources={"cpu": 1, "gpu": 0,
                                                                    "memory": round(memory_bytes() / 2**30 - 0.5, 1)})
-    proc = run_sweep(experiment)
+    proc = run_sweep(experiment, cluster=ray_head)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "resources.memory:" in proc.stderr and "the largest node offers Ray" in proc.stderr
     assert "Traceback" not in proc.stderr and not finished(tmp_path / "sweeps" / "too_much")
 
     space = {**SMALL["search_space"], "taylor_seq_len": {"grid": [16]}, "pruning_method": {"grid": ["taylor"]}}
     experiment = write_experiment(tmp_path, "fits", resources={"cpu": 1, "gpu": 0, "memory": 1}, search_space=space)
-    proc = run_sweep(experiment)
+    proc = run_sweep(experiment, cluster=ray_head)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(finished(tmp_path / "sweeps" / "fits")) == 1

@@ -40,7 +40,7 @@ def stop_reasons(folder) -> dict[str, str]:
     return dict(zip(table.invalid["trial_id"], table.invalid["reason"]))
 
 
-def test_a_raced_grid_stops_trials_by_a_paired_test_and_its_best_is_scored_on_every_item(tmp_path):
+def test_a_raced_grid_stops_trials_by_a_paired_test_and_its_best_is_scored_on_every_item(tmp_path, ray_head):
     experiment = write_experiment(
         tmp_path, "race",
         search_space={"taylor_seq_len": {"grid": [16, 32, 48]}, "taylor_num_samples": {"grid": [8]},
@@ -49,7 +49,7 @@ def test_a_raced_grid_stops_trials_by_a_paired_test_and_its_best_is_scored_on_ev
         evaluation={"tasks": ",".join(TASKS), "task_data": "world", "ppl": None, "batch_size": 16,
                     "fidelities": [20, 60, None], "speed": None},
     )
-    run_sweep_to_end(experiment)
+    run_sweep_to_end(experiment, cluster=ray_head)
     folder = tmp_path / "sweeps" / "race"
     rows = {r["trial_id"]: r for r in analysis_rows(folder)}
     race = json.loads((folder / "race.json").read_text())
@@ -89,7 +89,7 @@ def test_a_raced_grid_stops_trials_by_a_paired_test_and_its_best_is_scored_on_ev
         assert "raced out at block" in reasons[tid] and ", paired" in reasons[tid]
 
 
-def test_a_grid_raced_on_ppl_stops_trials_after_a_perplexity_pass_and_its_best_scores_every_window(tmp_path):
+def test_a_grid_raced_on_ppl_stops_trials_after_a_perplexity_pass_and_its_best_scores_every_window(tmp_path, ray_head):
     """metric ppl: the race decides after each perplexity pass (seeded windows), each stop checked against the paired
     log-perplexity test written out here on the windows the trials left; a stopped trial never reaches its zero-shot
     pass; the best is scored on every window; the report says why each stopped."""
@@ -101,7 +101,7 @@ def test_a_grid_raced_on_ppl_stops_trials_after_a_perplexity_pass_and_its_best_s
         evaluation={"tasks": "piqa", "task_data": "world", "ppl": "world", "ppl_window": 32, "ppl_max_windows": 48,
                     "ppl_fidelities": [6, 16, None], "batch_size": 16, "fidelities": [20], "speed": None},
     )
-    run_sweep_to_end(experiment)
+    run_sweep_to_end(experiment, cluster=ray_head)
     folder = tmp_path / "sweeps" / "ppl-race"
     rows = {r["trial_id"]: r for r in analysis_rows(folder)}
     race = json.loads((folder / "race.json").read_text())

@@ -5,7 +5,6 @@ import json
 import math
 import os
 import subprocess
-import time
 
 import pandas as pd
 import pytest
@@ -16,8 +15,6 @@ from tests.sweep_helpers import (
     SMALL,
     analysis_rows,
     env,
-    kill_ray_started_after,
-    run_sweep,
     run_sweep_to_end,
     sweep_command,
     write_experiment,
@@ -26,7 +23,7 @@ from tests.sweep_helpers import (
 pytestmark = pytest.mark.slow  # every test here runs Ray sweeps
 
 
-def test_tpe_with_asha_runs_one_study_per_model(tmp_path):
+def test_tpe_with_asha_runs_one_study_per_model(tmp_path, ray_head):
     experiment = write_experiment(
         tmp_path,
         "tpe",
@@ -45,10 +42,7 @@ def test_tpe_with_asha_runs_one_study_per_model(tmp_path):
             "fidelities": [5, 20],
         },
     )
-    started = time.time()
-    proc = run_sweep(experiment)
-    kill_ray_started_after(started)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    run_sweep_to_end(experiment, cluster=ray_head)
     rows = analysis_rows(tmp_path / "sweeps" / "tpe")
     assert sorted(r["model"] for r in rows) == ["tiny-llama"] * 3 + ["tiny-qwen2"] * 3
     assert all(r["stage"] in ("zero_shot_5", "zero_shot_20") for r in rows)  # ASHA may stop after the cheap pass
@@ -70,7 +64,7 @@ def test_tpe_with_asha_runs_one_study_per_model(tmp_path):
     )
 
 
-def test_a_multi_objective_tpe_sweep_searches_any_setting_and_reports_the_front(tmp_path):
+def test_a_multi_objective_tpe_sweep_searches_any_setting_and_reports_the_front(tmp_path, ray_head):
     import pickle
 
     from tests.reporting.test_pareto import brute_force
@@ -85,7 +79,7 @@ def test_a_multi_objective_tpe_sweep_searches_any_setting_and_reports_the_front(
         evaluation={**SMALL["evaluation"], "speed": {"prefill_batch": 1, "prefill_len": 16, "decode_batch": 2,
                                                      "prompt_len": 8, "new_tokens": 4, "repeats": 1, "warmup": 0}},
     )
-    proc = run_sweep_to_end(experiment)
+    proc = run_sweep_to_end(experiment, cluster=ray_head)
     folder = tmp_path / "sweeps" / "pareto"
     rows = analysis_rows(folder)
     keys = {(r["pruning_method"], r["sparsity"], r["uniform"]) for r in rows}
@@ -126,13 +120,10 @@ def test_a_multi_objective_tpe_sweep_searches_any_setting_and_reports_the_front(
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "'speed' is not a column" in refused.stderr
 
 
-def test_a_sweep_for_the_lowest_perplexity_is_ranked_by_it_in_tune_status_and_report(tmp_path):
+def test_a_sweep_for_the_lowest_perplexity_is_ranked_by_it_in_tune_status_and_report(tmp_path, ray_head):
     experiment = write_experiment(tmp_path, "ppl", metric="ppl", mode="min",
                                   evaluation={**SMALL["evaluation"], "ppl": "world", "ppl_max_windows": 4})
-    started = time.time()
-    proc = run_sweep(experiment)
-    kill_ray_started_after(started)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    run_sweep_to_end(experiment, cluster=ray_head)
     path = tmp_path / "sweeps" / "ppl"
     rows = analysis_rows(path)
     assert len(rows) == 6 and len({r["ppl"] for r in rows}) > 1
@@ -190,7 +181,7 @@ def test_metric_tags_reach_ray_in_ascii_whatever_the_model_path_holds():
 
 
 @pytest.mark.slow
-def test_a_sweep_of_a_model_in_a_folder_with_a_non_ascii_name_finishes(tmp_path):
+def test_a_sweep_of_a_model_in_a_folder_with_a_non_ascii_name_finishes(tmp_path, ray_head):
     """The same through the CLI, where a user meets it: one trial of tiny-llama saved under a non-ASCII folder."""
     from taylor_tune.sources.models import load_model, load_tokenizer
 
@@ -203,5 +194,5 @@ def test_a_sweep_of_a_model_in_a_folder_with_a_non_ascii_name_finishes(tmp_path)
                       "pruning_method": {"grid": ["taylor"]}},
         evaluation={**SMALL["evaluation"], "speed": None},
     )
-    proc = run_sweep_to_end(experiment)
+    proc = run_sweep_to_end(experiment, cluster=ray_head)
     assert "1 finished, 0 errored" in proc.stdout, proc.stdout[-2000:]
