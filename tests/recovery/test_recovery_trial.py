@@ -170,7 +170,11 @@ def test_a_recovery_stage_reports_the_losses_of_the_models_it_trains_and_the_eva
     kd_spec = spec.model_copy(update={"loss": "kd", "evaluate_before": False, "data": str(alpaca), "eval_every": 1,
                                       "seq_len": 160})  # prompts: 154-228 tokens here
     reports.clear()
-    kd = run_trial(a_tiny_trial(kd_spec, ppl=None), tmp_path / "kd", report=lambda m: reports.append(dict(m)))
+    # seed 1 and trust_remote_code on: the teacher must be loaded with the trial's own, not the defaults
+    kd_trial = a_tiny_trial(kd_spec, ppl=None)
+    kd_trial = kd_trial.model_copy(update={"prune": kd_trial.prune.model_copy(update={"seed": 1,
+                                                                                      "trust_remote_code": True})})
+    kd = run_trial(kd_trial, tmp_path / "kd", report=lambda m: reports.append(dict(m)))
     assert [r["stage"] for r in reports] == ["pruned", "recovery_1", "recovery_2", "recovery_3", "recovered",
                                             "zero_shot_4"]
     assert [(r["recovery_step"], r["recovery_point"]) for r in reports[1:5]] == [(1, 1), (2, 2), (3, 3), (4, 4)]
@@ -180,5 +184,22 @@ def test_a_recovery_stage_reports_the_losses_of_the_models_it_trains_and_the_eva
     assert torch.equal(seen["mask"], responses) and 0 < int(responses.sum()) < responses.numel()
     teacher_load, pruned_load = sorted(loads, key=lambda load: load[0] != recovery_train.__name__)
     assert teacher_load[1:] == pruned_load[1:]  # the unpruned model, loaded as the trial's own
+    assert (teacher_load[2]["seed"], teacher_load[2]["trust_remote_code"]) == (1, True)
     assert sum(p.numel() for p in seen["teacher"].parameters()) == kd["params_count_before"]
     assert not any(k.startswith("before_recovery") for k in kd)
+
+
+def test_without_an_item_seed_the_evaluation_before_recovery_scores_the_last_pass_first_n_documents(tmp_path):
+    """item_seed null: every pass scores lm-eval's first N documents (no item list), so the evaluation before
+    recovery is bounded by the last fidelity itself, exactly as a trial without recovery scores."""
+    spec = RecoverySpec(data="auto", steps=2, lr=5e-3, warmup_steps=1, micro_batch_size=2, seq_len=16,
+                        lora_dropout=0.0, eval_every=2, heldout_windows=2, evaluate_before=True)
+
+    def unseeded(recovery: RecoverySpec | None) -> TrialConfig:
+        trial = a_trial(recovery, model="tiny-llama-random", sparsity=0.3, seq_len=16, num_samples=4, windows=2,
+                        batch_size=8, items=4, ppl=None, task_data="auto")
+        return trial.model_copy(update={"evaluation": trial.evaluation.model_copy(update={"item_seed": None})})
+
+    recovered, plain = run_trial(unseeded(spec), tmp_path / "r"), run_trial(unseeded(None), tmp_path / "p")
+    assert recovered["before_recovery_acc_piqa_n"] == plain["acc_piqa_n"] == 4
+    assert recovered["before_recovery_acc_mean"] == plain["acc_mean"]

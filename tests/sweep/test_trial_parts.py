@@ -310,3 +310,16 @@ def test_perplexity_passes_score_the_models_seeded_windows_once_each_and_end_at_
     assert scored == [None] and once["ppl_pass"] == 0
     assert passes["ppl"] == pytest.approx(once["ppl"], rel=1e-6)
     assert ppl[0]["ppl"] == pytest.approx(math.exp(windows["nll"].iloc[:2].sum() / 62), rel=1e-12)
+
+
+@pytest.mark.parametrize("record", [[1, 2], "a trial", {"prune": {"model": "tiny-llama"}}],
+                         ids=["a list", "a string", "no evaluation"])
+def test_a_config_json_that_is_no_trials_record_is_an_export_error_naming_it(tmp_path, record):
+    """A trial's config.json is read as JSON and validated field by field: any other JSON value, or a record without
+    its evaluation, is a one-line ExportError naming the file, never a lookup's traceback."""
+    from taylor_tune.export.choose import ExportError
+    from taylor_tune.export.rebuild import trial_config
+
+    (tmp_path / "config.json").write_text(json.dumps(record))
+    with pytest.raises(ExportError, match="config.json: not a trial configuration this version reads"):
+        trial_config(tmp_path)
