@@ -138,15 +138,16 @@ def shared_head() -> str:
         if address.is_file() and ray_processes(0, HEAD_TEMP):
             return address.read_text()
         ports = []
-        for _ in range(3):  # Ray's fixed defaults for the dashboard and its agent are any other Ray's on the machine
+        for _ in range(4):  # Ray's fixed defaults (dashboard, its agent, the client server) are any other Ray's too
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 ports.append(s.getsockname()[1])
-        port, dashboard, agent = ports
+        port, dashboard, agent, client = ports
         cpus = 2 * int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
         subprocess.run([str(Path(sys.executable).parent / "ray"), "start", "--head", "--node-ip-address=127.0.0.1",
                         f"--port={port}", f"--num-cpus={cpus}", "--include-dashboard=false",
                         f"--dashboard-port={dashboard}", f"--dashboard-agent-listen-port={agent}",
+                        f"--ray-client-server-port={client}",
                         f"--temp-dir={HEAD_TEMP}", "--disable-usage-stats"],
                        check=True, capture_output=True, timeout=120, cwd=REPO,
                        env={**env(), "RAY_worker_niceness": "0", "RAY_AUTH_MODE": "disabled"})
