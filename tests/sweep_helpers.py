@@ -126,23 +126,26 @@ _CONTROLLER = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getp
 HEAD_TEMP = Path("/tmp") / f"ttrh-{_CONTROLLER}-h"  # "-h": no run's root is a prefix of another's
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def shared_head() -> str:
     """The run's head, started by whichever process asks first (every service on 127.0.0.1, two CPUs for each
     worker of the run, workers at the suite's priority); its address."""
     import fcntl
-    import socket
 
     address = Path(f"{HEAD_TEMP}.address")
     with open(f"{HEAD_TEMP}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if address.is_file() and ray_processes(0, HEAD_TEMP):
             return address.read_text()
-        ports = []
-        for _ in range(4):  # Ray's fixed defaults (dashboard, its agent, the client server) are any other Ray's too
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                ports.append(s.getsockname()[1])
-        port, dashboard, agent, client = ports
+        # Ray's fixed defaults (dashboard, its agent, the client server) are any other Ray's on the machine too
+        port, dashboard, agent, client = (free_port() for _ in range(4))
         cpus = 2 * int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
         subprocess.run([str(Path(sys.executable).parent / "ray"), "start", "--head", "--node-ip-address=127.0.0.1",
                         f"--port={port}", f"--num-cpus={cpus}", "--include-dashboard=false",
@@ -152,7 +155,7 @@ def shared_head() -> str:
                        check=True, capture_output=True, timeout=120, cwd=REPO,
                        env={**env(), "RAY_worker_niceness": "0", "RAY_AUTH_MODE": "disabled"})
         address.write_text(f"127.0.0.1:{port}")
-        return address.read_text()
+        return f"127.0.0.1:{port}"
 
 
 def stop_head() -> None:

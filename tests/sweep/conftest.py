@@ -17,6 +17,7 @@ from taylor_tune.sweep.status import sweep_status
 from tests.sweep_helpers import (
     REPO,
     env,
+    free_port,
     kill_ray_started_after,
     scrape,
     screenshot,
@@ -27,12 +28,6 @@ from tests.sweep_helpers import (
 ARTIFACTS = REPO / "test-artifacts"  # kept after the run (CI can upload it): the dashboard screenshot
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 
