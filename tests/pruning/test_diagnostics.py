@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from taylor_tune.jsonio import json_safe, write_json
-from taylor_tune.pruning.diagnostics import pruning_diagnostics
+from taylor_tune.pruning.diagnostics import pruning_diagnostics, spread
 from taylor_tune.pruning.plan import ModelLayout, PrunePlan
 
 LAYOUT = ModelLayout((4, 4, 4), (10, 10, 10), 20, 3, (110, 110, 110), 500)
@@ -67,3 +67,21 @@ def test_a_layer_pruned_exactly_at_the_threshold_is_not_extreme():
     assert diag(None, None, threshold=ratios[2])["extreme_pruning_layers"] == 0  # "above the threshold": > not >=
     assert diag(None, None, threshold=ratios[1])["extreme_pruning_layers"] == 1
     assert diag(None, None, threshold=ratios[2] * (1 - 1e-12))["extreme_pruning_layers"] == 1
+
+
+NO_GRADIENTS = "undefined: no gradient statistics (the method uses no gradients)"
+
+
+@pytest.mark.parametrize("values, expected, notes", [
+    ([2.0], (1.0, 0.0), {}),  # one layer: a ratio of 1 and no range, not "no data"
+    ([0.0, 0.5], (math.inf, 0.5), {"g_ratio": "inf: a layer's statistic is 0"}),  # below 1: still infinite
+    ([0.0, 0.0], (None, 0.0), {"g_ratio": "undefined: every layer's statistic is 0"}),
+    ([], (None, None), {"g_ratio": NO_GRADIENTS, "g_range": NO_GRADIENTS}),
+    (None, (None, None), {"g_ratio": NO_GRADIENTS, "g_range": NO_GRADIENTS}),
+], ids=["one-layer", "zero-and-a-half", "all-zero", "empty", "none"])
+def test_spread_written_out_with_the_notes_a_report_shows(values, expected, notes):
+    """Each case's ratio, range and note, as the report prints them (the notes are the user's only explanation)."""
+    got_notes = {}
+    got = spread(None if values is None else np.array(values), "g", got_notes)
+    assert got == {"g_ratio": expected[0], "g_range": expected[1]}
+    assert got_notes == notes
