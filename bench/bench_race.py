@@ -77,9 +77,18 @@ def load_grid(path: Path, only: dict[str, set] | None = None) -> dict:
     for event in (json.loads(x) for x in (events.read_text().splitlines() if events.is_file() else []) if x.strip()):
         if event["event"] == "computed":
             importance.setdefault(int(event["seq_len"]), event["seconds"])
-    index = next(iter(configs.values()))["scores"].index.get_level_values(0)
-    tasks = {task: int((index == task).sum()) for task in sorted(set(index))}  # each task's items in the population
-    return {"configs": configs, "importance": importance, "item_s": statistics.median(per_item), "tasks": tasks}
+    # the population: the items every trial scored (a sweep's seeded items are doc ids spread over each task, the
+    # same for every trial); the replay's blocks draw positions in each task's sorted ids
+    first_key, first = next(iter(configs.items()))
+    items = set(first["scores"].index)
+    for key, config in configs.items():
+        if set(config["scores"].index) != items:
+            raise SystemExit(f"{path}: {key} was scored on other items than {first_key}; replay a grid whose trials "
+                             "share their items")
+    population = {task: tuple(sorted(i for t, i in items if t == task)) for task in sorted({t for t, _ in items})}
+    tasks = {task: len(ids) for task, ids in population.items()}
+    return {"configs": configs, "importance": importance, "item_s": statistics.median(per_item), "tasks": tasks,
+            "population": population}
 
 
 def acc_mean(scores: pd.Series) -> float:
@@ -114,7 +123,9 @@ class Replay:
         items = self.blocks.items(block)
         paid = self.blocks.new_items(block) if self.cost == "added" and not first else items
         self.seconds += sum(map(len, paid.values())) * self.data["item_s"]
-        index = pd.MultiIndex.from_tuples([(t, i) for t, ids in items.items() for i in ids], names=["task", "doc_id"])
+        ids = self.data["population"]
+        index = pd.MultiIndex.from_tuples([(t, ids[t][p]) for t, positions in items.items() for p in positions],
+                                          names=["task", "doc_id"])
         scores = self.data["configs"][key]["scores"].loc[index]
         if block == self.blocks.count - 1:
             self.full[key] = acc_mean(scores)

@@ -23,15 +23,17 @@ KEYS = [(16, 8, "taylor"), (32, 8, "taylor"), (16, 8, "blockwise"), (32, 8, "blo
 ACCURACY = {KEYS[0]: 0.80, KEYS[1]: 0.79, KEYS[2]: 0.45, KEYS[3]: 0.40, KEYS[4]: 0.55, KEYS[5]: 0.50}
 
 
-def write_grid(root: Path) -> dict:
-    """A trial folder per configuration: params.json, result.json (its seconds) and the outcomes of every item."""
+def write_grid(root: Path, doc_id=lambda task, i: i) -> dict:
+    """A trial folder per configuration: params.json, result.json (its seconds) and the outcomes of every item (item
+    i of a task kept under `doc_id(task, i)`)."""
     rng = np.random.default_rng(0)
     base = {t: rng.random(n) for t, n in TASKS.items()}  # one difficulty per item, shared: outcomes correlate
     truth = {}
     for n, key in enumerate(KEYS):
         folder = root / f"sweep_trainable_x_{n:05d}"
         folder.mkdir(parents=True)
-        rows = [(t, i, float(base[t][i] < ACCURACY[key]), np.nan) for t, size in TASKS.items() for i in range(size)]
+        rows = [(t, doc_id(t, i), float(base[t][i] < ACCURACY[key]), np.nan) for t, size in TASKS.items()
+                for i in range(size)]
         outcomes = pd.DataFrame(rows, columns=["task", "doc_id", "acc", "acc_norm"])
         outcomes.to_parquet(folder / "outcomes_zero_shot_all.parquet")
         (folder / "params.json").write_text(json.dumps({"fixed": {"evaluation": EVALUATION}}))
@@ -94,3 +96,26 @@ def test_a_sub_grid_of_a_grid_still_running_is_replayed_alone(tmp_path):
     out = subprocess.run([sys.executable, str(REPO / "bench" / "bench_race.py"), str(tmp_path), "--only", "seq_len=16"],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "--only 'seq_len=16': give one of taylor_seq_len" in out.stderr
+
+
+def test_a_grid_scored_on_seeded_items_replays_as_the_same_grid_on_the_first_items(tmp_path):
+    """A sweep's seeded items are doc ids spread over each task (the same for every trial). Kept under increasing ids
+    that are not 0..n-1, the grid replays exactly as it does under 0..n-1: the blocks draw positions in each task's
+    sorted ids. A trial scored on other items than the rest is refused, naming it."""
+    write_grid(tmp_path / "first")
+    write_grid(tmp_path / "seeded", doc_id=lambda task, i: 3 + 7 * i + (1000 if task == "piqa" else 0))
+    first, seeded = bench_race.load_grid(tmp_path / "first"), bench_race.load_grid(tmp_path / "seeded")
+    assert seeded["tasks"] == first["tasks"] == TASKS
+    assert seeded["population"]["arc_easy"] == tuple(3 + 7 * i for i in range(100))
+    args = SimpleNamespace(alpha=0.05, budget=3, reduction_factor=3, cost="added")
+    for search in bench_race.SEARCHES:
+        for seed in (0, 1):
+            assert bench_race.run(search, seeded, (20, 50), seed, args) == \
+                bench_race.run(search, first, (20, 50), seed, args), (search, seed)
+
+    odd = tmp_path / "seeded" / "sweep_trainable_x_00002" / "outcomes_zero_shot_all.parquet"
+    outcomes = pd.read_parquet(odd)
+    outcomes.loc[0, "doc_id"] = 1  # one item that no other trial scored
+    outcomes.to_parquet(odd)
+    with pytest.raises(SystemExit, match=r"\(16, 8, 'blockwise'\) was scored on other items than"):
+        bench_race.load_grid(tmp_path / "seeded")
