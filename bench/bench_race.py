@@ -55,6 +55,8 @@ def load_grid(path: Path, only: dict[str, set] | None = None) -> dict:
     configs, importance, per_item = {}, {}, []
     for trial in sorted(p for p in path.iterdir() if (p / "result.json").is_file()):
         rows = [json.loads(line) for line in (trial / "result.json").read_text().splitlines() if line.strip()]
+        if not rows:  # a trial started, nothing reported yet: a missing configuration, refused below unless `only`
+            continue
         last = rows[-1]
         if only and any(str(last.get(name)) not in values for name, values in only.items()):
             continue

@@ -81,7 +81,8 @@ def test_the_replay_prices_what_trials_spent_and_races_to_a_pick_in_the_band(tmp
 
 def test_a_sub_grid_of_a_grid_still_running_is_replayed_alone(tmp_path):
     """`--only`: the trials with the named values (a complete sub-grid) are replayed; a running trial outside it, whose
-    folder has no outcomes yet, is passed over instead of refusing the whole folder."""
+    folder has no outcomes yet, and one started with nothing reported (an empty result.json), are passed over instead
+    of refusing the whole folder."""
     truth = write_grid(tmp_path)
     running = tmp_path / "sweep_trainable_x_00006_6_running"
     running.mkdir()
@@ -89,6 +90,9 @@ def test_a_sub_grid_of_a_grid_still_running_is_replayed_alone(tmp_path):
                                                      "pruning_method": "taylor"}) + "\n")
     with pytest.raises(SystemExit, match="no per-item outcomes"):
         bench_race.load_grid(tmp_path)
+    started = tmp_path / "sweep_trainable_x_00007_7_started"  # started, nothing reported yet: an empty result.json
+    started.mkdir()
+    (started / "result.json").write_text("")
     data = bench_race.load_grid(tmp_path, {"taylor_seq_len": {"16"}})
     assert set(data["configs"]) == {key for key in KEYS if key[0] == 16}
     for key, config in data["configs"].items():
