@@ -28,10 +28,6 @@ from tests.sweep_helpers import (
 ARTIFACTS = REPO / "test-artifacts"  # kept after the run (CI can upload it): the dashboard screenshot
 
 
-
-
-
-
 @pytest.fixture(scope="session")  # one smoke sweep serves every file of tests/sweep
 def smoke(tmp_path_factory):
     """The shipped smoke experiment, submitted as a Ray job to a real head node on loopback (its own temp dir,
