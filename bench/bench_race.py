@@ -20,6 +20,10 @@ every item of its block again (`--cost rescored`: what they did before passes ke
     .venv/bin/python bench/bench_race.py /tmp/s7/sweeps/race_paper_grid --blocks 25,75 --alpha 0.05 \
         --json bench/race_smollm2.json
     .venv/bin/python bench/bench_race.py /tmp/s7/sweeps/race_paper_grid --only taylor_seq_len=16,32   # a sub-grid
+
+A grid whose trials ran on different machines measured its seconds at different rates: `--rates FILE` (JSON:
+{"item_s": seconds per item, "importance_s": {seq_len: seconds of its importance pass}}, measured on one machine)
+prices every search with those instead, each trial's own load and prune seconds aside.
 """
 
 from __future__ import annotations
@@ -91,6 +95,16 @@ def load_grid(path: Path, only: dict[str, set] | None = None) -> dict:
     tasks = {task: len(ids) for task, ids in population.items()}
     return {"configs": configs, "importance": importance, "item_s": statistics.median(per_item), "tasks": tasks,
             "population": population}
+
+
+def with_rates(data: dict, path: Path) -> dict:
+    """The grid's data priced at the rates measured on one machine (the file's), instead of its trials' own."""
+    rates = json.loads(path.read_text())
+    importance = {int(seq_len): float(seconds) for seq_len, seconds in rates["importance_s"].items()}
+    missing = sorted({key[0] for key in data["configs"]} - set(importance))
+    if missing:
+        raise SystemExit(f"{path}: no importance_s for seq_len {missing}")
+    return {**data, "item_s": float(rates["item_s"]), "importance": importance}
 
 
 def acc_mean(scores: pd.Series) -> float:
@@ -209,6 +223,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--searches", default=",".join(SEARCHES))
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--rates", type=Path, help="price with these per-item and importance seconds (JSON)")
     parser.add_argument("--only", action="append", default=[], metavar="DIMENSION=V1,V2",
                         help=f"replay only the trials with these values ({', '.join(NAMES)}); repeatable")
     args = parser.parse_args()
@@ -219,6 +234,8 @@ def main() -> None:
             parser.error(f"--only {item!r}: give one of {', '.join(NAMES)}, '=' and its values, comma-separated")
         only[name] = set(values.split(","))
     data = load_grid(args.grid, only)
+    if args.rates:
+        data = with_rates(data, args.rates)
     best, tied = band(data["configs"])
     sizes = tuple(int(s) for s in args.blocks.split(","))
     grid_s = run("grid", data, sizes, 0, args)["seconds"]

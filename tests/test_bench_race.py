@@ -123,3 +123,27 @@ def test_a_grid_scored_on_seeded_items_replays_as_the_same_grid_on_the_first_ite
     outcomes.to_parquet(odd)
     with pytest.raises(SystemExit, match=r"\(16, 8, 'blockwise'\) was scored on other items than"):
         bench_race.load_grid(tmp_path / "seeded")
+
+
+def test_a_grid_priced_at_one_machines_rates_costs_what_those_rates_say(tmp_path):
+    """`--rates`: a grid whose trials ran on two machines is priced at one machine's measured seconds per item and
+    per importance pass; each trial's own load and prune seconds stay. A rates file that lacks a seq_len of the
+    grid is refused, naming it."""
+    write_grid(tmp_path / "grid")
+    rates = tmp_path / "rates.json"
+    rates.write_text(json.dumps({"item_s": 0.5, "importance_s": {"16": 7.0, "32": 11.0}}))
+    data = bench_race.with_rates(bench_race.load_grid(tmp_path / "grid"), rates)
+    args = SimpleNamespace(alpha=0.05, budget=3, reduction_factor=3, cost="added")
+    grid = bench_race.run("grid", data, (20, 50), 0, args)
+    assert grid["seconds"] == pytest.approx(sum(3.0 + n for n in range(6)) + 7.0 + 11.0 + 6 * 220 * 0.5)
+    race = bench_race.run("race", data, (20, 50), 0, args)
+    reach = {0: 40, 1: 100, 2: 220}
+    assert race["seconds"] == pytest.approx(sum(3.0 + n for n in range(6)) + 18.0
+                                            + 0.5 * sum(reach[b] for b in race["reached"]))
+    rates.write_text(json.dumps({"item_s": 0.5, "importance_s": {"16": 7.0}}))
+    with pytest.raises(SystemExit, match=r"no importance_s for seq_len \[32\]"):
+        bench_race.with_rates(bench_race.load_grid(tmp_path / "grid"), rates)
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "bench_race.py"), str(tmp_path / "grid"), "--blocks",
+                          "20,50", "--seeds", "2", "--budget", "3", "--rates", str(rates)], capture_output=True,
+                         text=True)
+    assert out.returncode == 1 and "no importance_s for seq_len [32]" in out.stderr
