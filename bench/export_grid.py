@@ -2,7 +2,8 @@
 evaluation, layer analysis) and its per-item outcomes and perplexity windows (parquet), without checkpoints,
 TensorBoard events or the large pruning_summary.json, and the importance cache's events.jsonl (which pass was
 computed, and in how many seconds), not its entries. bench/bench_search.py, bench/bench_race.py and `taylor-tune
-report` read the copy as they read the sweep's folder. Run it again as a long sweep goes on: it copies what is new.
+report` read the copy as they read the sweep's folder. Run it again as a long sweep goes on: it copies what is new;
+several sweeps of one grid (its configurations run in parts) export into one folder, their cache events merged.
 
     .venv/bin/python bench/export_grid.py runs/sweeps/real_paper_grid bench/real_paper_grid
 """
@@ -27,9 +28,12 @@ def export(source: Path, target: Path) -> int:
             if path.is_file():
                 shutil.copy2(path, target / folder.name / path.name)
     events = source / "importance_cache" / "events.jsonl"
-    if events.is_file():
-        (target / "importance_cache").mkdir(parents=True, exist_ok=True)
-        shutil.copy2(events, target / "importance_cache" / "events.jsonl")
+    if events.is_file():  # merged, not replaced: a grid finished in several sweeps keeps every sweep's passes
+        kept = target / "importance_cache" / "events.jsonl"
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        lines = kept.read_text().splitlines() if kept.is_file() else []
+        new = [line for line in events.read_text().splitlines() if line.strip() and line not in set(lines)]
+        kept.write_text("".join(f"{line}\n" for line in lines + new))
     return len(folders)
 
 

@@ -147,3 +147,27 @@ def test_a_grid_priced_at_one_machines_rates_costs_what_those_rates_say(tmp_path
                           "20,50", "--seeds", "2", "--budget", "3", "--rates", str(rates)], capture_output=True,
                          text=True)
     assert out.returncode == 1 and "no importance_s for seq_len [32]" in out.stderr
+
+
+def test_two_sweeps_of_one_grid_export_into_one_folder_with_every_cache_event(tmp_path):
+    """bench/export_grid.py: a grid run in two sweeps is kept in one folder: both sweeps' finished trials, and both
+    caches' events (merged, each line once however often it is exported), so the replay finds every pass."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import export_grid
+
+    events = {}
+    for sweep, lines in (("a", ['{"event": "computed", "seq_len": "16"}', '{"event": "hit"}']),
+                         ("b", ['{"event": "computed", "seq_len": "256"}'])):
+        trial = tmp_path / sweep / f"sweep_trainable_{sweep}_00000"
+        trial.mkdir(parents=True)
+        for name in ("params.json", "evaluation.json", "result.json"):
+            (trial / name).write_text("{}")
+        (tmp_path / sweep / "importance_cache").mkdir()
+        (tmp_path / sweep / "importance_cache" / "events.jsonl").write_text("\n".join(lines) + "\n")
+        events[sweep] = lines
+    target = tmp_path / "kept"
+    for sweep in ("a", "b", "a", "b"):
+        assert export_grid.export(tmp_path / sweep, target) == 1
+    assert sorted(p.name for p in target.iterdir()) == ["importance_cache", "sweep_trainable_a_00000",
+                                                         "sweep_trainable_b_00000"]
+    assert (target / "importance_cache" / "events.jsonl").read_text().splitlines() == events["a"] + events["b"]
