@@ -12,8 +12,10 @@ configurations, then runs, by lookup, one trial at a time:
 - tpe_race: TPE proposing `--budget` trials, each raced.
 A search's pick: the best configuration it scored on every item (a race's incumbent). It is in the band when the
 paired test on all items (`reporting.paired.paired_difference`, two-sided 95%) does not separate it from the grid's
-best. Cost: seconds, from the sweep's own measurements: each trial's load and prune seconds, each seq_len's importance
-pass once per search (the sweep's cache), and each item scored at the grid's median seconds per item. A pass scores
+best. The searched dimensions are the trials' own (params.json): the paper grid's, or any other grid's (the Qwen
+space's method x criterion x depth_share). Cost: seconds, from the sweep's own measurements: each trial's load and
+prune seconds, each importance pass once per search (the sweep's cache: one per seq_len and kind of statistics,
+gradients or activations), and each item scored at the grid's median seconds per item. A pass scores
 only the items its block adds to the one before (`--cost added`: what the product's passes do), or, as a what-if,
 every item of its block again (`--cost rescored`: what they did before passes kept the earlier blocks' outcomes).
 
@@ -43,20 +45,41 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from taylor_tune.config import Evaluation  # noqa: E402
 from taylor_tune.jsonio import write_json  # noqa: E402
+from taylor_tune.pruning.activations import ACTIVATION_CRITERIA  # noqa: E402
 from taylor_tune.reporting.frame import read_outcomes  # noqa: E402
 from taylor_tune.reporting.paired import paired_difference  # noqa: E402
 from taylor_tune.sweep.racing import Blocks, Race, race_seed  # noqa: E402
 from taylor_tune.sweep.tune.scheduler import PASS, FidelityASHA, item_scores  # noqa: E402
 from taylor_tune.sweep.tune.search import PerModelSearcher  # noqa: E402
 
-NAMES = ("taylor_seq_len", "taylor_num_samples", "pruning_method")
+NAMES = ("taylor_seq_len", "taylor_num_samples", "pruning_method")  # the paper grid's, in its order
+NOT_SEARCHED = ("fixed", "model", "seed")  # a trial's params.json: what the sweep fixed, the model, the repeat
+
+
+def dimensions(params: dict) -> tuple[str, ...]:
+    """The searched dimensions of a trial's params.json, the paper grid's first in their order."""
+    names = [name for name in params if name not in NOT_SEARCHED]
+    return tuple(sorted(names, key=lambda name: (NAMES.index(name) if name in NAMES else len(NAMES), name)))
+
+
+def grid_dimensions(path: Path) -> tuple[str, ...]:
+    trials = sorted(p for p in path.iterdir() if (p / "params.json").is_file()) if path.is_dir() else []
+    if not trials:
+        raise SystemExit(f"{path}: no trial folder with a params.json")
+    return dimensions(json.loads((trials[0] / "params.json").read_text()))
+
+
+def pass_of(seq_len, criterion: str | None) -> tuple[int, str]:
+    """The importance cache's pass a trial reads: one per seq_len and kind of statistics (gradients for the Taylor
+    criteria, activations for wanda_sp and flap), at the sweep's largest sample count."""
+    return int(seq_len), "activations" if criterion in ACTIVATION_CRITERIA else "gradients"
 SEARCHES = ("grid", "random", "asha", "tpe_asha", "race", "tpe_race")
 
 
 def load_grid(path: Path, only: dict[str, set] | None = None) -> dict:
     """configuration -> its items' scores (indexed by task, doc_id) and seconds; plus the importance passes'.
     `only`: {dimension: values} keeps the trials with those values (a complete sub-grid of a grid still running)."""
-    configs, importance, per_item = {}, {}, []
+    configs, importance, per_item, names = {}, {}, [], None
     for trial in sorted(p for p in path.iterdir() if (p / "result.json").is_file()):
         rows = [json.loads(line) for line in (trial / "result.json").read_text().splitlines() if line.strip()]
         if not rows:  # a trial started, nothing reported yet: a missing configuration, refused below unless `only`
@@ -68,21 +91,30 @@ def load_grid(path: Path, only: dict[str, set] | None = None) -> dict:
         outcomes = read_outcomes(str(trial), stage) if stage.startswith("zero_shot_") else None
         if outcomes is None:
             raise SystemExit(f"{trial}: no per-item outcomes of its last pass; replay a finished grid kept with them")
-        evaluation = Evaluation.stored(json.loads((trial / "params.json").read_text())["fixed"]["evaluation"])
+        params = json.loads((trial / "params.json").read_text())
+        if names is None:
+            names = dimensions(params)
+        elif dimensions(params) != names:
+            raise SystemExit(f"{trial}: searched {dimensions(params)}, the grid's other trials {names}")
+        evaluation = Evaluation.stored(params["fixed"]["evaluation"])
         scores = item_scores(outcomes, {task: evaluation.metric(task) for task in evaluation.tasks})
-        key = tuple(last[name] for name in NAMES)
-        configs[key] = {"scores": scores, "prune_s": last["load_s"] + last["prune_s"]}
+        key = tuple(last[name] for name in names)
+        importance_pass = pass_of(last["taylor_seq_len"], last.get("criterion"))
+        configs[key] = {"scores": scores, "prune_s": last["load_s"] + last["prune_s"], "pass": importance_pass}
         per_item.append(last[f"{stage}_s"] / len(scores))
         if last.get("importance_cache") == "computed":
-            importance[key[0]] = last["importance_s"] + last.get("calibration_s", 0.0)
-    product = math.prod(len({key[i] for key in configs}) for i in range(len(NAMES)))
+            importance[importance_pass] = last["importance_s"] + last.get("calibration_s", 0.0)
+    if names is None:
+        raise SystemExit(f"{path}: no finished trial")
+    product = math.prod(len({key[i] for key in configs}) for i in range(len(names)))
     if len(configs) != product:  # a search proposes from the domains' product: every point must be there
         raise SystemExit(f"{path}: {len(configs)} configurations kept, not the {product} of their grid; replay a "
                          "finished grid")
     events = path / "importance_cache" / "events.jsonl"
     for event in (json.loads(x) for x in (events.read_text().splitlines() if events.is_file() else []) if x.strip()):
         if event["event"] == "computed":
-            importance.setdefault(int(event["seq_len"]), event["seconds"])
+            kind = "activations" if event.get("statistics") == "activations" else "gradients"
+            importance.setdefault((int(event["seq_len"]), kind), event["seconds"])
     # the population: the items every trial scored (a sweep's seeded items are doc ids spread over each task, the
     # same for every trial); the replay's blocks draw positions in each task's sorted ids
     first_key, first = next(iter(configs.items()))
@@ -94,16 +126,16 @@ def load_grid(path: Path, only: dict[str, set] | None = None) -> dict:
     population = {task: tuple(sorted(i for t, i in items if t == task)) for task in sorted({t for t, _ in items})}
     tasks = {task: len(ids) for task, ids in population.items()}
     return {"configs": configs, "importance": importance, "item_s": statistics.median(per_item), "tasks": tasks,
-            "population": population}
+            "population": population, "names": names}
 
 
 def with_rates(data: dict, path: Path) -> dict:
     """The grid's data priced at the rates measured on one machine (the file's), instead of its trials' own."""
     rates = json.loads(path.read_text())
-    importance = {int(seq_len): float(seconds) for seq_len, seconds in rates["importance_s"].items()}
-    missing = sorted({key[0] for key in data["configs"]} - set(importance))
+    importance = {pass_of(seq_len, None): float(seconds) for seq_len, seconds in rates["importance_s"].items()}
+    missing = sorted({config["pass"] for config in data["configs"].values()} - set(importance))
     if missing:
-        raise SystemExit(f"{path}: no importance_s for seq_len {missing}")
+        raise SystemExit(f"{path}: no importance_s for the passes (seq_len, statistics) {missing}")
     return {**data, "item_s": float(rates["item_s"]), "importance": importance}
 
 
@@ -126,12 +158,13 @@ class Replay:
 
     def __init__(self, data: dict, blocks: Blocks, cost: str):
         self.data, self.blocks, self.cost = data, blocks, cost
-        self.seconds, self.seq_lens, self.full = 0.0, set(), {}
+        self.seconds, self.passes, self.full = 0.0, set(), {}
 
     def prune(self, key: tuple) -> None:
-        if key[0] not in self.seq_lens:  # the sweep's importance cache: one pass per seq_len
-            self.seq_lens.add(key[0])
-            self.seconds += self.data["importance"].get(key[0], 0.0)
+        importance_pass = self.data["configs"][key]["pass"]
+        if importance_pass not in self.passes:  # the sweep's importance cache: each pass once
+            self.passes.add(importance_pass)
+            self.seconds += self.data["importance"].get(importance_pass, 0.0)
         self.seconds += self.data["configs"][key]["prune_s"]
 
     def score(self, key: tuple, block: int, first: bool) -> pd.Series:
@@ -151,21 +184,21 @@ class Replay:
         return max(self.full, key=lambda key: (self.full[key], str(key))) if self.full else None
 
 
-def searcher_of(keys: list[tuple], seed: int, budget: int) -> PerModelSearcher:
-    domains = {name: sorted({k[i] for k in keys}, key=str) for i, name in enumerate(NAMES)}
+def searcher_of(names: tuple[str, ...], keys: list[tuple], seed: int, budget: int) -> PerModelSearcher:
+    domains = {name: sorted({k[i] for k in keys}, key=str) for i, name in enumerate(names)}
     return PerModelSearcher(["model"], domains, budget, {}, metric="acc_mean", mode="max", seed=seed,
                             n_startup_trials=min(10, budget))
 
 
-def proposals(search: str, keys: list[tuple], rng, seed: int, budget: int):
+def proposals(search: str, names: tuple[str, ...], keys: list[tuple], rng, seed: int, budget: int):
     """The configurations a search tries, in its order; TPE's are proposed one at a time, told each result."""
     if search.startswith("tpe"):
-        searcher = searcher_of(keys, seed, budget)
+        searcher = searcher_of(names, keys, seed, budget)
         for n in range(budget):
             config = searcher.suggest(str(n))
             if not isinstance(config, dict):
                 return
-            told = yield tuple(config[name] for name in NAMES)
+            told = yield tuple(config[name] for name in names)
             searcher.on_trial_complete(str(n), {"acc_mean": told})
         return
     order = [keys[i] for i in rng.permutation(len(keys))]
@@ -182,7 +215,7 @@ def run(search: str, data: dict, sizes: tuple[int, ...], seed: int, args) -> dic
     race = Race(alpha=args.alpha) if search.endswith("race") else None
     asha = FidelityASHA(blocks.count, reduction_factor=args.reduction_factor, metric="acc_mean", mode="max") \
         if search.endswith("asha") else None
-    tried, stopped, told, reached = proposals(search, keys, rng, seed, args.budget), 0, None, []
+    tried, stopped, told, reached = proposals(search, data["names"], keys, rng, seed, args.budget), 0, None, []
     while True:
         try:
             key = tried.send(told)  # TPE is told the last pass's acc_mean, as Tune tells it a stopped trial's
@@ -225,13 +258,13 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--rates", type=Path, help="price with these per-item and importance seconds (JSON)")
     parser.add_argument("--only", action="append", default=[], metavar="DIMENSION=V1,V2",
-                        help=f"replay only the trials with these values ({', '.join(NAMES)}); repeatable")
+                        help="replay only the trials with these values of a searched dimension; repeatable")
     args = parser.parse_args()
-    only = {}
+    only, names = {}, grid_dimensions(args.grid)
     for item in args.only:
         name, _, values = item.partition("=")
-        if name not in NAMES or not values:
-            parser.error(f"--only {item!r}: give one of {', '.join(NAMES)}, '=' and its values, comma-separated")
+        if name not in names or not values:
+            parser.error(f"--only {item!r}: give one of {', '.join(names)}, '=' and its values, comma-separated")
         only[name] = set(values.split(","))
     data = load_grid(args.grid, only)
     if args.rates:

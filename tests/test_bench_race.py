@@ -36,7 +36,8 @@ def write_grid(root: Path, doc_id=lambda task, i: i) -> dict:
                 for i in range(size)]
         outcomes = pd.DataFrame(rows, columns=["task", "doc_id", "acc", "acc_norm"])
         outcomes.to_parquet(folder / "outcomes_zero_shot_all.parquet")
-        (folder / "params.json").write_text(json.dumps({"fixed": {"evaluation": EVALUATION}}))
+        (folder / "params.json").write_text(json.dumps({"fixed": {"evaluation": EVALUATION}, "model": "m", "seed": 0,
+                                                        **dict(zip(bench_race.NAMES, key))}))
         result = {"taylor_seq_len": key[0], "taylor_num_samples": key[1], "pruning_method": key[2], "load_s": 1.0,
                   "prune_s": 2.0 + n, "stage": "zero_shot_all", "zero_shot_all_s": 22.0,
                   **({"importance_cache": "computed", "importance_s": 30.0} if key[1:] == (8, "taylor") else {})}
@@ -48,7 +49,8 @@ def write_grid(root: Path, doc_id=lambda task, i: i) -> dict:
 def test_the_replay_prices_what_trials_spent_and_races_to_a_pick_in_the_band(tmp_path):
     truth = write_grid(tmp_path)
     data = bench_race.load_grid(tmp_path)
-    assert data["item_s"] == 22.0 / 220 and data["importance"] == {16: 30.0, 32: 30.0}
+    assert data["item_s"] == 22.0 / 220 and data["importance"] == {(16, "gradients"): 30.0, (32, "gradients"): 30.0}
+    assert data["names"] == bench_race.NAMES
 
     # the band written out: not separated from the best by the task-stratified paired test at 95%, two-sided
     means = {k: np.mean([s.loc[t].mean() for t in TASKS]) for k, s in truth.items()}
@@ -141,12 +143,14 @@ def test_a_grid_priced_at_one_machines_rates_costs_what_those_rates_say(tmp_path
     assert race["seconds"] == pytest.approx(sum(3.0 + n for n in range(6)) + 18.0
                                             + 0.5 * sum(reach[b] for b in race["reached"]))
     rates.write_text(json.dumps({"item_s": 0.5, "importance_s": {"16": 7.0}}))
-    with pytest.raises(SystemExit, match=r"no importance_s for seq_len \[32\]"):
+    with pytest.raises(SystemExit, match=r"no importance_s for the passes \(seq_len, statistics\) "
+                                         r"\[\(32, 'gradients'\)\]"):
         bench_race.with_rates(bench_race.load_grid(tmp_path / "grid"), rates)
     out = subprocess.run([sys.executable, str(REPO / "bench" / "bench_race.py"), str(tmp_path / "grid"), "--blocks",
                           "20,50", "--seeds", "2", "--budget", "3", "--rates", str(rates)], capture_output=True,
                          text=True)
-    assert out.returncode == 1 and "no importance_s for seq_len [32]" in out.stderr
+    assert out.returncode == 1 and "no importance_s for the passes (seq_len, statistics) [(32, 'gradients')]" \
+        in out.stderr
 
 
 def test_two_sweeps_of_one_grid_export_into_one_folder_with_every_cache_event(tmp_path):
@@ -171,3 +175,40 @@ def test_two_sweeps_of_one_grid_export_into_one_folder_with_every_cache_event(tm
     assert sorted(p.name for p in target.iterdir()) == ["importance_cache", "sweep_trainable_a_00000",
                                                          "sweep_trainable_b_00000"]
     assert (target / "importance_cache" / "events.jsonl").read_text().splitlines() == events["a"] + events["b"]
+
+
+def test_a_grid_over_other_dimensions_replays_with_one_importance_pass_per_kind_of_statistics(tmp_path):
+    """The Qwen space's kind of grid (method x criterion x depth_share, seq_len fixed): its dimensions are read from
+    the trials' params.json, the taylor criterion's trials share one gradient pass and wanda_sp's one activation pass,
+    each paid once per search, and TPE proposes over those dimensions."""
+    rng = np.random.default_rng(1)
+    base = {t: rng.random(n) for t, n in TASKS.items()}
+    keys = [(m, c, d) for m in ("taylor", "blockwise") for c in ("taylor", "wanda_sp") for d in (0.0, 0.5)]
+    for n, key in enumerate(keys):
+        folder = tmp_path / f"sweep_trainable_q_{n:05d}"
+        folder.mkdir()
+        accuracy = 0.6 - 0.05 * n
+        rows = [(t, i, float(base[t][i] < accuracy), np.nan) for t, size in TASKS.items() for i in range(size)]
+        pd.DataFrame(rows, columns=["task", "doc_id", "acc", "acc_norm"]).to_parquet(
+            folder / "outcomes_zero_shot_all.parquet")
+        params = {"fixed": {"evaluation": EVALUATION}, "criterion": key[1], "depth_share": key[2], "model": "m",
+                  "pruning_method": key[0], "seed": 0}
+        (folder / "params.json").write_text(json.dumps(params))
+        computed = key[0] == "taylor" and key[2] == 0.0  # the first trial of each criterion computes its pass
+        result = {"pruning_method": key[0], "criterion": key[1], "depth_share": key[2], "taylor_seq_len": 64,
+                  "load_s": 1.0, "prune_s": 1.0, "stage": "zero_shot_all", "zero_shot_all_s": 22.0,
+                  "importance_cache": "computed" if computed else "hit",
+                  "importance_s": (40.0 if key[1] == "taylor" else 5.0) if computed else 0.5}
+        (folder / "result.json").write_text(json.dumps(result) + "\n")
+    data = bench_race.load_grid(tmp_path)
+    assert data["names"] == ("pruning_method", "criterion", "depth_share")
+    assert data["importance"] == {(64, "gradients"): 40.0, (64, "activations"): 5.0}
+    assert set(data["configs"]) == set(keys)
+    args = SimpleNamespace(alpha=0.05, budget=4, reduction_factor=3, cost="added")
+    grid = bench_race.run("grid", data, (20, 50), 0, args)
+    assert grid["seconds"] == pytest.approx(8 * 2.0 + 40.0 + 5.0 + 8 * 22.0) and tuple(grid["pick"]) == keys[0]
+    tpe = bench_race.run("tpe_race", data, (20, 50), 0, args)
+    assert tpe["trials"] == 4 and tuple(tpe["pick"]) in set(keys)
+    only = bench_race.load_grid(tmp_path, {"criterion": {"wanda_sp"}})
+    assert set(only["configs"]) == {k for k in keys if k[1] == "wanda_sp"}
+    assert bench_race.run("grid", only, (20, 50), 0, args)["seconds"] == pytest.approx(4 * 2.0 + 5.0 + 4 * 22.0)
