@@ -54,6 +54,7 @@ from taylor_tune.sweep.tune.search import PerModelSearcher  # noqa: E402
 
 NAMES = ("taylor_seq_len", "taylor_num_samples", "pruning_method")  # the paper grid's, in its order
 NOT_SEARCHED = ("fixed", "model", "seed")  # a trial's params.json: what the sweep fixed, the model, the repeat
+SEARCHES = ("grid", "random", "asha", "tpe_asha", "race", "tpe_race")
 
 
 def dimensions(params: dict) -> tuple[str, ...]:
@@ -73,7 +74,6 @@ def pass_of(seq_len, criterion: str | None) -> tuple[int, str]:
     """The importance cache's pass a trial reads: one per seq_len and kind of statistics (gradients for the Taylor
     criteria, activations for wanda_sp and flap), at the sweep's largest sample count."""
     return int(seq_len), "activations" if criterion in ACTIVATION_CRITERIA else "gradients"
-SEARCHES = ("grid", "random", "asha", "tpe_asha", "race", "tpe_race")
 
 
 def load_grid(path: Path, only: dict[str, set] | None = None) -> dict:

@@ -32,7 +32,8 @@ def export(source: Path, target: Path) -> int:
         kept = target / "importance_cache" / "events.jsonl"
         kept.parent.mkdir(parents=True, exist_ok=True)
         lines = kept.read_text().splitlines() if kept.is_file() else []
-        new = [line for line in events.read_text().splitlines() if line.strip() and line not in set(lines)]
+        seen = set(lines)
+        new = [line for line in events.read_text().splitlines() if line.strip() and line not in seen]
         kept.write_text("".join(f"{line}\n" for line in lines + new))
     return len(folders)
 
