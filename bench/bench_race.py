@@ -14,10 +14,11 @@ A search's pick: the best configuration it scored on every item (a race's incumb
 paired test on all items (`reporting.paired.paired_difference`, two-sided 95%) does not separate it from the grid's
 best. The searched dimensions are the trials' own (params.json): the paper grid's, or any other grid's (the Qwen
 space's method x criterion x depth_share). Cost: seconds, from the sweep's own measurements: each trial's load and
-prune seconds, each importance pass once per search (the sweep's cache: one per seq_len and kind of statistics,
-gradients or activations), and each item scored at the grid's median seconds per item. A pass scores
-only the items its block adds to the one before (`--cost added`: what the product's passes do), or, as a what-if,
-every item of its block again (`--cost rescored`: what they did before passes kept the earlier blocks' outcomes).
+prune seconds (and a mixed cut's layer measure, similarity_s: each trial's own), each importance pass once per search
+(the sweep's cache: one per seq_len and kind of statistics, gradients or activations), and each item scored at the
+grid's median seconds per item. A pass scores only the items its block adds to the one before (`--cost added`: what
+the product's passes do), or, as a what-if, every item of its block again (`--cost rescored`: what they did before
+passes kept the earlier blocks' outcomes).
 
     .venv/bin/python bench/bench_race.py /tmp/s7/sweeps/race_paper_grid --blocks 25,75 --alpha 0.05 \
         --json bench/race_smollm2.json
@@ -100,7 +101,9 @@ def load_grid(path: Path, only: dict[str, set] | None = None) -> dict:
         scores = item_scores(outcomes, {task: evaluation.metric(task) for task in evaluation.tasks})
         key = tuple(last[name] for name in names)
         importance_pass = pass_of(last["taylor_seq_len"], last.get("criterion"))
-        configs[key] = {"scores": scores, "prune_s": last["load_s"] + last["prune_s"], "pass": importance_pass}
+        # a mixed cut's layer measure is the trial's own pass (never cached): paid by every trial, hit or not
+        own_s = last["load_s"] + last["prune_s"] + last.get("similarity_s", 0.0)
+        configs[key] = {"scores": scores, "prune_s": own_s, "pass": importance_pass}
         per_item.append(last[f"{stage}_s"] / len(scores))
         if last.get("importance_cache") == "computed":
             importance[importance_pass] = last["importance_s"] + last.get("calibration_s", 0.0)

@@ -196,7 +196,8 @@ def test_a_grid_over_other_dimensions_replays_with_one_importance_pass_per_kind_
         result = {"pruning_method": key[0], "criterion": key[1], "depth_share": key[2], "taylor_seq_len": 64,
                   "load_s": 1.0, "prune_s": 1.0, "stage": "zero_shot_all", "zero_shot_all_s": 22.0,
                   "importance_cache": "computed" if computed else "hit",
-                  "importance_s": (40.0 if key[1] == "taylor" else 5.0) if computed else 0.5}
+                  "importance_s": (40.0 if key[1] == "taylor" else 5.0) if computed else 0.5,
+                  **({"similarity_s": 3.0} if key[2] else {})}  # a mixed cut's own layer measure
         (folder / "result.json").write_text(json.dumps(result) + "\n")
     data = bench_race.load_grid(tmp_path)
     assert data["names"] == ("pruning_method", "criterion", "depth_share")
@@ -204,9 +205,11 @@ def test_a_grid_over_other_dimensions_replays_with_one_importance_pass_per_kind_
     assert set(data["configs"]) == set(keys)
     args = SimpleNamespace(alpha=0.05, budget=4, reduction_factor=3, cost="added")
     grid = bench_race.run("grid", data, (20, 50), 0, args)
-    assert grid["seconds"] == pytest.approx(8 * 2.0 + 40.0 + 5.0 + 8 * 22.0) and tuple(grid["pick"]) == keys[0]
+    assert grid["seconds"] == pytest.approx(8 * 2.0 + 4 * 3.0 + 40.0 + 5.0 + 8 * 22.0)
+    assert tuple(grid["pick"]) == keys[0]
     tpe = bench_race.run("tpe_race", data, (20, 50), 0, args)
     assert tpe["trials"] == 4 and tuple(tpe["pick"]) in set(keys)
     only = bench_race.load_grid(tmp_path, {"criterion": {"wanda_sp"}})
     assert set(only["configs"]) == {k for k in keys if k[1] == "wanda_sp"}
-    assert bench_race.run("grid", only, (20, 50), 0, args)["seconds"] == pytest.approx(4 * 2.0 + 5.0 + 4 * 22.0)
+    wanda_sp = bench_race.run("grid", only, (20, 50), 0, args)["seconds"]
+    assert wanda_sp == pytest.approx(4 * 2.0 + 2 * 3.0 + 5.0 + 4 * 22.0)

@@ -161,8 +161,8 @@ def activation_statistics(model, layout: ModelLayout, calibration: Calibration, 
 
 def score_groups(model, layout: ModelLayout, calibration: Calibration, *, cache: ImportanceCache | None = None,
                  sample_counts=()) -> Scored:
-    """The scores the config's method ranks, with their seconds: importance_s, and calibration_s when this call
-    drew calibration."""
+    """The scores the config's method ranks, with their seconds: importance_s, similarity_s for a mixed cut's layer
+    measure, and calibration_s when this call drew calibration."""
     config = calibration.config
     start, drawn_before = time.perf_counter(), calibration.seconds
     importance, event, activations = None, None, None
@@ -184,10 +184,14 @@ def score_groups(model, layout: ModelLayout, calibration: Calibration, *, cache:
         scores = magnitude_scores(model, layout, p=1 if config.criterion == "l1" else 2)
     else:
         scores = None
-    similarity = None
+    similarity, similarity_s = None, 0.0
     if config.depth_share > 0 and uses_hidden_states(config):  # a mixed cut: its layers' measure besides
+        # each mixed trial's own pass (never cached): timed apart from the scores a cache serves, without the draw
+        began, drawn = time.perf_counter(), calibration.seconds
         similarity = layer_similarity(model, calibration.ids(), config.micro_batch_size)
+        similarity_s = time.perf_counter() - began - (calibration.seconds - drawn)
     drew = calibration.seconds - drawn_before
-    timings = {"importance_s": time.perf_counter() - start - drew} | ({"calibration_s": drew} if drew else {})
+    timings = {"importance_s": time.perf_counter() - start - drew - similarity_s} \
+        | ({"similarity_s": similarity_s} if similarity is not None else {}) | ({"calibration_s": drew} if drew else {})
     return Scored(scores, importance, cache_event=event, timings=timings, similarity=similarity,
                   activations=activations)

@@ -2,6 +2,8 @@
 that stay equal to that method planned directly on them, the target met, the pruned model equal to the original
 masked by the plan (layers skipped, groups zeroed), and a uniform mixed cut saved as a stock folder."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -86,3 +88,30 @@ def test_mixed_settings_are_checked():
     with pytest.raises(ValidationError, match="depth_share"):
         config(depth_share=1.0)
     assert np.isclose(config(depth_share=0.25).depth_share, 0.25)
+
+
+def test_a_mixed_cuts_layer_measure_is_timed_apart_from_the_scores_a_cache_serves(tmp_path, monkeypatch):
+    """similarity_s: the block-influence pass every mixed trial runs itself (never cached); importance_s: the scores,
+    which a sweep's later trials read from the cache. A replay prices the first per trial, the second per pass."""
+    from taylor_tune.pruning import prune as stages
+    from taylor_tune.pruning import scoring
+    from taylor_tune.pruning.importance_cache import ImportanceCache
+
+    measure = scoring.layer_similarity
+    monkeypatch.setattr(scoring, "layer_similarity", lambda *a, **k: time.sleep(1.0) or measure(*a, **k))
+    cache = ImportanceCache(tmp_path)
+
+    def timings(c: PruneConfig) -> tuple[dict, float]:
+        pruning = stages.start(c, cache=cache)
+        stages.load(pruning)
+        began = time.perf_counter()
+        return stages.score(pruning), time.perf_counter() - began
+
+    mixed = config(depth_criterion="block_influence")
+    computed, _ = timings(mixed)
+    hit, wall = timings(mixed)  # the scores read back; the layers measured (and calibration drawn) again
+    assert computed["similarity_s"] >= 1.0 and hit["similarity_s"] >= 1.0
+    assert 0.0 <= hit["importance_s"] < 1.0 and hit["calibration_s"] > 0.0
+    parts = hit["importance_s"] + hit["similarity_s"] + hit["calibration_s"]
+    assert parts <= wall < parts + 0.25  # the call's seconds, each counted once
+    assert "similarity_s" not in timings(mixed.model_copy(update={"depth_share": 0.0}))[0]
