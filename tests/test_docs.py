@@ -221,10 +221,39 @@ def stage_problems(text: str) -> list[str]:
     return [] if written == expected else [f"stages: the README says {written}, trial_stages {expected}"]
 
 
+SHIPPED_ROW = re.compile(r"^\| `(\w+)\.yaml` \| `([^`]+)` \|", re.M)
+
+
+def searched_as(path: Path) -> str:
+    """How an experiment file searches, as docs/sweeps.md's table writes it: `grid`, `tpe + asha`, `grid + race`."""
+    from taylor_tune.sweep.experiment import load_experiment
+
+    search = load_experiment(path).search
+    return search.algorithm + ("" if search.scheduler == "none" else f" + {search.scheduler}")
+
+
+def shipped_problems(text: str) -> list[str]:
+    """docs/sweeps.md's table of the shipped experiments names every sweep file once, with the search it runs."""
+    rows = SHIPPED_ROW.findall(text)
+    named = [name for name, _ in rows]
+    files = sorted(p for p in (ROOT / "experiments").glob("*.yaml") if not p.stem.startswith("prune_"))
+    problems = [f"shipped: {p.name} is not in the table" for p in files if p.stem not in named]
+    problems += [f"shipped: {name}.yaml is in the table {named.count(name)} times" for name in sorted(set(named))
+                 if named.count(name) > 1]
+    for name, written in rows:
+        path = ROOT / "experiments" / f"{name}.yaml"
+        if not path.is_file():
+            problems.append(f"shipped: {name}.yaml: no such experiment")
+        elif written != searched_as(path):
+            problems.append(f"shipped: the table says {name}.yaml runs `{written}`, the file `{searched_as(path)}`")
+    return problems
+
+
 def problems_of(page: Path, text: str) -> list[str]:
     return (import_problems(text) + name_problems(text) + command_problems(text) + flag_problems(text)
             + link_problems(page, text) + experiment_problems(text) + setting_problems(text)
             + (layout_problems(text) if page.name == "layout.md" else [])
+            + (shipped_problems(text) if page.name == "sweeps.md" else [])
             + (stage_problems(text) if page.name == "README.md" else []))
 
 
@@ -287,3 +316,20 @@ def test_a_stage_missing_from_the_readme_is_caught(monkeypatch):
     readme = ROOT / "README.md"
     text = readme.read_text().replace("before_recovery -> recovery ->", "before_recovery ->")
     assert any(p.startswith("stages: the README says") for p in problems_of(readme, text))
+
+
+def test_a_shipped_experiment_whose_search_changed_or_that_is_missing_from_the_table_is_caught(monkeypatch):
+    """The table of the shipped experiments (docs/sweeps.md) against the files: a row whose search is not the
+    file's, a file with no row, a row twice, a row of no file (issue 66, must-show 4: which ones race, stated)."""
+    monkeypatch.chdir(ROOT)
+    page = ROOT / "docs" / "sweeps.md"
+    text = page.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| `tpe_asha.yaml` |"))
+    written = SHIPPED_ROW.match(row).group(2)
+    other = "tpe + race" if written != "tpe + race" else "tpe + asha"
+    assert problems_of(page, text.replace(row, row.replace(f"`{written}`", f"`{other}`"))) == [
+        f"shipped: the table says tpe_asha.yaml runs `{other}`, the file `{written}`"]
+    assert problems_of(page, text.replace(row + "\n", "")) == ["shipped: tpe_asha.yaml is not in the table"]
+    assert problems_of(page, text.replace(row, row + "\n" + row)) == ["shipped: tpe_asha.yaml is in the table 2 times"]
+    gone = row.replace("`tpe_asha.yaml`", "`tpe_gone.yaml`")
+    assert problems_of(page, text.replace(row, row + "\n" + gone)) == ["shipped: tpe_gone.yaml: no such experiment"]
