@@ -12,13 +12,14 @@ configurations, then runs, by lookup, one trial at a time:
 - tpe_race: TPE proposing `--budget` trials, each raced.
 A search's pick: the best configuration it scored on every item (a race's incumbent). It is in the band when the
 paired test on all items (`reporting.paired.paired_difference`, two-sided 95%) does not separate it from the grid's
-best. The searched dimensions are the trials' own (params.json): the paper grid's, or any other grid's (the Qwen
-space's method x criterion x depth_share). Cost: seconds, from the sweep's own measurements: each trial's load and
-prune seconds (and a mixed cut's layer measure, similarity_s: each trial's own), each importance pass once per search
-(the sweep's cache: one per seq_len and kind of statistics, gradients or activations), and each item scored at the
-grid's median seconds per item. A pass scores only the items its block adds to the one before (`--cost added`: what
-the product's passes do), or, as a what-if, every item of its block again (`--cost rescored`: what they did before
-passes kept the earlier blocks' outcomes).
+best; its regret is the acc_mean on all items it gives up against that best. The searched dimensions are the trials'
+own (params.json): the paper grid's, or any other grid's (the Qwen space's method x criterion x depth_share).
+Cost: seconds, from the sweep's own measurements: each trial's load and prune seconds (and a mixed cut's layer
+measure, similarity_s: each trial's own), each importance pass once per search (the sweep's cache: one per seq_len
+and kind of statistics, gradients or activations), and each item scored at the grid's median seconds per item. A
+pass scores only the items its block adds to the one before (`--cost added`: what the product's passes do), or, as a
+what-if, every item of its block again (`--cost rescored`: what they did before passes kept the earlier blocks'
+outcomes).
 
     .venv/bin/python bench/bench_race.py /tmp/s7/sweeps/race_paper_grid --blocks 25,75 --alpha 0.05 \
         --json bench/race_smollm2.json
@@ -156,6 +157,12 @@ def band(configs: dict) -> tuple[tuple, set]:
     return best, tied
 
 
+def regret(configs: dict, best: tuple, pick: list | None) -> float:
+    """How much acc_mean on every item the pick gives up against the grid's best (a search with no pick: all of it).
+    The band says whether a pick is distinguishable from the best; this says by how much it falls short."""
+    return acc_mean(configs[best]["scores"]) - (0.0 if pick is None else acc_mean(configs[tuple(pick)]["scores"]))
+
+
 class Replay:
     """One search's bookkeeping: the seconds it spent, and the configurations it scored on every item."""
 
@@ -284,10 +291,13 @@ def main() -> None:
         runs = [run(search, data, sizes, seed, args) for seed in range(args.seeds)]
         inside = sum(r["pick"] is not None and tuple(r["pick"]) in tied for r in runs)
         ratios = [r["seconds"] / grid_s for r in runs]
+        regrets = [regret(data["configs"], best, r["pick"]) for r in runs]
         out["searches"][search] = {"runs": runs, "in_band": inside, "cost_ratio_median": statistics.median(ratios),
-                                   "cost_ratio_max": max(ratios)}
+                                   "cost_ratio_max": max(ratios), "regret_median": statistics.median(regrets),
+                                   "regret_max": max(regrets)}
         print(f"  {search:9s} pick in the band {inside}/{args.seeds}; cost / grid: median "
-              f"{statistics.median(ratios):.3f} (max {max(ratios):.3f}); trials stopped early: median "
+              f"{statistics.median(ratios):.3f} (max {max(ratios):.3f}); regret: median "
+              f"{statistics.median(regrets):.4f} (max {max(regrets):.4f}); trials stopped early: median "
               f"{statistics.median(r['stopped'] for r in runs)}")
     if args.json:
         write_json(args.json, out)

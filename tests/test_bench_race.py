@@ -79,6 +79,12 @@ def test_the_replay_prices_what_trials_spent_and_races_to_a_pick_in_the_band(tmp
     assert out.returncode == 0, out.stderr
     saved = json.loads((tmp_path / "race.json").read_text())
     assert set(saved["searches"]) == set(bench_race.SEARCHES) and saved["searches"]["grid"]["in_band"] == 3
+    # regret written out: the best's mean over tasks of its items' mean, less the pick's
+    for search, replayed in saved["searches"].items():
+        regrets = [means[best] - means[tuple(r["pick"])] for r in replayed["runs"]]
+        assert replayed["regret_max"] == pytest.approx(max(regrets)), search
+        assert replayed["regret_median"] == pytest.approx(float(np.median(regrets))), search
+    assert saved["searches"]["grid"]["regret_max"] == 0.0 and saved["searches"]["tpe_race"]["regret_max"] > 0.2
 
 
 def test_a_sub_grid_of_a_grid_still_running_is_replayed_alone(tmp_path):
