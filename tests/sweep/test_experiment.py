@@ -22,6 +22,10 @@ def test_the_shipped_experiments_validate_and_the_paper_grid_has_135_trials():
     assert grid.grid_size() == 135 and len(grid.grid_points()) == 135
     assert grid.resources.gpu == 1 and grid.sample_counts() == (128, 256, 512)
     assert load_experiment(REPO / "experiments" / "smoke.yaml").grid_size() == 36
+    raced = load_experiment(REPO / "experiments" / "paper_race_20.yaml")  # the same grid, raced on shared items
+    assert (raced.search.algorithm, raced.search.scheduler, raced.evaluation.fidelities) == ("grid", "race",
+                                                                                            (200, 600, None))
+    assert raced.grid_points() == grid.grid_points() and raced.prune == grid.prune and raced.models == grid.models
     tpe = load_experiment(REPO / "experiments" / "tpe_asha.yaml")
     assert tpe.search.scheduler == "asha" and tpe.search.algorithm == "tpe" and tpe.grid_size() == 36
     real = load_experiment(REPO / "experiments" / "real_paper_grid.yaml")
