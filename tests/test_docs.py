@@ -244,8 +244,8 @@ def shipped_problems(text: str) -> list[str]:
         path = ROOT / "experiments" / f"{name}.yaml"
         if not path.is_file():
             problems.append(f"shipped: {name}.yaml: no such experiment")
-        elif written != searched_as(path):
-            problems.append(f"shipped: the table says {name}.yaml runs `{written}`, the file `{searched_as(path)}`")
+        elif written != (actual := searched_as(path)):
+            problems.append(f"shipped: the table says {name}.yaml runs `{written}`, the file `{actual}`")
     return problems
 
 
