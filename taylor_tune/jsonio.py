@@ -82,6 +82,19 @@ def write_bytes(path: str | Path, data: bytes) -> Path:
     return path
 
 
+def write_whole(filesystem, path: str, data: bytes) -> None:
+    """`data` at `path` of a pyarrow filesystem, whole or not at all and never through a link: on a local disk
+    `write_bytes` (a file of our own renamed into place: a link planted at the name or at a temporary name is
+    replaced, not written through), on object storage one PUT, which is whole by itself."""
+    from pyarrow import fs
+
+    if isinstance(filesystem, fs.LocalFileSystem):
+        write_bytes(path, data)
+        return
+    with filesystem.open_output_stream(path) as stream:
+        stream.write(data)
+
+
 def write_json(path: str | Path, data) -> Path:
     """`data` as indented JSON (json_safe), written whole or not at all."""
     return write_text(path, json.dumps(json_safe(data), indent=2, allow_nan=False) + "\n")

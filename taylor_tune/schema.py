@@ -104,8 +104,10 @@ def stage_seconds(metrics: dict) -> dict[str, float]:
 
 # per-item outcomes of a zero-shot pass, in the trial's folder: one row per item (task, doc_id, acc, acc_norm)
 OUTCOME_COLUMNS = ("task", "doc_id", "acc", "acc_norm")
-# a racing sweep's state, in the experiment folder: each raced trial's last pass and every decision (JSON)
-RACE_FILE = "race.json"
+# a racing sweep's state, in a folder of the experiment that Tune's restore leaves alone (`sweep.race_state`): each
+# raced trial's last pass and every decision (JSON); sweeps of older versions kept it at the top
+RACE_FILE = "taylor_tune/race.json"
+LEGACY_RACE_FILE = "race.json"
 RACE_OBJECTIVES = ("acc_mean", "ppl")  # what a race compares: per-item outcomes, or perplexity windows
 # the perplexity's windows, in the trial's folder: each window's summed NLL and its predicted tokens
 PPL_WINDOWS_FILE = "ppl_windows.parquet"

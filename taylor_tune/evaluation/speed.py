@@ -202,12 +202,16 @@ def measure_paired(model: torch.nn.Module, baseline: torch.nn.Module, spec: Spee
 # A speedup beyond this factor either way is read as a damaged record, not a measurement: no structured pruning the
 # tool allows makes a model twenty times faster or slower
 PLAUSIBLE_SPEEDUP = 20.0
+# The ratio of the two models' median rates and the pairs' speedup are two summaries of the same timed runs: apart by
+# more than this factor, a rate was not measured with the pairs (an edited or damaged record)
+RATES_AGREE = 3.0
 
 
 def checked_paired(record: object) -> dict[str, float | None]:
     """A stored `measure_paired` result, checked before it is reused: both models' fields as `checked_speed` checks
-    them, each speedup a finite number within PLAUSIBLE_SPEEDUP of 1 either way, its `_se`, `_low` and `_high` None
-    or finite and not negative (ValueError naming the first that is not)."""
+    them, each speedup a finite number within PLAUSIBLE_SPEEDUP of 1 either way and within RATES_AGREE of the ratio
+    of the two models' rates, its `_se`, `_low` and `_high` None or finite and not negative (ValueError naming the
+    first that is not)."""
     if not isinstance(record, dict):
         raise ValueError(f"a speed record is a mapping, not {type(record).__name__}")
     checked = checked_speed(record) | {f"unpruned_{k}": v for k, v in checked_speed(
@@ -220,6 +224,12 @@ def checked_paired(record: object) -> dict[str, float | None]:
                              f"{PLAUSIBLE_SPEEDUP:g}x of 1")
         checked[speedup] = value
         checked |= {speedup + part: _error(record, speedup + part) for part in ("_se", "_low", "_high")}
+        rate = SPEEDUPS[speedup]
+        rates = checked[rate] / checked[f"unpruned_{rate}"]
+        if not 1 / RATES_AGREE <= rates / value <= RATES_AGREE:
+            raise ValueError(f"speed record: {rate} {checked[rate]:.4g} against unpruned_{rate} "
+                             f"{checked[f'unpruned_{rate}']:.4g} is {rates:.3g}x, but its pairs measured "
+                             f"{speedup} {value:.3g}x: not one measurement")
     memory = record.get("memory_ratio")
     if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not 0 < memory <= PLAUSIBLE_SPEEDUP:
         raise ValueError(f"speed record: memory_ratio is {str(memory)[:40]!r}, not a positive ratio")

@@ -24,6 +24,37 @@ def base_model(model: str) -> str | None:
     return model if _HUB_ID.match(model) and not model.startswith((".", "/")) else None
 
 
+def plain(value):
+    """A number as Python writes it: numpy's scalars (`np.int64(7)` under repr) as the int or float they hold."""
+    return value.item() if hasattr(value, "item") and not isinstance(value, (list, dict, str)) else value
+
+
+def settings_read(prune: dict) -> dict:
+    """The pruning settings the trial's method read: a setting of another method (blockwise's layer range for a
+    taylor trial), another criterion (flap_compensation without flap) or another layout (uniform_multiple without
+    uniform) is left out of the card, as it changed nothing."""
+    method, criterion = prune.get("method"), prune.get("criterion")
+    unread = set()
+    if method != "blockwise":
+        unread |= {"blockwise_layer_start", "blockwise_layer_end", "blockwise_attention"}
+    if method != "layerwise":
+        unread.add("layerwise_max_ratio")
+    if criterion != "flap":
+        unread.add("flap_compensation")
+    if method != "depth" and not prune.get("depth_share"):
+        unread |= {"depth_criterion", "depth_share"}
+    if not prune.get("uniform"):
+        unread.add("uniform_multiple")
+    return {k: v for k, v in prune.items() if k not in unread and v is not None}
+
+
+def trial_place(folder: str) -> str:
+    """Where the trial lies within its sweep (`<experiment>/<trial folder>`): the card is for publishing, so the
+    machine's own path to the sweep stays out of it."""
+    parts = [part for part in str(folder).rstrip("/").replace("\\", "/").split("/") if part]
+    return "/".join(parts[-2:])
+
+
 def _number(value, digits: int = 4) -> str:
     return "–" if value is None or (isinstance(value, float) and not math.isfinite(value)) else f"{value:.{digits}f}"
 
@@ -50,7 +81,7 @@ def metrics_table(row: dict) -> list[str]:
                          f"{'–' if low is None or high is None else f'{low:.3f} – {high:.3f}'} |")
     for key in ("params_count", "pruning_ratio", "recovery_heldout_loss"):
         if row.get(key) is not None:
-            lines.append(f"| {key} | {row[key] if key == 'params_count' else _number(row[key])} | – |")
+            lines.append(f"| {key} | {plain(row[key]) if key == 'params_count' else _number(row[key])} | – |")
     return lines
 
 
@@ -80,7 +111,7 @@ def model_card(chosen: Chosen, record: dict, checks: dict, *, layout: str, comma
                       *(["lora-recovered"] if recovery else []), *(["gguf"] if gguf else [])]}
     if base := base_model(prune["model"]):
         front = {"base_model": base} | front
-    settings = [f"| {k} | {v} |" for k, v in prune.items() if v is not None]
+    settings = [f"| {k} | {plain(v)} |" for k, v in settings_read(prune).items()]
     recovered = [f"| recovery.{k} | {v} |" for k, v in (recovery or {}).items() if v is not None]
     loading = ("AutoModelForCausalLM.from_pretrained(folder)  # stock classes: every layer has one shape"
                if layout == "uniform" else
@@ -98,8 +129,9 @@ def model_card(chosen: Chosen, record: dict, checks: dict, *, layout: str, comma
         f"({'lower' if chosen.objective.ascending else 'higher'} is better).", "",
         *metrics_table(chosen.row), "",
         "Rebuilt for this export and checked against the trial: "
-        + "; ".join(f"{k} {r!r} (trial: {t!r})" for k, (t, r) in checks.items()) + ".", "",
-        "## Where it came from", "", f"- sweep trial folder: `{chosen.folder}`", f"- made again by: `{command}`", "",
+        + "; ".join(f"{k} {plain(r)!r} (trial: {plain(t)!r})" for k, (t, r) in checks.items()) + ".", "",
+        "## Where it came from", "", f"- sweep trial folder: `{trial_place(chosen.folder)}`",
+        f"- made again by: `{command}`", "",
         "## Loading", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "tokenizer = AutoTokenizer.from_pretrained(folder)", *(["model = " + loading] if layout == "uniform"
                                                                else loading.splitlines()), "```", "",

@@ -57,10 +57,50 @@ def trial_config(folder: str | Path) -> TrialConfig:
         raise ExportError(f"{path}: not a trial configuration this version reads ({said})") from None
 
 
-def rebuild(chosen: Chosen, work: Path) -> Rebuilt:
+def _flat(value, prefix: str = "") -> dict:
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in _flat(item, f"{prefix}{key}.").items()}
+    return {prefix.rstrip("."): value}
+
+
+def ran_config(folder: str | Path) -> TrialConfig:
+    """What Tune ran as the trial: the configuration built from its `params.json` (the searched values and the
+    experiment's fixed settings), as the trainable builds it."""
+    path = Path(folder) / "params.json"
+    try:
+        return TrialConfig.from_params(json.loads(path.read_text()))
+    except OSError as error:
+        raise ExportError(f"{path}: cannot read what the trial ran ({error.strerror})") from None
+    except (ValueError, KeyError, TypeError) as error:  # JSON, pydantic, a missing or mistyped key alike
+        said = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ExportError(f"{path}: not the parameters of a taylor_tune trial ({said})") from None
+
+
+def agreed_config(chosen: Chosen, *, trust_remote_code: bool = False) -> TrialConfig:
+    """The trial's recorded configuration (config.json), checked before anything loads: it must be what Tune ran
+    (`ran_config`) for the model the report chose, field by field. `trust_remote_code` is the user's, from the
+    command: a file in the sweep never turns it on (the sweep's files are data, and whoever can write them would
+    otherwise choose the code an export runs)."""
+    recorded = trial_config(chosen.folder)
+    ran = ran_config(chosen.folder)
+    old, new = _flat(recorded.record()), _flat(ran.record())
+    differ = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    if differ or recorded.prune.model != chosen.model:
+        said = (f"{', '.join(differ[:4])} differ from its params.json" if differ
+                else f"its model {recorded.prune.model!r} is not the report's {chosen.model!r}")
+        raise ExportError(f"{Path(chosen.folder) / 'config.json'} is not what trial {chosen.trial_id} ran ({said}); "
+                          "not rebuilt: the trial's record was changed since the sweep")
+    if recorded.prune.trust_remote_code and not trust_remote_code:
+        raise ExportError(f"trial {chosen.trial_id} ran its model's own code (trust_remote_code); the export runs it "
+                          "only when you say so: add --trust-remote-code if you trust that model")
+    return recorded.model_copy(update={"prune": recorded.prune.model_copy(
+        update={"trust_remote_code": trust_remote_code})})
+
+
+def rebuild(chosen: Chosen, work: Path, *, trust_remote_code: bool = False) -> Rebuilt:
     """Run the chosen trial's model-building stages again in `work` (a scratch folder: the pruning's record goes
     there, never into the sweep), then its perplexity; ExportError when a number does not come back."""
-    recorded = trial_config(chosen.folder)
+    recorded = agreed_config(chosen, trust_remote_code=trust_remote_code)
     if recorded.prune.device.startswith("cuda") and not torch.cuda.is_available():
         raise ExportError(f"trial {chosen.trial_id} ran on {recorded.prune.device}: export it where there is a GPU "
                           "(its numbers are checked on the device type they were measured on)")

@@ -29,7 +29,11 @@ def check_output(output: Path, sweep: str) -> None:
 
 
 def export(sweep: str, output: str | Path, *, model: str | None = None, trial: str | None = None,
-           rank: int | None = None, constraints: tuple[str, ...] = (), gguf: str | None = None) -> Path:
+           rank: int | None = None, constraints: tuple[str, ...] = (), gguf: str | None = None,
+           trust_remote_code: bool = False) -> Path:
+    """Rebuild the chosen trial's model and write it to `output` with its card (and its GGUF when `gguf` names a
+    file type). `trust_remote_code`: the user's word that the trial's model may run its own code; never read from
+    the sweep."""
     output = Path(output)
     check_output(output, sweep)
     if gguf is not None:
@@ -39,7 +43,7 @@ def export(sweep: str, output: str | Path, *, model: str | None = None, trial: s
                + (f" --gguf {gguf}" if gguf else ""))
     output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.export-") as scratch:
-        rebuilt = rebuild(chosen, Path(scratch) / "work")
+        rebuilt = rebuild(chosen, Path(scratch) / "work", trust_remote_code=trust_remote_code)
         folder = save_pruned(rebuilt.model, Path(scratch) / "model", rebuilt.tokenizer,
                              source_model=rebuilt.trial.prune.model)
         layout = "uniform" if json.loads((folder / PRUNED_MANIFEST).read_text())["uniform"] else "free"

@@ -23,6 +23,7 @@ from taylor_tune.errors import ReportError
 from taylor_tune.reporting.stats import ACCURACY, Objective
 from taylor_tune.schema import (
     CONFIG_COLUMNS,
+    LEGACY_RACE_FILE,
     OUTCOME_COLUMNS,
     PPL_WINDOWS_FILE,
     RACE_FILE,
@@ -248,8 +249,11 @@ def read_experiment(location: str, filesystem=None) -> pd.DataFrame:
 
 
 def _race_lines(filesystem, root: str) -> dict[str, str]:
-    """A racing sweep's word on each trial it stopped (race.json, the scheduler's: trial id -> why), {} otherwise."""
+    """A racing sweep's word on each trial it stopped (the race's state, the scheduler's: trial id -> why), {}
+    otherwise. An older version kept the state at the top of the folder (LEGACY_RACE_FILE)."""
     text = read_text(filesystem, posixpath.join(root, RACE_FILE))
+    if text is None:
+        text = read_text(filesystem, posixpath.join(root, LEGACY_RACE_FILE))
     try:
         trials = json.loads(text).get("trials", {}) if text else {}
     except (ValueError, AttributeError):
@@ -369,7 +373,9 @@ def attach_outcomes(table: TrialTable) -> TrialTable:
     """Each valid trial's items of its last zero-shot pass (`read_outcomes`, scored by `scored_items`), and its
     perplexity windows where they give its reported ppl."""
     for _, row in table.valid.iterrows():
-        folder = row.get("run_dir") if isinstance(row.get("run_dir"), str) else row.get("trial_dir")
+        # the folder as it is now (where the report was pointed), never the path the trial ran in: a copy of a sweep
+        # is read as the copy, and a sweep whose original is gone still finds its items
+        folder = row.get("output_dir") if isinstance(row.get("output_dir"), str) else row.get("trial_dir")
         windows = read_ppl_windows(folder, table.filesystem) if isinstance(folder, str) else None
         ppl = row.get("ppl")
         if windows is not None and len(windows) and isinstance(ppl, float) and math.isclose(

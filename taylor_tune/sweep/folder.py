@@ -15,6 +15,7 @@ from taylor_tune.config import Evaluation
 from taylor_tune.errors import ConfigError
 from taylor_tune.jsonio import write_text
 from taylor_tune.sweep.experiment import Experiment, Resources, Search
+from taylor_tune.sweep.race_state import RaceStateError, check_race
 
 SAVED_EXPERIMENT = "taylor_tune_experiment.json"  # the settings a sweep started with, written before Tune saves state
 
@@ -45,20 +46,49 @@ def check_ours(folder: str) -> None:
 
 
 def check_resume_trust(folder: str) -> None:
-    """Resuming is Ray's `Tuner.restore`, which unpickles the folder's state (`tuner.pkl`, `experiment_state-*.json`):
-    a local folder, or one of those files, that another user owns or every user can write is refused unless the user
-    opts in with TAYLOR_TUNE_TRUST_EXPERIMENT=1 (README: what is trusted in an experiment folder). Group-writable
-    is let through: with per-user groups (umask 002) it is every file a user writes."""
+    """Resuming is Ray's `Tuner.restore`, which unpickles the folder's state (`pickled_state`: `tuner.pkl`, the
+    searcher's `searcher-state-*.pkl`, the `*state*.json` files with pickled blobs): a local folder, or one of those
+    files, that another user owns or every user can write is refused unless the user opts in with
+    TAYLOR_TUNE_TRUST_EXPERIMENT=1 (README: what is trusted in an experiment folder). Group-writable is let through:
+    with per-user groups (umask 002) it is every file a user writes."""
     root = Path(folder)
     if "://" in folder or not root.is_dir() or os.environ.get("TAYLOR_TUNE_TRUST_EXPERIMENT") == "1":
         return
-    for path in (root, *sorted(root.glob("tuner.pkl")), *sorted(root.glob("*state*.json"))):
+    for path in (root, *pickled_state(root)):
         info = path.stat()
         problem = ("is owned by another user" if info.st_uid != os.getuid()
                    else "is writable by every user" if info.st_mode & 0o002 else None)
         if problem:
             raise ConfigError(f"{path} {problem}, and resuming the sweep would unpickle its state (running code it "
                               "names); make it yours alone (chmod o-w) or set TAYLOR_TUNE_TRUST_EXPERIMENT=1")
+
+
+def pickled_state(root: Path) -> list[Path]:
+    """Every file of an experiment folder that Ray's restore unpickles: each pickle at its top (`tuner.pkl`, the
+    searcher's `searcher-state-*.pkl`, and any other a Tune version adds there) and each state file in JSON that
+    carries pickled blobs (`experiment_state-*.json`, `search_gen_state-*.json`, `basic-variant-state-*.json`)."""
+    return sorted({*root.glob("*.pkl"), *root.glob("*state*.json")})
+
+
+def check_pickles_whole(folder: str) -> None:
+    """Every pickle a resume would read is whole: its opcodes are walked up to the STOP that ends it (`pickletools`:
+    read, never run). A searcher state cut short made Ray print a traceback, restart the search and hand out finished
+    configurations again; it is refused with one line instead."""
+    import pickletools
+
+    root = Path(folder)
+    if "://" in folder or not root.is_dir():
+        return
+    for path in sorted(root.glob("*.pkl")):
+        try:
+            for _ in pickletools.genops(path.read_bytes()):
+                pass
+        except OSError as error:
+            raise ConfigError(f"{path}: unreadable ({error.strerror}); a resume reads it") from None
+        except Exception as error:  # genops raises ValueError for a cut, others for bytes that are no pickle
+            raise ConfigError(f"{path} is damaged ({str(error).splitlines()[0] or type(error).__name__}), and a "
+                              "resume would restart the search from nothing over the finished trials; restore it "
+                              "from a copy, or run the experiment under another --name") from None
 
 
 def check_state_intact(folder: str) -> None:
@@ -77,6 +107,19 @@ def check_state_intact(folder: str) -> None:
         raise ConfigError(f"{states[-1]}: the experiment state is damaged, and resuming from it would start the sweep "
                           f"afresh over its finished trials; the previous state {intact.name} is intact: move the "
                           "damaged file aside to resume from it (the trials' folders hold every finished result)")
+
+
+def check_race_state(folder: str) -> None:
+    """A racing sweep resumes only from a race whose state reads back whole and whose compared items are what its
+    trials reported (`race_state.check_race`): otherwise one line naming the file, before Ray starts."""
+    from pyarrow import fs  # pyarrow's file systems load only for a sweep that resumes
+
+    if "://" in folder or not Path(folder).is_dir():
+        return
+    try:
+        check_race(fs.LocalFileSystem(), str(Path(folder).resolve()))
+    except RaceStateError as error:
+        raise ConfigError(str(error)) from None
 
 
 def has_state(folder: str) -> bool:

@@ -39,12 +39,22 @@ def trial_config(fields: dict, recovery, cache: str | None) -> TrialConfig:
                        recovery=recovery)
 
 
-def tune_folder(sweep, name: str, index: int):
+def tune_params(trial: TrialConfig) -> dict:
+    """The params.json Tune writes for the point that runs `trial` (the model and seed, the rest as fixed settings)."""
+    record = trial.record()
+    prune = {k: v for k, v in record["prune"].items() if k not in ("model", "seed")}
+    return {"model": trial.prune.model, "seed": trial.prune.seed,
+            "fixed": {"prune": prune, "evaluation": record["evaluation"], "sample_counts": list(trial.sample_counts),
+                      "cache_dir": trial.cache_dir, "recovery": record.get("recovery")}}
+
+
+def tune_folder(sweep, name: str, index: int, trial: TrialConfig | None = None):
     """A trial folder named as Tune names a sweep's (sweep_trainable_<experiment>_<index>_<index>_<params>; the
     trial id is `<name>_<index>`, here `ids[name]`), with its params.json."""
     folder = sweep / f"sweep_trainable_{name}_{index:05d}_{index}_x"
     folder.mkdir(parents=True)
-    (folder / "params.json").write_text(json.dumps({"fixed": {"evaluation": {"fidelities": [8]}}}))
+    params = {"fixed": {"evaluation": {"fidelities": [8]}}} if trial is None else tune_params(trial)
+    (folder / "params.json").write_text(json.dumps(params))
     return folder
 
 
@@ -58,8 +68,9 @@ def sweep(tmp_path_factory):
     trials = TRIALS | {"owntext": ({"method": "taylor", "calibration": str(calibration)}, None)}
     ids = {name: f"{name}_{index:05d}" for index, name in enumerate([*trials, "stopped", "failed"])}
     for index, (name, (fields, recovery)) in enumerate(trials.items()):
-        folder = tune_folder(root, name, index)
-        metrics[name] = run_trial(trial_config(fields, recovery, cache), folder)
+        trial = trial_config(fields, recovery, cache)
+        folder = tune_folder(root, name, index, trial)
+        metrics[name] = run_trial(trial, folder)
         (folder / "result.json").write_text(json.dumps(json_safe(metrics[name])) + "\n")
     unfinished = tune_folder(root, "stopped", len(trials))  # pruned, then stopped before its evaluation
     (unfinished / "result.json").write_text(json.dumps({"model": "tiny-llama", "stage": "pruned"}) + "\n")
@@ -141,8 +152,9 @@ def test_the_default_is_the_reports_best_and_a_rank_the_next(sweep, tmp_path):
 
 
 def test_a_rebuild_that_does_not_give_the_trials_numbers_is_refused_and_writes_nothing(sweep, tmp_path):
-    """A setting changed in the trial's record (its calibration seed), then the calibration text changed on disk:
-    each rebuild prunes another model, its perplexity is not the trial's, and nothing is written."""
+    """A setting changed in the trial's record (its calibration seed): refused before anything loads, as the record
+    is no longer what Tune ran (params.json); changed in both, then the calibration text changed on disk: each
+    rebuild prunes another model, its perplexity is not the trial's, and nothing is written."""
     import shutil
 
     copy = tmp_path / "sweep"
@@ -151,6 +163,11 @@ def test_a_rebuild_that_does_not_give_the_trials_numbers_is_refused_and_writes_n
     record = json.loads((folder / "config.json").read_text())
     record["prune"]["seed"] = 1
     (folder / "config.json").write_text(json.dumps(record))
+    with pytest.raises(ExportError, match=r"config.json is not what trial free_00000 ran \(prune.seed differ from its "
+                                          r"params.json\); not rebuilt"):
+        export(str(copy), tmp_path / "out", trial=sweep["ids"]["free"])
+    params = json.loads((folder / "params.json").read_text())
+    (folder / "params.json").write_text(json.dumps(params | {"seed": 1}))
     with pytest.raises(ExportError, match=r"trial free_00000: the rebuilt model's ppl is .* the trial reported"):
         export(str(copy), tmp_path / "out", trial=sweep["ids"]["free"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]  # no output, no scratch folder left

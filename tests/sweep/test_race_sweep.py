@@ -10,6 +10,7 @@ import pytest
 
 from taylor_tune.reporting import load_trials
 from taylor_tune.reporting.frame import read_outcomes, read_ppl_windows
+from taylor_tune.schema import RACE_FILE
 from tests.sweep_helpers import analysis_rows, run_sweep_to_end, write_experiment
 
 pytestmark = pytest.mark.slow  # a Ray sweep
@@ -52,7 +53,7 @@ def test_a_raced_grid_stops_trials_by_a_paired_test_and_its_best_is_scored_on_ev
     run_sweep_to_end(experiment, cluster=ray_head)
     folder = tmp_path / "sweeps" / "race"
     rows = {r["trial_id"]: r for r in analysis_rows(folder)}
-    race = json.loads((folder / "race.json").read_text())
+    race = json.loads((folder / RACE_FILE).read_text())
     assert len(rows) == 6 and set(race["trials"]) == set(rows)
 
     # every trial's first pass scored the same 20 items of each task, a seeded sample (not the first 20 documents)
@@ -104,7 +105,7 @@ def test_a_grid_raced_on_ppl_stops_trials_after_a_perplexity_pass_and_its_best_s
     run_sweep_to_end(experiment, cluster=ray_head)
     folder = tmp_path / "sweeps" / "ppl-race"
     rows = {r["trial_id"]: r for r in analysis_rows(folder)}
-    race = json.loads((folder / "race.json").read_text())
+    race = json.loads((folder / RACE_FILE).read_text())
     assert len(rows) == 6 and set(race["trials"]) == set(rows) and race["objective"] == "ppl"
 
     stopped = {tid: r for tid, r in rows.items() if race["trials"][tid]["stopped"]}

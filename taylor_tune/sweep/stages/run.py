@@ -11,10 +11,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from taylor_tune.config import Evaluation, PruneConfig, RecoverySpec
+from taylor_tune.config import Evaluation, PruneConfig, RecoverySpec, recovery_of
 from taylor_tune.evaluation.evaluate import Evaluator, PerplexityResult, ZeroShotResult
 from taylor_tune.jsonio import json_safe
 from taylor_tune.pruning.prune import Pruning
+from taylor_tune.schema import DIMENSIONS
 from taylor_tune.sweep.racing import Blocks
 
 
@@ -35,6 +36,21 @@ class TrialConfig(BaseModel):
         exclude["evaluation"] = ({"item_seed"} if self.evaluation.item_seed is None else set()) | (
             {"ppl_fidelities"} if self.evaluation.ppl_fidelities == (None,) else set())
         return json.loads(json.dumps(json_safe(self.model_dump(exclude=exclude))))
+
+    @classmethod
+    def from_params(cls, config: dict) -> TrialConfig:
+        """The trial Tune runs for one point of the search (its `params.json`: the searched values, the model and
+        seed, and the experiment's fixed settings under `fixed`)."""
+        fixed = config["fixed"]
+        searched = {DIMENSIONS[name]: config[name] for name in DIMENSIONS if name in config}
+        prune = PruneConfig(model=config["model"], seed=config["seed"], **fixed["prune"], **searched)
+        return cls(
+            prune=prune,
+            evaluation=Evaluation.stored(fixed["evaluation"]),
+            sample_counts=tuple(fixed["sample_counts"]),
+            cache_dir=fixed["cache_dir"],
+            recovery=recovery_of(fixed.get("recovery"), config),  # with the searched recovery dimensions
+        )
 
     @classmethod
     def from_record(cls, record: object) -> TrialConfig:

@@ -26,6 +26,8 @@ from taylor_tune.sweep.experiment import Experiment, check_models, check_sources
 from taylor_tune.sweep.folder import (
     check_experiment_folder,
     check_ours,
+    check_pickles_whole,
+    check_race_state,
     check_resume_trust,
     check_state_intact,
     check_storage,
@@ -66,7 +68,9 @@ def validate(experiment: Experiment) -> None:
     check_experiment_folder(experiment)
     check_ours(experiment_path(experiment))
     check_resume_trust(experiment_path(experiment))
+    check_pickles_whole(experiment_path(experiment))
     check_state_intact(experiment_path(experiment))
+    check_race_state(experiment_path(experiment))
     check_sources(experiment)
     check_models(experiment)
     check_plans(experiment)

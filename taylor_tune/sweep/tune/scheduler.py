@@ -21,23 +21,29 @@ model's `racing.Race`, which says whether it goes on: a one-sided paired test ag
 share, at `search.alpha`. A Ray Tune `TrialScheduler` rather than Optuna's WilcoxonPruner: the sweep's searcher is
 its own per-model TPE or Tune's grid (neither is Tune's OptunaSearch, and that one never asks Optuna whether to
 prune), the test is the report's task-stratified paired difference, not Wilcoxon's on items of different tasks, and
-a grid sweep has no study at all. Tune saves neither scheduler's state; a race's is written to `race.json` in the
-experiment folder after every decision, and a resumed driver's scheduler reads it (and each trial's outcomes) back.
+a grid sweep has no study at all. Tune saves neither scheduler's state; a race's is written to `schema.RACE_FILE` in
+the experiment folder after every decision, and a resumed driver's scheduler reads it (and each trial's outcomes,
+checked against what the trial reported: `race_state`) back.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import posixpath
 
 import pandas as pd
 from ray.tune.schedulers import AsyncHyperBandScheduler, FIFOScheduler, TrialScheduler
 
 from taylor_tune.config import Evaluation
+from taylor_tune.jsonio import write_whole
 from taylor_tune.reporting.frame import open_filesystem, read_outcomes, read_ppl_windows
 from taylor_tune.schema import RACE_FILE, is_recovery_stage
+from taylor_tune.sweep.race_state import RaceStateError, compared, item_scores, items_digest, read_race
 from taylor_tune.sweep.racing import Decision, Race
+
+log = logging.getLogger(__name__)
 
 PASS = "zero_shot_pass"
 PPL_PASS = "ppl_pass"
@@ -78,16 +84,10 @@ class FidelityASHA(AsyncHyperBandScheduler):
         super().on_trial_complete(tune_controller, trial, self._timed(result))
 
 
-def item_scores(outcomes: pd.DataFrame, metrics: dict[str, str]) -> pd.Series:
-    """Each item's score in its task's metric (acc or acc_norm), indexed by (task, doc_id): what a race compares."""
-    return pd.concat([outcomes.xs(task, level="task", drop_level=False)[metric]
-                      for task, metric in sorted(metrics.items())])
-
-
 class RaceScheduler(FIFOScheduler):
     """One `racing.Race` per model; stops a trial after a pass that its race says it lost: a zero-shot pass when the
     objective is acc_mean, a perplexity pass (its windows, `evaluation.ppl_fidelities`) when it is ppl. `location`:
-    the experiment folder (local path or URI), where the trials' folders and race.json live."""
+    the experiment folder (local path or URI), where the trials' folders and the race's state live."""
 
     def __init__(self, location: str, alpha: float = 0.05, objective: str = "acc_mean"):
         super().__init__()
@@ -102,24 +102,26 @@ class RaceScheduler(FIFOScheduler):
         return open_filesystem(self.location)
 
     def _load(self) -> None:
-        """After a resume: the races as race.json left them, each trial's outcomes read again from its folder."""
+        """After a resume: the races as their saved state left them, each trial's compared items read again from
+        its folder and checked against what it reported (`race_state`; the driver checked them before Ray started,
+        so a failure here is a file changed since: that trial is left out of the race, said in the log)."""
         self.loaded = True
         filesystem, root = self._filesystem()
         try:
-            with filesystem.open_input_stream(posixpath.join(root, RACE_FILE)) as stream:
-                saved = json.loads(stream.read())
-        except (OSError, FileNotFoundError, ValueError):
-            return  # a new sweep (or a state we cannot read: the race starts again from the next results)
-        for trial_id, entry in saved.get("trials", {}).items():
-            outcomes = self._outcomes(entry["folder"], entry["stage"], entry["metrics"], filesystem)
-            if outcomes is None:
+            saved = read_race(filesystem, root)
+        except RaceStateError as error:
+            log.error("%s; the race starts again from the next results", error)
+            return
+        for trial_id, entry in (saved or {}).get("trials", {}).items():
+            try:
+                outcomes = compared(filesystem, root, trial_id, entry, self.objective)
+            except RaceStateError as error:
+                log.error("%s; left out of the race", error)
                 continue
-            if self.objective == "ppl":  # the file has every window scored since: those of the recorded pass come first
-                outcomes = outcomes.iloc[: entry["items"]]
             race = self.races.setdefault(entry["model"], Race(self.alpha, self.objective))
             race.outcomes[trial_id] = outcomes
             self.trials[trial_id] = entry
-        for model, decisions in saved.get("decisions", {}).items():
+        for model, decisions in (saved or {}).get("decisions", {}).items():
             race = self.races.setdefault(model, Race(self.alpha, self.objective))
             race.decisions = [Decision(**d) for d in decisions]
 
@@ -128,10 +130,7 @@ class RaceScheduler(FIFOScheduler):
         state = {"alpha": self.alpha, "objective": self.objective, "trials": self.trials,
                  "decisions": {model: [dataclasses.asdict(d) for d in race.decisions]
                                for model, race in self.races.items()}}
-        path = posixpath.join(root, RACE_FILE)
-        with filesystem.open_output_stream(path + ".tmp") as stream:
-            stream.write(json.dumps(state, indent=1).encode())
-        filesystem.move(path + ".tmp", path)  # whole or not at all
+        write_whole(filesystem, posixpath.join(root, RACE_FILE), json.dumps(state, indent=1).encode())
 
     def _outcomes(self, folder: str, stage: str, metrics: dict, filesystem) -> pd.Series | pd.DataFrame | None:
         """What the race compares: each item's score (acc_mean), or each window's NLL and tokens (ppl)."""
@@ -159,6 +158,7 @@ class RaceScheduler(FIFOScheduler):
         final = block == len(passes) - 1  # the last pass ends the race for the trial: recorded, never "raced out"
         self.trials[trial.trial_id] = {"model": model, "block": block, "stage": result["stage"],
                                        "folder": result["output_dir"], "metrics": metrics, "items": len(outcomes),
+                                       "sha256": items_digest(outcomes),  # what a resume checks them against
                                        "final": final, "stopped": not (decision.go_on or final),
                                        "why": decision.says(self.objective)}  # the report's line for a stopped trial
         self._save()

@@ -15,23 +15,13 @@ from pyarrow import fs
 from ray import tune
 
 from taylor_tune.compat.ray import trial_storage
-from taylor_tune.config import Evaluation, PruneConfig, recovery_of
-from taylor_tune.schema import DIMENSIONS, PPL_WINDOWS_FILE, outcomes_file, zero_shot_stage
+from taylor_tune.schema import PPL_WINDOWS_FILE, outcomes_file, zero_shot_stage
 from taylor_tune.sweep.trial import FINISHED_ARTIFACTS, TrialConfig, completed_metrics, run_trial
 from taylor_tune.sweep.tune.metrics import TrialMetrics
 
 
 def trial_config(config: dict) -> TrialConfig:
-    fixed = config["fixed"]
-    searched = {DIMENSIONS[name]: config[name] for name in DIMENSIONS if name in config}
-    prune = PruneConfig(model=config["model"], seed=config["seed"], **fixed["prune"], **searched)
-    return TrialConfig(
-        prune=prune,
-        evaluation=Evaluation.stored(fixed["evaluation"]),
-        sample_counts=tuple(fixed["sample_counts"]),
-        cache_dir=fixed["cache_dir"],
-        recovery=recovery_of(fixed.get("recovery"), config),  # with the searched recovery dimensions
-    )
+    return TrialConfig.from_params(config)
 
 
 def _copy_finished(filesystem, source: str, folder: Path) -> bool:
