@@ -134,8 +134,8 @@ class PassRequests:
 
 def checked_rows(task, docs: dict, rows: object) -> list:
     """A stored entry's rows, checked to be every request of the pass: each row of the stored shape and types, every
-    document's requests numbered 0..k-1, no document missing or foreign, and as many as its choices for a
-    multiple-choice task (ValueError naming the task and document)."""
+    document's requests numbered 0..k-1, no document missing or foreign, and for a multiple-choice task as many as
+    its choices, each its own choice and its own document's text (ValueError naming the task and document)."""
     name = task.config.task
     if not isinstance(rows, list):
         raise ValueError(f"{name}: the entry holds no list of requests")
@@ -159,9 +159,18 @@ def checked_rows(task, docs: dict, rows: object) -> list:
             raise ValueError(f"{name}: document {doc_id} has requests {sorted(idxs)[:8]}, expected 0..{expected - 1}")
     if multiple_choice:  # each request names its own choice (lm-eval's construct_requests), not another's
         delimiter, in_context = task.config.target_delimiter, bool(getattr(task, "multiple_input", False))
+        # and holds its own document's text: the context ends with the rendered question, or (the choices in the
+        # context, as Winogrande) the continuation is the rendered target
+        shared = {doc_id: task.doc_to_target(docs[doc_id]) if in_context else task.doc_to_text(docs[doc_id])
+                  for doc_id in per_doc}
         for doc_id, idx, _, _, context, continuation, *_ in rows:
             choice = choices[doc_id][idx]
             if not (context.endswith(choice) if in_context else continuation == f"{delimiter}{choice}"):
                 raise ValueError(f"{name}: document {doc_id}'s request {idx} holds other text than its choice "
                                  f"{choice[:40]!r} (lm-eval's own request for it)")
+            own = shared[doc_id]
+            if isinstance(own, str) and not (continuation == f"{delimiter}{own}" if in_context
+                                             else context.endswith(own)):
+                raise ValueError(f"{name}: document {doc_id}'s request {idx} holds another text than its document's "
+                                 f"{own[-40:]!r} (lm-eval's own request for it)")
     return rows

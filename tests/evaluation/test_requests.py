@@ -397,6 +397,33 @@ def test_stored_tokens_that_the_tokenizer_does_not_give_are_refused_and_built_ag
     assert "holds other tokens" in caplog.text
 
 
+def test_an_entry_whose_requests_hold_other_documents_contexts_is_refused_and_built_again(piqa, tmp_path, caplog):
+    """Issue 80: each PIQA row given the next document's context (its tokens too, so that they are the tokenizer's),
+    the entry's checksum recomputed: refused naming the document, and the pass builds lm-eval's own requests again;
+    before, the rotated entry was scored (acc_piqa 0.475 instead of 1.0)."""
+    from taylor_tune.jsonio import entry_text
+
+    lm = recording_lm(load_tokenizer("tiny-llama"))
+    cache = RequestCache(tmp_path)
+    first = PassRequests(lm, cache)
+    with first.scoring():
+        first(piqa, 4, lm_eval_build(piqa, 4))
+    (entry,) = tmp_path.glob("*.json")
+    fields = first.fields(piqa, 4)
+    rows = read_entry(entry.read_text(), fields, "rows")
+    doc_ids = sorted({row[0] for row in rows})
+    context = {row[0]: (row[4], row[6]) for row in rows}  # each document's context and its tokens
+    rotated = [[*row[:4], context[doc_ids[(doc_ids.index(row[0]) + 1) % len(doc_ids)]][0], row[5],
+                context[doc_ids[(doc_ids.index(row[0]) + 1) % len(doc_ids)]][1], row[7]] for row in rows]
+    assert rotated != rows
+    entry.write_text(entry_text(fields, "rows", rotated))  # a valid checksum: only the meaning is wrong
+    again = PassRequests(lm, cache)
+    with again.scoring():
+        again(piqa, 4, lm_eval_build(piqa, 4))
+    assert again.built == 1 and read_entry(entry.read_text(), fields, "rows") == rows
+    assert f"piqa_offline: document {rows[0][0]}'s request 0 holds another text than its document's" in caplog.text
+
+
 def test_checked_rows_take_every_request_of_the_pass_and_nothing_else(piqa):
     """The rows lm-eval's requests give pass; each way a stored list can differ from a pass's requests is refused
     with the task's name and what differs: not a list, a row of another shape or type, a document missing or
