@@ -146,6 +146,38 @@ def test_a_tune_folder_taylor_tune_did_not_write_is_refused_before_anything_in_i
     assert marker.exists()
 
 
+def test_a_searcher_state_others_can_write_or_cut_short_is_refused_before_anything_is_unpickled(capsys, tmp_path):
+    """Issue 80: a TPE sweep's `searcher-state-<ts>.pkl` (Ray's restore unpickles it) made world-writable and replaced
+    by a planted pickle: refused as tuner.pkl is, one line, exit 2, the plant never runs. Cut short (no malice):
+    refused with one line naming it, where Ray printed a traceback, restarted the search and handed out finished
+    configurations again."""
+    import json
+    import pickle
+
+    folder = tmp_path / "sweeps" / "exp"
+    folder.mkdir(parents=True)
+    (folder / "tuner.pkl").write_bytes(pickle.dumps({"tuner": "state"}))
+    (folder / "experiment_state-2026-01-01_00-00-00.json").write_text(json.dumps({"trial_data": []}))
+    (folder / "taylor_tune_experiment.json").write_text("{}")
+    marker = tmp_path / "unpickled"
+    searcher = folder / "searcher-state-2026-01-01_00-00-00.pkl"
+    searcher.write_bytes(pickle.dumps(Planted(marker)))
+    searcher.chmod(0o666)
+    code, _, err = run(capsys, "sweep", experiment(tmp_path))
+    one_line(code, err, f"{searcher} is writable by every user, and resuming the sweep would unpickle its state")
+    assert not marker.exists()
+
+    searcher.chmod(0o644)
+    whole = pickle.dumps({"studies": {"tiny-llama": list(range(50))}, "proposed": {"tiny-llama": 3}})
+    for damaged in (whole[:-7], b"", b"not a pickle at all"):
+        searcher.write_bytes(damaged)
+        code, _, err = run(capsys, "sweep", experiment(tmp_path))
+        one_line(code, err, f"{searcher} is damaged (")
+        assert "a resume would restart the search from nothing over the finished trials" in err
+    assert sorted(p.name for p in folder.iterdir()) == ["experiment_state-2026-01-01_00-00-00.json",
+                                                        searcher.name, "taylor_tune_experiment.json", "tuner.pkl"]
+
+
 def test_status_and_report_read_an_experiment_folder_as_data_and_unpickle_nothing(capsys, tmp_path):
     """docs/operations.md's trust section: status and report read a folder as data only. A finished sweep's folder
     (a taylor_tune record, trial folders) with pickles planted where Ray keeps them: tuner.pkl, a CLOUDPICKLE_FALLBACK

@@ -164,5 +164,11 @@ class Race:
             else:
                 worse = found.difference < 0 and found.separated(self.z)
                 decision = Decision(trial, block, found.items, not worse, leader, found.difference, found.stderr)
-        self.decisions.append(decision)
+        # a trial that runs again after a resume (it was in flight when the driver died) records its blocks again:
+        # the same block's decision replaces the first, so that the race reads as one uninterrupted run
+        again = next((i for i, d in enumerate(self.decisions) if (d.trial, d.block) == (trial, block)), None)
+        if again is None:
+            self.decisions.append(decision)
+        else:
+            self.decisions[again] = decision
         return decision

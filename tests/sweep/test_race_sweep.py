@@ -134,3 +134,57 @@ def test_a_grid_raced_on_ppl_stops_trials_after_a_perplexity_pass_and_its_best_s
     for tid, row in stopped.items():
         assert reasons[tid].startswith(f"incomplete: perplexity on {int(row['ppl_windows'])} windows, not every window")
         assert "raced out at block" in reasons[tid] and "in log ppl, paired" in reasons[tid]
+
+
+def canonical_race(folder) -> dict:
+    """The race's state and the report's reasons with each trial named by its configuration (trial ids are new in
+    every run of a sweep), the paths left out."""
+    name = {r["trial_id"]: f"{r['pruning_method']}/{r['taylor_seq_len']}" for r in analysis_rows(folder)}
+
+    def named(value):
+        if isinstance(value, str):
+            for trial_id, configuration in name.items():
+                value = value.replace(trial_id, configuration)
+        return value
+
+    race = json.loads((folder / RACE_FILE).read_text())
+    trials = {named(t): {k: named(v) for k, v in entry.items() if k != "folder"} for t, entry in race["trials"].items()}
+    decisions = [{k: named(v) for k, v in d.items()} for d in race["decisions"]["tiny-llama"]]
+    return {"trials": trials, "decisions": decisions,
+            "reasons": {named(t): named(why) for t, why in stop_reasons(folder).items()}}
+
+
+def test_a_race_killed_and_resumed_keeps_every_decision_of_an_uninterrupted_run(tmp_path, ray_head):
+    """Issue 80: after a SIGKILL and a resume of a racing sweep, the race's state held only its pre-kill decisions
+    (Tune's restore puts back its copy of every .json at the top of the folder) and the report fell back to 'stopped
+    early by the scheduler'. Now: the race's state and the report's reasons equal an uninterrupted run's."""
+    import signal
+
+    from tests.sweep.test_sweep_resilience import interrupt_sweep
+
+    changes = dict(
+        search_space={"taylor_seq_len": {"grid": [16, 32, 48]}, "taylor_num_samples": {"grid": [8]},
+                      "pruning_method": {"grid": ["taylor", "blockwise"]}},
+        search={"algorithm": "grid", "scheduler": "race", "alpha": ALPHA, "max_concurrent": 1},
+        evaluation={"tasks": ",".join(TASKS), "task_data": "world", "ppl": None, "batch_size": 16,
+                    "fidelities": [20, 60, None], "speed": None},
+    )
+    whole = write_experiment(tmp_path, "whole", **changes)
+    run_sweep_to_end(whole, cluster=ray_head)
+    reference = canonical_race(tmp_path / "sweeps" / "whole")
+
+    killed = write_experiment(tmp_path, "killed", **changes)
+    folder = tmp_path / "sweeps" / "killed"
+
+    def raced(count: int) -> bool:
+        try:
+            return len(json.loads((folder / RACE_FILE).read_text())["trials"]) >= count
+        except (OSError, ValueError):
+            return False
+
+    interrupt_sweep(killed, tmp_path / "first-run.log", lambda: raced(3), signal.SIGKILL, TAYLOR_TUNE_TEST_SLOW="1")
+    before = json.loads((folder / RACE_FILE).read_text())
+    assert 3 <= len(before["trials"]) < 6, "the sweep must be killed part-way for this test to mean anything"
+    run_sweep_to_end(killed)
+    assert canonical_race(folder) == reference
+    assert not any("stopped early by the scheduler" in why for why in stop_reasons(folder).values())
