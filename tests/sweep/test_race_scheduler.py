@@ -3,6 +3,7 @@ exactly when the paired test written out in test_racing rejects, never stops a t
 resumed mid-sweep (Tune restores the scheduler as it was pickled at the start) decides as an uninterrupted one."""
 
 import json
+import os
 import pickle
 from statistics import NormalDist
 from types import SimpleNamespace
@@ -34,7 +35,11 @@ def pass_result(folder, values: dict[str, np.ndarray], block: int) -> dict:
     frame = pd.DataFrame(rows, columns=["task", "doc_id", "acc"]).assign(acc_norm=lambda f: f["acc"])
     folder.mkdir(parents=True, exist_ok=True)
     frame.to_parquet(folder / outcomes_file(stage))
-    return {"zero_shot_pass": block, "stage": stage, "output_dir": str(folder)}
+    result = {"zero_shot_pass": block, "stage": stage, "output_dir": str(folder)}
+    with open(folder / "result.json", "a") as log:  # the report Tune records: each task's accuracy on these items
+        log.write(json.dumps(result | {f"acc_{task}": float(np.mean([values[task][d] for d in ids]))
+                                       for task, ids in BLOCKS.items(block).items()}) + "\n")
+    return result
 
 
 def race(scheduler_of, root, trials: dict[str, dict], order: list[tuple[str, int]]) -> list[tuple[str, int, str]]:
@@ -164,3 +169,75 @@ def test_a_race_on_ppl_stops_a_trial_after_a_perplexity_pass_by_the_written_out_
         pd.testing.assert_frame_equal(restored.races["tiny-llama"].outcomes[name],
                                       scheduler.races["tiny-llama"].outcomes[name])
     assert restored.races["tiny-llama"].decisions == scheduler.races["tiny-llama"].decisions
+
+
+def test_a_resumed_race_refuses_items_that_no_longer_give_what_the_trial_reported(tmp_path, caplog):
+    """Issue 80: an incumbent's outcomes edited between a kill and the resume made the race stop the grid's real best.
+    Now the race's state is checked before Ray starts (`folder.check_race_state`, what `sweep` runs): one line naming
+    the file, whether the trial's result.json says otherwise or (a result.json a second behind the race's state) the
+    digest the race recorded of the items does; a scheduler that meets such a file anyway leaves the trial out."""
+    from taylor_tune.errors import ConfigError
+    from taylor_tune.sweep.folder import check_race_state
+
+    rng = np.random.default_rng(5)
+    best = scores(rng, 0.7)
+    trials = {"a": best, "b": worse_copy(rng, best, lose=0.10, gain=0.02), "c": worse_copy(rng, best, 0.01, 0.01)}
+    order = [("a", 0), ("a", 1), ("a", 2), ("a", 3)] + [(t, b) for b in range(4) for t in ("b", "c")]
+    scheduler = RaceScheduler(str(tmp_path))
+    race(lambda step: scheduler, tmp_path, trials, order)
+    check_race_state(str(tmp_path))  # as written: resumes
+
+    outcomes = tmp_path / "a" / outcomes_file(zero_shot_stage(None))
+    kept = outcomes.read_bytes()
+    frame = pd.read_parquet(outcomes)
+    frame.loc[frame.index[:40], ["acc", "acc_norm"]] = 0.0  # the incumbent made worse
+    frame.to_parquet(outcomes)
+    with pytest.raises(ConfigError, match=rf"^{outcomes}: trial a's items do not give the accuracies it reported at "
+                                          r"zero_shot_all; restore the file"):
+        check_race_state(str(tmp_path))
+    report = (tmp_path / "a" / "result.json").read_text()
+    (tmp_path / "a" / "result.json").write_text("\n".join(report.splitlines()[:-1]) + "\n")  # a second behind
+    with pytest.raises(ConfigError, match=rf"^{outcomes}: trial a's items do not give the items the race recorded"):
+        check_race_state(str(tmp_path))
+    resumed = RaceScheduler(str(tmp_path))
+    resumed.on_trial_result(None, trial("d"), pass_result(tmp_path / "d", trials["c"], 0))
+    assert "a" not in resumed.trials and "a" not in resumed.races["tiny-llama"].outcomes
+    assert "trial a's items do not give the items the race recorded; restore the file" in caplog.text and \
+        "left out of the race" in caplog.text
+    outcomes.write_bytes(kept)
+    (tmp_path / "a" / "result.json").write_text(report)
+    check_race_state(str(tmp_path))  # put back: resumes again
+
+
+@pytest.mark.parametrize("edit", ["missing key", "not JSON", "link at the temporary name"])
+def test_a_race_state_missing_a_key_or_cut_short_is_one_line_and_a_link_is_never_written_through(tmp_path, edit):
+    """Issue 80: a race state missing a key gave three tracebacks and exit 1; a link planted at its temporary name
+    led the race to write through it, outside the sweep. Now: one line naming the file and the key before Ray starts,
+    and the state is written as a file of its own whatever lies at its names."""
+    from taylor_tune.errors import ConfigError
+    from taylor_tune.sweep.folder import check_race_state
+
+    rng = np.random.default_rng(5)
+    trials = {"a": scores(rng, 0.7)}
+    scheduler = RaceScheduler(str(tmp_path))
+    race(lambda step: scheduler, tmp_path, trials, [("a", 0)])
+    state = tmp_path / RACE_FILE
+    if edit == "link at the temporary name":
+        outside = tmp_path.parent / f"{tmp_path.name}-outside.txt"
+        outside.write_text("not the race's")
+        for name in (f"{state.name}.tmp", f".{state.name}.{os.getpid()}.tmp"):
+            (state.parent / name).symlink_to(outside)
+        race(lambda step: scheduler, tmp_path, trials, [("a", 1)])
+        assert outside.read_text() == "not the race's" and not state.is_symlink()
+        assert json.loads(state.read_text())["trials"]["a"]["block"] == 1
+        return
+    saved = json.loads(state.read_text())
+    if edit == "missing key":
+        del saved["trials"]["a"]["folder"]
+        state.write_text(json.dumps(saved))
+        message = rf"^{state}: trial a's folder is missing$"
+    else:
+        state.write_text(json.dumps(saved)[:-20])
+        message = rf"^{state}: not JSON \(cut short or damaged\)$"
+    with pytest.raises(ConfigError, match=message):
+        check_race_state(str(tmp_path))
