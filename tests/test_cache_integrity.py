@@ -114,7 +114,8 @@ def test_a_request_entry_missing_rows_is_rebuilt_not_an_error(clean, tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["times-100-stale-checksum", "times-100-recomputed-checksum",
-                                    "empty-recomputed-checksum", "negative-recomputed-checksum"])
+                                    "empty-recomputed-checksum", "negative-recomputed-checksum",
+                                    "unpruned-decode-times-100", "unpruned-prefill-1e12"])
 def test_a_speed_record_that_is_altered_or_incomplete_is_measured_again(clean, tmp_path, damage):
     """Finding 2 (a record x100) and 3 (`"measured": {}`, every trial errored with KeyError), on the record a
     same-shape trial reuses: measured again. x100 with the checksum recomputed is caught by what the numbers mean
@@ -127,6 +128,10 @@ def test_a_speed_record_that_is_altered_or_incomplete_is_measured_again(clean, t
                 checksum=damage.endswith("recomputed-checksum"))
     elif damage.startswith("empty"):
         rewrite(path, header, {}, checksum=True)
+    elif damage.startswith("unpruned"):  # issue 80: the baseline's rate alone, the checksum recomputed
+        rate = "unpruned_decode_tokens_per_s" if "decode" in damage else "unpruned_prefill_tokens_per_s"
+        damaged = measured[rate] * 100 if "decode" in damage else 1e12
+        rewrite(path, header, measured | {rate: damaged}, checksum=True)
     else:
         rewrite(path, header, measured | {"decode_tokens_per_s": -measured["decode_tokens_per_s"]}, checksum=True)
     metrics = run_trial(trial(experiment), experiment / "trial")
@@ -134,6 +139,8 @@ def test_a_speed_record_that_is_altered_or_incomplete_is_measured_again(clean, t
     _, _, stored = json_entry(experiment / "paired_speed")
     assert metrics["decode_tokens_per_s"] == stored["decode_tokens_per_s"] > 0
     assert metrics["decode_speedup"] == stored["decode_speedup"] < 20
+    if damage.startswith("unpruned"):  # the baseline's rate as timed again, not the record's
+        assert metrics[rate] == stored[rate] != damaged
     assert stored["weight_bytes"] == measured["weight_bytes"]  # bytes are exact: the same model measured
     assert metrics["memory_ratio"] == clean_metrics["memory_ratio"] < 1
 

@@ -93,6 +93,9 @@ def test_a_stored_pair_is_read_back_as_it_was():
     ("decode_speedup_low", -0.1, "not a finite number >= 0 or null"),
     ("prefill_speedup_se", math.inf, "not a finite number >= 0 or null"),
     ("unpruned_decode_tokens_per_s", 0, "not a finite positive number"),
+    # issue 80: a baseline's rate x100, or a prefill no machine reaches, beside the pairs' own speedup
+    ("unpruned_decode_tokens_per_s", 600.0, "is 0.005x, but its pairs measured decode_speedup 0.5x: not one"),
+    ("unpruned_prefill_tokens_per_s", 1e12, "is 5e-13x, but its pairs measured prefill_speedup 0.5x: not one"),
     ("memory_ratio", 100.0, "not a positive ratio"),
     ("speed_pairs", 0, "not a positive count"),
 ])
