@@ -24,9 +24,11 @@ def base_model(model: str) -> str | None:
     return model if _HUB_ID.match(model) and not model.startswith((".", "/")) else None
 
 
-def plain(value):
-    """A number as Python writes it: numpy's scalars (`np.int64(7)` under repr) as the int or float they hold."""
-    return value.item() if hasattr(value, "item") and not isinstance(value, (list, dict, str)) else value
+def plain(value, count: bool = False):
+    """A number as Python writes it: numpy's scalars (`np.int64(7)` under repr) as the int or float they hold; a
+    `count` (params_count, which the report's table holds as a float) as an int."""
+    value = value.item() if hasattr(value, "item") and not isinstance(value, (list, dict, str)) else value
+    return int(value) if count and isinstance(value, float) and value.is_integer() else value
 
 
 def settings_read(prune: dict) -> dict:
@@ -81,7 +83,7 @@ def metrics_table(row: dict) -> list[str]:
                          f"{'–' if low is None or high is None else f'{low:.3f} – {high:.3f}'} |")
     for key in ("params_count", "pruning_ratio", "recovery_heldout_loss"):
         if row.get(key) is not None:
-            lines.append(f"| {key} | {plain(row[key]) if key == 'params_count' else _number(row[key])} | – |")
+            lines.append(f"| {key} | {plain(row[key], True) if key == 'params_count' else _number(row[key])} | – |")
     return lines
 
 
@@ -129,7 +131,8 @@ def model_card(chosen: Chosen, record: dict, checks: dict, *, layout: str, comma
         f"({'lower' if chosen.objective.ascending else 'higher'} is better).", "",
         *metrics_table(chosen.row), "",
         "Rebuilt for this export and checked against the trial: "
-        + "; ".join(f"{k} {plain(r)!r} (trial: {plain(t)!r})" for k, (t, r) in checks.items()) + ".", "",
+        + "; ".join(f"{k} {plain(r, k == 'params_count')!r} (trial: {plain(t, k == 'params_count')!r})"
+                    for k, (t, r) in checks.items()) + ".", "",
         "## Where it came from", "", f"- sweep trial folder: `{trial_place(chosen.folder)}`",
         f"- made again by: `{command}`", "",
         "## Loading", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",

@@ -151,6 +151,71 @@ def test_the_default_is_the_reports_best_and_a_rank_the_next(sweep, tmp_path):
     assert json.loads((second / "export.json").read_text())["trial_id"] == ids[ranked[1]]
 
 
+@pytest.mark.parametrize("edited", [("config.json",), ("config.json", "params.json"),
+                                    ("config.json", "params.json", "result.json")])
+def test_a_record_edited_to_a_model_with_its_own_code_runs_no_code(sweep, tmp_path, capsys, edited):
+    """Issue 80: a trial's records edited to `prune.model: <a folder with an auto_map module>` and
+    `trust_remote_code: true`: export imported and ran that module, then refused. Now the record must be what Tune
+    ran (params.json), and trust_remote_code comes from the command alone: one line, exit 2, no marker."""
+    import shutil
+
+    from taylor_tune.cli import main
+
+    copy = tmp_path / "sweep"
+    shutil.copytree(sweep["path"], copy)
+    marker = tmp_path / "code-ran"
+    evil = tmp_path / "evil_model"
+    evil.mkdir()
+    (evil / "config.json").write_text(json.dumps({
+        "model_type": "evil", "architectures": ["EvilModel"],
+        "auto_map": {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"}}))
+    (evil / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n"
+                                  "from transformers import PretrainedConfig\n"
+                                  "class EvilConfig(PretrainedConfig):\n    model_type = 'evil'\n")
+    folder = next(copy.glob("sweep_trainable_free_*"))
+    for name in edited:
+        if name == "result.json":
+            lines = [json.loads(line) for line in (folder / name).read_text().splitlines()]
+            (folder / name).write_text("".join(json.dumps(r | {"model": str(evil)}) + "\n" for r in lines))
+            continue
+        record = json.loads((folder / name).read_text())
+        prune = record["prune"] if name == "config.json" else record["fixed"]["prune"]
+        prune["trust_remote_code"] = True
+        if name == "config.json":
+            prune["model"] = str(evil)
+        else:
+            record["model"] = str(evil)
+        (folder / name).write_text(json.dumps(record))
+    code = main(["export", str(copy), "--trial", sweep["ids"]["free"], "--output", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    expected = {1: "config.json is not what trial free_00000 ran (prune.model, prune.trust_remote_code differ",
+                2: "config.json is not what trial free_00000 ran (its model",
+                3: "ran its model's own code (trust_remote_code); the export runs it only when you say so"}
+    assert expected[len(edited)] in err, err
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_the_model_card_shows_plain_numbers_no_machine_path_and_only_the_settings_the_method_read(sweep, tmp_path):
+    """Issue 80: the card showed `np.int64(107611776)` where numbers belong, the machine's absolute trial folder, and
+    settings a taylor trial never read (flap_compensation, depth_criterion, blockwise_attention)."""
+    for name, read, unread in (
+            ("free", {"method", "criterion", "seq_len", "num_samples"},
+             {"flap_compensation", "depth_criterion", "depth_share", "blockwise_attention", "blockwise_layer_start",
+              "layerwise_max_ratio", "uniform_multiple"}),
+            ("depth", {"method", "depth_criterion"}, {"flap_compensation", "blockwise_attention"})):
+        card = (export(str(sweep["path"]), tmp_path / name, trial=sweep["ids"][name]) / "README.md").read_text()
+        assert "np." not in card and "numpy" not in card
+        folder = next(sweep["path"].glob(f"sweep_trainable_{name}_*"))
+        assert str(folder) not in card and f"- sweep trial folder: `exp/{folder.name}`" in card
+        settings = {line.split("|")[1].strip() for line in card.split("## Configuration")[1].split("##")[0].splitlines()
+                    if line.startswith("| ") and not line.startswith("| setting")}
+        assert read <= settings and not settings & unread, settings
+        assert f"| params_count | {int(sweep[name]['params_count'])} |" in card
+        checks = card.split("checked against the trial: ")[1].split("\n")[0]
+        assert f"params_count {int(sweep[name]['params_count'])} (trial: {int(sweep[name]['params_count'])})" in checks
+
+
 def test_a_rebuild_that_does_not_give_the_trials_numbers_is_refused_and_writes_nothing(sweep, tmp_path):
     """A setting changed in the trial's record (its calibration seed): refused before anything loads, as the record
     is no longer what Tune ran (params.json); changed in both, then the calibration text changed on disk: each
