@@ -284,3 +284,38 @@ def test_a_folder_that_is_not_an_experiment_is_refused_and_an_empty_experiment_i
     (tmp_path / "started" / "experiment_state-2026-11-21_00-00-00.json").write_text("{}")  # not Tune's state
     with pytest.raises(ReportError, match="is not a Tune experiment state"):
         read_experiment(str(tmp_path / "started"))
+
+
+def test_items_are_read_from_the_folder_given_not_from_where_the_trial_ran(tmp_path):
+    """Issue 80: `report` read each trial's items from the path recorded at run time: on a copy of a sweep, edits to
+    the copy changed nothing, and with the original gone the paired verdicts fell back to the independent bound
+    without a word. Now the items come from the folder the report is given."""
+    import shutil
+
+    from taylor_tune.schema import outcomes_file
+
+    original = tmp_path / "original" / "exp"
+    for index, right in enumerate((8, 5)):
+        name = f"sweep_trainable_abcde_0000{index}_{index}_x"
+        folder = original / name
+        folder.mkdir(parents=True)
+        (folder / "params.json").write_text(json.dumps(CONFIG | {"fixed": {"evaluation": {"fidelities": [None]}}}))
+        (folder / "result.json").write_text(report(
+            stage="zero_shot_all", acc_mean=right / 10, acc_piqa=right / 10, model="tiny-llama", fidelity=0,
+            trial_id=f"abcde_0000{index}", output_dir=f"/node/gone/{name}"))  # where it ran: not here
+        outcomes = [1.0] * right + [0.0] * (10 - right)
+        pd.DataFrame({"task": ["piqa"] * 10, "doc_id": range(10), "acc": outcomes, "acc_norm": outcomes}).to_parquet(
+            folder / outcomes_file("zero_shot_all"))
+    table = load_trials(str(original))
+    assert len(table.valid) == 2 and set(table.outcomes) == {"abcde_00000", "abcde_00001"}
+    assert table.outcomes["abcde_00001"].sum() == 5
+
+    copy = tmp_path / "copy" / "exp"
+    shutil.copytree(original, copy)
+    shutil.rmtree(original)
+    edited = next(copy.glob("sweep_trainable_abcde_00001_*")) / outcomes_file("zero_shot_all")
+    frame = pd.read_parquet(edited)
+    frame.loc[0, ["acc", "acc_norm"]] = 0.0  # no longer gives the reported 0.5: not paired on
+    frame.to_parquet(edited)
+    table = load_trials(str(copy))
+    assert set(table.outcomes) == {"abcde_00000"}
