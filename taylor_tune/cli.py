@@ -11,6 +11,7 @@ import argparse
 import errno
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -244,6 +245,17 @@ def _add_sweep(subparsers) -> None:
     p.set_defaults(handler=_run_status)
 
 
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
+def _stop_ray() -> None:
+    """The Ray this process started (a local one; a joined cluster is only left), if it had started."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+
+
 def _run_sweep(args: argparse.Namespace) -> int:
     from taylor_tune.sweep.experiment import load_experiment  # pydantic only
 
@@ -466,6 +478,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # SIGTERM (what `ray job stop` and schedulers send) means what Ctrl-C means, from here on: while Tune runs a sweep
+    # it turns both into its graceful stop (`sweep.tune.driver`); before and after, they arrive as KeyboardInterrupt
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if not args.verbose:  # progress bars of transformers, datasets and lm-eval would bury the one-line answer
         os.environ.setdefault("TQDM_DISABLE", "1")
@@ -485,6 +507,11 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        _stop_ray()  # a local Ray this process started (during a sweep's start): never left behind
+        if args.command == "sweep":  # as a sweep stopped while it ran: what finished is kept, a rerun resumes
+            print("taylor-tune: interrupted; run the same command to resume (finished trials are kept)",
+                  file=sys.stderr)
+            return EXIT_NOT_DONE
         print("taylor-tune: interrupted", file=sys.stderr)
         return 130
 

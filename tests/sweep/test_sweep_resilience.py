@@ -200,3 +200,27 @@ def test_a_local_sweep_listens_on_loopback_only_and_stops_what_it_started(tmp_pa
             proc.kill()
         log.close()
         kill_ray_started_after(started)
+
+
+@pytest.mark.parametrize("sig, delay", [(signal.SIGTERM, 1.0), (signal.SIGTERM, 4.0), (signal.SIGINT, 4.0)])
+def test_an_interrupt_during_start_up_exits_4_with_one_line_and_leaves_no_ray_behind(tmp_path, sig, delay):
+    """Issue 80: SIGTERM during start-up exited 15 (and once left two Ray processes behind), Ctrl-C exited 4 while
+    docs/operations.md said 130. Now either, at any moment of the start (imports and checks, Ray starting), exits 4
+    (EXIT_NOT_DONE: run it again to resume) with one line, and the Ray it started is gone."""
+    from tests.sweep_helpers import ray_processes
+
+    experiment = write_experiment(tmp_path, "startup")
+    started = time.time()
+    proc = subprocess.Popen(sweep_command(experiment), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env(), cwd=REPO)
+    try:
+        time.sleep(delay)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 4, out[-2000:] + err[-2000:]
+        assert "Traceback" not in err, err[-3000:]
+        assert wait_for(lambda: not ray_processes(started), timeout=30), [p.name() for p in ray_processes(started)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        kill_ray_started_after(started)
