@@ -3,8 +3,10 @@ output, and the folder moved into place only when it is complete (a refused or f
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -19,8 +21,9 @@ from taylor_tune.sources.data import PRUNED_MANIFEST
 
 def check_output(output: Path, sweep: str) -> None:
     """A new folder, outside the sweep, under a writable folder; ExportError naming --output otherwise."""
-    if output.exists():
-        raise ExportError(f"--output {output} exists; give a new folder (an export never writes over one)")
+    if output.is_symlink() or output.exists():  # a dangling link too: the export would be written through it
+        what = "is a link" if output.is_symlink() else "exists"
+        raise ExportError(f"--output {output} {what}; give a new folder (an export never writes over one)")
     if output.resolve().is_relative_to(Path(sweep).resolve()):
         raise ExportError(f"--output {output} lies inside the sweep {sweep}; give a folder outside it")
     parent = next(p for p in output.resolve().parents if p.exists())
@@ -42,6 +45,25 @@ def export(sweep: str, output: str | Path, *, model: str | None = None, trial: s
     command = (f"taylor-tune export {sweep} --model {chosen.model} --trial {chosen.trial_id} --output {output}"
                + (f" --gguf {gguf}" if gguf else ""))
     output.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        _write(sweep, chosen, output, command, gguf, trust_remote_code)
+    except Exception as error:  # the writers' own types (safetensors', gguf's) carry a full disk as text, not errno
+        if not _disk_full(error):
+            raise
+        free = shutil.disk_usage(output.parent).free / 2**20
+        raise ExportError(f"--output {output}: no space left on its disk ({free:.1f} MB free); nothing written: free "
+                          "space there or choose another folder") from None
+    return output
+
+
+def _disk_full(error: BaseException) -> bool:
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return "No space left on device" in str(error) or "os error 28" in str(error)
+
+
+def _write(sweep: str, chosen, output: Path, command: str, gguf: str | None, trust_remote_code: bool) -> None:
+    """The model folder and its card built in a scratch folder beside `output`, then moved into place whole."""
     with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.export-") as scratch:
         rebuilt = rebuild(chosen, Path(scratch) / "work", trust_remote_code=trust_remote_code)
         folder = save_pruned(rebuilt.model, Path(scratch) / "model", rebuilt.tokenizer,
@@ -60,5 +82,10 @@ def export(sweep: str, output: str | Path, *, model: str | None = None, trial: s
                                             "trial_folder": chosen.folder, "why": chosen.why, "layout": layout,
                                             "checks": rebuilt.checks, "gguf": written, "config": record,
                                             "command": command})
-        os.replace(folder, output)
-    return output
+        try:
+            os.replace(folder, output)
+        except OSError:
+            if not (output.is_symlink() or output.exists()):
+                raise
+            raise ExportError(f"--output {output} was written by another export meanwhile; this one wrote nothing "
+                              "(give each export its own folder)") from None

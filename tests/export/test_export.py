@@ -196,6 +196,52 @@ def test_a_record_edited_to_a_model_with_its_own_code_runs_no_code(sweep, tmp_pa
     assert not marker.exists() and not (tmp_path / "out").exists()
 
 
+def test_an_output_that_is_a_dangling_link_or_written_by_a_second_export_at_once_is_one_line(sweep, tmp_path):
+    """Issue 80: `--output` a dangling symlink, and two exports into one output at the same moment, ended in OSError
+    tracebacks. Now one line and exit 2 each (the link is not written through; the first export's folder stays)."""
+    import os
+    import subprocess
+    import sys
+
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "nowhere")
+    command = [sys.executable, "-m", "taylor_tune", "export", str(sweep["path"]), "--trial", sweep["ids"]["free"]]
+    proc = subprocess.run([*command, "--output", str(link)], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr == f"taylor-tune: error: --output {link} is a link; give a new folder " \
+        "(an export never writes over one)\n", proc.stderr
+    assert not (tmp_path / "nowhere").exists()
+
+    out = tmp_path / "out"
+    both = [subprocess.Popen([*command, "--output", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}) for _ in range(2)]
+    ended = sorted((p.wait(timeout=300), p.stderr.read()) for p in both)
+    assert [code for code, _ in ended] == [0, 2], ended
+    said = ended[1][1]
+    assert said.count("\n") == 1 and "Traceback" not in said, said
+    assert f"--output {out} " in said and ("was written by another export meanwhile" in said or "exists" in said)
+    assert (out / "README.md").is_file() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_an_export_onto_a_full_disk_is_one_line_and_leaves_nothing(sweep, tmp_path):
+    """Issue 80: `export` onto a full disk ended in a traceback. Now one line naming the output, exit 2, and neither
+    the output nor a scratch folder left on the disk."""
+    import subprocess
+    import sys
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)]).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        proc = subprocess.run([sys.executable, "-m", "taylor_tune", "export", str(sweep["path"]), "--trial",
+                               sweep["ids"]["free"], "--output", str(disk / "out")], capture_output=True, text=True)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert "no space left" in proc.stderr and str(disk / "out") in proc.stderr, proc.stderr
+        assert list(disk.iterdir()) == []
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
 def test_the_model_card_shows_plain_numbers_no_machine_path_and_only_the_settings_the_method_read(sweep, tmp_path):
     """Issue 80: the card showed `np.int64(107611776)` where numbers belong, the machine's absolute trial folder, and
     settings a taylor trial never read (flap_compensation, depth_criterion, blockwise_attention)."""
