@@ -109,6 +109,18 @@ def test_a_setting_ray_or_the_search_cannot_use_is_refused_before_ray(capsys, tm
     nothing_started(tmp_path)
 
 
+def test_one_model_folder_spelled_two_ways_is_listed_twice(capsys, tmp_path, monkeypatch):
+    """Issue 80: `a/model` and `a/./model` (and the same folder by its absolute path) ran as two models."""
+    folder = tmp_path / "a" / "model"
+    folder.mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    for second in ("a/./model", "./a/model", str(folder), "a/model/"):
+        code, _, err = run(capsys, "sweep", experiment(tmp_path, models=["a/model", second]))
+        one_line(code, err, f"models: 'a/model' is listed twice (as 'a/model' and {second!r})"
+                 if second != "a/model" else "listed twice")
+        nothing_started(tmp_path)
+
+
 def test_a_refused_start_leaves_the_name_free_for_other_settings(capsys, tmp_path):
     """A record of settings written by a run that never saved a Tune state does not bind the name."""
     import json

@@ -8,6 +8,7 @@ exists. The search space may be inline or a file under search_spaces/ (see searc
 from __future__ import annotations
 
 import math
+import os
 from itertools import product
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -246,9 +247,15 @@ class Experiment(BaseModel):
     @field_validator("models")
     @classmethod
     def _distinct(cls, models: tuple[str, ...]) -> tuple[str, ...]:
-        twice = [m for i, m in enumerate(models) if m in models[:i]]
-        if twice:  # its trials would run twice and read as two seeds of one configuration
-            raise ValueError(f"{shown(twice[0])} is listed twice; list each model once (search.repeats gives seeds)")
+        # one folder spelled two ways (a/model, a/./model, ./a/model) is one model: its trials would run twice and
+        # read as two models, or as two seeds of one configuration
+        keys = [_model_key(m) for m in models]
+        twice = next((i for i, key in enumerate(keys) if key in keys[:i]), None)
+        if twice is not None:
+            first = models[keys.index(keys[twice])]
+            said = "" if first == models[twice] else f" (as {shown(first)} and {shown(models[twice])})"
+            raise ValueError(f"{shown(first)} is listed twice{said}; list each model once (search.repeats "
+                             "gives seeds)")
         return models
 
     @field_validator("prune")
@@ -438,6 +445,16 @@ def load_experiment(path: str | Path, **overrides: Any) -> Experiment:
         return Experiment(**data)
     except ValidationError as error:
         raise ConfigError(format_validation_error(error)) from None
+
+
+def _model_key(model: str) -> str:
+    """What a model spec names: an existing folder or file by its resolved path, anything else (a hub id, a built-in
+    name) by its normalized spelling."""
+    path = Path(model).expanduser()
+    try:
+        return str(path.resolve()) if path.exists() else os.path.normpath(model)
+    except (OSError, ValueError):  # no path at all (too long, a NUL): a spec is what it says
+        return model
 
 
 def check_models(experiment: Experiment) -> None:
