@@ -207,8 +207,8 @@ def test_an_output_that_is_a_dangling_link_or_written_by_a_second_export_at_once
     link.symlink_to(tmp_path / "nowhere")
     command = [sys.executable, "-m", "taylor_tune", "export", str(sweep["path"]), "--trial", sweep["ids"]["free"]]
     proc = subprocess.run([*command, "--output", str(link)], capture_output=True, text=True)
-    assert proc.returncode == 2 and proc.stderr == f"taylor-tune: error: --output {link} is a link; give a new folder " \
-        "(an export never writes over one)\n", proc.stderr
+    said = f"taylor-tune: error: --output {link} is a link; give a new folder (an export never writes over one)\n"
+    assert proc.returncode == 2 and proc.stderr == said, proc.stderr
     assert not (tmp_path / "nowhere").exists()
 
     out = tmp_path / "out"
