@@ -314,6 +314,8 @@ def _run_status(args: argparse.Namespace) -> int:
         print(f"best so far for {model} by {best['metric']}: {first} with {best['pruning_method']}, "
               f"seq_len {best['taylor_seq_len']}, num_samples {best['taylor_num_samples']}, seed {best['seed']} "
               f"(trial {best['trial_id']}){speed}")
+    for line in status["disagree"]:
+        print(line)
     return 0
 
 

@@ -104,6 +104,8 @@ def stage_seconds(metrics: dict) -> dict[str, float]:
 
 # per-item outcomes of a zero-shot pass, in the trial's folder: one row per item (task, doc_id, acc, acc_norm)
 OUTCOME_COLUMNS = ("task", "doc_id", "acc", "acc_norm")
+# the settings a sweep started with, in the experiment folder (written before Tune saves any state)
+EXPERIMENT_RECORD = "taylor_tune_experiment.json"
 # a racing sweep's state, in a folder of the experiment that Tune's restore leaves alone (`sweep.race_state`): each
 # raced trial's last pass and every decision (JSON); sweeps of older versions kept it at the top
 RACE_FILE = "taylor_tune/race.json"

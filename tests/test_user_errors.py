@@ -378,3 +378,33 @@ def test_a_state_that_is_not_tunes_is_named_as_such_by_status_and_report(capsys,
     code, _, err = run(capsys, "report", folder, "--output", tmp_path / "out")
     one_line(code, err, expected)
     assert not (tmp_path / "out").exists()
+
+
+def test_status_leaves_out_a_trial_whose_saved_state_its_result_json_contradicts(capsys, tmp_path):
+    """Issue 80: status read the experiment state alone, so an acc_mean edited there made another trial the best.
+    Now each trial's last result in the state is held to the same report in its result.json: one that disagrees is
+    left out of the best and named."""
+    import json
+
+    from tests.report_helpers import synthetic_trials, write_tune_folder
+
+    folder = write_tune_folder(synthetic_trials().head(4), tmp_path / "sweeps" / "exp")
+    (folder / "taylor_tune_experiment.json").write_text("{}")
+    trials = sorted(p for p in folder.iterdir() if p.is_dir())
+    finals = [json.loads((t / "result.json").read_text().splitlines()[-1]) for t in trials]
+
+    def write_state(results):
+        state = [[json.dumps({"trial_id": r["trial_id"], "status": "TERMINATED", "config": r["config"]}),
+                  json.dumps({"last_result": {k: v for k, v in r.items() if k != "config"}})] for r in results]
+        (folder / "experiment_state-2026-11-21_00-00-00.json").write_text(json.dumps({"trial_data": state}))
+
+    write_state(finals)
+    code, out, err = run(capsys, "status", folder)
+    best = max(finals, key=lambda r: r["acc_mean"])
+    assert code == 0 and f"(trial {best['trial_id']})" in out and "disagree" not in out, err
+    worst = min(finals, key=lambda r: r["acc_mean"])
+    write_state([r | {"acc_mean": 0.999} if r is worst else r for r in finals])
+    code, out, err = run(capsys, "status", folder)
+    assert code == 0 and f"(trial {best['trial_id']})" in out, out
+    assert (f"trial {worst['trial_id']}: the experiment state and its result.json disagree on acc_mean; left out of "
+            "the best") in out

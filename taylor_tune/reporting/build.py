@@ -151,7 +151,7 @@ def build_report(source, model: str | None = None, z: float = stats.Z95, seed: i
     models = {m: model_report(table, m, z, seed, objective, constraints) for m in table.models}
     valid = table.valid
     invalid_counts = table.invalid.groupby("model").size().to_dict() if len(table.invalid) else {}
-    notes = []
+    notes = list(table.notes)
     if table.superseded:
         notes.append(f"{table.superseded} folder(s) of trials that ran again after a resume were superseded "
                      "by the trial's later run and left out")

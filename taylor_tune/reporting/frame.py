@@ -20,9 +20,12 @@ import pandas as pd
 from taylor_tune.compat import CompatError
 from taylor_tune.compat.tune_state import saved_trials
 from taylor_tune.errors import ReportError
+from taylor_tune.jsonio import json_safe
 from taylor_tune.reporting.stats import ACCURACY, Objective
 from taylor_tune.schema import (
     CONFIG_COLUMNS,
+    DIMENSIONS,
+    EXPERIMENT_RECORD,
     LEGACY_RACE_FILE,
     OUTCOME_COLUMNS,
     PPL_WINDOWS_FILE,
@@ -55,6 +58,9 @@ class TrialTable:
     # trial_id -> its perplexity windows (`read_ppl_windows`), for the valid trials that kept them and whose windows
     # give their reported ppl: what the paired perplexity comparison reads
     ppl_windows: dict = field(default_factory=dict)
+    # one line per file that a valid trial kept and that contradicts what it reported (its items, its windows): the
+    # file is not read for the paired comparisons, and the report says so
+    notes: list = field(default_factory=list)
 
     @property
     def valid(self) -> pd.DataFrame:
@@ -102,12 +108,10 @@ class TrialTable:
     def for_model(self, model: str) -> TrialTable:
         if model not in self.models:
             raise ReportError(f"--model {model!r}: not in the experiment; models: {', '.join(self.models) or 'none'}")
-        return TrialTable(
-            self.trials[self.trials["model"] == model].reset_index(drop=True),
-            self.source,
-            self.filesystem,
-            self.superseded,
-        )
+        trials = self.trials[self.trials["model"] == model].reset_index(drop=True)
+        ids = set(trials["trial_id"].astype(str))
+        return TrialTable(trials, self.source, self.filesystem, self.superseded,
+                          notes=[n for n in self.notes if n.split(":")[0].removeprefix("trial ") in ids])
 
 
 # ---------------------------------------------------------------- reading a folder
@@ -188,8 +192,63 @@ def read_trial(filesystem, trial_dir: str) -> dict:
     error = read_text(filesystem, posixpath.join(trial_dir, "error.txt"))
     if error:
         row["error"] = _last_failure(error)
+    if reports and params:
+        disagrees = disagreement(filesystem, trial_dir, reports[-1], config)
+        if disagrees:
+            row["disagrees"] = disagrees
     row["output_dir"] = trial_dir  # where the artifacts live now; the path during the run is kept as run_dir
     return row
+
+
+def same_value(a, b) -> bool:
+    """Two values as the trial wrote them to two files (NaN as null, ±inf as "inf", as `jsonio.json_safe` writes
+    them), equal: numbers to the last bit but for a float's JSON spelling, everything else exactly."""
+    a, b = json_safe(a), json_safe(b)
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) | isinstance(b, bool):
+        return a == b
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def disagreement(filesystem, trial_dir: str, last: dict, params: dict) -> str | None:
+    """Where a finished trial's own files contradict each other, in one line naming them; None when they agree (or
+    the trial has not written the file to compare with). Its last report (result.json) against the final metrics it
+    wrote beside it (evaluation.json): every key both hold. What Tune ran (params.json) against the trial's record of
+    its configuration (config.json): the model, the seed, each searched and fixed pruning setting, the item limits
+    of the zero-shot passes. Either file may be the edited one: both are named."""
+    text = read_text(filesystem, posixpath.join(trial_dir, "evaluation.json"))
+    try:
+        final = json.loads(text) if text else None
+    except ValueError:
+        return "evaluation.json is not JSON (cut short or damaged)"
+    if final is not None:
+        if not isinstance(final, dict):
+            return "evaluation.json is not the trial's final metrics"
+        if last.get("stage") == final.get("stage"):
+            differ = sorted(k for k in final.keys() & last.keys() if not same_value(final[k], last[k]))
+            if differ:
+                return f"result.json and evaluation.json disagree on {', '.join(differ[:3])}"
+    text = read_text(filesystem, posixpath.join(trial_dir, "config.json"))
+    try:
+        record = json.loads(text) if text else None
+    except ValueError:
+        return "config.json is not JSON (cut short or damaged)"
+    if record is None:
+        return None
+    prune = record.get("prune") if isinstance(record, dict) else None
+    fixed = params.get("fixed") if isinstance(params.get("fixed"), dict) else {}
+    if not isinstance(prune, dict):
+        return "config.json is not a trial's configuration"
+    ran = {DIMENSIONS.get(k, k): v for k, v in params.items() if k in DIMENSIONS or k in ("model", "seed")}
+    ran |= fixed.get("prune") if isinstance(fixed.get("prune"), dict) else {}
+    differ = sorted(f"prune.{k}" for k, v in ran.items() if not same_value(prune.get(k), v))
+    evaluation = (record.get("evaluation") or {}) if isinstance(record.get("evaluation"), dict) else {}
+    passes = (fixed.get("evaluation") or {}) if isinstance(fixed.get("evaluation"), dict) else {}
+    differ += [f"evaluation.{k}" for k in ("fidelities", "tasks") if not same_value(evaluation.get(k), passes.get(k))]
+    if differ:
+        return f"params.json and config.json disagree on {', '.join(differ[:3])}"
+    return None
 
 
 def _read_columns(trial_dir: str, name: str, columns: tuple[str, ...], index, filesystem) -> pd.DataFrame | None:
@@ -239,6 +298,7 @@ def read_experiment(location: str, filesystem=None) -> pd.DataFrame:
         except (ValueError, UnicodeDecodeError, CompatError) as error:
             raise ReportError(f"{location}: not a readable Tune experiment ({error})") from None
     rows = pd.DataFrame([read_trial(filesystem, d) for d in trial_dirs])
+    _check_objective(rows, read_text(filesystem, posixpath.join(root, EXPERIMENT_RECORD)))
     raced = _race_lines(filesystem, root)
     if raced and len(rows):
         rows["race"] = [raced.get(trial_id) for trial_id in rows["trial_id"]]
@@ -246,6 +306,24 @@ def read_experiment(location: str, filesystem=None) -> pd.DataFrame:
         scheme = str(location).split("://", 1)[0]
         rows["output_dir"] = [f"{scheme}://{d}" for d in rows["output_dir"]]
     return rows
+
+
+def _check_objective(rows: pd.DataFrame, record_text: str | None) -> None:
+    """Each trial's objective (its params.json) against the one the sweep started with (the experiment record):
+    a trial that names another is flagged (`disagrees`), not ranked by it."""
+    try:
+        record = json.loads(record_text) if record_text else None
+    except ValueError:
+        record = None
+    if not isinstance(record, dict) or "objective_metric" not in rows or not len(rows):
+        return
+    metric, mode = record.get("metric"), record.get("mode")
+    for i, row in rows.iterrows():
+        if isinstance(row.get("disagrees"), str) or not isinstance(row.get("objective_metric"), str):
+            continue
+        if (row["objective_metric"], row.get("objective_mode")) != (metric, mode):
+            rows.loc[i, "disagrees"] = (f"params.json and {EXPERIMENT_RECORD} disagree on the objective "
+                                        f"({row['objective_metric']} {row.get('objective_mode')}, {metric} {mode})")
 
 
 def _race_lines(filesystem, root: str) -> dict[str, str]:
@@ -277,6 +355,8 @@ def _reason(row: pd.Series, tasks: tuple[str, ...]) -> str | None:
     error = row.get("error") if isinstance(row.get("error"), str) else None
     if isinstance(row.get("read_error"), str):
         return f"errored: {error}" if error else row["read_error"]
+    if isinstance(row.get("disagrees"), str):  # its numbers contradict each other: none of them is used
+        return f"its files disagree: {row['disagrees']}"
     if not _finite(row.get("acc_mean")):
         if error:
             return f"errored: {error}"
@@ -360,7 +440,10 @@ def scored_items(outcomes: pd.DataFrame, row: pd.Series) -> pd.Series | None:
     the reported score), indexed by (task, doc_id); None when a task's outcomes do not reproduce its score."""
     parts = []
     for task, items in outcomes.groupby(level="task", sort=True):
-        reported = row.get(task_key(task))
+        reported, count = row.get(task_key(task)), row.get(task_key(task, "_n"))
+        if isinstance(count, (int, float)) and count == count and (len(items) != count
+                                                                    or items.index.duplicated().any()):
+            return None  # not the items the trial scored (some missing, or one twice)
         column = next((c for c in ("acc", "acc_norm") if items[c].notna().all() and reported is not None
                        and math.isclose(items[c].mean(), reported, rel_tol=0, abs_tol=1e-12)), None)
         if column is None:
@@ -378,17 +461,30 @@ def attach_outcomes(table: TrialTable) -> TrialTable:
         folder = row.get("output_dir") if isinstance(row.get("output_dir"), str) else row.get("trial_dir")
         windows = read_ppl_windows(folder, table.filesystem) if isinstance(folder, str) else None
         ppl = row.get("ppl")
-        if windows is not None and len(windows) and isinstance(ppl, float) and math.isclose(
-                math.exp(math.fsum(windows["nll"]) / windows["tokens"].sum()), ppl, rel_tol=1e-9):
+        if windows is not None and len(windows) and isinstance(ppl, float) and _gives_ppl(windows, ppl):
             table.ppl_windows[row["trial_id"]] = windows
+        elif windows is not None and isinstance(ppl, float):
+            table.notes.append(f"trial {row['trial_id']}: its {PPL_WINDOWS_FILE} does not give the perplexity it "
+                               "reported; left out of the paired perplexity comparisons")
         fidelity = row.get("final_fidelity")
         if not isinstance(folder, str) or fidelity is None or fidelity != fidelity:
             continue
-        outcomes = read_outcomes(folder, zero_shot_stage(int(fidelity) or None), table.filesystem)
+        stage = zero_shot_stage(int(fidelity) or None)
+        outcomes = read_outcomes(folder, stage, table.filesystem)
         scored = None if outcomes is None else scored_items(outcomes, row)
         if scored is not None:
             table.outcomes[row["trial_id"]] = scored
+        elif outcomes is not None:
+            table.notes.append(f"trial {row['trial_id']}: its {outcomes_file(stage)} does not give the accuracies it "
+                               "reported; left out of the paired comparisons")
     return table
+
+
+def _gives_ppl(windows: pd.DataFrame, ppl: float) -> bool:
+    try:
+        return math.isclose(math.exp(math.fsum(windows["nll"]) / windows["tokens"].sum()), ppl, rel_tol=1e-9)
+    except (OverflowError, ZeroDivisionError, TypeError, ValueError):
+        return False
 
 
 def load_trials(source) -> TrialTable:

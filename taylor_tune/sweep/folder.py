@@ -14,10 +14,11 @@ from pathlib import Path
 from taylor_tune.config import Evaluation
 from taylor_tune.errors import ConfigError
 from taylor_tune.jsonio import write_text
+from taylor_tune.schema import EXPERIMENT_RECORD
 from taylor_tune.sweep.experiment import Experiment, Resources, Search
 from taylor_tune.sweep.race_state import RaceStateError, check_race
 
-SAVED_EXPERIMENT = "taylor_tune_experiment.json"  # the settings a sweep started with, written before Tune saves state
+SAVED_EXPERIMENT = EXPERIMENT_RECORD  # the settings a sweep started with, written before Tune saves state
 
 
 def check_experiment_folder(experiment: Experiment) -> None:
@@ -71,17 +72,21 @@ def pickled_state(root: Path) -> list[Path]:
 
 
 def check_pickles_whole(folder: str) -> None:
-    """Every pickle a resume would read is whole: its opcodes are walked up to the STOP that ends it (`pickletools`:
-    read, never run). A searcher state cut short made Ray print a traceback, restart the search and hand out finished
+    """Every pickle a resume would read is whole (`pickled_state`: the .pkl files, and Ray's pickles under a .json name
+    such as `basic-variant-state-*.json`): its opcodes are walked up to the STOP that ends it (`pickletools`: read,
+    never run). A searcher state cut short made Ray print a traceback, restart the search and hand out finished
     configurations again; it is refused with one line instead."""
     import pickletools
 
     root = Path(folder)
     if "://" in folder or not root.is_dir():
         return
-    for path in sorted(root.glob("*.pkl")):
+    for path in pickled_state(root):
         try:
-            for _ in pickletools.genops(path.read_bytes()):
+            data = path.read_bytes()
+            if path.suffix != ".pkl" and data[:1] != b"\x80":  # JSON (a pickle starts with PROTO, Ray's .json ones too)
+                continue
+            for _ in pickletools.genops(data):
                 pass
         except OSError as error:
             raise ConfigError(f"{path}: unreadable ({error.strerror}); a resume reads it") from None

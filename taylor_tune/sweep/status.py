@@ -3,6 +3,8 @@ per model. Must import neither torch nor Ray (a test checks): `taylor-tune statu
 
 from __future__ import annotations
 
+import json
+import posixpath
 import time
 
 import pandas as pd
@@ -10,7 +12,7 @@ import pandas as pd
 from taylor_tune.compat.tune_state import saved_trials
 from taylor_tune.errors import ConfigError
 from taylor_tune.reporting import stats
-from taylor_tune.reporting.frame import open_filesystem
+from taylor_tune.reporting.frame import open_filesystem, read_text, same_value
 from taylor_tune.schema import CONFIG_COLUMNS, zero_shot_stage
 
 
@@ -30,9 +32,16 @@ def sweep_status(path: str) -> dict:
     counts = {"PENDING": 0, "RUNNING": 0, "TERMINATED": 0, "ERROR": 0, "PAUSED": 0}
     finals: dict[str, list[dict]] = {}
     objective = stats.ACCURACY
+    folders, disagree = trial_folders(filesystem, root), []
     for trial in trials:
         counts[trial["status"]] = counts.get(trial["status"], 0) + 1
         result, config = trial["last_result"], trial["config"]
+        metric = (config.get("fixed", {}).get("objective") or {}).get("metric")
+        differ = _differs(filesystem, folders.get(trial["trial_id"]), result, metric)
+        if differ:  # the state says what the trial's own record does not: named, and left out of the best
+            disagree.append(f"trial {trial['trial_id']}: the experiment state and its result.json disagree on "
+                            f"{', '.join(differ[:3])}; left out of the best")
+            continue
         # only a trial's full evaluation counts (a cheap pass, or a trial ASHA stopped after one, is not comparable)
         fixed = config.get("fixed", {})
         fidelities = fixed.get("evaluation", {}).get("fidelities") or [None]
@@ -63,4 +72,39 @@ def sweep_status(path: str) -> dict:
     }
     return {"pending": counts["PENDING"], "running": counts["RUNNING"], "finished": counts["TERMINATED"],
             "errored": counts["ERROR"], "paused": counts["PAUSED"], "total": len(trials), "best": best,
-            "saved_s_ago": None if saved_at is None else max(0.0, time.time() - saved_at)}
+            "saved_s_ago": None if saved_at is None else max(0.0, time.time() - saved_at), "disagree": disagree}
+
+
+# what status reads of a trial's last result, besides its configuration and the sweep's metric
+STATUS_KEYS = ("stage", "acc_mean", "ppl", "decode_speedup", "memory_ratio")
+
+
+def trial_folders(filesystem, root: str) -> dict[str, str]:
+    """trial id -> its folder under the experiment (Tune names it `<trainable>_<trial id>_<index>_...`)."""
+    from pyarrow import fs
+
+    found = {}
+    for info in filesystem.get_file_info(fs.FileSelector(root, recursive=False)):
+        if info.type == fs.FileType.Directory and info.base_name.startswith("sweep_trainable_"):
+            found.setdefault("_".join(info.base_name.split("_")[2:4]), info.path)
+    return found
+
+
+def _differs(filesystem, folder: str | None, result: dict, metric: str | None) -> list[str]:
+    """The keys on which the state's last result of a trial and the same report in its result.json (the line of the
+    same training iteration) differ; [] when they agree, or when result.json has no such line yet (it is written a
+    moment after the state, and a driver killed in between leaves it behind)."""
+    if folder is None or not result:
+        return []
+    same = None
+    for line in (read_text(filesystem, posixpath.join(folder, "result.json")) or "").splitlines():
+        try:
+            report = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(report, dict) and report.get("training_iteration") == result.get("training_iteration"):
+            same = report
+    if same is None:
+        return []
+    keys = [k for k in (*STATUS_KEYS, *CONFIG_COLUMNS[1:], metric) if k and (k in result or k in same)]
+    return sorted(k for k in keys if not same_value(result.get(k), same.get(k)))

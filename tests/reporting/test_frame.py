@@ -319,3 +319,45 @@ def test_items_are_read_from_the_folder_given_not_from_where_the_trial_ran(tmp_p
     frame.to_parquet(edited)
     table = load_trials(str(copy))
     assert set(table.outcomes) == {"abcde_00000"}
+
+
+def test_a_trial_whose_own_files_contradict_each_other_is_flagged_naming_them(tmp_path):
+    """Issue 80: a number edited in one file of a trial was used as if true. Its last report against its final
+    metrics (evaluation.json), what Tune ran (params.json) against its record (config.json), its objective against
+    the sweep's record: each disagreement leaves the trial out, named."""
+    final = {"stage": "zero_shot", "acc_mean": 0.5, "ppl": 31.0, "model": "tiny-llama", "pruning_method": "blockwise",
+             "ppl_curve": [[4, 31.0]], "ratio": float("inf")}
+    params = CONFIG | {"fixed": {"evaluation": {"fidelities": [30, 200]}, "prune": {"sparsity": 0.2},
+                                 "objective": {"metric": "acc_mean", "mode": "max"}}}
+    record = {"prune": {"model": "tiny-llama", "method": "blockwise", "seq_len": 64, "num_samples": 8, "seed": 0,
+                        "sparsity": 0.2}, "evaluation": {"fidelities": [30, 200]}}
+    experiment = tmp_path / "exp"
+    folder = experiment / NAME
+    folder.mkdir(parents=True)
+    (folder / "params.json").write_text(json.dumps(params))
+    (folder / "result.json").write_text(report(**final, fidelity=200, acc_tiny=0.5))
+    (folder / "evaluation.json").write_text(json.dumps(final | {"ratio": "inf"}))  # json_safe's spelling of inf
+    (folder / "config.json").write_text(json.dumps(record))
+    (experiment / "taylor_tune_experiment.json").write_text(json.dumps({"metric": "acc_mean", "mode": "max"}))
+
+    def reason() -> str | None:
+        table = consolidate(read_experiment(str(experiment)))
+        return table.trials.loc[0, "reason"]
+
+    assert reason() is None
+    for name, change, said in (
+            ("evaluation.json", lambda d: d | {"acc_mean": 0.75},
+             "result.json and evaluation.json disagree on acc_mean"),
+            ("config.json", lambda d: {**d, "prune": d["prune"] | {"seq_len": 32}},
+             "params.json and config.json disagree on prune.seq_len"),
+            ("config.json", lambda d: {**d, "evaluation": {"fidelities": [200]}},
+             "params.json and config.json disagree on evaluation.fidelities"),
+            ("params.json", lambda d: {**d, "fixed": {**d["fixed"], "objective": {"metric": "ppl", "mode": "min"}}},
+             "params.json and taylor_tune_experiment.json disagree on the objective (ppl min, acc_mean max)"),
+            ("evaluation.json", lambda d: "{", "evaluation.json is not JSON (cut short or damaged)")):
+        kept = (folder / name).read_text()
+        edited = change(json.loads(kept))
+        (folder / name).write_text(edited if isinstance(edited, str) else json.dumps(edited))
+        assert reason() == f"its files disagree: {said}"
+        (folder / name).write_text(kept)
+    assert reason() is None
