@@ -276,6 +276,11 @@ ALPACA = {"instruction": "Name the colour of the sky on a clear day.", "input": 
      "recovery.seq_len: 32 tokens hold only the prompt of every record drawn"),
     ("empty text", {"recovery": {"data": "EMPTY"}}, "empty.txt holds at most 0"),
     ("binary text", {"recovery": {"data": "BINARY"}}, "is not a UTF-8 text file"),
+    # issue 80: the default warm-up (10 steps) longer than the steps, accepted silently before
+    ("warm-up", {"recovery": {"steps": 4}},
+     "recovery.warmup_steps: 10 warm-up steps for 4 steps: the learning rate would never reach recovery.lr"),
+    ("searched warm-up", {"recovery": {"steps": 40}, "search_space.recovery_warmup_steps": {"grid": [4, 50]}},
+     "recovery.warmup_steps: 50 warm-up steps for 40 steps"),
 ])
 def test_a_recovery_that_cannot_do_what_it_says_is_refused_before_ray(capsys, tmp_path, case, changes, expected):
     """Issue 62, findings 2, 3 and 5: a LoRA rank far beyond the model's width and a step count whose token tensors
@@ -287,6 +292,7 @@ def test_a_recovery_that_cannot_do_what_it_says_is_refused_before_ray(capsys, tm
     (tmp_path / "binary.txt").write_bytes(bytes(range(256)) * 8)
     files = {"ALPACA": tmp_path / "alpaca.jsonl", "EMPTY": tmp_path / "empty.txt", "BINARY": tmp_path / "binary.txt"}
     recovery = {k: str(files.get(v, v)) if k == "data" else v for k, v in changes["recovery"].items()}
-    code, _, err = run(capsys, "sweep", experiment(tmp_path, recovery=recovery))
+    others = {k: v for k, v in changes.items() if k != "recovery"}
+    code, _, err = run(capsys, "sweep", experiment(tmp_path, recovery=recovery, **others))
     one_line(code, err, expected)
     nothing_started(tmp_path)

@@ -84,7 +84,8 @@ def memory_bytes() -> int:
 
 
 def check_recovery(experiment: Experiment) -> None:
-    """Every recovery of the space can do what its settings say, on every model, before Ray starts: a LoRA rank no
+    """Every recovery of the space can do what its settings say, on every model, before Ray starts: a warm-up no
+    longer than the steps, a LoRA rank no
     larger than the model's hidden size (every targeted projection has it on one side, so an update's rank cannot
     exceed it: a larger rank only adds memory, 100,000 took 8-10 GB of a 96-wide model), and the recovery data
     (`sources.recovery_data.check_recovery_data`): its size bounded, the text holding the draw, responses kept."""
@@ -92,6 +93,11 @@ def check_recovery(experiment: Experiment) -> None:
         return
     trust = bool(experiment.prune.get("trust_remote_code"))
     specs = {spec.model_dump_json(): spec for spec in map(experiment.recovery_spec, experiment.space_points())}
+    for spec in specs.values():  # the schedule warms up to lr, then decays to 0 at `steps`
+        if spec.warmup_steps > spec.steps:
+            raise ConfigError(f"recovery.warmup_steps: {spec.warmup_steps} warm-up steps for {spec.steps} steps: the "
+                              "learning rate would never reach recovery.lr nor decay; set warmup_steps to at most "
+                              f"{spec.steps} (0 for none)")
     for model in experiment.models:
         hidden = load_model_config(model, trust_remote_code=trust).hidden_size
         tokenizer = load_tokenizer(model, trust_remote_code=trust)
