@@ -250,3 +250,28 @@ def test_write_text_that_cannot_create_its_temporary_file_raises_that_error(tmp_
     monkeypatch.undo()
     assert raised.value.errno == errno.ENOSPC and path.read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.json"]
+
+
+@pytest.mark.parametrize("planted", ["name", "temporary name", "both"])
+def test_write_whole_replaces_a_link_planted_at_its_names_and_never_writes_through_it(tmp_path, planted):
+    """Issue 80: every file the project writes into a sweep's folder (the race's state, each trial's outcomes and
+    finished artifacts in storage) is written as a file of its own: a symlink planted at its name, or at the name of
+    its temporary file, is replaced, and what it points at is left as it was."""
+    import os
+
+    from pyarrow import fs
+
+    from taylor_tune.jsonio import write_whole
+
+    outside = tmp_path / "outside.txt"
+    outside.write_text("someone else's")
+    folder = tmp_path / "sweep"
+    folder.mkdir()
+    path = folder / "outcomes.parquet"
+    names = {"name": [path.name], "temporary name": [f".{path.name}.{os.getpid()}.tmp"]}
+    for name in names.get(planted, [path.name, f".{path.name}.{os.getpid()}.tmp"]):
+        (folder / name).symlink_to(outside)
+    write_whole(fs.LocalFileSystem(), str(path), b"ours")
+    assert outside.read_text() == "someone else's"
+    assert not path.is_symlink() and path.read_bytes() == b"ours"
+    assert sorted(p.name for p in folder.iterdir()) == [path.name]

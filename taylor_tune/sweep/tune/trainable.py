@@ -15,6 +15,7 @@ from pyarrow import fs
 from ray import tune
 
 from taylor_tune.compat.ray import trial_storage
+from taylor_tune.jsonio import write_whole
 from taylor_tune.schema import PPL_WINDOWS_FILE, outcomes_file, zero_shot_stage
 from taylor_tune.sweep.trial import FINISHED_ARTIFACTS, TrialConfig, completed_metrics, run_trial
 from taylor_tune.sweep.tune.metrics import TrialMetrics
@@ -74,6 +75,12 @@ def _finished_before(checkpoint, storage, trial: TrialConfig, working: Path) -> 
     return done
 
 
+def _upload(storage, working: Path, name: str) -> None:
+    """A file of the trial's working folder into its folder in storage, whole and never through a link planted
+    there (`jsonio.write_whole`): the storage may be a folder others can write."""
+    write_whole(storage.storage_filesystem, f"{storage.trial_fs_path}/{name}", (working / name).read_bytes())
+
+
 def sweep_trainable(config: dict) -> None:
     """Artifacts go to the trial's working directory on whichever node runs it; Tune uploads that folder to
     the trial's folder in storage (RunConfig's SyncConfig(sync_artifacts=True)), so they arrive on shared or
@@ -107,14 +114,12 @@ def sweep_trainable(config: dict) -> None:
         elif "ppl_pass" in metrics:  # a perplexity pass (the zero-shot passes after it carry zero_shot_pass)
             name = PPL_WINDOWS_FILE
         if name is not None:
-            fs.copy_files(str(working / name), f"{storage.trial_fs_path}/{name}",
-                          destination_filesystem=storage.storage_filesystem)
+            _upload(storage, working, name)
         if metrics.get("stage") != final_stage:
             tune.report(metrics)
             return
         for name in FINISHED_ARTIFACTS:  # in storage before the report: found on a rerun whatever Tune saved
-            fs.copy_files(str(working / name), f"{storage.trial_fs_path}/{name}",
-                          destination_filesystem=storage.storage_filesystem)
+            _upload(storage, working, name)
         with tempfile.TemporaryDirectory() as folder:  # the finished artifacts only: a few small JSON files
             for name in FINISHED_ARTIFACTS:
                 shutil.copy2(working / name, Path(folder) / name)
