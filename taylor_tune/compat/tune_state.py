@@ -38,9 +38,9 @@ def saved_trials(filesystem, root: str) -> tuple[list[dict], float | None]:
             with filesystem.open_input_stream(newest) as stream:
                 saved = json.loads(stream.read().decode("utf-8"))
             break
-        except (ValueError, UnicodeDecodeError):
-            if newest == states[0]:
-                raise
+        except (ValueError, UnicodeDecodeError) as error:
+            if newest == states[0]:  # named: the error alone would not say which file
+                raise ValueError(f"{newest.rsplit('/', 1)[-1]} does not parse ({error})") from None
     foreign = ValueError(f"{newest.rsplit('/', 1)[-1]} is not a Tune experiment state (no list of trials, each a "
                          "saved state and a runtime): damaged, or written by another program")
     if not isinstance(saved, dict) or not isinstance(saved.get("trial_data"), list):

@@ -178,7 +178,7 @@ def read_trial(filesystem, trial_dir: str) -> dict:
         row["run_dir"] = last.get("output_dir")
     else:
         row["read_error"] = "result.json is missing" if text is None else (
-            "result.json has no readable report" if broken else "no results reported")
+            "result.json has no readable report" if broken else "no results reported (result.json is empty)")
     for key in CONFIG_COLUMNS:  # a trial that never reported still says which configuration it was
         if row.get(key) is None and key in config:
             row[key] = config[key]
@@ -211,13 +211,23 @@ def same_value(a, b) -> bool:
     return a == b
 
 
+def _own_text(filesystem, path: str) -> str | None:
+    """A trial's file as `read_text` reads it, but None for a symbolic link on a local disk: what it points at is not
+    the trial's (the report's artifacts say so, MISSING.txt)."""
+    from pyarrow import fs
+
+    if isinstance(filesystem, fs.LocalFileSystem) and Path(path).is_symlink():
+        return None
+    return read_text(filesystem, path)
+
+
 def disagreement(filesystem, trial_dir: str, last: dict, params: dict) -> str | None:
     """Where a finished trial's own files contradict each other, in one line naming them; None when they agree (or
     the trial has not written the file to compare with). Its last report (result.json) against the final metrics it
     wrote beside it (evaluation.json): every key both hold. What Tune ran (params.json) against the trial's record of
     its configuration (config.json): the model, the seed, each searched and fixed pruning setting, the item limits
     of the zero-shot passes. Either file may be the edited one: both are named."""
-    text = read_text(filesystem, posixpath.join(trial_dir, "evaluation.json"))
+    text = _own_text(filesystem, posixpath.join(trial_dir, "evaluation.json"))
     try:
         final = json.loads(text) if text else None
     except ValueError:
@@ -229,7 +239,7 @@ def disagreement(filesystem, trial_dir: str, last: dict, params: dict) -> str | 
             differ = sorted(k for k in final.keys() & last.keys() if not same_value(final[k], last[k]))
             if differ:
                 return f"result.json and evaluation.json disagree on {', '.join(differ[:3])}"
-    text = read_text(filesystem, posixpath.join(trial_dir, "config.json"))
+    text = _own_text(filesystem, posixpath.join(trial_dir, "config.json"))
     try:
         record = json.loads(text) if text else None
     except ValueError:

@@ -61,7 +61,7 @@ def test_a_trial_is_its_last_report_its_folder_and_its_configuration(tmp_path):
 
 @pytest.mark.parametrize("result, reason", [
     (None, "result.json is missing"),
-    ("", "no results reported"),
+    ("", "no results reported (result.json is empty)"),
     ('{"ppl": 3', "result.json has no readable report"),  # a driver killed mid-write
     ('{"ppl": 3\n{"acc_mean": \n', "result.json has no readable report"),
 ])
