@@ -49,7 +49,10 @@ def saved_trials(filesystem, root: str) -> tuple[list[dict], float | None]:
     for entry in saved["trial_data"]:
         if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(part, str) for part in entry)):
             raise foreign
-        state, runtime = (json.loads(part) for part in entry)
+        try:
+            state, runtime = (json.loads(part) for part in entry)
+        except ValueError:
+            raise foreign from None
         if not (isinstance(state, dict) and isinstance(runtime, dict)):
             raise foreign
         gone = [f"trial state {key}" for key in STATE_KEYS if key not in state]
