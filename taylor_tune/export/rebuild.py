@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import posixpath
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import torch
 from pydantic import ValidationError
 
 from taylor_tune.export.choose import Chosen, ExportError
+from taylor_tune.reporting.frame import open_filesystem
 from taylor_tune.sweep.stages import evaluation, recovery
 from taylor_tune.sweep.stages.pruning import pruning_stages
 from taylor_tune.sweep.stages.run import Stage, TrialConfig, TrialRun
@@ -44,13 +46,27 @@ class Rebuilt:
         return self.run.pruning.tokenizer
 
 
+def _record(folder: str | Path, name: str) -> tuple[str, str]:
+    """(where, text) of a file of the trial's folder: a local path or a URI (s3://...), read through pyarrow as the
+    report reads the sweep; OSError when it cannot be read."""
+    filesystem, root = open_filesystem(str(folder))
+    path = posixpath.join(root, name)
+    where = f"{str(folder).rstrip('/')}/{name}"
+    try:
+        with filesystem.open_input_stream(path) as stream:
+            return where, stream.read().decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"not UTF-8 ({error.reason})") from None
+
+
 def trial_config(folder: str | Path) -> TrialConfig:
     """The trial's recorded configuration (config.json: JSON, validated field by field; nothing else is read)."""
-    path = Path(folder) / "config.json"
+    path = f"{str(folder).rstrip('/')}/config.json"
     try:
-        return TrialConfig.from_record(json.loads(path.read_text()))
+        path, text = _record(folder, "config.json")
+        return TrialConfig.from_record(json.loads(text))
     except OSError as error:
-        raise ExportError(f"{path}: cannot read the trial's configuration ({error.strerror})") from None
+        raise ExportError(f"{path}: cannot read the trial's configuration ({error.strerror or error})") from None
     except ValueError as error:  # JSON and pydantic's ValidationError alike
         first = error.errors()[0] if isinstance(error, ValidationError) else None
         said = f"{'.'.join(map(str, first['loc']))}: {first['msg']}" if first else str(error).splitlines()[0]
@@ -66,11 +82,12 @@ def _flat(value, prefix: str = "") -> dict:
 def ran_config(folder: str | Path) -> TrialConfig:
     """What Tune ran as the trial: the configuration built from its `params.json` (the searched values and the
     experiment's fixed settings), as the trainable builds it."""
-    path = Path(folder) / "params.json"
+    path = f"{str(folder).rstrip('/')}/params.json"
     try:
-        return TrialConfig.from_params(json.loads(path.read_text()))
+        path, text = _record(folder, "params.json")
+        return TrialConfig.from_params(json.loads(text))
     except OSError as error:
-        raise ExportError(f"{path}: cannot read what the trial ran ({error.strerror})") from None
+        raise ExportError(f"{path}: cannot read what the trial ran ({error.strerror or error})") from None
     except (ValueError, KeyError, TypeError) as error:  # JSON, pydantic, a missing or mistyped key alike
         said = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise ExportError(f"{path}: not the parameters of a taylor_tune trial ({said})") from None
@@ -88,8 +105,9 @@ def agreed_config(chosen: Chosen, *, trust_remote_code: bool = False) -> TrialCo
     if differ or recorded.prune.model != chosen.model:
         said = (f"{', '.join(differ[:4])} differ from its params.json" if differ
                 else f"its model {recorded.prune.model!r} is not the report's {chosen.model!r}")
-        raise ExportError(f"{Path(chosen.folder) / 'config.json'} is not what trial {chosen.trial_id} ran ({said}); "
-                          "not rebuilt: the trial's record was changed since the sweep")
+        where = f"{str(chosen.folder).rstrip('/')}/config.json"
+        raise ExportError(f"{where} is not what trial {chosen.trial_id} ran ({said}); not rebuilt: the trial's "
+                          "record was changed since the sweep")
     if recorded.prune.trust_remote_code and not trust_remote_code:
         raise ExportError(f"trial {chosen.trial_id} ran its model's own code (trust_remote_code); the export runs it "
                           "only when you say so: add --trust-remote-code if you trust that model")

@@ -189,7 +189,8 @@ def test_a_record_edited_to_a_model_with_its_own_code_runs_no_code(sweep, tmp_pa
     code = main(["export", str(copy), "--trial", sweep["ids"]["free"], "--output", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
-    expected = {1: "config.json is not what trial free_00000 ran (prune.model, prune.trust_remote_code differ",
+    expected = {1: "not a finished trial (its files disagree: params.json and config.json disagree on prune.model, "
+                   "prune.trust_remote_code)",
                 2: "config.json is not what trial free_00000 ran (its model",
                 3: "ran its model's own code (trust_remote_code); the export runs it only when you say so"}
     assert expected[len(edited)] in err, err
@@ -264,7 +265,7 @@ def test_the_model_card_shows_plain_numbers_no_machine_path_and_only_the_setting
 
 def test_a_rebuild_that_does_not_give_the_trials_numbers_is_refused_and_writes_nothing(sweep, tmp_path):
     """A setting changed in the trial's record (its calibration seed): refused before anything loads, as the record
-    is no longer what Tune ran (params.json); changed in both, then the calibration text changed on disk: each
+    is no longer what Tune ran (params.json: the report flags the trial, naming both); changed in both, then the calibration text changed on disk: each
     rebuild prunes another model, its perplexity is not the trial's, and nothing is written."""
     import shutil
 
@@ -274,8 +275,8 @@ def test_a_rebuild_that_does_not_give_the_trials_numbers_is_refused_and_writes_n
     record = json.loads((folder / "config.json").read_text())
     record["prune"]["seed"] = 1
     (folder / "config.json").write_text(json.dumps(record))
-    with pytest.raises(ExportError, match=r"config.json is not what trial free_00000 ran \(prune.seed differ from its "
-                                          r"params.json\); not rebuilt"):
+    with pytest.raises(ExportError, match=r"--trial free_00000: not a finished trial \(its files disagree: "
+                                          r"params.json and config.json disagree on prune.seed\)"):
         export(str(copy), tmp_path / "out", trial=sweep["ids"]["free"])
     params = json.loads((folder / "params.json").read_text())
     (folder / "params.json").write_text(json.dumps(params | {"seed": 1}))

@@ -156,7 +156,9 @@ def _fit(experiment: Experiment, verbose: bool):
             )
         elif experiment.search.scheduler == "race":
             scheduler = RaceScheduler(path, alpha=experiment.search.alpha, objective=experiment.metric)
-        cache_dir = f"{path}/importance_cache"
+        # the sweep's shared caches are files under a local or shared folder; on object storage they would be a
+        # local folder named after the URI in each trial's working directory (issue 81): each trial computes its own
+        cache_dir = None if "://" in path else f"{path}/importance_cache"
         if experiment.search.algorithm == "grid":
             search_alg, num_samples, space = None, 1, param_space(experiment, cache_dir=cache_dir)
         else:
