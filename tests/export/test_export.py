@@ -265,8 +265,9 @@ def test_the_model_card_shows_plain_numbers_no_machine_path_and_only_the_setting
 
 def test_a_rebuild_that_does_not_give_the_trials_numbers_is_refused_and_writes_nothing(sweep, tmp_path):
     """A setting changed in the trial's record (its calibration seed): refused before anything loads, as the record
-    is no longer what Tune ran (params.json: the report flags the trial, naming both); changed in both, then the calibration text changed on disk: each
-    rebuild prunes another model, its perplexity is not the trial's, and nothing is written."""
+    is no longer what Tune ran (params.json: the report flags the trial, naming both); changed in both, then the
+    calibration text changed on disk: each rebuild prunes another model, its perplexity is not the trial's, and
+    nothing is written."""
     import shutil
 
     copy = tmp_path / "sweep"
