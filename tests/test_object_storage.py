@@ -125,3 +125,51 @@ def test_one_sweep_on_local_storage_and_on_s3_gives_the_same_trials_report_and_e
     assert said["s3"] == said["local"]
     named_after_uri = [p for root in (REPO, RAY_TEMP, tmp_path) if root.exists() for p in root.rglob("s3:")]
     assert named_after_uri == []
+
+
+def test_a_second_driver_on_one_s3_experiment_is_refused_and_a_stopped_ones_lease_is_taken_over(s3, tmp_path,
+                                                                                                 monkeypatch):
+    """Issue 81, build 3 and must-show 4: on object storage no lock file can be made exclusively, so a driver holds a
+    lease object in the experiment (`sweep.lock.storage_lease`), renewed while it runs. A second driver on the same
+    `s3://` experiment is refused in one line naming the holder, before Ray starts; a lease its holder stopped
+    renewing (or whose process on this host is gone) is taken over; a driver's own lease is removed at its end."""
+    import json
+    import os
+
+    from pyarrow import fs
+
+    from taylor_tune.sweep import lock
+
+    for key, value in s3["env"].items():
+        monkeypatch.setenv(key, value)
+    storage = f"s3://{BUCKET}/leased"
+    folder = f"{storage}/exp"
+    filesystem, root = fs.FileSystem.from_uri(folder)
+    path = f"{root}/{lock.LEASE}"
+    started = time.time()
+    with lock.driver_lock(folder):
+        held = json.loads(filesystem.open_input_stream(path).read())
+        assert held["pid"] == os.getpid() and time.time() - held["renewed"] < lock.LEASE_S
+        proc = sweep(tmp_path, storage, s3["env"])  # a second driver, in another process
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert f"another driver (pid {os.getpid()} on " in proc.stderr and "holds this sweep's lease" in proc.stderr
+        assert not ray_processes(started)
+    assert filesystem.get_file_info(path).type == fs.FileType.NotFound  # released
+
+    def plant(**lease):
+        with filesystem.open_output_stream(path) as stream:
+            stream.write(json.dumps({"pid": 1, "host": "elsewhere", "token": "theirs"} | lease).encode())
+
+    plant(renewed=time.time() - 2 * lock.LEASE_S)  # a stopped driver's, lapsed
+    with lock.driver_lock(folder):
+        assert json.loads(filesystem.open_input_stream(path).read())["pid"] == os.getpid()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    plant(renewed=time.time(), pid=int(dead.stdout), host=__import__("socket").gethostname())  # gone, this host
+    with lock.driver_lock(folder):
+        pass
+    plant(renewed=time.time())  # live, on another host
+    from taylor_tune.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"another driver \(pid 1 on elsewhere\) holds this sweep's lease"):
+        with lock.driver_lock(folder):
+            pass
