@@ -173,3 +173,33 @@ def test_a_second_driver_on_one_s3_experiment_is_refused_and_a_stopped_ones_leas
     with pytest.raises(ConfigError, match=r"another driver \(pid 1 on elsewhere\) holds this sweep's lease"):
         with lock.driver_lock(folder):
             pass
+
+
+def test_the_settings_record_binds_a_resume_on_s3_as_on_a_local_folder(s3, tmp_path, monkeypatch):
+    """Issue 81, build 1: the settings a sweep started with (`taylor_tune_experiment.json`) were a local file only, so a
+    resume on `s3://` with other settings ran silently with the old ones. Now the record is kept in the bucket and an
+    edited experiment is refused naming what differs."""
+    import json
+
+    from pyarrow import fs
+
+    from taylor_tune.errors import ConfigError
+    from taylor_tune.sweep.experiment import load_experiment
+    from taylor_tune.sweep.folder import SAVED_EXPERIMENT, check_unchanged
+
+    for key, value in s3["env"].items():
+        monkeypatch.setenv(key, value)
+    storage = f"s3://{BUCKET}/recorded"
+    folder = f"{storage}/exp"
+    experiment = tmp_path / "exp.yaml"
+    experiment.write_text(yaml.safe_dump({"name": "exp", **SMALL, "storage_path": storage}))
+    check_unchanged(load_experiment(experiment), folder)  # the first start records its settings
+    filesystem, root = fs.FileSystem.from_uri(folder)
+    assert json.loads(filesystem.open_input_stream(f"{root}/{SAVED_EXPERIMENT}").read())["name"] == "exp"
+    with filesystem.open_output_stream(f"{root}/experiment_state-2026-12-06_00-00-00.json") as stream:
+        stream.write(json.dumps({"trial_data": []}).encode())  # Tune saved its state: the record now binds
+    check_unchanged(load_experiment(experiment), folder)  # the same settings resume
+    experiment.write_text(yaml.safe_dump({"name": "exp", **SMALL, "storage_path": storage,
+                                          "prune": {**SMALL["prune"], "sparsity": 0.3}}))
+    with pytest.raises(ConfigError, match=r"was started with other settings \(prune.sparsity differ\)"):
+        check_unchanged(load_experiment(experiment), folder)

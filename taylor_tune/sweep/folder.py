@@ -13,7 +13,8 @@ from pathlib import Path
 
 from taylor_tune.config import Evaluation
 from taylor_tune.errors import ConfigError
-from taylor_tune.jsonio import write_text
+from taylor_tune.jsonio import write_whole
+from taylor_tune.reporting.frame import open_filesystem
 from taylor_tune.schema import EXPERIMENT_RECORD
 from taylor_tune.sweep.experiment import Experiment, Resources, Search
 from taylor_tune.sweep.race_state import RaceStateError, check_race
@@ -175,17 +176,21 @@ def check_unchanged(experiment: Experiment, folder: str) -> None:
     ones); a field the record lacks that has its default is not a difference. Another name (`--name`) starts the
     edited experiment anew. The record binds only once Tune has saved the sweep's state: a run refused or stopped
     before any state was saved leaves nothing to resume, and its name is free for other settings."""
-    if "://" in folder:
-        return
+    from pyarrow import fs  # pyarrow's file systems: the record is kept in the sweep's storage, local or a URI
+
     now = json.loads(json.dumps(experiment.model_dump(exclude={"storage_path"}), default=str))
-    saved_path = Path(folder) / SAVED_EXPERIMENT
-    started = any(Path(folder).glob("experiment_state-*.json")) or (Path(folder) / "tuner.pkl").exists()
+    filesystem, root = open_filesystem(folder)
+    saved_path = f"{folder.rstrip('/')}/{SAVED_EXPERIMENT}"
+    record = f"{root.rstrip('/')}/{SAVED_EXPERIMENT}"
+    names = {i.base_name for i in filesystem.get_file_info(fs.FileSelector(root, allow_not_found=True))}
+    started = "tuner.pkl" in names or any(n.startswith("experiment_state-") and n.endswith(".json") for n in names)
     try:
-        if not started:
+        if not started or SAVED_EXPERIMENT not in names:
             raise FileNotFoundError
-        saved = json.loads(saved_path.read_text())
+        with filesystem.open_input_stream(record) as stream:
+            saved = json.loads(stream.read().decode("utf-8"))
     except FileNotFoundError:
-        write_text(saved_path, json.dumps(now, indent=2, sort_keys=True) + "\n")
+        write_whole(filesystem, record, (json.dumps(now, indent=2, sort_keys=True) + "\n").encode())
         return
     except (OSError, ValueError, UnicodeDecodeError) as error:
         raise ConfigError(f"{saved_path}: unreadable ({type(error).__name__}); it records the settings the sweep "
