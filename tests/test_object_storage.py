@@ -203,3 +203,52 @@ def test_the_settings_record_binds_a_resume_on_s3_as_on_a_local_folder(s3, tmp_p
                                           "prune": {**SMALL["prune"], "sparsity": 0.3}}))
     with pytest.raises(ConfigError, match=r"was started with other settings \(prune.sparsity differ\)"):
         check_unchanged(load_experiment(experiment), folder)
+
+
+def test_a_raced_sweep_on_s3_decides_as_on_a_local_folder(s3, tmp_path, monkeypatch):
+    """Issue 81, must-show 1 (a racing sweep): the race reads each pass's items back from the bucket and keeps its
+    state there; its decisions and the report's reasons are those of the same race on a local folder."""
+    from tests.sweep.test_race_sweep import ALPHA, TASKS
+    from tests.sweep_helpers import kill_ray_started_after
+
+    raced = {**SMALL, "search_space": {"taylor_seq_len": {"grid": [16, 32]}, "taylor_num_samples": {"grid": [8]},
+                                       "pruning_method": {"grid": ["taylor", "blockwise"]}},
+             "models": ["tiny-llama-random"],
+             "search": {"algorithm": "grid", "scheduler": "race", "alpha": ALPHA, "max_concurrent": 1},
+             "evaluation": {"tasks": ",".join(TASKS), "task_data": "world", "ppl": None, "batch_size": 16,
+                            "fidelities": [20, 60, None], "speed": None}}
+    for key, value in s3["env"].items():  # this process reads the bucket too: the server on loopback, never AWS
+        monkeypatch.setenv(key, value)
+    said: dict = {}
+    for where, storage in (("local", str(tmp_path / "sweeps")), ("s3", f"s3://{BUCKET}/raced")):
+        experiment = tmp_path / f"{where}.yaml"
+        experiment.write_text(yaml.safe_dump({"name": "race", **raced, "storage_path": storage}))
+        started, run = time.time(), {**env(), **s3["env"]}
+        proc = subprocess.run([sys.executable, "-m", "taylor_tune", "sweep", str(experiment)], capture_output=True,
+                              text=True, timeout=900, cwd=REPO, env=run)
+        kill_ray_started_after(started)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        report = subprocess.run([sys.executable, "-m", "taylor_tune", "report", f"{storage}/race", "--output",
+                                 str(tmp_path / f"report-{where}")], capture_output=True, text=True, env=run,
+                                timeout=300, cwd=REPO)
+        assert report.returncode == 0, report.stderr[-2000:]
+        invalid = pd.read_csv(tmp_path / f"report-{where}" / "invalid_trials.csv")
+        rows = pd.read_csv(tmp_path / f"report-{where}" / "consolidated_tiny-llama-random" /
+                           "all_methods_results.csv")
+        said[where] = {"trials": sorted((r.pruning_method, r.taylor_seq_len, r.acc_mean) for r in rows.itertuples()),
+                       "stopped": sorted((r.pruning_method, r.taylor_seq_len, r.reason.split(" worse than ")[0])
+                                         for r in invalid.itertuples())}
+        if where == "s3":  # the race's state is in the bucket: every trial raced, each decision kept
+            import json
+
+            from pyarrow import fs
+
+            from taylor_tune.schema import RACE_FILE
+
+            filesystem, root = fs.FileSystem.from_uri(f"{storage}/race")
+            with filesystem.open_input_stream(f"{root}/{RACE_FILE}") as stream:
+                state = json.loads(stream.read())
+            said["state"] = (len(state["trials"]), len(state["decisions"]["tiny-llama-random"]))
+    assert said.pop("state")[0] == 4
+    assert said["s3"] == said["local"]
+    assert said["s3"]["stopped"], "at alpha 0.45 over near-chance trials the race stops some (two, here)"
