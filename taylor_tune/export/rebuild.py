@@ -21,6 +21,7 @@ from pydantic import ValidationError
 
 from taylor_tune.export.choose import Chosen, ExportError
 from taylor_tune.reporting.frame import open_filesystem
+from taylor_tune.sweep.folder import flat
 from taylor_tune.sweep.stages import evaluation, recovery
 from taylor_tune.sweep.stages.pruning import pruning_stages
 from taylor_tune.sweep.stages.run import Stage, TrialConfig, TrialRun
@@ -59,38 +60,32 @@ def _record(folder: str | Path, name: str) -> tuple[str, str]:
         raise ValueError(f"not UTF-8 ({error.reason})") from None
 
 
+def _read(folder: str | Path, name: str, parse, unreadable: str, invalid: str) -> TrialConfig:
+    """A trial's record `name` read (`_record`) and parsed; ExportError naming the file when it cannot be."""
+    path = f"{str(folder).rstrip('/')}/{name}"
+    try:
+        path, text = _record(folder, name)
+        return parse(json.loads(text))
+    except OSError as error:
+        raise ExportError(f"{path}: cannot read {unreadable} ({error.strerror or error})") from None
+    except (ValueError, KeyError, TypeError) as error:  # JSON, pydantic, a missing or mistyped key alike
+        first = error.errors()[0] if isinstance(error, ValidationError) else None
+        said = (f"{'.'.join(map(str, first['loc']))}: {first['msg']}" if first
+                else str(error).splitlines()[0] if str(error) else type(error).__name__)
+        raise ExportError(f"{path}: not {invalid} ({said})") from None
+
+
 def trial_config(folder: str | Path) -> TrialConfig:
     """The trial's recorded configuration (config.json: JSON, validated field by field; nothing else is read)."""
-    path = f"{str(folder).rstrip('/')}/config.json"
-    try:
-        path, text = _record(folder, "config.json")
-        return TrialConfig.from_record(json.loads(text))
-    except OSError as error:
-        raise ExportError(f"{path}: cannot read the trial's configuration ({error.strerror or error})") from None
-    except ValueError as error:  # JSON and pydantic's ValidationError alike
-        first = error.errors()[0] if isinstance(error, ValidationError) else None
-        said = f"{'.'.join(map(str, first['loc']))}: {first['msg']}" if first else str(error).splitlines()[0]
-        raise ExportError(f"{path}: not a trial configuration this version reads ({said})") from None
-
-
-def _flat(value, prefix: str = "") -> dict:
-    if isinstance(value, dict):
-        return {k: v for key, item in value.items() for k, v in _flat(item, f"{prefix}{key}.").items()}
-    return {prefix.rstrip("."): value}
+    return _read(folder, "config.json", TrialConfig.from_record, "the trial's configuration",
+                 "a trial configuration this version reads")
 
 
 def ran_config(folder: str | Path) -> TrialConfig:
     """What Tune ran as the trial: the configuration built from its `params.json` (the searched values and the
     experiment's fixed settings), as the trainable builds it."""
-    path = f"{str(folder).rstrip('/')}/params.json"
-    try:
-        path, text = _record(folder, "params.json")
-        return TrialConfig.from_params(json.loads(text))
-    except OSError as error:
-        raise ExportError(f"{path}: cannot read what the trial ran ({error.strerror or error})") from None
-    except (ValueError, KeyError, TypeError) as error:  # JSON, pydantic, a missing or mistyped key alike
-        said = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise ExportError(f"{path}: not the parameters of a taylor_tune trial ({said})") from None
+    return _read(folder, "params.json", TrialConfig.from_params, "what the trial ran",
+                 "the parameters of a taylor_tune trial")
 
 
 def agreed_config(chosen: Chosen, *, trust_remote_code: bool = False) -> TrialConfig:
@@ -100,7 +95,7 @@ def agreed_config(chosen: Chosen, *, trust_remote_code: bool = False) -> TrialCo
     otherwise choose the code an export runs)."""
     recorded = trial_config(chosen.folder)
     ran = ran_config(chosen.folder)
-    old, new = _flat(recorded.record()), _flat(ran.record())
+    old, new = flat(recorded.record()), flat(ran.record())
     differ = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
     if differ or recorded.prune.model != chosen.model:
         said = (f"{', '.join(differ[:4])} differ from its params.json" if differ

@@ -154,10 +154,14 @@ def _final_fidelity(config: dict) -> int | None:
     return fidelities[-1] or 0
 
 
-def read_trial(filesystem, trial_dir: str) -> dict:
-    """One trial folder -> one row: its last reported metrics plus trial_id, trial_dir, error and read_error."""
-    name = posixpath.basename(trial_dir.rstrip("/"))
-    row: dict = {"trial_id": "_".join(name.split("_")[2:4]) or name, "trial_dir": trial_dir}
+def trial_id_of(folder_name: str) -> str:
+    """The trial id in a trial folder's name (Tune names it `<trainable>_<trial id>_<index>_<params>_<date>`)."""
+    return "_".join(folder_name.split("_")[2:4]) or folder_name
+
+
+def read_reports(filesystem, trial_dir: str) -> tuple[str | None, list, int]:
+    """A trial's result.json: its text (None when missing), every line that parses, and how many did not (a driver
+    killed mid-write leaves a truncated last line)."""
     text = read_text(filesystem, posixpath.join(trial_dir, "result.json"))
     reports, broken = [], 0
     for line in (text or "").splitlines():
@@ -165,7 +169,14 @@ def read_trial(filesystem, trial_dir: str) -> dict:
             try:
                 reports.append(json.loads(line))
             except json.JSONDecodeError:
-                broken += 1  # a driver killed mid-write leaves a truncated last line
+                broken += 1
+    return text, reports, broken
+
+
+def read_trial(filesystem, trial_dir: str) -> dict:
+    """One trial folder -> one row: its last reported metrics plus trial_id, trial_dir, error and read_error."""
+    row: dict = {"trial_id": trial_id_of(posixpath.basename(trial_dir.rstrip("/"))), "trial_dir": trial_dir}
+    text, reports, broken = read_reports(filesystem, trial_dir)
     params = read_text(filesystem, posixpath.join(trial_dir, "params.json"))
     try:
         config = json.loads(params) if params else {}

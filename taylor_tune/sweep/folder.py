@@ -117,13 +117,11 @@ def check_state_intact(folder: str) -> None:
 
 def check_race_state(folder: str) -> None:
     """A racing sweep resumes only from a race whose state reads back whole and whose compared items are what its
-    trials reported (`race_state.check_race`): otherwise one line naming the file, before Ray starts."""
-    from pyarrow import fs  # pyarrow's file systems load only for a sweep that resumes
-
-    if "://" in folder or not Path(folder).is_dir():
-        return
+    trials reported (`race_state.check_race`): otherwise one line naming the file, before Ray starts. Read through
+    the sweep's storage, a local folder or a URI alike."""
+    filesystem, root = open_filesystem(folder)
     try:
-        check_race(fs.LocalFileSystem(), str(Path(folder).resolve()))
+        check_race(filesystem, root)
     except RaceStateError as error:
         raise ConfigError(str(error)) from None
 
@@ -156,9 +154,10 @@ def _parses(path: Path) -> bool:
 
 
 
-def _flat(value, prefix: str = "") -> dict:
+def flat(value, prefix: str = "") -> dict:
+    """A nested mapping as one level of dotted keys (`prune.seed`)."""
     if isinstance(value, dict):
-        return {k: v for key, item in value.items() for k, v in _flat(item, f"{prefix}{key}.").items()}
+        return {k: v for key, item in value.items() for k, v in flat(item, f"{prefix}{key}.").items()}
     return {prefix.rstrip("."): value}
 
 
@@ -167,7 +166,7 @@ def _added_defaults() -> dict:
     added one of them (evaluation.speed, say) lacks it, and its default there is no change (an added field whose
     default is None, such as objectives or search_space.sparsity, reads as None from the record either way)."""
     sections = {"evaluation": Evaluation(), "search": Search(), "resources": Resources()}
-    return _flat(json.loads(json.dumps({k: v.model_dump() for k, v in sections.items()}, default=str)))
+    return flat(json.loads(json.dumps({k: v.model_dump() for k, v in sections.items()}, default=str)))
 
 
 def check_unchanged(experiment: Experiment, folder: str) -> None:
@@ -195,7 +194,7 @@ def check_unchanged(experiment: Experiment, folder: str) -> None:
     except (OSError, ValueError, UnicodeDecodeError) as error:
         raise ConfigError(f"{saved_path}: unreadable ({type(error).__name__}); it records the settings the sweep "
                           "started with") from None
-    old, new, defaults = _flat(saved), _flat(now), _added_defaults()
+    old, new, defaults = flat(saved), flat(now), _added_defaults()
     changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k)
                      and not (k not in old and k in defaults and new[k] == defaults[k]))
     if changed:

@@ -21,7 +21,7 @@ import posixpath
 import pandas as pd
 
 from taylor_tune.jsonio import digest
-from taylor_tune.reporting.frame import read_outcomes, read_ppl_windows, read_text
+from taylor_tune.reporting.frame import read_outcomes, read_ppl_windows, read_reports, read_text
 from taylor_tune.schema import LEGACY_RACE_FILE, PPL_WINDOWS_FILE, RACE_FILE, RACE_OBJECTIVES, outcomes_file, task_key
 
 # every field of a trial's entry that a resumed race reads, and its type
@@ -90,15 +90,8 @@ def trial_folder(root: str, entry: dict) -> str:
 
 def reported_at(filesystem, folder: str, stage: str) -> dict | None:
     """The trial's report at `stage` (its result.json's last line of that stage), None when it has none."""
-    found = None
-    for line in (read_text(filesystem, posixpath.join(folder, "result.json")) or "").splitlines():
-        try:
-            report = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(report, dict) and report.get("stage") == stage:
-            found = report
-    return found
+    _, reports, _ = read_reports(filesystem, folder)
+    return next((r for r in reversed(reports) if isinstance(r, dict) and r.get("stage") == stage), None)
 
 
 def item_scores(outcomes: pd.DataFrame, metrics: dict[str, str]) -> pd.Series:

@@ -3,8 +3,6 @@ per model. Must import neither torch nor Ray (a test checks): `taylor-tune statu
 
 from __future__ import annotations
 
-import json
-import posixpath
 import time
 
 import pandas as pd
@@ -12,7 +10,7 @@ import pandas as pd
 from taylor_tune.compat.tune_state import saved_trials
 from taylor_tune.errors import ConfigError
 from taylor_tune.reporting import stats
-from taylor_tune.reporting.frame import open_filesystem, read_text, same_value
+from taylor_tune.reporting.frame import open_filesystem, read_reports, same_value, trial_id_of
 from taylor_tune.schema import CONFIG_COLUMNS, zero_shot_stage
 
 
@@ -86,7 +84,7 @@ def trial_folders(filesystem, root: str) -> dict[str, str]:
     found = {}
     for info in filesystem.get_file_info(fs.FileSelector(root, recursive=False)):
         if info.type == fs.FileType.Directory and info.base_name.startswith("sweep_trainable_"):
-            found.setdefault("_".join(info.base_name.split("_")[2:4]), info.path)
+            found.setdefault(trial_id_of(info.base_name), info.path)
     return found
 
 
@@ -96,14 +94,10 @@ def _differs(filesystem, folder: str | None, result: dict, metric: str | None) -
     moment after the state, and a driver killed in between leaves it behind)."""
     if folder is None or not result:
         return []
-    same = None
-    for line in (read_text(filesystem, posixpath.join(folder, "result.json")) or "").splitlines():
-        try:
-            report = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(report, dict) and report.get("training_iteration") == result.get("training_iteration"):
-            same = report
+    _, reports, _ = read_reports(filesystem, folder)
+    iteration = result.get("training_iteration")
+    same = next((r for r in reversed(reports) if isinstance(r, dict) and r.get("training_iteration") == iteration),
+                None)
     if same is None:
         return []
     keys = [k for k in (*STATUS_KEYS, *CONFIG_COLUMNS[1:], metric) if k and (k in result or k in same)]

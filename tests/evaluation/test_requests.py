@@ -364,6 +364,19 @@ def test_the_key_holds_each_field_a_passs_requests_depend_on(piqa):
     assert not hasattr(stock, "scorer") and PassRequests(stock).fields(piqa, 4) == {**fields, "scorer": None}
 
 
+def stored_piqa_entry(piqa, folder):
+    """A pass over PIQA's first four documents with a request cache in `folder`: (lm, cache, the pass, its entry,
+    the entry's fields, its rows as stored)."""
+    lm = recording_lm(load_tokenizer("tiny-llama"))
+    cache = RequestCache(folder)
+    first = PassRequests(lm, cache)
+    with first.scoring():
+        first(piqa, 4, lm_eval_build(piqa, 4))
+    (entry,) = folder.glob("*.json")
+    fields = first.fields(piqa, 4)
+    return lm, cache, first, entry, fields, read_entry(entry.read_text(), fields, "rows")
+
+
 def test_stored_tokens_that_the_tokenizer_does_not_give_are_refused_and_built_again(piqa, tmp_path, monkeypatch,
                                                                                      caplog):
     """Every request tokenized again (RETOKENIZED above the count): a stored row whose tokens are not the
@@ -373,14 +386,7 @@ def test_stored_tokens_that_the_tokenizer_does_not_give_are_refused_and_built_ag
     from taylor_tune.jsonio import entry_text
 
     monkeypatch.setattr(requests_module, "RETOKENIZED", 100)
-    lm = recording_lm(load_tokenizer("tiny-llama"))
-    cache = RequestCache(tmp_path)
-    first = PassRequests(lm, cache)
-    with first.scoring():
-        first(piqa, 4, lm_eval_build(piqa, 4))
-    (entry,) = tmp_path.glob("*.json")
-    fields = first.fields(piqa, 4)
-    rows = read_entry(entry.read_text(), fields, "rows")
+    lm, cache, first, entry, fields, rows = stored_piqa_entry(piqa, tmp_path)
     docs = dict(task_documents(piqa, 4))
     for k, part in ((5, 6), (2, 7)):  # a context's, then a continuation's tokens
         bad = json.loads(json.dumps(rows))
@@ -403,14 +409,7 @@ def test_an_entry_whose_requests_hold_other_documents_contexts_is_refused_and_bu
     before, the rotated entry was scored (acc_piqa 0.475 instead of 1.0)."""
     from taylor_tune.jsonio import entry_text
 
-    lm = recording_lm(load_tokenizer("tiny-llama"))
-    cache = RequestCache(tmp_path)
-    first = PassRequests(lm, cache)
-    with first.scoring():
-        first(piqa, 4, lm_eval_build(piqa, 4))
-    (entry,) = tmp_path.glob("*.json")
-    fields = first.fields(piqa, 4)
-    rows = read_entry(entry.read_text(), fields, "rows")
+    lm, cache, first, entry, fields, rows = stored_piqa_entry(piqa, tmp_path)
     doc_ids = sorted({row[0] for row in rows})
     context = {row[0]: (row[4], row[6]) for row in rows}  # each document's context and its tokens
     rotated = [[*row[:4], context[doc_ids[(doc_ids.index(row[0]) + 1) % len(doc_ids)]][0], row[5],
