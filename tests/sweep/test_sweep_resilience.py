@@ -224,3 +224,7 @@ def test_an_interrupt_during_start_up_exits_4_with_one_line_and_leaves_no_ray_be
         if proc.poll() is None:
             proc.kill()
         kill_ray_started_after(started)
+    # the docs say what the code does: 4 for an interrupted sweep, Ctrl-C or SIGTERM alike
+    operations = " ".join((REPO / "docs" / "operations.md").read_text().split())
+    assert "was interrupted, by Ctrl-C or SIGTERM at any moment" in operations and "130 on Ctrl-C" not in \
+        operations.split("`status`, `report`")[0]
