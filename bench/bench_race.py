@@ -50,6 +50,7 @@ from taylor_tune.jsonio import write_json  # noqa: E402
 from taylor_tune.pruning.activations import ACTIVATION_CRITERIA  # noqa: E402
 from taylor_tune.reporting.frame import read_outcomes  # noqa: E402
 from taylor_tune.reporting.paired import paired_difference  # noqa: E402
+from taylor_tune.storage import Store
 from taylor_tune.sweep.racing import Blocks, Race, race_seed  # noqa: E402
 from taylor_tune.sweep.tune.scheduler import PASS, FidelityASHA, item_scores  # noqa: E402
 from taylor_tune.sweep.tune.search import PerModelSearcher  # noqa: E402
@@ -114,8 +115,7 @@ def load_grid(path: Path, only: dict[str, set] | None = None) -> dict:
     if len(configs) != product:  # a search proposes from the domains' product: every point must be there
         raise SystemExit(f"{path}: {len(configs)} configurations kept, not the {product} of their grid; replay a "
                          "finished grid")
-    events = path / "importance_cache" / "events.jsonl"
-    for event in (json.loads(x) for x in (events.read_text().splitlines() if events.is_file() else []) if x.strip()):
+    for event in Store(path / "importance_cache").events():
         if event["event"] == "computed":
             kind = "activations" if event.get("statistics") == "activations" else "gradients"
             importance.setdefault((int(event["seq_len"]), kind), event["seconds"])

@@ -40,6 +40,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from taylor_tune.jsonio import write_json  # noqa: E402
+from taylor_tune.storage import Store
 from taylor_tune.sweep.tune.scheduler import PASS, FidelityASHA  # noqa: E402
 from taylor_tune.sweep.tune.search import PerModelSearcher  # noqa: E402
 
@@ -95,10 +96,7 @@ def load_grids(path: Path, passes: list[str] | None = None, metric: str = "acc_m
         if reached[-1]["limit"] != "all":
             raise SystemExit(f"{result_file}: the trial did not reach its full evaluation; replay a finished grid")
         grids.setdefault(full["seed"], {})[tuple(full[name] for name in NAMES)] = reached
-    events = path / "importance_cache" / "events.jsonl"  # the cache's own record: also a pass no trial computed
-    for event in (
-        json.loads(line) for line in (events.read_text().splitlines() if events.is_file() else []) if line.strip()
-    ):
+    for event in Store(path / "importance_cache").events():  # the cache's own record: also a pass no trial computed
         if event["event"] == "computed":
             importance.setdefault((int(event["seed"]), int(event["seq_len"])), event["seconds"])
     return grids, importance

@@ -10,9 +10,12 @@ several sweeps of one grid (its configurations run in parts) export into one fol
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
+
+from taylor_tune.storage import Store
 
 KEEP = ("params.json", "result.json", "config.json", "evaluation.json", "layer_analysis.json")
 KEEP_PATTERNS = ("outcomes_*.parquet", "ppl_windows*.parquet")
@@ -27,13 +30,13 @@ def export(source: Path, target: Path) -> int:
         for path in kept:
             if path.is_file():
                 shutil.copy2(path, target / folder.name / path.name)
-    events = source / "importance_cache" / "events.jsonl"
-    if events.is_file():  # merged, not replaced: a grid finished in several sweeps keeps every sweep's passes
+    events = Store(source / "importance_cache").events()
+    if events:  # merged, not replaced: a grid finished in several sweeps keeps every sweep's passes (one log)
         kept = target / "importance_cache" / "events.jsonl"
         kept.parent.mkdir(parents=True, exist_ok=True)
         lines = kept.read_text().splitlines() if kept.is_file() else []
         seen = set(lines)
-        new = [line for line in events.read_text().splitlines() if line.strip() and line not in seen]
+        new = [line for line in map(json.dumps, events) if line not in seen]
         kept.write_text("".join(f"{line}\n" for line in lines + new))
     return len(folders)
 

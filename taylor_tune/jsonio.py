@@ -1,18 +1,16 @@
 """The one place where numbers become JSON. In memory a ratio may be inf and a missing value NaN (floats stay
 floats, so Tune and pandas compare them); JSON has neither, so a file gets "inf" / "-inf" and null. Also the
-digests that name cache entries, the JSON entry that processes sharing a folder build once, and opening the files
-of a shared folder without following a link planted there."""
+digests that name cache entries, the header and checksum of a JSON cache entry, and opening the files of a shared
+folder without following a link planted there."""
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import json
 import logging
 import math
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -127,28 +125,3 @@ def read_entry(text: str, fields: dict, part: str):
     if header.get("sha256") != sha256_text(payload):
         raise ValueError("its payload does not match its checksum (cut short or changed)")
     return json.loads(payload)
-
-
-def built_once(path: Path, fields: dict, build: Callable[[], object], read: Callable[[object], object],
-               part: str = "value") -> tuple[object, bool]:
-    """(read(stored), built): the payload the entry at `path` holds for `fields` (`entry_text`), taken by `read`,
-    which checks what it means and raises on anything it cannot use. An entry that is missing, another one's, not
-    what its checksum says, or refused by `read` is logged (its path, the error's type and the first 200 characters
-    of its message), removed and built again, once (`build()`'s value, stored
-    first): a damaged entry is never used. The first of the processes sharing the folder builds under a file lock
-    (released when the file closes, also when the process dies); the others wait for it, then read."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fields = json.loads(json.dumps(fields))  # as it reads back
-    with os.fdopen(open_own(path.with_suffix(".lock"), os.O_WRONLY), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            return read(read_entry(path.read_text(), fields, part)), False
-        except FileNotFoundError:
-            pass
-        except Exception as error:  # anything a damaged entry makes the reader raise: removed, built again
-            log.warning("cache entry %s is refused (%s: %s); removed, building it again", path,
-                        type(error).__name__, str(error)[:200])
-            path.unlink(missing_ok=True)
-        value = build()
-        write_text(path, entry_text(fields, part, value))
-        return read(value), True

@@ -20,7 +20,7 @@ from tests.helpers import ARCHS
 # first, put the Ray sweeps, a few long tests each, at the end.)
 LONGEST_FIRST = (
     "tests/sweep/test_sweep_resilience.py", "tests/sources/test_real_world.py", "tests/test_object_storage.py",
-    "tests/sweep/test_smoke_sweep.py",
+    "tests/test_cluster.py", "tests/sweep/test_smoke_sweep.py",
     "tests/sweep/test_search_sweeps.py", "tests/recovery/test_recovery_sweeps.py", "tests/sweep/test_memory.py",
     "tests/evaluation/test_requests.py", "tests/sources/test_assets.py", "tests/test_storage_full.py",
     "tests/test_bench_gpu.py", "tests/evaluation/test_scorer.py", "tests/sweep/test_baseline_sweep.py",

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from taylor_tune.config import Evaluation, PruneConfig, SpeedSpec
 from taylor_tune.jsonio import entry_text
 from taylor_tune.pruning.importance_cache import CHECKSUM, tensors_sha256
+from taylor_tune.storage import Store, built_json, json_name
 from taylor_tune.sweep.trial import TrialConfig, run_trial
 
 pytestmark = pytest.mark.slow
@@ -51,7 +52,7 @@ def removed(trial_dir):
 def seeded(clean_folder, tmp_path):
     experiment = tmp_path / "seeded"
     for name in CACHES:
-        shutil.copytree(clean_folder / name, experiment / name, ignore=shutil.ignore_patterns("*.lock", "events.jsonl"))
+        shutil.copytree(clean_folder / name, experiment / name, ignore=shutil.ignore_patterns("*.lock", "events*"))
     return experiment
 
 
@@ -166,7 +167,7 @@ def test_negated_importance_scores_are_computed_again(clean, tmp_path, checksum)
     metrics = run_trial(trial(experiment), experiment / "trial")
     assert metrics["importance_cache"] == "computed"
     assert metrics["ppl"] == clean_metrics["ppl"] and removed(experiment / "trial") == clean_removed
-    events = [json.loads(line) for line in (experiment / "importance_cache" / "events.jsonl").read_text().splitlines()]
+    events = Store(experiment / "importance_cache").events()
     assert [e["event"] for e in events] == ["damaged", "computed"]
     assert ("non-finite" in events[0]["error"]) == checksum  # the check; else the checksum caught it first
 
@@ -189,7 +190,8 @@ def test_scores_of_another_shape_are_computed_again(clean, tmp_path):
 @pytest.mark.parametrize("cache", ["requests", "paired_speed", "importance_cache"])
 def test_a_lock_or_log_file_that_is_a_link_does_not_write_through_it(clean, tmp_path, cache):
     """Finding 1: `ln -sf OUTSIDE <exp>/<cache>/<key>.lock` (and events.jsonl, and a hard link): OUTSIDE is left as
-    it was (on 1faffce it was truncated to 0 bytes, or appended to), and the trial runs."""
+    it was (on 1faffce it was truncated to 0 bytes, or appended to), and the trial runs. A lock is only ever
+    created with O_EXCL, and a hit takes none: a link at a lock's name is written through by nothing."""
     clean_folder, clean_metrics, _ = clean
     experiment = seeded(clean_folder, tmp_path)
     outside, hard = tmp_path / "OUTSIDE", tmp_path / "HARD"
@@ -198,9 +200,10 @@ def test_a_lock_or_log_file_that_is_a_link_does_not_write_through_it(clean, tmp_
     folder = experiment / cache
     if cache == "importance_cache":
         for path in sorted(folder.glob("*.safetensors")):
-            path.unlink()  # computed again: the lock is taken and events are logged
-        (folder / "events.jsonl").symlink_to(outside)
-        targets = []
+            path.unlink()  # computed again: the lease is taken and events are logged
+            path.with_suffix(".lock").symlink_to(outside)
+        (folder / "events.jsonl").symlink_to(outside)  # an older sweep's log: only ever read, never through a link
+        targets = sorted(folder.glob("*.lock"))
     else:
         targets = [p.with_suffix(".lock") for p in sorted(folder.glob("*.json"))]
         for path in targets[1:]:
@@ -209,16 +212,14 @@ def test_a_lock_or_log_file_that_is_a_link_does_not_write_through_it(clean, tmp_
     metrics = run_trial(trial(experiment), experiment / "trial")
     assert outside.read_text() == "precious\n" and hard.read_text() == "precious too\n"
     assert scores(metrics) == scores(clean_metrics)
-    for path in targets + [folder / "events.jsonl"] * (cache == "importance_cache"):
-        assert not path.is_symlink() and path.stat().st_nlink == 1
+    if cache == "importance_cache":  # each link removed (the link only), the lease taken, then let go
+        assert targets and not any(path.exists() or path.is_symlink() for path in targets)
 
 
 def test_a_lock_of_the_entry_being_built_that_is_a_link_is_replaced(tmp_path):
-    from taylor_tune.jsonio import built_once
-
     outside = tmp_path / "OUTSIDE"
     outside.write_text("precious\n")
     (tmp_path / "cache").mkdir()
-    (tmp_path / "cache" / "k.lock").symlink_to(outside)
-    value, built = built_once(tmp_path / "cache" / "k.json", {"a": 1}, lambda: [1, 2], list)
+    (tmp_path / "cache" / json_name({"a": 1}).replace(".json", ".lock")).symlink_to(outside)
+    value, built = built_json(Store(tmp_path / "cache"), {"a": 1}, lambda: [1, 2], list)
     assert (value, built) == ([1, 2], True) and outside.read_text() == "precious\n"

@@ -17,7 +17,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from taylor_tune import jsonio
-from taylor_tune.jsonio import built_once, digest, entry_text, json_safe, open_own, read_entry, write_json, write_text
+from taylor_tune.jsonio import digest, entry_text, json_safe, open_own, read_entry, write_json, write_text
 
 specials = st.sampled_from([math.inf, -math.inf, math.nan])  # drawn often: plain floats rarely give them
 leaves = st.one_of(
@@ -95,45 +95,6 @@ def test_an_entry_reads_back_only_for_its_fields_and_part_and_payload():
     header, payload = text.split("\n")
     with pytest.raises(ValueError, match="checksum"):
         read_entry(f"{header}\n{payload.replace('2', '3')}", fields, "rows")
-
-
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_an_entry_refuses_a_payload_json_cannot_hold_and_stores_nothing(tmp_path, bad):
-    with pytest.raises(ValueError):
-        entry_text({}, "value", [1.0, bad])
-    path = tmp_path / "k.json"
-    with pytest.raises(ValueError):
-        built_once(path, {"a": 1}, lambda: {"x": bad}, dict)
-    assert not path.exists()
-
-
-def test_an_entry_written_in_the_documented_form_is_read_not_built_again(tmp_path):
-    path = tmp_path / "k.json"
-    path.write_text(entry_text({"a": [1, 2]}, "value", {"x": 1}))  # `part` left at its default: "value"
-    value, built = built_once(path, {"a": (1, 2)}, lambda: pytest.fail("built again"), dict)
-    assert (value, built) == ({"x": 1}, False)
-
-
-def test_a_refused_entry_is_logged_with_its_path_and_the_readers_error_then_built_once(tmp_path, caplog):
-    path = tmp_path / "k.json"
-    path.write_text(entry_text({"a": 1}, "value", [1, 2]))
-    reasons = iter([KeyError("x" * 500)])
-
-    def read(value):
-        error = next(reasons, None)
-        if error is not None:
-            raise error
-        return value
-
-    builds = []
-    with caplog.at_level(logging.WARNING, logger=jsonio.__name__):
-        value, built = built_once(path, {"a": 1}, lambda: builds.append(1) or [3], read)
-    assert (value, built, builds) == ([3], True, [1])
-    assert read_entry(path.read_text(), {"a": 1}, "value") == [3]
-    (record,) = caplog.records
-    message = record.getMessage()
-    assert str(path) in message and "KeyError" in message
-    assert str(KeyError("x" * 500))[:200] in message and str(KeyError("x" * 500))[:201] not in message
 
 
 @pytest.fixture

@@ -165,8 +165,8 @@ def test_the_package_keeps_its_layout():
 
 def test_every_module_sits_in_a_stage_or_is_a_named_root_module():
     root = {p.stem for p in PACKAGE.glob("*.py")} | {p.name for p in PACKAGE.iterdir() if p.is_dir()}
-    assert root - {"__pycache__"} == {"__init__", "__main__", "cli", "config", "schema", "errors", "jsonio", "progress",
-                                      "compat", "data", *STAGES}
+    assert root - {"__pycache__"} == {"__init__", "__main__", "cli", "config", "schema", "errors", "jsonio",
+                                      "storage", "progress", "compat", "data", *STAGES}
 
 
 @pytest.mark.parametrize("where, planted, expected", [

@@ -78,13 +78,17 @@ def test_a_bucket_that_takes_the_sweep_passes_the_check_and_leaves_nothing(s3, m
     assert objects(s3) == before
 
 
-def test_one_sweep_on_local_storage_and_on_s3_gives_the_same_trials_report_and_export(s3, tmp_path):
+def test_one_sweep_on_local_storage_and_on_s3_gives_the_same_trials_report_and_export(s3, tmp_path, monkeypatch):
     """Issue 81, must-show 1 (a grid): the same two-trial sweep on a local folder and on `s3://` (SeaweedFS): the same
     trials and numbers, the report's ties judged paired on both (the items read back from the bucket), the same
     rebuilt export; no folder named after the URI (`s3:`) anywhere, in the repository or Ray's trial folders."""
     import json
 
+    from taylor_tune.storage import Store
     from tests.sweep_helpers import RAY_TEMP, kill_ray_started_after
+
+    for key, value in s3["env"].items():  # this process reads the bucket too: the server on loopback, never AWS
+        monkeypatch.setenv(key, value)
 
     small = {**SMALL, "search_space": {"taylor_seq_len": {"grid": [16]}, "taylor_num_samples": {"grid": [8]},
                                        "pruning_method": {"grid": ["taylor", "blockwise"]}},
@@ -117,11 +121,17 @@ def test_one_sweep_on_local_storage_and_on_s3_gives_the_same_trials_report_and_e
             "trials": sorted((r.pruning_method, r.acc_mean, r.ppl) for r in rows.itertuples()),
             "paired": [line for line in (tmp_path / f"report-{where}" / "final_analysis_report.txt").read_text()
                        .splitlines() if "paired" in line],
-            # the configuration but where its caches were (none on object storage: issue 81's leases are to come)
+            # the configuration but where its caches were (the sweep's own storage, a folder or the bucket)
             "export": ({k: v for k, v in exported["config"].items() if k != "cache_dir"}, exported["checks"]),
+            # the caches shared on both: one importance pass computed, read by the other trial; no lock file
+            "passes": sorted(e["event"] for e in Store(f"{folder}/importance_cache").events()),
+            "requests": sorted(e["event"] for e in Store(f"{folder}/requests").events()),
+            "cache_dir": exported["config"]["cache_dir"] == f"{folder}/importance_cache",
             "weights": (tmp_path / f"export-{where}" / "model.safetensors").read_bytes(),
         }
     assert any(line.startswith("Ties judged paired on the same items") for line in said["s3"]["paired"])
+    assert said["s3"]["passes"] == ["computed", "hit"] and said["s3"]["requests"] == ["computed", "hit"]
+    assert said["s3"]["cache_dir"] is True
     assert said["s3"] == said["local"]
     named_after_uri = [p for root in (REPO, RAY_TEMP, tmp_path) if root.exists() for p in root.rglob("s3:")]
     assert named_after_uri == []

@@ -3,6 +3,9 @@ whose services listen on loopback only. The saved experiment state's layout is `
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from taylor_tune.compat import missing
 from taylor_tune.compat.tune_state import TESTED
 
@@ -35,13 +38,22 @@ def init_local(**kwargs) -> None:
     has no other node: the address is kept at 127.0.0.1 for the call (the started processes get it as
     `--node-ip-address`). Its workers run at WORKER_NICENESS."""
     import ray
+
+    with on_loopback():
+        ray.init(address="local", _node_ip_address="127.0.0.1", _system_config={"worker_niceness": WORKER_NICENESS},
+                 **kwargs)
+
+
+@contextmanager
+def on_loopback() -> Iterator[None]:
+    """Inside, Ray keeps a node address of 127.0.0.1 as it is (see `init_local`): nodes started here listen on
+    loopback only (also a `ray.cluster_utils.Cluster`'s, for tests)."""
     from ray._private import services
 
     resolve = services.resolve_ip_for_localhost
     services.resolve_ip_for_localhost = lambda host: host
     try:
-        ray.init(address="local", _node_ip_address="127.0.0.1", _system_config={"worker_niceness": WORKER_NICENESS},
-                 **kwargs)
+        yield
     finally:
         services.resolve_ip_for_localhost = resolve
 

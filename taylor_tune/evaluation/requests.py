@@ -31,7 +31,8 @@ from importlib.metadata import version
 from pathlib import Path
 
 from taylor_tune.compat.lm_eval import encode_requests, make_instance, task_definition, task_documents
-from taylor_tune.jsonio import built_once, digest
+from taylor_tune.jsonio import digest
+from taylor_tune.storage import Store, built_json
 
 # requests of each task tokenized again when its entry is read (a few milliseconds)
 RETOKENIZED = 64
@@ -49,15 +50,15 @@ def tokenizer_digest(lm) -> str:
 
 
 class RequestCache:
-    """Entries of JSON rows under a folder, each built once across all processes that share the folder."""
+    """Entries of JSON rows in a store (`storage.Store`: the sweep's storage), each built once across all trials."""
 
-    def __init__(self, root: str | Path):
-        self.root = Path(root)
+    def __init__(self, store: Store | str | Path):
+        self.store = store if isinstance(store, Store) else Store(store)
 
     def get_or_build(self, fields: dict, build: Callable[[], list], read: Callable[[list], object]):
         """(read(rows), built): the rows stored under `fields`; on a miss, or when `read` cannot take the stored rows
-        (a damaged entry), `build()`'s rows, stored first (`jsonio.built_once`)."""
-        return built_once(self.root / f"{digest(fields)[:24]}.json", fields, build, read, part="rows")
+        (a damaged entry), `build()`'s rows, stored first (`storage.built_json`)."""
+        return built_json(self.store, fields, build, read, part="rows")
 
 
 class PassRequests:

@@ -1,17 +1,16 @@
-"""A file cache of importance passes, shared by every trial of a sweep (and across nodes on shared storage).
+"""A cache of importance passes, shared by every trial of a sweep, on every node, in the sweep's storage
+(`storage.Store`: a local folder or object storage).
 
 Key: the fields the caller gives (the trial: model, resolved calibration text, seq_len, seed, the dtype and device
 type the model was loaded in, micro-batch size) and every sample count the entry holds. One entry holds the scores at
 every sample count of the search (one nested pass gives them all), so methods and sample counts share it.
 
-Concurrency: the first trial to ask creates `<key>.lock` with O_EXCL and computes; the others wait for the
-entry to appear. The owner refreshes the lock's mtime while it works (a heartbeat), so a lock left by a
-killed owner goes stale and another trial takes over. Entries are written to a temporary name and renamed
-into place, so a kill never leaves a partial entry that a later trial would read. Each entry carries the sha256 of
-its tensors in its metadata; an entry that does not read back, does not match its checksum, or fails the caller's
-check (the scores' shapes for the model, finite, non-negative) is removed and computed again once, logged as a
-`damaged` event: never used. Every hit and every computed pass is appended to `events.jsonl` (opened without
-following a link): the cache's own counters.
+Each entry is computed once across all trials: the store's lease decides who computes (Ray's lease actor in a sweep,
+a lock file with a heartbeat on a local folder without Ray) and the others wait, then read. An entry is a
+safetensors file written whole, carrying the sha256 of its tensors in its metadata; an entry that does not read back,
+does not match its checksum, or fails the caller's check (the scores' shapes for the model, finite, non-negative) is
+removed and computed again once, logged as a `damaged` event: never used. Every hit and every computed pass is an
+event in the store (`counters`).
 """
 
 from __future__ import annotations
@@ -19,22 +18,19 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import socket
-import threading
-import time
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load, save
 
-from taylor_tune.jsonio import digest, open_own
+from taylor_tune.jsonio import digest
 from taylor_tune.pruning.activations import ActivationStats, FeatureStats
 from taylor_tune.pruning.importance import Importance
 from taylor_tune.pruning.plan import GroupScores
+from taylor_tune.storage import FileLeases, Store, counters
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +52,13 @@ def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
     return digest_.hexdigest()
 
 
-def read_checked(entry: Path) -> dict[str, torch.Tensor]:
-    """The tensors of an entry whose checksum matches them (ValueError otherwise: cut short, changed, or written
-    without one)."""
-    with safe_open(str(entry), framework="pt") as handle:
-        recorded = (handle.metadata() or {}).get(CHECKSUM)
-        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+def read_checked(data: bytes) -> dict[str, torch.Tensor]:
+    """The tensors of an entry (safetensors bytes) whose checksum matches them (ValueError otherwise: cut short,
+    changed, or written without one)."""
+    (size,) = struct.unpack("<Q", data[:8])
+    metadata = json.loads(data[8:8 + size]).get("__metadata__") or {}
+    tensors = load(data)
+    recorded = metadata.get(CHECKSUM)
     if recorded != tensors_sha256(tensors):
         raise ValueError("its tensors do not match their checksum" if recorded else "it carries no checksum")
     return tensors
@@ -121,26 +118,16 @@ def stats_from_tensors(tensors: dict[str, torch.Tensor], counts: list[int]) -> d
 
 
 class ImportanceCache:
-    def __init__(self, root: str | Path, *, poll_s: float = 0.2, heartbeat_s: float = 5.0, stale_s: float = 60.0):
-        self.root = Path(root)
-        self.poll_s, self.heartbeat_s, self.stale_s = poll_s, heartbeat_s, stale_s
-        self.last_event: str | None = None  # what this object's latest call did: "hit", "computed" or "takeover"
-
-    def _record(self, event: str, key: str, **extra) -> None:
-        self.last_event = event
-        line = json.dumps({"event": event, "key": key, "time": time.time(), "host": socket.gethostname(),
-                           "pid": os.getpid(), **extra}) + "\n"
-        with os.fdopen(open_own(self.root / "events.jsonl", os.O_WRONLY | os.O_APPEND), "a") as f:
-            f.write(line)  # one short O_APPEND write per event
+    def __init__(self, root: Store | str | Path, *, poll_s: float = 0.2, heartbeat_s: float = 5.0,
+                 stale_s: float = 60.0):
+        """`root`: a store (`storage.Store`, with its leases and copies), or a local folder, coordinated by lock
+        files (`storage.FileLeases`: polled every `poll_s`, taken over when not refreshed for `stale_s`)."""
+        self.store = root if isinstance(root, Store) else Store(
+            root, leases=FileLeases(poll_s=poll_s, stale_s=stale_s), heartbeat_s=heartbeat_s)
+        self.last_event: str | None = None  # what this object's latest call did: "hit" or "computed"
 
     def counters(self) -> dict[str, int]:
-        path = self.root / "events.jsonl"
-        events = [json.loads(l) for l in path.read_text().splitlines()] if path.is_file() else []
-        return {
-            "computed": sum(e["event"] == "computed" for e in events),
-            "hits": sum(e["event"] == "hit" for e in events),
-            "takeovers": sum(e["event"] == "takeover" for e in events),
-        }
+        return counters(self.store.events())
 
     def get_or_compute(self, fields: dict, counts: list[int], compute: Callable[[], dict[int, Importance]],
                        extra_tensors: Callable[[], dict[str, torch.Tensor]] | None = None,
@@ -150,75 +137,23 @@ class ImportanceCache:
         entry is used only when `check` (raising on what the caller cannot use) passes at every count.
         `encode` / `decode`: how an entry's values become tensors and back (gradient importance by default; the
         activation statistics with stats_to_tensors / stats_from_tensors, under keys of their own)."""
-        self.root.mkdir(parents=True, exist_ok=True)
         key = cache_key(**fields, counts=sorted(counts))
-        entry, lock = self.root / f"{key}.safetensors", self.root / f"{key}.lock"
-        damaged = False
-        while True:
-            if entry.is_file():
-                try:
-                    results = decode(read_checked(entry), counts)
-                    for importance in results.values():
-                        check(importance)
-                except Exception as error:  # damaged: safetensors, OSError, a missing tensor, checksum, check
-                    # removed and computed again, once: a second damaged entry is not a state to loop on
-                    if damaged:
-                        raise
-                    damaged = True
-                    log.warning("importance cache: entry %s does not read back (%s: %s); computing it again",
-                                entry.name, type(error).__name__, error)
-                    self._record("damaged", key, error=f"{type(error).__name__}: {error}")
-                    entry.unlink(missing_ok=True)
-                    continue
-                self._record("hit", key)
-                return results
-            try:
-                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
-                if self._stale(lock):
-                    self._record("takeover", key)
-                    lock.unlink(missing_ok=True)
-                else:
-                    time.sleep(self.poll_s)
-                continue
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
-            if entry.is_file():  # written (and its lock let go) between the look above and taking the lock: read it
-                lock.unlink(missing_ok=True)
-                continue
-            return self._compute(key, fields, entry, lock, compute, extra_tensors, encode)
 
-    def _stale(self, lock: Path) -> bool:
-        try:
-            return time.time() - lock.stat().st_mtime > self.stale_s
-        except FileNotFoundError:
-            return False
+        computed = {}
 
-    def _compute(self, key, fields, entry, lock, compute, extra_tensors, encode):
-        stop = threading.Event()
+        def build() -> bytes:
+            computed["results"] = compute()
+            tensors = encode(computed["results"]) | (extra_tensors() if extra_tensors else {})
+            return save(tensors, metadata={**{k: str(v) for k, v in fields.items()},
+                                           CHECKSUM: tensors_sha256(tensors)})
 
-        def heartbeat() -> None:
-            while not stop.wait(self.heartbeat_s):
-                try:
-                    os.utime(lock)
-                except FileNotFoundError:
-                    return
-
-        beat = threading.Thread(target=heartbeat, daemon=True)
-        beat.start()
-        try:
-            start = time.perf_counter()
-            results = compute()
-            tensors = encode(results) | (extra_tensors() if extra_tensors else {})
-            tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
-            tmp.unlink(missing_ok=True)  # a leftover, or a link planted under the name
-            save_file(tensors, str(tmp), metadata={**{k: str(v) for k, v in fields.items()},
-                                                   CHECKSUM: tensors_sha256(tensors)})
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, entry)  # atomic: readers see no entry or a whole one
-            self._record("computed", key, seconds=time.perf_counter() - start, **{k: str(v) for k, v in fields.items()})
+        def use(data: bytes) -> dict[int, Importance]:
+            results = decode(read_checked(data), counts)
+            for importance in results.values():
+                check(importance)
             return results
-        finally:
-            stop.set()
-            lock.unlink(missing_ok=True)
+
+        results, self.last_event = self.store.built_once(
+            f"{key}.safetensors", build, use, {k: str(v) for k, v in fields.items()},
+            made=lambda data: computed["results"])  # computed here: as the pass gave them
+        return results

@@ -20,6 +20,7 @@ import torch
 from taylor_tune import schema
 from taylor_tune.config import PruneConfig, RecoverySpec, dimensions
 from taylor_tune.jsonio import write_json
+from taylor_tune.storage import Leases, StoreStats
 from taylor_tune.sweep.stages import evaluation, recovery, speed
 from taylor_tune.sweep.stages.pruning import pruning_stages
 from taylor_tune.sweep.stages.run import Stage, TrialConfig, TrialRun
@@ -57,19 +58,25 @@ def trial_stages(trial: TrialConfig) -> list[Stage]:
 
 
 def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict], None] = lambda metrics: None,
-              output_dir: str | None = None) -> dict:
+              output_dir: str | None = None, leases: Leases | None = None, copies: Path | None = None,
+              stats: StoreStats | None = None) -> dict:
     """Run one trial's stages in order, writing its artifacts to `trial_dir`; `output_dir` is where they will live
-    for good (the trial's folder in the sweep's storage), reported as the `output_dir` column; default `trial_dir`."""
+    for good (the trial's folder in the sweep's storage), reported as the `output_dir` column; default `trial_dir`.
+    `leases` decide who builds the sweep's shared entries (Ray's lease actor; None: lock files on a local folder),
+    `copies` is this node's folder of entries read from object storage. With shared caches the metrics carry what
+    their storage cost (`stats`, a `storage.StoreStats` the caller may share)."""
     trial_dir = Path(trial_dir)
     trial_dir.mkdir(parents=True, exist_ok=True)
     write_json(trial_dir / "config.json", trial.record())
     metrics = {**trial_columns(trial.prune, trial.recovery), "output_dir": output_dir or str(trial_dir)}
     run = TrialRun(trial, trial_dir, metrics, on_gpu=torch.cuda.is_available() and trial.prune.device != "cpu",
-                   report=report)
+                   report=report, leases=leases, copies=copies, store_stats=stats or StoreStats())
     if run.on_gpu:  # the peak the last report carries is this trial's, whatever ran before in this process
         torch.cuda.reset_peak_memory_stats()
     for stage in trial_stages(trial):
         metrics |= stage.run(run) or {}
+        if trial.cache_dir is not None:
+            metrics |= run.store_stats.metrics()
         if stage.reports:
             report(dict(metrics))
     metrics["stage"] = "done"

@@ -6,7 +6,9 @@ InjectedFault before it prunes. With TAYLOR_TUNE_TEST_PAUSE=<folder> a trial, on
 <folder>/<trial id> and sleeps: a window in which a test kills the sweep. With TAYLOR_TUNE_TEST_FILL=<file> the first
 trial to finish fills the disk that <file> is on (writes <file> until no space is left): the storage fills mid-sweep.
 With TAYLOR_TUNE_TEST_SLOW=<seconds> every trial first sleeps that long: a sweep slow enough to be interrupted part-way
-whatever the machine. Without any of them nothing happens.
+whatever the machine. With TAYLOR_TUNE_TEST_SLOW_PASS=<seconds> every importance pass a trial computes (under the
+cache's lease) first sleeps that long: a window in which a test removes the node that holds the lease. Without any of
+them nothing happens.
 The product's modules are patched when they are first imported (nothing is imported here ahead of time).
 """
 
@@ -82,13 +84,29 @@ def _fill_disk_after(trainable):
     return wrapper
 
 
-PATCHES = {}  # module -> (attribute, wrapper factory)
+def _slow_pass(get_or_compute):
+    seconds = float(os.environ["TAYLOR_TUNE_TEST_SLOW_PASS"])
+
+    @functools.wraps(get_or_compute)
+    def wrapper(self, fields, counts, compute, *args, **kwargs):
+        def slow():
+            time.sleep(seconds)
+            return compute()
+
+        return get_or_compute(self, fields, counts, slow, *args, **kwargs)
+
+    return wrapper
+
+
+PATCHES = {}  # module -> (attribute, wrapper factory); "Class.method" patches a class's method
 if os.environ.get("TAYLOR_TUNE_TEST_FAULT"):
     PATCHES["taylor_tune.sweep.trial"] = ("run_trial", _fail_matching)
 if os.environ.get("TAYLOR_TUNE_TEST_SLOW"):
     PATCHES["taylor_tune.sweep.trial"] = ("run_trial", _slow)
 if os.environ.get("TAYLOR_TUNE_TEST_PAUSE"):
     PATCHES["taylor_tune.sweep.tune.trainable"] = ("sweep_trainable", _pause_after)
+if os.environ.get("TAYLOR_TUNE_TEST_SLOW_PASS"):
+    PATCHES["taylor_tune.pruning.importance_cache"] = ("ImportanceCache.get_or_compute", _slow_pass)
 if os.environ.get("TAYLOR_TUNE_TEST_FILL"):
     PATCHES["taylor_tune.sweep.tune.trainable"] = ("sweep_trainable", _fill_disk_after)
 
@@ -107,7 +125,9 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             original(module)
-            setattr(module, attribute, factory(getattr(module, attribute)))
+            owner, _, name = attribute.rpartition(".")
+            target = getattr(module, owner) if owner else module
+            setattr(target, name, factory(getattr(target, name)))
 
         spec.loader.exec_module = exec_module
         return spec

@@ -32,6 +32,7 @@ from taylor_tune.pruning.importance_cache import (
     tensors_sha256,
 )
 from taylor_tune.pruning.plan import GroupScores
+from taylor_tune.storage import Store
 from tests.sweep_helpers import REPO, wait_for
 
 
@@ -46,7 +47,7 @@ def worker(root, seconds, out, *extra):
 
 
 def events(root):
-    return [json.loads(line)["event"] for line in (root / "events.jsonl").read_text().splitlines()]
+    return [event["event"] for event in Store(root).events()]
 
 
 def computes(root):
@@ -161,7 +162,7 @@ def test_an_entry_reads_back_bit_for_bit_and_is_computed_once(tmp_path):
     (entry,) = root.glob("*.safetensors")
     with safe_open(str(entry), framework="pt") as handle:  # the fields are readable in the entry itself
         assert {k: handle.metadata()[k] for k in FIELDS} == {k: str(v) for k, v in FIELDS.items()}
-    events = [json.loads(line) for line in (root / "events.jsonl").read_text().splitlines()]
+    events = Store(root).events()
     assert [e["event"] for e in events] == ["computed", "hit"] and events[0]["key"] == events[1]["key"]
     assert all(e["pid"] == os.getpid() and e["host"] == socket.gethostname() for e in events)
     assert before <= events[0]["time"] <= events[1]["time"] <= time.time()
@@ -201,12 +202,12 @@ def test_an_entry_without_its_checksum_or_with_another_one_is_refused(tmp_path):
     tensors = {"x": torch.ones(3)}
     save_file(tensors, str(tmp_path / "none.safetensors"))
     with pytest.raises(ValueError, match="carries no checksum"):
-        read_checked(tmp_path / "none.safetensors")
+        read_checked((tmp_path / "none.safetensors").read_bytes())
     save_file({"x": torch.zeros(3)}, str(tmp_path / "other.safetensors"), metadata={CHECKSUM: tensors_sha256(tensors)})
     with pytest.raises(ValueError, match="do not match their checksum"):
-        read_checked(tmp_path / "other.safetensors")
+        read_checked((tmp_path / "other.safetensors").read_bytes())
     save_file(tensors, str(tmp_path / "ok.safetensors"), metadata={CHECKSUM: tensors_sha256(tensors)})
-    assert torch.equal(read_checked(tmp_path / "ok.safetensors")["x"], tensors["x"])
+    assert torch.equal(read_checked((tmp_path / "ok.safetensors").read_bytes())["x"], tensors["x"])
 
 
 @pytest.mark.parametrize("damage", ["a byte flipped", "cut short", "rejected by the check"])
@@ -227,10 +228,10 @@ def test_a_damaged_entry_is_logged_removed_and_computed_again(tmp_path, caplog, 
     with caplog.at_level("WARNING"):
         assert_same(cache.get_or_compute(FIELDS, [8], compute, check=check), {8: importance(8, 5)})
     assert compute.calls == 1 and cache.last_event == "computed"
-    events = [json.loads(line) for line in (root / "events.jsonl").read_text().splitlines()]
+    events = Store(root).events()
     assert [e["event"] for e in events] == ["computed", "damaged", "computed"]
     assert events[1]["error"].startswith(("ValueError: ", "SafetensorError: ")) and events[1]["key"] in entry.name
-    assert f"entry {entry.name} does not read back ({events[1]['error']}); computing it again" in caplog.text
+    assert f"cache entry {entry} is refused ({events[1]['error']}); removed, building it again" in caplog.text
     assert cache.counters() == {"computed": 2, "hits": 0, "takeovers": 0}  # a damaged entry is not a hit
     assert_same(ImportanceCache(root).get_or_compute(FIELDS, [8], Compute(None)), {8: importance(8, 5)})
 
@@ -275,7 +276,7 @@ def test_an_entry_written_between_the_look_and_the_lock_is_read_not_computed_aga
     """Another trial finishes (its entry written, its lock let go) in the instant between this trial's look for the
     entry and its taking the lock: this trial reads that entry and computes nothing. (Found as a flaky failure of the
     test above under load: the other trial's write landed in that window and this one computed again.)"""
-    from taylor_tune.pruning import importance_cache
+    from taylor_tune import storage
 
     root = tmp_path / "cache"
     ImportanceCache(root).get_or_compute(FIELDS, [8], Compute({8: importance(8, 3)}))
@@ -289,7 +290,7 @@ def test_an_entry_written_between_the_look_and_the_lock_is_read_not_computed_aga
             entry.write_bytes(data)
         return real_open(path, flags, *args)
 
-    monkeypatch.setattr(importance_cache.os, "open", the_other_trial_finishes_first)
+    monkeypatch.setattr(storage.os, "open", the_other_trial_finishes_first)
     compute = Compute({8: importance(8, 1)})
     assert_same(ImportanceCache(root).get_or_compute(FIELDS, [8], compute), {8: importance(8, 3)})
     assert compute.calls == 0 and not list(root.glob("*.lock"))
@@ -307,12 +308,12 @@ def test_a_damaged_entry_that_another_trial_removes_first_is_computed_again(tmp_
             removed.append(record.getMessage())
 
     handler = RemovesTheEntry(logging.WARNING)
-    logging.getLogger("taylor_tune.pruning.importance_cache").addHandler(handler)
+    logging.getLogger("taylor_tune.storage").addHandler(handler)
     try:
         cache = ImportanceCache(root)
         cache.get_or_compute(FIELDS, [8], Compute({8: importance(8, 1)}))
     finally:
-        logging.getLogger("taylor_tune.pruning.importance_cache").removeHandler(handler)
+        logging.getLogger("taylor_tune.storage").removeHandler(handler)
     assert len(removed) == 1 and cache.last_event == "computed" and entry.is_file()
 
 
@@ -405,4 +406,4 @@ def test_activation_statistics_and_extra_tensors_go_through_the_same_entry(tmp_p
                 assert ours.tokens == theirs.tokens and type(ours.tokens) is int
                 assert np.array_equal(ours.mean, theirs.mean) and np.array_equal(ours.m2, theirs.m2)
     (entry,) = root.glob("*.safetensors")
-    assert torch.equal(read_checked(entry)["also"], torch.ones(2))
+    assert torch.equal(read_checked(entry.read_bytes())["also"], torch.ones(2))

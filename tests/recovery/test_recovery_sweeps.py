@@ -8,6 +8,7 @@ import signal
 import pytest
 
 from taylor_tune.reporting import build_report, load_trials
+from taylor_tune.storage import Store
 from tests.recovery.test_recovery_search import asha_reference
 from tests.sweep.test_sweep_resilience import interrupt_sweep
 from tests.sweep_helpers import analysis_rows, run_sweep_to_end, trial_dirs, write_experiment
@@ -80,8 +81,7 @@ def test_asha_stops_trials_at_the_recovery_rungs_as_successive_halving_on_the_he
     assert "ray/tune/recovery_train_loss" in tags
     # importance is computed before recovery and keyed by the pruning alone: one pass for the gradient methods of
     # every recovery setting (random ranks nothing)
-    events = [json.loads(line)["event"] for line in (path / "importance_cache" / "events.jsonl").read_text()
-              .splitlines()]
+    events = [event["event"] for event in Store(path / "importance_cache").events()]
     assert events.count("computed") == 1
 
 

@@ -2,11 +2,11 @@
 combination; taylor, wanda_sp and flap run side by side through Ray Tune on one calibration draw, the activation
 statistics computed once and read by the other baseline, and the report's method comparison holds all three."""
 
-import json
 
 import pytest
 
 from taylor_tune.reporting import build_report
+from taylor_tune.storage import Store
 from tests.sweep_helpers import analysis_rows, run_sweep_to_end, write_experiment
 from tests.test_refused_before_work import experiment, nothing_started, one_line, run
 
@@ -35,8 +35,7 @@ def test_taylor_wanda_sp_and_flap_side_by_side_through_ray(tmp_path, ray_head):
     rows = {r["criterion"]: r for r in analysis_rows(tmp_path / "sweeps" / "baselines")}
     assert set(rows) == {"taylor", "wanda_sp", "flap"} and all(r["stage"] == "zero_shot_10" for r in rows.values())
     assert all(r["ppl"] > 1 and 0 <= r["acc_mean"] <= 1 for r in rows.values())
-    events = [json.loads(line)["event"] for line in
-              (tmp_path / "sweeps" / "baselines" / "importance_cache" / "events.jsonl").read_text().splitlines()]
+    events = [e["event"] for e in Store(tmp_path / "sweeps" / "baselines" / "importance_cache").events()]
     assert sorted(events) == ["computed", "computed", "hit"]  # the gradient pass, the statistics, read once more
     report = build_report(tmp_path / "sweeps" / "baselines").models["tiny-llama"]
     assert set(report.methods["table"].index) == {"taylor", "taylor+wanda_sp", "taylor+flap"}

@@ -13,6 +13,7 @@ import pytest
 
 from taylor_tune.reporting import load_trials
 from taylor_tune.reporting.stats import best_trial
+from taylor_tune.storage import Store
 from taylor_tune.sweep.status import sweep_status
 from tests.sweep_helpers import (
     REPO,
@@ -110,7 +111,7 @@ def test_tensorboard_has_the_per_stage_metrics(smoke):
 
 def test_importance_passes_equal_distinct_model_seq_len_seed(smoke):
     path = smoke.path
-    events = [json.loads(l) for l in (path / "importance_cache" / "events.jsonl").read_text().splitlines()]
+    events = Store(path / "importance_cache").events()
     computed = [e for e in events if e["event"] == "computed"]
     distinct = {(r["model"], r["taylor_seq_len"], r["seed"]) for r in analysis_rows(path)}
     assert len(computed) == len(distinct) == 6  # 3 models x 2 seq_lens x 1 seed, shared by methods and sample counts

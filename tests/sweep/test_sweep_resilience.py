@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from taylor_tune.reporting import build_report, load_trials
+from taylor_tune.storage import Store
 from tests.sweep_helpers import (
     REPO,
     analysis_rows,
@@ -115,9 +116,7 @@ def test_a_trial_killed_after_its_final_report_is_not_recomputed_on_resume(tmp_p
     other = next(t for t in rows if t != paused)
     assert not rows[other].get("reused_artifacts")
     # one importance pass (the paused trial's first run) and one hit (the other trial): the rerun touched no gradient
-    events = [
-        json.loads(line)["event"] for line in (path / "importance_cache" / "events.jsonl").read_text().splitlines()
-    ]
+    events = [event["event"] for event in Store(path / "importance_cache").events()]
     assert events == ["computed", "hit"]
     assert (trial_dirs(path)[paused] / "evaluation.json").is_file()
 

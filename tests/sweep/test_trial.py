@@ -5,6 +5,7 @@ import json
 import pytest
 
 from taylor_tune.config import Evaluation, PruneConfig
+from taylor_tune.storage import Store
 from taylor_tune.sweep.trial import TrialConfig, run_trial
 
 
@@ -128,7 +129,7 @@ def test_a_damaged_cache_entry_is_removed_and_computed_again_once(tmp_path):
     again = cache.get_or_compute(fields, [4], compute)
     assert len(computed) == 2 and np.array_equal(again[4].scores.mlp[0], first[4].scores.mlp[0])
     assert cache.get_or_compute(fields, [4], compute)[4].num_samples == 4 and len(computed) == 2  # a hit now
-    events = [json.loads(line)["event"] for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    events = [event["event"] for event in Store(tmp_path).events()]
     assert events == ["computed", "damaged", "computed", "hit"]
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
@@ -21,8 +20,8 @@ from taylor_tune.sweep.stages.run import TrialRun
 
 def evaluator(run: TrialRun) -> Evaluator:
     """An evaluator of the trial's model as it stands, reading and filling the sweep's request cache."""
-    folder = run.trial.cache_dir  # beside the importance cache, the sweep's requests
-    requests = None if folder is None else RequestCache(Path(folder).parent / "requests")
+    store = run.store("requests")  # beside the importance cache, the sweep's requests
+    requests = None if store is None else RequestCache(store)
     return Evaluator(run.pruning.model, run.pruning.tokenizer, run.trial.evaluation.spec(None),
                      model_name=run.config.model, request_cache=requests)
 
@@ -127,6 +126,8 @@ def zero_shot_pass(index: int) -> Callable[[TrialRun], dict]:
         metrics = shots.metrics() | {"zero_shot_pass": index, "stage": shots.stage}
         if run.on_gpu:  # the trial's peak so far; the last report carries the whole trial's (pruning + evaluation)
             metrics["peak_gpu_memory_bytes"] = max(run.peak_gpu_bytes, torch.cuda.max_memory_allocated())
+        if run.trial.cache_dir is not None:  # what the shared caches' storage cost, to this point
+            metrics |= run.store_stats.metrics()
         if index == len(fidelities) - 1:
             write_json(run.trial_dir / "evaluation.json",
                        {**run.metrics, **metrics, "tasks": shots.tasks, "limit": fidelities[index]})

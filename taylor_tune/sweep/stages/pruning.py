@@ -12,7 +12,8 @@ from taylor_tune.sweep.stages.run import Stage, TrialRun
 
 def start(run: TrialRun) -> dict:
     """Checks against the model's config, the tokenizer, and the shared importance cache when the sweep has one."""
-    cache = None if run.trial.cache_dir is None else ImportanceCache(run.trial.cache_dir)
+    store = run.store("importance_cache")
+    cache = None if store is None else ImportanceCache(store)
     run.pruning = pruning.start(run.config, cache=cache, sample_counts=run.trial.sample_counts)
     return {}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ from taylor_tune.evaluation.evaluate import Evaluator, PerplexityResult, ZeroSho
 from taylor_tune.jsonio import json_safe
 from taylor_tune.pruning.prune import Pruning
 from taylor_tune.schema import DIMENSIONS
+from taylor_tune.storage import Leases, Store, StoreStats
 from taylor_tune.sweep.racing import Blocks
 
 
@@ -77,6 +78,17 @@ class TrialRun:
     ppl: PerplexityResult | None = None  # the last perplexity pass: the windows the next one adds to
     report: Callable[[dict], None] = lambda metrics: None  # what Tune hears (run_trial's `report`)
     on_gpu: bool = False
+    leases: Leases | None = None  # who builds a shared entry (Ray's lease actor in a sweep)
+    copies: Path | None = None  # this node's copies of entries read from object storage
+    store_stats: StoreStats = field(default_factory=StoreStats)
+
+    def store(self, folder: str) -> Store | None:
+        """The sweep's shared folder `folder` (importance_cache, requests, paired_speed), in the sweep's storage
+        beside the importance cache; None when the sweep keeps no shared caches."""
+        if self.trial.cache_dir is None:
+            return None
+        root = self.trial.cache_dir.rstrip("/").rsplit("/", 1)[0]
+        return Store(f"{root}/{folder}", leases=self.leases, copies=self.copies, stats=self.store_stats)
 
     @property
     def config(self) -> PruneConfig:

@@ -7,14 +7,13 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from pathlib import Path
 
 import torch
 
 from taylor_tune.evaluation.speed import checked_paired, measure_paired
-from taylor_tune.jsonio import built_once, digest
 from taylor_tune.pruning.prune import layer_shapes
 from taylor_tune.sources.models import load_model
+from taylor_tune.storage import built_json
 from taylor_tune.sweep.lock import timing_lock
 from taylor_tune.sweep.stages.run import TrialRun
 
@@ -65,13 +64,13 @@ def measure(run: TrialRun) -> dict:
     the same machine, dtype and settings reads that measurement (speed_reused), unless its record is damaged (then
     timed again)."""
     start, timing = time.perf_counter(), {}
-    if run.trial.cache_dir is None:
+    store = run.store("paired_speed")
+    if store is None:
         measured = time_pair(run, timing)
         checked_paired(measured)  # what a reused record must be, a fresh one too
     else:
         parameter = next(run.pruning.model.parameters())
         fields = {"model": run.config.model, "dtype": str(parameter.dtype), "device": machine(parameter.device),
                   "speed": run.trial.evaluation.speed.model_dump(), "layers": layer_shapes(run.pruning.model)}
-        path = Path(run.trial.cache_dir).parent / "paired_speed" / f"{digest(fields)[:24]}.json"
-        measured, _ = built_once(path, fields, lambda: time_pair(run, timing), checked_paired, part="measured")
+        measured, _ = built_json(store, fields, lambda: time_pair(run, timing), checked_paired, part="measured")
     return measured | timing | {"speed_reused": not timing, "stage": "speed", "speed_s": time.perf_counter() - start}

@@ -10,6 +10,7 @@ stop` sends) becomes Tune's graceful SIGINT stop, and the experiment state is sa
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -19,7 +20,7 @@ import ray
 import torch
 from ray import tune
 
-from taylor_tune.compat.ray import init_local
+from taylor_tune.compat.ray import init_local, on_loopback
 from taylor_tune.errors import ConfigError
 from taylor_tune.schema import zero_shot_stage
 from taylor_tune.sweep.experiment import Experiment, check_models, check_sources
@@ -45,6 +46,7 @@ from taylor_tune.sweep.preflight import (
 )
 from taylor_tune.sweep.status import sweep_status  # noqa: F401 (where callers found it before)
 from taylor_tune.sweep.tune.console import ConsoleCallback, FullStorage, quiet_when_full
+from taylor_tune.sweep.tune.leases import start_leases
 from taylor_tune.sweep.tune.metrics import SweepMetricsCallback
 from taylor_tune.sweep.tune.scheduler import FidelityASHA, RaceScheduler
 from taylor_tune.sweep.tune.search import PerModelSearcher, domains_of
@@ -93,13 +95,23 @@ def validate(experiment: Experiment) -> None:
             )
 
 
+def cache_folder(path: str) -> str:
+    """The sweep's importance cache, in its storage (a folder or a URI); requests and paired speed beside it."""
+    return f"{path}/importance_cache"
+
+
 def _start_ray(verbose: bool = False) -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if ray.is_initialized():
         return
     level = logging.INFO if verbose else logging.WARNING
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address="auto", log_to_driver=False, logging_level=level)
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        # a head on loopback (`ray start --node-ip-address=127.0.0.1`, a test's Cluster) listens there only: joined
+        # there, not at the machine's address that ray.init would turn 127.0.0.1 into
+        loopback = address.split("://")[-1].rsplit(":", 1)[0] in ("127.0.0.1", "localhost")
+        with on_loopback() if loopback else contextlib.nullcontext():
+            ray.init(address="auto", log_to_driver=False, logging_level=level)
     else:
         init_local(include_dashboard=False, log_to_driver=False, logging_level=level)
 
@@ -156,9 +168,7 @@ def _fit(experiment: Experiment, verbose: bool):
             )
         elif experiment.search.scheduler == "race":
             scheduler = RaceScheduler(path, alpha=experiment.search.alpha, objective=experiment.metric)
-        # the sweep's shared caches are files under a local or shared folder; on object storage they would be a
-        # local folder named after the URI in each trial's working directory (issue 81): each trial computes its own
-        cache_dir = None if "://" in path else f"{path}/importance_cache"
+        cache_dir = cache_folder(path)
         if experiment.search.algorithm == "grid":
             search_alg, num_samples, space = None, 1, param_space(experiment, cache_dir=cache_dir)
         else:
@@ -201,9 +211,11 @@ def _fit(experiment: Experiment, verbose: bool):
                 ],
             ),
         )
+    leases = start_leases(cache_folder(path))  # held while the sweep runs (leases.start_leases)
     previous = signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
     try:
         with quiet_when_full(experiment.storage_path):
             return tuner.fit()
     finally:
         signal.signal(signal.SIGTERM, previous)
+        del leases

@@ -11,13 +11,16 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import ray
 from pyarrow import fs
 from ray import tune
 
 from taylor_tune.compat.ray import trial_storage
 from taylor_tune.jsonio import write_whole
 from taylor_tune.schema import PPL_WINDOWS_FILE, outcomes_file, zero_shot_stage
+from taylor_tune.storage import StoreStats, retried
 from taylor_tune.sweep.trial import FINISHED_ARTIFACTS, TrialConfig, completed_metrics, run_trial
+from taylor_tune.sweep.tune.leases import RayLeases
 from taylor_tune.sweep.tune.metrics import TrialMetrics
 
 
@@ -75,10 +78,19 @@ def _finished_before(checkpoint, storage, trial: TrialConfig, working: Path) -> 
     return done
 
 
-def _upload(storage, working: Path, name: str) -> None:
+def _upload(storage, working: Path, name: str, stats: StoreStats) -> None:
     """A file of the trial's working folder into its folder in storage, whole and never through a link planted
-    there (`jsonio.write_whole`): the storage may be a folder others can write."""
-    write_whole(storage.storage_filesystem, f"{storage.trial_fs_path}/{name}", (working / name).read_bytes())
+    there (`jsonio.write_whole`): the storage may be a folder others can write. Transient errors are retried and
+    counted (`storage.retried`)."""
+    path, data = f"{storage.trial_fs_path}/{name}", (working / name).read_bytes()
+    retried(lambda: write_whole(storage.storage_filesystem, path, data), stats, path)
+
+
+def node_copies() -> Path:
+    """This node's copies of shared entries read from object storage (`storage.Store`), named by their checksum:
+    one folder per Ray node, so that nodes that happen to share a machine still keep copies of their own."""
+    node = ray.get_runtime_context().get_node_id()
+    return Path(tempfile.gettempdir()) / f"taylor_tune_copies_{os.getuid()}" / node
 
 
 def sweep_trainable(config: dict) -> None:
@@ -105,6 +117,8 @@ def sweep_trainable(config: dict) -> None:
         tune.report({**done, "reused_artifacts": True})
         return
 
+    stats = StoreStats()  # what the trial's storage cost: its uploads here, its shared caches in run_trial
+
     def report(metrics: dict) -> None:
         emit.observe(metrics)
         # in storage before the report: what a racing scheduler compares (a pass's items, or the windows so far)
@@ -114,15 +128,17 @@ def sweep_trainable(config: dict) -> None:
         elif "ppl_pass" in metrics:  # a perplexity pass (the zero-shot passes after it carry zero_shot_pass)
             name = PPL_WINDOWS_FILE
         if name is not None:
-            _upload(storage, working, name)
+            _upload(storage, working, name, stats)
         if metrics.get("stage") != final_stage:
             tune.report(metrics)
             return
         for name in FINISHED_ARTIFACTS:  # in storage before the report: found on a rerun whatever Tune saved
-            _upload(storage, working, name)
+            _upload(storage, working, name, stats)
         with tempfile.TemporaryDirectory() as folder:  # the finished artifacts only: a few small JSON files
             for name in FINISHED_ARTIFACTS:
                 shutil.copy2(working / name, Path(folder) / name)
             tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(folder))
 
-    run_trial(trial, working, report=report, output_dir=storage.trial_fs_path)
+    leases = None if trial.cache_dir is None else RayLeases.of_sweep(trial.cache_dir)
+    run_trial(trial, working, report=report, output_dir=storage.trial_fs_path, leases=leases, copies=node_copies(),
+              stats=stats)
