@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-ARCHS = ["tiny-llama-random", "tiny-qwen2-random", "tiny-mistral-random"]
+ARCHS = ["tiny-llama-random", "tiny-qwen2-random", "tiny-mistral-random", "tiny-qwen3-random"]
 
 
 def tiny(name: str, seed: int = 0):

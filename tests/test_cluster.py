@@ -129,6 +129,7 @@ def build_task():
                       copies=Path(copies) / node)
 
         def make() -> bytes:
+            (Path(copies) / f"started-{name}").touch()  # the test's cue: this one is building
             clock.sleep(seconds)
             return f"built on {node}".encode()
 
@@ -159,7 +160,7 @@ def test_an_entry_is_built_once_across_nodes_and_the_other_node_waits_then_reads
         name = f"entry-{leased}.bin"
         first = build.options(scheduling_strategy=on(cluster.workers[0])).remote(
             f"{location}/importance_cache", name, 4.0, leased, f"{location}/importance_cache", str(tmp_path))
-        time.sleep(1.5)  # the first holds the lease (or, unleased, is building)
+        assert wait_for(lambda: (tmp_path / f"started-{name}").exists(), 120)  # the first builds (holds the lease)
         second = build.options(scheduling_strategy=on(cluster.workers[1])).remote(
             f"{location}/importance_cache", name, 4.0, leased, f"{location}/importance_cache", str(tmp_path))
         results[leased] = ray.get([first, second], timeout=120)

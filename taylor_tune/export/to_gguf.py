@@ -39,6 +39,7 @@ from torch import nn
 from taylor_tune.export.choose import ExportError
 from taylor_tune.pruning.groups import decoder_layers, head_dim
 from taylor_tune.recovery.losses import token_losses
+from taylor_tune.sources.families import FAMILIES
 
 FILE_TYPES = ("f16", "f32")
 
@@ -68,7 +69,7 @@ TOLERANCE = {"f32": {"mean": 1e-4, "max": 1e-3}, "f16": {"mean": 1e-2, "max": 0.
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
                r"|\s+(?!\S)|\s+")
 GGML_F32 = 0  # ggml_type's GGML_TYPE_F32
-STOCK_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}  # model_type -> llama.cpp's architecture
+STOCK_ARCH = {t: f.gguf for t, f in FAMILIES.items() if f.gguf}  # model_type -> llama.cpp's architecture
 
 
 class GGUFError(ExportError):
@@ -90,7 +91,8 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, *, file_type: str 
     check_file_type(file_type)
     config = model.config
     if config.model_type not in STOCK_ARCH:
-        raise GGUFError(f"--gguf: a {config.model_type} model is not written as GGUF (llama, mistral and qwen2 are)")
+        raise GGUFError(f"--gguf: a {config.model_type} model is not written as GGUF yet "
+                        f"({', '.join(STOCK_ARCH)} are); export it without --gguf")
     rope = dict(getattr(config, "rope_parameters", None) or {})
     if rope.get("rope_type", "default") != "default":
         raise GGUFError(f"--gguf: RoPE scaling {rope['rope_type']!r} is not written as GGUF yet (only plain RoPE)")
@@ -100,6 +102,10 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, *, file_type: str 
     biased = any(layer.self_attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None for layer in layers)
     uniform = all(shape == shapes[0] for shape in shapes)
     arch = architecture(config.model_type, uniform=uniform, biased=biased)
+    if arch == "deci" and not FAMILIES[config.model_type].gguf_free:
+        raise GGUFError(f"--gguf: a {config.model_type} model whose layers differ in width is not written as GGUF "
+                        "(llama.cpp reads per-layer widths only as deci, which has no head norms); prune it with "
+                        "uniform: true")
     vocab = _vocab(tokenizer, config.vocab_size)
 
     path = Path(path)
@@ -170,6 +176,9 @@ def _tensors(model, layers, shapes, permute: bool, tied: bool):
                 yield f"{block}.{theirs}.weight", turn(linear.weight)
                 if linear.bias is not None:
                     yield f"{block}.{theirs}.bias", turn(linear.bias)
+            for ours, theirs in (("q_norm", "attn_q_norm"), ("k_norm", "attn_k_norm")):  # Qwen3's, shared by heads
+                if hasattr(attn, ours):
+                    yield f"{block}.{theirs}.weight", getattr(attn, ours).weight
             yield f"{block}.attn_output.weight", attn.o_proj.weight
             if attn.o_proj.bias is not None:
                 yield f"{block}.attn_output.bias", attn.o_proj.bias

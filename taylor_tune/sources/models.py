@@ -4,8 +4,9 @@ Real loading code for real models (`AutoModelForCausalLM.from_pretrained`); `tru
 unless asked. Two kinds of tiny built-ins need no download:
 - `tiny-llama`, `tiny-qwen2`, `tiny-mistral`: trained on the offline world's corpus and shipped in the
   package (`taylor_tune/data/world/models/`); loaded by the same `from_pretrained` code as any folder.
-- `tiny-llama-random`, `tiny-qwen2-random`, `tiny-mistral-random`: random-init (Qwen2's q/k/v biases too), built
-  from their config classes with a byte-level tokenizer; the engine's tests use them.
+- `tiny-llama-random`, `tiny-qwen2-random`, `tiny-mistral-random`, `tiny-qwen3-random`: random-init (Qwen2's q/k/v
+  biases too), built from their config classes with a byte-level tokenizer, each keeping its family's traits
+  (`sources.families`); the engine's tests use them.
 Real pretrained models come from the real offline world (`assets.py`): `smollm2-135m` and `qwen2.5-0.5b` are
 HF folders in the asset cache, converted once from GGUF files; any `path/to/file.gguf` is converted the same
 way on first use and cached by its sha256.
@@ -28,11 +29,12 @@ from taylor_tune.errors import ModelLoadError, shown
 from taylor_tune.sources.assets import MANIFEST, MODEL_ASSETS, check_home, file_sha256, home
 from taylor_tune.sources.assets import require as require_asset
 from taylor_tune.sources.data import PRUNED_MANIFEST, TINY_MODELS, TRAINED_MODELS
+from taylor_tune.sources.families import FAMILIES
 from taylor_tune.sources.gguf import convert_gguf
 from taylor_tune.sources.pruned_modeling import PRUNED_CLASSES
 from taylor_tune.sources.world import model_dir
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)  # one module per family (sources/families)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 # Llama-3-style GQA (4 query heads per key/value head) at toy size; heads x head_dim (128) != hidden (64)
@@ -82,10 +84,10 @@ def byte_tokenizer():
 
 def tiny_config(name: str) -> PretrainedConfig:
     tok = byte_tokenizer()
-    extra = {"sliding_window": None} if TINY_MODELS[name] == "mistral" else {}
+    family = FAMILIES[TINY_MODELS[name]]
     return AutoConfig.for_model(
-        TINY_MODELS[name], vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id, tie_word_embeddings=False, **_TINY_SHAPE, **extra,
+        family.model_type, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, tie_word_embeddings=False, **_TINY_SHAPE, **family.tiny,
     )
 
 

@@ -1,4 +1,4 @@
-"""Pruned Llama / Qwen2 / Mistral models whose layers differ in size, loadable by plain transformers.
+"""Pruned Llama / Qwen2 / Mistral / Qwen3 models whose layers differ in size, loadable by plain transformers.
 
 A HF config has one head count and one MLP width for every layer; a pruned model has its own per layer. This
 file builds the stock model from the config and shrinks each layer's projections to `config.pruned_layout`
@@ -14,7 +14,7 @@ loads pruned folders through this module directly (`models.load_pruned`): no cod
 from __future__ import annotations
 
 from torch import nn
-from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 
 def set_layer_shape(layer: nn.Module, heads: int, kv_heads: int, width: int) -> None:
@@ -70,4 +70,11 @@ class PrunedMistralForCausalLM(MistralForCausalLM):
         shrink_to_layout(self, config.pruned_layout, getattr(config, "pruned_output_bias", False))
 
 
-PRUNED_CLASSES = {"llama": PrunedLlamaForCausalLM, "qwen2": PrunedQwen2ForCausalLM, "mistral": PrunedMistralForCausalLM}
+class PrunedQwen3ForCausalLM(Qwen3ForCausalLM):  # q_norm / k_norm act per head over head_dim: kept as they are
+    def __init__(self, config):
+        super().__init__(config)
+        shrink_to_layout(self, config.pruned_layout, getattr(config, "pruned_output_bias", False))
+
+
+PRUNED_CLASSES = {"llama": PrunedLlamaForCausalLM, "qwen2": PrunedQwen2ForCausalLM, "mistral": PrunedMistralForCausalLM,
+                  "qwen3": PrunedQwen3ForCausalLM}

@@ -165,3 +165,60 @@ def test_a_gguf_conversion_parses_the_file_once_and_writes_what_three_parses_wri
     assert sorted(p.name for p in once.iterdir()) == sorted(p.name for p in thrice.iterdir())
     for file in once.iterdir():
         assert file.read_bytes() == (thrice / file.name).read_bytes(), file.name
+
+
+def qwen3_with_a_real_tokenizer():
+    """A random Qwen3 (tiny-qwen3-random's shape and traits, its head norms away from 1) over tiny-qwen2's
+    tokenizer, which llama.cpp knows how to split (the byte-level tiny tokenizer is refused by the export)."""
+    from transformers import AutoModelForCausalLM
+
+    from taylor_tune.sources.models import load_tokenizer, tiny_config
+
+    tokenizer = load_tokenizer("tiny-qwen2")
+    config = tiny_config("tiny-qwen3-random")
+    config.vocab_size, config.bos_token_id = len(tokenizer), tokenizer.bos_token_id
+    config.eos_token_id, config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
+                layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
+    return model, tokenizer
+
+
+@pytest.mark.parametrize("layout", ["uniform", "depth"])
+def test_qwen3_is_written_as_llama_cpps_qwen3_with_its_head_norms(tmp_path, layout):
+    """Issue 82, must-show 3 for Qwen3: the uniform and depth layouts as llama.cpp's `qwen3` (q_norm / k_norm as
+    attn_q_norm / attn_k_norm, RoPE in HF's order), every next token's log-probability in llama.cpp within 1e-4
+    nats of the model's in f32."""
+    import gguf
+
+    from taylor_tune.pruning.apply import apply_plan
+    from taylor_tune.pruning.plan import PrunePlan
+
+    model, tokenizer = qwen3_with_a_real_tokenizer()
+    plan = (PrunePlan("hand", ((1,),) * 4, ((0, 5),) * 4) if layout == "uniform"
+            else PrunePlan("hand", ((),) * 4, ((),) * 4, layers_removed=(2,)))
+    model = apply_plan(model, plan)
+    path = tmp_path / "model.gguf"
+    assert write_gguf(model, tokenizer, path, file_type="f32")["architecture"] == "qwen3"
+    names = {tensor.name for tensor in gguf.GGUFReader(path).tensors}
+    layers = len(model.model.layers)
+    assert {f"blk.{i}.attn_{n}_norm.weight" for i in range(layers) for n in "qk"} <= names
+    tokens = tokenizer.encode(world.heldout_path().read_text())[:64]
+    gap = np.abs(gguf_logprobs(path, tokens) - torch_logprobs(model, tokens))
+    assert gap.max() < 1e-4, gap.max()
+
+
+def test_a_qwen3_of_different_layer_widths_is_refused_naming_the_uniform_layout(tmp_path):
+    from taylor_tune.pruning.apply import apply_plan
+    from taylor_tune.pruning.plan import PrunePlan
+
+    model, tokenizer = qwen3_with_a_real_tokenizer()
+    model = apply_plan(model, PrunePlan("hand", ((0,), (1, 2), (3,), ()), ((),) * 4))
+    path = tmp_path / "model.gguf"
+    with pytest.raises(GGUFError, match=r"layers differ in width is not written as GGUF .* uniform: true") as raised:
+        write_gguf(model, tokenizer, path, file_type="f32")
+    assert "\n" not in str(raised.value) and not path.exists()

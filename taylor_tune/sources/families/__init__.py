@@ -1,0 +1,11 @@
+"""The model families taylor_tune prunes, each declared in one module of this package (`base.Family`): adding a
+family is one module here, its pruned class in `sources.pruned_modeling`, and its tests. Everything that depends on
+the family (the supported list, the tiny models, the pruned folder's class, the GGUF architecture) reads `FAMILIES`.
+"""
+
+from taylor_tune.sources.families import llama, mistral, qwen2, qwen3
+from taylor_tune.sources.families.base import Family
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY)}
+
+__all__ = ["FAMILIES", "Family"]

@@ -1,0 +1,6 @@
+"""Mistral: Llama's layer shape; its sliding window is off in the tiny model (the models pruned here use full
+attention at the lengths evaluated)."""
+
+from taylor_tune.sources.families.base import Family
+
+FAMILY = Family("mistral", pruned_class="PrunedMistralForCausalLM", gguf="llama", tiny={"sliding_window": None})
