@@ -1,8 +1,10 @@
 """A pruned model as a GGUF file that llama.cpp runs: f16 or f32, written with the `gguf` library.
 
 Which architecture the file names (what llama.cpp 0.3.36's bundled source does with each, read in src/models/):
-- Layers of one shape (uniform, depth) are written as their own architecture, `llama` (Llama and Mistral) or
-  `qwen2`, with the usual scalar metadata, as llama.cpp's converter writes them.
+- Layers of one shape (uniform, depth) are written as their family's own architecture (`sources.families`:
+  `llama` for Llama and Mistral, `qwen2`, `qwen3` with its `attn_q_norm` / `attn_k_norm`), with the usual scalar
+  metadata, as llama.cpp's converter writes them. Llama 3.1's `llama3` RoPE scaling goes in as the converter writes
+  it, `rope_freqs` (one factor per rotary frequency), which `llama` and `deci` read.
 - Layers of different shapes (the free layout) are written as `deci`. llama.cpp's loader reads
   `feed_forward_length`, `attention.head_count` and `attention.head_count_kv` as per-layer arrays for every
   architecture (llama-model.cpp, `get_key_or_arr`), but `llama` and `qwen2` then build every layer's tensors and
@@ -11,6 +13,8 @@ Which architecture the file names (what llama.cpp 0.3.36's bundled source does w
   biases: a Llama-style decoder with per-layer widths, which is what the free layout is. Its RoPE is llama's
   (pairs of consecutive values), so q and k are permuted as the converter does for `llama`; Qwen2's HF rotation is
   the same as Llama's, so a Qwen2 goes through the same permutation.
+- A family whose layers hold more than Llama's (Qwen3's head norms) is not written as `deci`: its free layout is
+  refused in one line naming the uniform layout.
 - A Qwen2 or Mistral with output biases (FLAP's compensation; their transformers classes cannot hold them either) is
   written as `deci` too, which takes them on any layer; a uniform Llama with them stays `llama` (its graph adds both
   biases when present).
@@ -94,8 +98,10 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, *, file_type: str 
         raise GGUFError(f"--gguf: a {config.model_type} model is not written as GGUF yet "
                         f"({', '.join(STOCK_ARCH)} are); export it without --gguf")
     rope = dict(getattr(config, "rope_parameters", None) or {})
-    if rope.get("rope_type", "default") != "default":
-        raise GGUFError(f"--gguf: RoPE scaling {rope['rope_type']!r} is not written as GGUF yet (only plain RoPE)")
+    scaling = rope.get("rope_type", "default")
+    if scaling not in ("default", "llama3") or (scaling == "llama3" and config.model_type != "llama"):
+        raise GGUFError(f"--gguf: RoPE scaling {scaling!r} is not written as GGUF yet (plain RoPE, and Llama 3.1's "
+                        "llama3 scaling on Llama, are)")
     layers = decoder_layers(model)
     shapes = [_shape(layer) for layer in layers]
     size = head_dim(layers[0].self_attn)
@@ -128,7 +134,8 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, *, file_type: str 
     _add_vocab(writer, vocab)
 
     permute = arch in ("llama", "deci")  # llama.cpp's RoPE for these rotates consecutive pairs; HF's rotates halves
-    for tensor_name, tensor in _tensors(model, layers, shapes, permute, config.tie_word_embeddings):
+    extra = {"rope_freqs.weight": llama3_rope_factors(config, size)} if scaling == "llama3" else {}
+    for tensor_name, tensor in [*extra.items(), *_tensors(model, layers, shapes, permute, config.tie_word_embeddings)]:
         data = tensor.detach().to("cpu", torch.float32)
         data = data.to(torch.float16) if file_type == "f16" and data.ndim == 2 else data  # vectors stay f32
         writer.add_tensor(tensor_name, data.numpy())
@@ -144,6 +151,18 @@ def architecture(model_type: str, *, uniform: bool, biased: bool) -> str:
     """llama.cpp's architecture for a model (module docstring): its own where its layers share one shape and its
     graph takes its biases, `deci` otherwise."""
     return STOCK_ARCH[model_type] if uniform and not (biased and model_type != "llama") else "deci"
+
+
+def llama3_rope_factors(config, size: int) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling as llama.cpp takes it, one factor per rotary frequency (`rope_freqs`, by which
+    llama.cpp divides each frequency): plain RoPE's frequencies over the scaled ones, which transformers' own
+    `llama3` initialiser computes (so the file and the model rotate alike)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, torch.device("cpu"))
+    theta = float(config.rope_parameters["rope_theta"])
+    plain = 1.0 / theta ** (torch.arange(0, size, 2, dtype=torch.int64).float() / size)
+    return (plain / scaled.float()).to(torch.float32)
 
 
 def _shape(layer: nn.Module) -> dict[str, int]:

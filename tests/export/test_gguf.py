@@ -222,3 +222,47 @@ def test_a_qwen3_of_different_layer_widths_is_refused_naming_the_uniform_layout(
     with pytest.raises(GGUFError, match=r"layers differ in width is not written as GGUF .* uniform: true") as raised:
         write_gguf(model, tokenizer, path, file_type="f32")
     assert "\n" not in str(raised.value) and not path.exists()
+
+
+def llama31_with_a_real_tokenizer():
+    """A random Llama with Llama 3.1's `llama3` RoPE scaling, its original context short enough (16) that the scaling
+    changes the rotation of the tokens checked (every frequency but the fastest is scaled or smoothed), over
+    tiny-llama's tokenizer (one llama.cpp knows how to split)."""
+    from transformers import AutoModelForCausalLM
+
+    from taylor_tune.sources.models import load_tokenizer, tiny_config
+
+    tokenizer = load_tokenizer("tiny-llama")
+    config = tiny_config("tiny-llama-random")
+    config.vocab_size, config.bos_token_id = len(tokenizer), tokenizer.bos_token_id
+    config.eos_token_id, config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    config.rope_parameters = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return model, tokenizer
+
+
+@pytest.mark.parametrize("layout", ["uniform", "free"])
+def test_llama31_rope_scaling_is_written_as_llama_cpps_rope_factors(tmp_path, monkeypatch, layout):
+    """Issue 82 (Llama 3.x): a model with `llama3` RoPE scaling is written with llama.cpp's `rope_freqs` (plain RoPE's
+    frequencies over the scaled ones); llama.cpp's log-probabilities within 1e-4 nats of the model's. Written without
+    the factors (all 1: plain RoPE) the same file is far off: the check sees the scaling."""
+    from taylor_tune.pruning.apply import apply_plan
+    from taylor_tune.pruning.plan import PrunePlan
+
+    model, tokenizer = llama31_with_a_real_tokenizer()
+    removed = ((1,),) * 4 if layout == "uniform" else ((0,), (1, 2), (3,), ())
+    model = apply_plan(model, PrunePlan("hand", removed, ((0, 5),) * 4))
+    factors = to_gguf.llama3_rope_factors(model.config, 8)
+    assert factors[0] > 1 and torch.all(factors[1:] == 8.0)  # smoothed, then scaled by the factor
+    tokens = tokenizer.encode(world.heldout_path().read_text())[:64]
+    path = tmp_path / "model.gguf"
+    written = write_gguf(model, tokenizer, path, file_type="f32")
+    assert written["architecture"] == ("llama" if layout == "uniform" else "deci")
+    gap = np.abs(gguf_logprobs(path, tokens) - torch_logprobs(model, tokens))
+    assert gap.max() < 1e-4, gap.max()
+    monkeypatch.setattr(to_gguf, "llama3_rope_factors", lambda config, size: torch.ones(size // 2))
+    write_gguf(model, tokenizer, path, file_type="f32")
+    assert np.abs(gguf_logprobs(path, tokens) - torch_logprobs(model, tokens)).max() > 1e-3
