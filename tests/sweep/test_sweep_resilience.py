@@ -210,12 +210,8 @@ def test_an_interrupt_during_start_up_exits_4_with_one_line_and_leaves_no_ray_be
 
     experiment = write_experiment(tmp_path, "startup")
     started = time.time()
-    def as_from_a_terminal():  # SIGINT reaches the sweep as Ctrl-C would, whatever the test runner ignores or blocks
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-
     proc = subprocess.Popen(sweep_command(experiment), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env(), cwd=REPO, preexec_fn=as_from_a_terminal)
+                            env=env(), cwd=REPO)
     try:
         time.sleep(delay)
         proc.send_signal(sig)
