@@ -1,5 +1,3 @@
-import sys
+from taylor_tune.cli import run
 
-from taylor_tune.cli import main
-
-sys.exit(main())
+run()

@@ -8,6 +8,7 @@ before torch, transformers or Ray load (seconds), and `--help` loads none of the
 from __future__ import annotations
 
 import argparse
+import atexit
 import errno
 import logging
 import os
@@ -518,5 +519,21 @@ def _main(argv: list[str] | None) -> int:
         return 130
 
 
+def run() -> None:
+    """The process (`taylor-tune`, `python -m taylor_tune`): `main`, and exactly its exit code. An interrupt that
+    reached code run through the C API (`PyRun_*`, as extensions run it while they load) leaves CPython's
+    "unhandled KeyboardInterrupt" flag set even when `main` handled it, and at exit the interpreter then kills itself
+    by SIGINT instead of returning 4 (seen in CI: -2 for a SIGTERM during start-up), which a scheduler reads as a
+    crash, not as "run it again to resume". So an interrupted command ends as the interpreter would end it (exit
+    handlers, among them Ray's, streams flushed) and then leaves with its own code."""
+    code = main()
+    if code in (EXIT_NOT_DONE, 130):
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -1,7 +1,9 @@
 """The `taylor-tune prune` command: artifacts of a good run, and one clear line for every bad input."""
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +18,8 @@ from taylor_tune.cli import main
 from taylor_tune.sources.calibration import load_calibration
 from taylor_tune.sources.models import byte_tokenizer, load_model
 
-EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
+REPO = Path(__file__).resolve().parent.parent
+EXPERIMENTS = REPO / "experiments"
 BASE = [
     "prune",
     "--model",
@@ -147,6 +150,31 @@ def test_the_installed_command_exits_2_without_a_traceback(tmp_path):
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "sparsity" in proc.stderr
+
+
+INTERRUPTED_MAIN = """
+import atexit, ctypes, sys
+from taylor_tune import cli
+def main():
+    # an interrupt met inside code run through the C API, as while an extension loads, then handled by `main`
+    ctypes.pythonapi.PyRun_SimpleString(b"raise KeyboardInterrupt")
+    return cli.EXIT_NOT_DONE
+cli.main = main
+atexit.register(lambda: print("exit handlers ran", flush=True))
+cli.run() if sys.argv[1] == "run" else sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize("entry", ["run", "sys.exit"])
+def test_an_interrupted_command_exits_with_its_code_not_by_signal(tmp_path, entry):
+    """CI saw `sweep` end by SIGINT (-2) after printing its "interrupted" line and returning 4: CPython remembers an
+    interrupt that crossed `PyRun_*` and kills itself at exit. `cli.run` (the installed command, `python -m
+    taylor_tune`) exits 4 all the same, after the exit handlers; plain `sys.exit` is the control that dies."""
+    (tmp_path / "interrupted_main.py").write_text(INTERRUPTED_MAIN)
+    proc = subprocess.run([sys.executable, "-m", "interrupted_main", entry], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert "exit handlers ran" in proc.stdout
+    assert proc.returncode == (4 if entry == "run" else -signal.SIGINT), proc.stderr[-2000:]
 
 
 def test_a_yaml_config_with_overrides_on_the_command_line(capsys, tmp_path):
