@@ -12,7 +12,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 
 from taylor_tune.sources.assets import ASSETS, asset_dir, fetch, home, require
-from tests.helpers import ARCHS
+from tests.helpers import ARCHS, FAST_ARCHS
 
 # The longest modules first (their seconds in a clean `make test`, BENCHMARKS.md), the rest in collection order:
 # pytest-xdist's loadscope hands the modules out in that order under `--no-loadscope-reorder` (the Makefile's), so a
@@ -54,7 +54,7 @@ def pytest_unconfigure(config):
     gc.freeze()
 
 
-@pytest.fixture(params=ARCHS)
+@pytest.fixture(params=[a if a in FAST_ARCHS else pytest.param(a, marks=pytest.mark.slow) for a in ARCHS])
 def arch(request) -> str:
     return request.param
 

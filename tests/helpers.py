@@ -9,7 +9,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-ARCHS = ["tiny-llama-random", "tiny-qwen2-random", "tiny-mistral-random", "tiny-qwen3-random"]
+ARCHS = ["tiny-llama-random", "tiny-qwen2-random", "tiny-mistral-random", "tiny-qwen3-random", "tiny-granite-random",
+         "tiny-olmo2-random", "tiny-gemma2-random", "tiny-gemma3-random"]
+# The arch-wide tests (the `arch` fixture) run on these in the fast tier and on every family in `make test`; each
+# family's own trait tests (tests/sources/test_families.py) and the diagonal of the arch x method grids run in both.
+FAST_ARCHS = ARCHS[:4]
 
 
 def tiny(name: str, seed: int = 0):
@@ -52,8 +56,26 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def kept_rows_rms_norm(norm, keep):
+    """OLMo-2's RMSNorm over a projection's rows `keep` only, written out (the others give 0): what a pruned OLMo-2,
+    whose q_norm / k_norm have only the kept rows, computes."""
+    import torch
+
+    class KeptRows(torch.nn.Module):
+        def forward(self, x):
+            kept = x[..., keep].float()
+            normed = kept * torch.rsqrt(kept.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+            out = torch.zeros_like(x)
+            out[..., keep] = (norm.weight[keep] * normed).to(x.dtype)
+            return out
+
+    return KeptRows()
+
+
 def mask_groups(model, plan):
-    """`model` with the plan's groups set to zero, index by index (not through apply.py); in place."""
+    """`model` with the plan's groups set to zero, index by index (not through apply.py); in place. In OLMo-2, whose
+    q_norm / k_norm span the whole projections, those norms are replaced by norms over the kept rows
+    (`kept_rows_rms_norm`): zeros counted in the mean would scale every kept head."""
     import torch
 
     cfg = model.config
@@ -61,6 +83,12 @@ def mask_groups(model, plan):
     with torch.no_grad():
         for layer, attn_removed, mlp_removed in zip(model.model.layers, plan.attn_removed, plan.mlp_removed):
             at, mlp = layer.self_attn, layer.mlp
+            if cfg.model_type == "olmo2" and attn_removed:
+                gone = set(attn_removed)
+                at.q_norm = kept_rows_rms_norm(at.q_norm, [i for i in range(at.q_proj.out_features)
+                                                           if i // (rep * d) not in gone])
+                at.k_norm = kept_rows_rms_norm(at.k_norm, [i for i in range(at.k_proj.out_features)
+                                                           if i // d not in gone])
             for g in attn_removed:
                 q, kv = slice(g * rep * d, (g + 1) * rep * d), slice(g * d, (g + 1) * d)
                 for proj, rows in ((at.q_proj, q), (at.k_proj, kv), (at.v_proj, kv)):

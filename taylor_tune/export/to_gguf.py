@@ -2,9 +2,11 @@
 
 Which architecture the file names (what llama.cpp 0.3.36's bundled source does with each, read in src/models/):
 - Layers of one shape (uniform, depth) are written as their family's own architecture (`sources.families`:
-  `llama` for Llama and Mistral, `qwen2`, `qwen3` with its `attn_q_norm` / `attn_k_norm`), with the usual scalar
-  metadata, as llama.cpp's converter writes them. Llama 3.1's `llama3` RoPE scaling goes in as the converter writes
-  it, `rope_freqs` (one factor per rotary frequency), which `llama` and `deci` read.
+  `llama` for Llama and Mistral, `qwen2`, `qwen3` with its `attn_q_norm` / `attn_k_norm`, `granite` with its four
+  multipliers, `olmo2` with its whole-projection q/k norms and its norms after each block), with the usual scalar
+  metadata, as llama.cpp's converter writes them. Llama 3.1's `llama3` RoPE
+  scaling goes in as the converter writes it, `rope_freqs` (one factor per rotary frequency), which `llama` and
+  `deci` read.
 - Layers of different shapes (the free layout) are written as `deci`. llama.cpp's loader reads
   `feed_forward_length`, `attention.head_count` and `attention.head_count_kv` as per-layer arrays for every
   architecture (llama-model.cpp, `get_key_or_arr`), but `llama` and `qwen2` then build every layer's tensors and
@@ -13,8 +15,8 @@ Which architecture the file names (what llama.cpp 0.3.36's bundled source does w
   biases: a Llama-style decoder with per-layer widths, which is what the free layout is. Its RoPE is llama's
   (pairs of consecutive values), so q and k are permuted as the converter does for `llama`; Qwen2's HF rotation is
   the same as Llama's, so a Qwen2 goes through the same permutation.
-- A family whose layers hold more than Llama's (Qwen3's head norms) is not written as `deci`: its free layout is
-  refused in one line naming the uniform layout.
+- A family whose layers hold more than Llama's (Qwen3's and OLMo-2's head norms, Granite's multipliers) is not
+  written as `deci`: its free layout is refused in one line naming the uniform layout.
 - A Qwen2 or Mistral with output biases (FLAP's compensation; their transformers classes cannot hold them either) is
   written as `deci` too, which takes them on any layer; a uniform Llama with them stays `llama` (its graph adds both
   biases when present).
@@ -74,6 +76,9 @@ QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[
                r"|\s+(?!\S)|\s+")
 GGML_F32 = 0  # ggml_type's GGML_TYPE_F32
 STOCK_ARCH = {t: f.gguf for t, f in FAMILIES.items() if f.gguf}  # model_type -> llama.cpp's architecture
+# llama.cpp's architectures whose RoPE rotates consecutive pairs (LLAMA_ROPE_TYPE_NORM), where HF's rotates halves:
+# their q and k rows are permuted as the converter does. The others (qwen2, qwen3, olmo2: NeoX) take HF's order.
+PAIRED_ROPE = ("llama", "deci", "granite")
 
 
 class GGUFError(ExportError):
@@ -109,9 +114,15 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, *, file_type: str 
     uniform = all(shape == shapes[0] for shape in shapes)
     arch = architecture(config.model_type, uniform=uniform, biased=biased)
     if arch == "deci" and not FAMILIES[config.model_type].gguf_free:
-        raise GGUFError(f"--gguf: a {config.model_type} model whose layers differ in width is not written as GGUF "
-                        "(llama.cpp reads per-layer widths only as deci, which has no head norms); prune it with "
-                        "uniform: true")
+        what = "whose layers differ in width" if not uniform else "with output biases (FLAP's compensation)"
+        raise GGUFError(f"--gguf: a {config.model_type} model {what} is not written as GGUF (llama.cpp reads "
+                        "per-layer widths and those biases only as deci, which has no head norms or multipliers); "
+                        "prune it with uniform: true" + ("" if not uniform else " and a method without compensation"))
+    if FAMILIES[config.model_type].gguf_whole_attention and any(
+            layer.self_attn.q_proj.out_features != config.hidden_size for layer in layers):
+        raise GGUFError(f"--gguf: llama.cpp's {arch} sizes attention from the hidden size (q is hidden x hidden), so a "
+                        f"{config.model_type} model with attention heads pruned (or heads x head_dim other than the "
+                        "hidden size) is not written as GGUF; depth and MLP-only cuts are")
     vocab = _vocab(tokenizer, config.vocab_size)
 
     path = Path(path)
@@ -132,10 +143,14 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, *, file_type: str 
     writer.add_vocab_size(config.vocab_size)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if file_type == "f16" else gguf.LlamaFileType.ALL_F32)
     _add_vocab(writer, vocab)
+    if arch != "deci":  # Granite's multipliers (`Family.scalars`), under the keys llama.cpp's converter writes
+        for field_name, key in FAMILIES[config.model_type].scalars.items():
+            getattr(writer, f"add_{key}")(float(getattr(config, field_name)))
 
-    permute = arch in ("llama", "deci")  # llama.cpp's RoPE for these rotates consecutive pairs; HF's rotates halves
+    permute = arch in PAIRED_ROPE
     extra = {"rope_freqs.weight": llama3_rope_factors(config, size)} if scaling == "llama3" else {}
-    for tensor_name, tensor in [*extra.items(), *_tensors(model, layers, shapes, permute, config.tie_word_embeddings)]:
+    tensors = _tensors(model, layers, shapes, permute, config.tie_word_embeddings, FAMILIES[config.model_type])
+    for tensor_name, tensor in [*extra.items(), *tensors]:
         data = tensor.detach().to("cpu", torch.float32)
         data = data.to(torch.float16) if file_type == "f16" and data.ndim == 2 else data  # vectors stay f32
         writer.add_tensor(tensor_name, data.numpy())
@@ -179,7 +194,7 @@ def _rope_permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
         weight.shape)
 
 
-def _tensors(model, layers, shapes, permute: bool, tied: bool):
+def _tensors(model, layers, shapes, permute: bool, tied: bool, family):
     yield "token_embd.weight", model.get_input_embeddings().weight
     yield "output_norm.weight", model.model.norm.weight
     if not tied:
@@ -187,7 +202,8 @@ def _tensors(model, layers, shapes, permute: bool, tied: bool):
     for index, (layer, shape) in enumerate(zip(layers, shapes)):
         block, attn, mlp = f"blk.{index}", layer.self_attn, layer.mlp
         if shape["heads"]:
-            yield f"{block}.attn_norm.weight", layer.input_layernorm.weight
+            for ours, theirs in family.attn_norms.items():
+                yield f"{block}.{theirs}.weight", getattr(layer, ours).weight
             for ours, theirs, heads in (("q_proj", "attn_q", shape["heads"]), ("k_proj", "attn_k", shape["kv_heads"]),
                                         ("v_proj", "attn_v", 0)):
                 linear = getattr(attn, ours)
@@ -195,14 +211,15 @@ def _tensors(model, layers, shapes, permute: bool, tied: bool):
                 yield f"{block}.{theirs}.weight", turn(linear.weight)
                 if linear.bias is not None:
                     yield f"{block}.{theirs}.bias", turn(linear.bias)
-            for ours, theirs in (("q_norm", "attn_q_norm"), ("k_norm", "attn_k_norm")):  # Qwen3's, shared by heads
+            for ours, theirs in (("q_norm", "attn_q_norm"), ("k_norm", "attn_k_norm")):  # Qwen3's, OLMo-2's
                 if hasattr(attn, ours):
                     yield f"{block}.{theirs}.weight", getattr(attn, ours).weight
             yield f"{block}.attn_output.weight", attn.o_proj.weight
             if attn.o_proj.bias is not None:
                 yield f"{block}.attn_output.bias", attn.o_proj.bias
         if shape["ff"]:
-            yield f"{block}.ffn_norm.weight", layer.post_attention_layernorm.weight
+            for ours, theirs in family.ffn_norms.items():
+                yield f"{block}.{theirs}.weight", getattr(layer, ours).weight
             for ours, theirs in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
                 linear = getattr(mlp, ours)
                 yield f"{block}.{theirs}.weight", linear.weight

@@ -1,15 +1,15 @@
 """Turn a PrunePlan into a physically smaller model, and save it as a pruned folder.
 
 A model whose layers all have one shape (the `uniform` layout) is saved as a stock folder: config.json is the
-original's with the smaller `num_attention_heads`, `num_key_value_heads`, `intermediate_size` (and `head_dim`
-spelled out), so plain `AutoModelForCausalLM.from_pretrained` and every runtime load it without remote code.
-Otherwise the layers have different sizes, which a HF config cannot express. Such a pruned folder is what
-`save_pretrained` writes (safetensors, tied embeddings kept tied) plus, in config.json, `pruned_layout` (per-layer
-head counts and MLP width) and an `auto_map` to `modeling_taylor_tune_pruned.py`, a copy of `pruned_modeling.py`
-that builds the model at those sizes. Plain transformers and lm-eval's CLI load the folder with
+original's with the smaller `num_attention_heads`, `num_key_value_heads`, `intermediate_size` (and `head_dim` spelled
+out), so plain `AutoModelForCausalLM.from_pretrained` and every runtime load it without remote code. Otherwise the
+layers have different sizes, which a HF config cannot express (and a uniform shape that the family's config class
+refuses, as Gemma's refuses heads that do not divide the hidden size, is written the same way). Such a pruned folder
+is what `save_pretrained` writes (safetensors, tied embeddings kept tied) plus, in config.json, `pruned_layout` (per-
+layer head counts and MLP width) and an `auto_map` to `modeling_taylor_tune_pruned.py`, a copy of
+`pruned_modeling.py` that builds the model at those sizes. Plain transformers and lm-eval's CLI load the folder with
 `trust_remote_code=True`; taylor_tune loads it with its own copy of that module (`sources.models.load_pruned`),
-running nothing from the folder.
-`pruned_layout.json` records what the folder was pruned from. No pickle anywhere.
+running nothing from the folder. `pruned_layout.json` records what the folder was pruned from. No pickle anywhere.
 
 A model with output biases its stock class does not build (FLAP's compensation on o_proj / down_proj) is stock only
 where the config can say so: Llama's `attention_bias` and `mlp_bias` give every projection a bias, so a uniform Llama
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from taylor_tune.errors import PlanError
-from taylor_tune.pruning.groups import attention_groups, decoder_layers, head_dim, q_per_kv
+from taylor_tune.pruning.groups import attention_groups, decoder_layers, head_dim, q_per_kv, sliced_norms
 from taylor_tune.pruning.plan import PrunePlan
 from taylor_tune.sources import pruned_modeling
 from taylor_tune.sources.data import PRUNED_MANIFEST as MANIFEST
@@ -57,8 +57,17 @@ def _kept(size: int, removed: tuple[int, ...]) -> torch.Tensor:
     return mask.nonzero().flatten()
 
 
-def shrink_layer(layer: nn.Module, keep_groups: torch.Tensor, keep_channels: torch.Tensor) -> None:
-    """Keep the given attention groups and MLP channels of one decoder layer, in place."""
+def _slice_norm(norm: nn.Module, keep: torch.Tensor) -> None:
+    """A whole-projection norm (OLMo-2's q_norm / k_norm) keeping the entries `keep`, in place: its module computes
+    over whatever width it is given, so only its weight changes."""
+    weight = norm.weight.detach().index_select(0, keep.to(norm.weight.device))
+    norm.weight = nn.Parameter(weight, requires_grad=norm.weight.requires_grad)
+
+
+def shrink_layer(layer: nn.Module, keep_groups: torch.Tensor, keep_channels: torch.Tensor,
+                 sliced_norms: bool = False) -> None:
+    """Keep the given attention groups and MLP channels of one decoder layer, in place; with `sliced_norms`, the
+    q_norm / k_norm entries of the kept rows too (`groups.sliced_norms`)."""
     attn, mlp = layer.self_attn, layer.mlp
     d, rep = head_dim(attn), q_per_kv(attn)
     kv_rows = (keep_groups[:, None] * d + torch.arange(d)).flatten()
@@ -67,6 +76,9 @@ def shrink_layer(layer: nn.Module, keep_groups: torch.Tensor, keep_channels: tor
     attn.k_proj = _slice_linear(attn.k_proj, kv_rows, 0)
     attn.v_proj = _slice_linear(attn.v_proj, kv_rows, 0)
     attn.o_proj = _slice_linear(attn.o_proj, q_rows, 1)
+    if sliced_norms:
+        _slice_norm(attn.q_norm, q_rows)
+        _slice_norm(attn.k_norm, kv_rows)
     mlp.gate_proj = _slice_linear(mlp.gate_proj, keep_channels, 0)
     mlp.up_proj = _slice_linear(mlp.up_proj, keep_channels, 0)
     mlp.down_proj = _slice_linear(mlp.down_proj, keep_channels, 1)
@@ -98,10 +110,11 @@ def remove_layers(model: nn.Module, removed: tuple[int, ...]) -> nn.Module:
 
 def apply_plan(model: nn.Module, plan: PrunePlan) -> nn.Module:
     """Physically remove the plan's groups, then its whole layers, from `model` (in place) and return it."""
+    norms = sliced_norms(model)
     for layer, attn_removed, mlp_removed in zip(decoder_layers(model), plan.attn_removed, plan.mlp_removed):
         groups, channels = attention_groups(layer.self_attn), layer.mlp.gate_proj.out_features
         if attn_removed or mlp_removed:
-            shrink_layer(layer, _kept(groups, attn_removed), _kept(channels, mlp_removed))
+            shrink_layer(layer, _kept(groups, attn_removed), _kept(channels, mlp_removed), norms)
     if plan.layers_removed:  # after the width cuts, whose indices are the original layers'
         remove_layers(model, plan.layers_removed)
     return model
@@ -141,6 +154,20 @@ def _stock_biases(model: nn.Module) -> None:
     model.config.attention_bias = model.config.mlp_bias = True
 
 
+def _stock_config_holds(config: dict) -> bool:
+    """Whether the family's own config class takes these shapes: Gemma's refuses a head count that does not divide
+    the hidden size, even with `head_dim` spelled out (transformers' `validate_architecture`)."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "transformers_version")}
+    try:
+        AutoConfig.for_model(config["model_type"], **fields)
+    except (ValueError, StrictDataclassError):
+        return False
+    return True
+
+
 def save_pruned(model: nn.Module, directory: str | Path, tokenizer=None, *, source_model: str | None = None) -> Path:
     """Write the pruned folder (see the module docstring), with the tokenizer if given.
 
@@ -157,8 +184,11 @@ def save_pruned(model: nn.Module, directory: str | Path, tokenizer=None, *, sour
         uniform = False
     model.save_pretrained(directory)
     config = json.loads((directory / "config.json").read_text())
+    stock = layout[0] | {"head_dim": head_dim(decoder_layers(model)[0].self_attn)}
+    if uniform and not _stock_config_holds(config | stock):
+        uniform = False  # written as the pruned folder, which loads in transformers all the same (remote code)
     if uniform:  # a stock config: every layer has the shape its fields say
-        config |= layout[0] | {"head_dim": head_dim(decoder_layers(model)[0].self_attn)}
+        config |= stock
     else:
         cls = PRUNED_CLASSES[config["model_type"]].__name__
         config |= {"pruned_layout": layout, "architectures": [cls],

@@ -4,7 +4,9 @@ Attention group g of a layer = key/value head g with the q_per_kv query heads th
 maps query head h to key/value head h // q_per_kv): rows [g*q_per_kv*d, (g+1)*q_per_kv*d) of q_proj, rows
 [g*d, (g+1)*d) of k_proj and v_proj (and those entries of their biases, as in Qwen2), and the same columns
 of o_proj as q_proj's rows. MLP channel c = row c of gate_proj and up_proj (and their biases if any),
-column c of down_proj. Embeddings, lm_head, norms and output biases of o_proj/down_proj are never pruned.
+column c of down_proj. Embeddings, lm_head, norms and output biases of o_proj/down_proj are never pruned, except
+the head norms of a family that normalises the whole q and k projections (OLMo-2's `q_norm` / `k_norm`,
+`Family.head_norm == "sliced"`): their entries of the group's q and k rows belong to the group.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from torch import nn
 
 from taylor_tune.pruning.plan import ModelLayout
+from taylor_tune.sources.families import FAMILIES
 
 ATTN_ROWS = ("q_proj", "k_proj", "v_proj")  # grouped by output rows
 MLP_ROWS = ("gate_proj", "up_proj")
@@ -37,9 +40,15 @@ def q_per_kv(attn: nn.Module) -> int:
     return attn.q_proj.out_features // attn.k_proj.out_features
 
 
+def sliced_norms(model: nn.Module) -> bool:
+    """Whether the model's `q_norm` / `k_norm` span the whole projections, sliced with the heads (its family says)."""
+    family = FAMILIES.get(getattr(model.config, "model_type", ""))
+    return family is not None and family.head_norm == "sliced"
+
+
 def prunable_parameters(model: nn.Module) -> list[list[tuple[str, nn.Parameter]]]:
     """Per layer, the (name, parameter) pairs that belong to groups: their gradients make the importance."""
-    result = []
+    result, norms = [], sliced_norms(model)
     for layer in decoder_layers(model):
         params = []
         for name in ATTN_ROWS:
@@ -47,6 +56,8 @@ def prunable_parameters(model: nn.Module) -> list[list[tuple[str, nn.Parameter]]
             params.append((f"self_attn.{name}.weight", proj.weight))
             if proj.bias is not None:
                 params.append((f"self_attn.{name}.bias", proj.bias))
+        if norms:
+            params += [(f"self_attn.{n}.weight", getattr(layer.self_attn, n).weight) for n in ("q_norm", "k_norm")]
         params.append(("self_attn.o_proj.weight", layer.self_attn.o_proj.weight))
         for name in MLP_ROWS:
             proj = getattr(layer.mlp, name)
@@ -72,7 +83,8 @@ def describe_layout(model: nn.Module) -> ModelLayout:
     # q (rep*d rows) + k (d) + v (d) rows of `hidden` inputs, o_proj's rep*d columns, plus bias entries
     q_bias = d * rep if first.self_attn.q_proj.bias is not None else 0
     kv_bias = d * sum(getattr(first.self_attn, n).bias is not None for n in ("k_proj", "v_proj"))
-    attn_group_params = (2 * rep * d + 2 * d) * hidden + q_bias + kv_bias
+    norms = (rep * d + d) if sliced_norms(model) else 0
+    attn_group_params = (2 * rep * d + 2 * d) * hidden + q_bias + kv_bias + norms
     mlp_bias = sum(getattr(first.mlp, n).bias is not None for n in MLP_ROWS)
     mlp_channel_params = 3 * hidden + mlp_bias
     return ModelLayout(
@@ -100,9 +112,9 @@ def reduce_to_groups(
         c = torch.zeros(layer.mlp.gate_proj.out_features, dtype=torch.float32, device=a.device)
         for name, param in params:
             v = value(name, param).float()
-            if name.startswith("self_attn.q_proj"):
+            if name.startswith(("self_attn.q_proj", "self_attn.q_norm")):
                 a += v.reshape(groups, rep * d, -1).sum(dim=(1, 2))
-            elif name.startswith(("self_attn.k_proj", "self_attn.v_proj")):
+            elif name.startswith(("self_attn.k_proj", "self_attn.v_proj", "self_attn.k_norm")):
                 a += v.reshape(groups, d, -1).sum(dim=(1, 2))
             elif name == "self_attn.o_proj.weight":
                 a += v.reshape(v.shape[0], groups, rep * d).sum(dim=(0, 2))

@@ -3,17 +3,20 @@ place (their output columns zeroed) for one forward pass, then restored.
 
 Zeroing the o_proj columns of a removed group's query heads and the down_proj columns of a removed MLP channel gives
 exactly the pruned model's function: attention is per head, so the other heads do not see the masked ones, and the
-masked outputs add nothing (the biases of o_proj and down_proj stay, as they do in the pruned model).
+masked outputs add nothing (the biases of o_proj and down_proj stay, as they do in the pruned model). A family whose
+q_norm / k_norm span the whole projections (OLMo-2) normalises, once pruned, over the rows it kept: masked, those
+norms compute over the kept rows as well (`_KeptRows`), so that the masked model is the pruned one there too.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
 
-from taylor_tune.pruning.groups import decoder_layers, head_dim, q_per_kv
+from taylor_tune.pruning.groups import decoder_layers, head_dim, q_per_kv, sliced_norms
 from taylor_tune.pruning.plan import PrunePlan
 
 LOSS_SEQUENCES = 32  # calibration sequences per candidate: one forward each, at most G candidates per pruning
@@ -26,15 +29,42 @@ class _Skipped(torch.nn.Module):
         return hidden_states
 
 
+class _KeptRows(torch.nn.Module):
+    """A whole-projection norm as the pruned model has it: over the entries `keep` only, with their weights; the
+    others give 0 (their heads' outputs are masked at o_proj)."""
+
+    def __init__(self, norm: torch.nn.Module, keep: torch.Tensor):
+        super().__init__()
+        self.keep = keep
+        self.kept = copy.deepcopy(norm)
+        self.kept.weight = torch.nn.Parameter(norm.weight.detach()[keep], requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.new_zeros(x.shape)
+        out[..., self.keep] = self.kept(x[..., self.keep])
+        return out
+
+
+def _kept_rows(size: int, removed: tuple[int, ...], width: int, device) -> torch.Tensor:
+    gone = {g * width + i for g in removed for i in range(width)}
+    return torch.tensor([i for i in range(size) if i not in gone], device=device)
+
+
 @contextmanager
 def masked(model: torch.nn.Module, plan: PrunePlan):
     """Inside, `model` computes what the plan's pruned model computes (its whole layers removed skipped); its weights
     and layers are restored on exit."""
-    saved, layers = [], decoder_layers(model)
+    saved, norms, layers = [], [], decoder_layers(model)
     with torch.no_grad():
         for layer, attn_removed, mlp_removed in zip(decoder_layers(model), plan.attn_removed, plan.mlp_removed):
             attn = layer.self_attn
             width = q_per_kv(attn) * head_dim(attn)
+            if attn_removed and sliced_norms(model):
+                for name, proj, rows in (("q_norm", attn.q_proj, width), ("k_norm", attn.k_proj, head_dim(attn))):
+                    norm = getattr(attn, name)
+                    norms.append((attn, name, norm))
+                    keep = _kept_rows(proj.out_features, attn_removed, rows, norm.weight.device)
+                    setattr(attn, name, _KeptRows(norm, keep))
             columns = ((layer.mlp.down_proj, list(mlp_removed)),
                        (attn.o_proj, [g * width + i for g in attn_removed for i in range(width)]))
             for linear, index in columns:
@@ -53,6 +83,8 @@ def masked(model: torch.nn.Module, plan: PrunePlan):
                 linear.weight[:, index] = values
         for i, layer in skipped.items():
             layers[i] = layer
+        for attn, name, norm in norms:
+            setattr(attn, name, norm)
 
 
 @torch.no_grad()

@@ -22,7 +22,9 @@ from taylor_tune.sources.assets import MODEL_ASSETS, asset_dir, require
 # The built-in models (here, not in `models`, which needs torch): random-init ones by architecture, and the ones
 # trained on the synthetic world. A pruned folder holds PRUNED_MANIFEST beside its HF files.
 TINY_MODELS = {"tiny-llama-random": "llama", "tiny-qwen2-random": "qwen2", "tiny-mistral-random": "mistral",
-               "tiny-qwen3-random": "qwen3"}
+               "tiny-qwen3-random": "qwen3", "tiny-granite-random": "granite",
+               "tiny-olmo2-random": "olmo2", "tiny-gemma2-random": "gemma2",
+               "tiny-gemma3-random": "gemma3_text"}
 TRAINED_MODELS = ("tiny-llama", "tiny-qwen2", "tiny-mistral")
 PRUNED_MANIFEST = "pruned_layout.json"
 

@@ -1,4 +1,4 @@
-"""Pruned Llama / Qwen2 / Mistral / Qwen3 models whose layers differ in size, loadable by plain transformers.
+"""Pruned models (every family of `sources.families`) whose layers differ in size, loadable by plain transformers.
 
 A HF config has one head count and one MLP width for every layer; a pruned model has its own per layer. This
 file builds the stock model from the config and shrinks each layer's projections to `config.pruned_layout`
@@ -14,7 +14,16 @@ loads pruned folders through this module directly (`models.load_pruned`): no cod
 from __future__ import annotations
 
 from torch import nn
-from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from transformers import (
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    GraniteForCausalLM,
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    Olmo2ForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+)
 
 
 def set_layer_shape(layer: nn.Module, heads: int, kv_heads: int, width: int) -> None:
@@ -33,9 +42,11 @@ def _empty_like(linear: nn.Linear, out_features: int | None = None, in_features:
                      bias=bias or linear.bias is not None, device=linear.weight.device, dtype=linear.weight.dtype)
 
 
-def shrink_to_layout(model: nn.Module, layout: list[dict], output_bias: bool = False) -> None:
+def shrink_to_layout(model: nn.Module, layout: list[dict], output_bias: bool = False, sliced_norms: bool = False
+                     ) -> None:
     """Replace each layer's projections by empty ones of the pruned sizes (the weights are loaded afterwards).
-    `output_bias` (config.pruned_output_bias): o_proj and down_proj carry a bias (FLAP's compensation)."""
+    `output_bias` (config.pruned_output_bias): o_proj and down_proj carry a bias (FLAP's compensation).
+    `sliced_norms`: q_norm / k_norm span the whole projections (OLMo-2) and shrink with them."""
     layers = model.model.layers
     if len(layout) != len(layers):
         raise ValueError(f"pruned_layout lists {len(layout)} layers, the config has {len(layers)}")
@@ -49,6 +60,9 @@ def shrink_to_layout(model: nn.Module, layout: list[dict], output_bias: bool = F
         mlp.gate_proj = _empty_like(mlp.gate_proj, out_features=shape["intermediate_size"])
         mlp.up_proj = _empty_like(mlp.up_proj, out_features=shape["intermediate_size"])
         mlp.down_proj = _empty_like(mlp.down_proj, in_features=shape["intermediate_size"], bias=output_bias)
+        if sliced_norms:
+            for norm, rows in ((attn.q_norm, q_rows), (attn.k_norm, kv_rows)):
+                norm.weight = nn.Parameter(norm.weight.new_empty(rows))
         set_layer_shape(layer, shape["num_attention_heads"], shape["num_key_value_heads"], shape["intermediate_size"])
 
 
@@ -76,5 +90,31 @@ class PrunedQwen3ForCausalLM(Qwen3ForCausalLM):  # q_norm / k_norm act per head 
         shrink_to_layout(self, config.pruned_layout, getattr(config, "pruned_output_bias", False))
 
 
+class PrunedGraniteForCausalLM(GraniteForCausalLM):  # its multipliers come with the config
+    def __init__(self, config):
+        super().__init__(config)
+        shrink_to_layout(self, config.pruned_layout, getattr(config, "pruned_output_bias", False))
+
+
+class PrunedOlmo2ForCausalLM(Olmo2ForCausalLM):  # q_norm / k_norm span the projections: shrunk with them
+    def __init__(self, config):
+        super().__init__(config)
+        shrink_to_layout(self, config.pruned_layout, getattr(config, "pruned_output_bias", False), sliced_norms=True)
+
+
+class PrunedGemma2ForCausalLM(Gemma2ForCausalLM):  # head_dim, scalar, caps and windows come with the config
+    def __init__(self, config):
+        super().__init__(config)
+        shrink_to_layout(self, config.pruned_layout, getattr(config, "pruned_output_bias", False))
+
+
+class PrunedGemma3ForCausalLM(Gemma3ForCausalLM):  # its per-head q_norm / k_norm are shared: kept as they are
+    def __init__(self, config):
+        super().__init__(config)
+        shrink_to_layout(self, config.pruned_layout, getattr(config, "pruned_output_bias", False))
+
+
 PRUNED_CLASSES = {"llama": PrunedLlamaForCausalLM, "qwen2": PrunedQwen2ForCausalLM, "mistral": PrunedMistralForCausalLM,
-                  "qwen3": PrunedQwen3ForCausalLM}
+                  "qwen3": PrunedQwen3ForCausalLM, "granite": PrunedGraniteForCausalLM,
+                  "olmo2": PrunedOlmo2ForCausalLM, "gemma2": PrunedGemma2ForCausalLM,
+                  "gemma3_text": PrunedGemma3ForCausalLM}

@@ -35,6 +35,7 @@ class Shape:
     layers: int
     vocab: int
     kv_width: int  # key/value projection width: kv heads x head dim
+    q_width: int  # query projection width: heads x head dim (not the hidden size where head_dim is given)
 
     @classmethod
     def of(cls, config, total_params: int, layer_params: int) -> Shape:
@@ -42,12 +43,12 @@ class Shape:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         return cls(total_params, layer_params, config.hidden_size, config.intermediate_size,
-                   config.num_hidden_layers, config.vocab_size, kv_heads * head_dim)
+                   config.num_hidden_layers, config.vocab_size, kv_heads * head_dim, heads * head_dim)
 
     def projections(self) -> dict[str, tuple[int, int]]:
         """Each LoRA target's (input, output) width."""
-        h, i, kv = self.hidden, self.intermediate, self.kv_width
-        return {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+        h, i, q, kv = self.hidden, self.intermediate, self.q_width, self.kv_width
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 

@@ -3,6 +3,8 @@ llama.cpp (llama-cpp-python, built from its source distribution by `make setup`)
 against the model it was written from. The tiny models here (fast); real SmolLM2 in tests/sources/test_real_world.py.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -167,25 +169,52 @@ def test_a_gguf_conversion_parses_the_file_once_and_writes_what_three_parses_wri
         assert file.read_bytes() == (thrice / file.name).read_bytes(), file.name
 
 
-def qwen3_with_a_real_tokenizer():
-    """A random Qwen3 (tiny-qwen3-random's shape and traits, its head norms away from 1) over tiny-qwen2's
-    tokenizer, which llama.cpp knows how to split (the byte-level tiny tokenizer is refused by the export)."""
+def random_with_a_real_tokenizer(name: str, tweak, **config_fields):
+    """A random model of tiny model `name`'s shape and traits (and `config_fields`), `tweak`ed in place (to make its
+    trait count), over tiny-qwen2's tokenizer, which llama.cpp knows how to split (the byte-level tiny tokenizer is
+    refused by the export)."""
     from transformers import AutoModelForCausalLM
 
     from taylor_tune.sources.models import load_tokenizer, tiny_config
 
     tokenizer = load_tokenizer("tiny-qwen2")
-    config = tiny_config("tiny-qwen3-random")
+    config = tiny_config(name)
     config.vocab_size, config.bos_token_id = len(tokenizer), tokenizer.bos_token_id
     config.eos_token_id, config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    for key, value in config_fields.items():
+        setattr(config, key, value)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
         with torch.no_grad():
             for layer in model.model.layers:
-                layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
-                layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
+                tweak(layer)
     return model, tokenizer
+
+
+def qwen3_with_a_real_tokenizer():
+    """A random Qwen3, its head norms away from 1."""
+    def tweak(layer):
+        layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
+        layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
+    return random_with_a_real_tokenizer("tiny-qwen3-random", tweak)
+
+
+def olmo2_with_a_real_tokenizer(head_dim: int = 4):
+    """A random OLMo-2, its whole-projection head norms away from 1; heads x head_dim = hidden by default, as in the
+    released OLMo-2 (whose config has no head_dim), which is what llama.cpp's olmo2 takes."""
+    def tweak(layer):
+        layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
+        layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
+    return random_with_a_real_tokenizer("tiny-olmo2-random", tweak, head_dim=head_dim)
+
+
+def granite_with_a_real_tokenizer():
+    """A random Granite whose attention matters (its scores and output far from ~0), so that each multiplier does."""
+    def tweak(layer):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            getattr(layer.self_attn, name).weight.normal_(0.0, 0.3)
+    return random_with_a_real_tokenizer("tiny-granite-random", tweak)
 
 
 @pytest.mark.parametrize("layout", ["uniform", "depth"])
@@ -212,14 +241,95 @@ def test_qwen3_is_written_as_llama_cpps_qwen3_with_its_head_norms(tmp_path, layo
     assert gap.max() < 1e-4, gap.max()
 
 
-def test_a_qwen3_of_different_layer_widths_is_refused_naming_the_uniform_layout(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3", "granite", "olmo2"])
+def test_a_family_deci_cannot_hold_of_different_layer_widths_is_refused_naming_the_uniform_layout(tmp_path, family):
     from taylor_tune.pruning.apply import apply_plan
     from taylor_tune.pruning.plan import PrunePlan
 
-    model, tokenizer = qwen3_with_a_real_tokenizer()
+    model, tokenizer = {"qwen3": qwen3_with_a_real_tokenizer, "granite": granite_with_a_real_tokenizer,
+                        "olmo2": olmo2_with_a_real_tokenizer}[family]()
     model = apply_plan(model, PrunePlan("hand", ((0,), (1, 2), (3,), ()), ((),) * 4))
     path = tmp_path / "model.gguf"
     with pytest.raises(GGUFError, match=r"layers differ in width is not written as GGUF .* uniform: true") as raised:
+        write_gguf(model, tokenizer, path, file_type="f32")
+    assert "\n" not in str(raised.value) and not path.exists()
+
+
+@pytest.mark.parametrize("layout", ["uniform", "depth"])
+def test_granite_is_written_as_llama_cpps_granite_with_its_multipliers(tmp_path, layout, monkeypatch):
+    """Issue 82, must-show 3 for Granite: the uniform and depth layouts as llama.cpp's `granite`, its four
+    multipliers as the converter writes them; every next token's log-probability in llama.cpp within 1e-4 nats of
+    the model's in f32. Written without them, llama.cpp refuses the file; with two of them swapped (the planted
+    slip), its log-probabilities are off by far more, and the export's own check refuses it."""
+    import gguf
+
+    from taylor_tune.pruning.apply import apply_plan
+    from taylor_tune.pruning.plan import PrunePlan
+    from taylor_tune.sources.families import FAMILIES
+
+    model, tokenizer = granite_with_a_real_tokenizer()
+    plan = (PrunePlan("hand", ((1,),) * 4, ((0, 5),) * 4) if layout == "uniform"
+            else PrunePlan("hand", ((),) * 4, ((),) * 4, layers_removed=(2,)))
+    model = apply_plan(model, plan)
+    path = tmp_path / "model.gguf"
+    assert write_gguf(model, tokenizer, path, file_type="f32")["architecture"] == "granite"
+    fields = gguf.GGUFReader(path).fields
+    assert float(fields["granite.attention.scale"].parts[-1][0]) == model.config.attention_multiplier
+    tokens = tokenizer.encode(world.heldout_path().read_text())[:64]
+    ours = torch_logprobs(model, tokens)
+    gap = np.abs(gguf_logprobs(path, tokens) - ours)
+    assert gap.max() < 1e-4, gap.max()
+    declared = FAMILIES["granite"].scalars
+    monkeypatch.setitem(FAMILIES, "granite", dataclasses.replace(FAMILIES["granite"], scalars={}))
+    write_gguf(model, tokenizer, tmp_path / "none.gguf", file_type="f32")
+    with pytest.raises(GGUFError, match="key not found in model: granite"):  # llama.cpp will not guess them
+        gguf_logprobs(tmp_path / "none.gguf", tokens)
+    swapped = declared | {"embedding_multiplier": "residual_scale", "residual_multiplier": "embedding_scale"}
+    monkeypatch.setitem(FAMILIES, "granite", dataclasses.replace(FAMILIES["granite"], scalars=swapped))
+    write_gguf(model, tokenizer, tmp_path / "swapped.gguf", file_type="f32")
+    assert np.abs(gguf_logprobs(tmp_path / "swapped.gguf", tokens) - ours).mean() > 20 * gap.max()
+    with pytest.raises(GGUFError, match="beyond"):  # the export's own check refuses such a file
+        check_gguf(tmp_path / "swapped.gguf", model, tokenizer, "f32")
+
+
+@pytest.mark.parametrize("layout", ["uniform", "depth"])
+def test_olmo2_is_written_as_llama_cpps_olmo2_with_its_norms(tmp_path, layout):
+    """Issue 82, must-show 3 for OLMo-2: the uniform layout (MLP cut: llama.cpp's olmo2 sizes attention from the
+    hidden size) and the depth layout as llama.cpp's `olmo2` (the whole-projection q/k norms as attn_q_norm /
+    attn_k_norm, the norms after each block, NeoX RoPE in HF's order); every next token's log-probability in
+    llama.cpp within 1e-4 nats of the model's in f32."""
+    import gguf
+
+    from taylor_tune.pruning.apply import apply_plan
+    from taylor_tune.pruning.plan import PrunePlan
+
+    model, tokenizer = olmo2_with_a_real_tokenizer()
+    plan = (PrunePlan("hand", ((),) * 4, ((0, 5, 17),) * 4) if layout == "uniform"
+            else PrunePlan("hand", ((),) * 4, ((),) * 4, layers_removed=(2,)))
+    model = apply_plan(model, plan)
+    path = tmp_path / "model.gguf"
+    assert write_gguf(model, tokenizer, path, file_type="f32")["architecture"] == "olmo2"
+    tensors = {tensor.name: tensor for tensor in gguf.GGUFReader(path).tensors}
+    assert int(tensors["blk.0.attn_q_norm.weight"].n_elements) == model.config.hidden_size
+    assert {"blk.0.post_attention_norm.weight", "blk.0.post_ffw_norm.weight"} <= set(tensors)
+    assert "blk.0.attn_norm.weight" not in tensors
+    tokens = tokenizer.encode(world.heldout_path().read_text())[:64]
+    gap = np.abs(gguf_logprobs(path, tokens) - torch_logprobs(model, tokens))
+    assert gap.max() < 1e-4, gap.max()
+
+
+@pytest.mark.parametrize("head_dim", [4, 8])
+def test_an_olmo2_whose_attention_is_not_hidden_wide_is_refused_in_one_line(tmp_path, head_dim):
+    """Heads pruned (head_dim 4: q narrower than the hidden size after the cut) or heads x head_dim other than the
+    hidden size from the start (8): llama.cpp's olmo2 cannot hold either, so nothing is written."""
+    from taylor_tune.pruning.apply import apply_plan
+    from taylor_tune.pruning.plan import PrunePlan
+
+    model, tokenizer = olmo2_with_a_real_tokenizer(head_dim)
+    if head_dim == 4:
+        model = apply_plan(model, PrunePlan("hand", ((1,),) * 4, ((),) * 4))
+    path = tmp_path / "model.gguf"
+    with pytest.raises(GGUFError, match="sizes attention from the hidden size") as raised:
         write_gguf(model, tokenizer, path, file_type="f32")
     assert "\n" not in str(raised.value) and not path.exists()
 

@@ -12,7 +12,7 @@ from taylor_tune.pruning.methods import WIDTH_METHODS
 from taylor_tune.pruning.plan import PrunePlan
 from taylor_tune.pruning.prune import prune
 from taylor_tune.sources.models import load_model, load_pruned
-from tests.helpers import mask_groups, tiny
+from tests.helpers import ARCHS, fast_diagonal, mask_groups, tiny
 
 
 def pruned(arch: str, method: str, sparsity: float = 0.2, **extra):
@@ -38,7 +38,7 @@ def ids():
     return torch.randint(0, 256, (3, 40), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("method", sorted(WIDTH_METHODS))
+@pytest.mark.parametrize("arch, method", fast_diagonal(ARCHS, sorted(WIDTH_METHODS)))
 def test_pruned_equals_masked(arch, method, ids):
     result = pruned(arch, method, 0.3, layerwise_max_ratio=0.6)
     assert any(result.plan.mlp_removed)
@@ -134,7 +134,7 @@ def test_blockwise_attention_rule_reaches_the_plan():
     assert not any(pruned("tiny-llama-random", "blockwise", 0.15, blockwise_attention="mlp_only").plan.attn_removed)
 
 
-@pytest.mark.parametrize("method", ["taylor", "blockwise", "random"])
+@pytest.mark.parametrize("arch, method", fast_diagonal(ARCHS, ["taylor", "blockwise", "random"]))
 def test_a_uniform_model_loads_in_stock_transformers_without_remote_code(arch, method, ids, tmp_path):
     """Issue 28: every layer keeps one shape, the folder is a stock one (no auto_map, no modeling file, the stock
     config class) and plain from_pretrained gives the in-memory pruned model's logits."""

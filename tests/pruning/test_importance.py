@@ -51,6 +51,9 @@ def _group_by_loops(model, normalize=True):
                 if proj.bias is not None:
                     total = total + sal_b(proj)[rows].sum()
                     count += proj.bias[rows].numel()
+            if cfg.model_type == "olmo2":  # its q_norm / k_norm entries of the group's rows are the group's
+                total = total + sal(at.q_norm)[q].sum() + sal(at.k_norm)[kv].sum()
+                count += rep * d + d
             groups.append(float(total) / (count if normalize else 1))
         attn_scores.append(np.array(groups))
         channels = []
@@ -69,7 +72,7 @@ def _group_by_loops(model, normalize=True):
             for m in (at.q_proj, at.k_proj, at.v_proj, at.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
             for p in (m.weight, m.bias)
             if p is not None and not (m in (at.o_proj, mlp.down_proj) and p is m.bias)  # output biases: no group's
-        ]
+        ] + ([at.q_norm.weight.grad, at.k_norm.weight.grad] if cfg.model_type == "olmo2" else [])
         flat = torch.cat(grads).double()  # fp64: an fp32 norm over millions of entries (a real layer) is off by ~1e-3
         grad_mean.append(float(flat.abs().mean()))
         grad_norm.append(float(flat.norm()))

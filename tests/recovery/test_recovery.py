@@ -52,7 +52,7 @@ def test_recovery_lowers_the_heldout_loss_of_the_same_pruned_model():
     assert sum(p.numel() for p in recovered.model.parameters()) == result.diagnostics["params_count"]
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen2-random", "tiny-qwen3-random"])
+@pytest.mark.parametrize("name", ["tiny-qwen2-random", "tiny-qwen3-random", "tiny-granite-random"])
 def test_the_merged_model_computes_what_the_adapters_did(name):
     model = tiny(name)
     spec = RecoverySpec(**SPEC)

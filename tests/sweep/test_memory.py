@@ -26,7 +26,7 @@ STAGES = ("importance", "calibration_forward", "speed", "recovery", "recovery_kd
 
 def estimate(stage: str, dtype: str, hidden, intermediate, layers, vocab, batch, seq_len, params, layer_params) -> int:
     """The module's estimate of what `stage` adds over the weights already resident (a kd teacher's too)."""
-    shape = memory.Shape(params, layer_params, hidden, intermediate, layers, vocab, (hidden // 128) * 64)
+    shape = memory.Shape(params, layer_params, hidden, intermediate, layers, vocab, (hidden // 128) * 64, hidden)
     size = 4 if dtype == "float32" else 2
     if stage == "importance":
         peak = memory.importance(shape, batch, seq_len, size)
@@ -57,7 +57,22 @@ def test_the_estimate_is_a_lower_bound_within_the_measured_peak(stage, shape):
     assert predicted <= measured["added"] <= 2.5 * predicted, (predicted, measured)
 
 
-SHAPE = memory.Shape(params=1000, layer_params=800, hidden=64, intermediate=192, layers=4, vocab=259, kv_width=32)
+SHAPE = memory.Shape(params=1000, layer_params=800, hidden=64, intermediate=192, layers=4, vocab=259, kv_width=32,
+                     q_width=64)
+
+
+def test_each_projections_widths_are_those_of_the_model_of_every_family(arch):
+    """What the LoRA estimate sizes, against the modules themselves (an explicit head_dim makes q_proj other than
+    hidden x hidden)."""
+    from taylor_tune.pruning.groups import count_parameters
+    from tests.helpers import tiny
+
+    model = tiny(arch)
+    shape = memory.Shape.of(model.config, count_parameters(model), 0)
+    layer = model.model.layers[0]
+    modules = {**{n: getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
+               **{n: getattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")}}
+    assert shape.projections() == {n: (m.in_features, m.out_features) for n, m in modules.items()}
 
 
 def stages(**settings) -> list[str]:

@@ -17,7 +17,16 @@ class Family:
     - `tiny`: the fields the tiny random model's config adds to the shared tiny shape (`models.tiny_config`), so that
       it keeps the family's traits;
     - `head_norm`: "shared" when the attention normalises each head's q and k over `head_dim` with one weight for
-      every head (Qwen3's `q_norm` / `k_norm`): never sliced with the heads, never part of a group."""
+      every head (Qwen3's `q_norm` / `k_norm`): never sliced with the heads, never part of a group; "sliced" when it
+      normalises the whole q (k) projection (OLMo-2's): the weights are sliced with the heads and belong to the group,
+      and the pruned model normalises over the rows it kept;
+    - `scalars`: config fields that scale the computation (Granite's multipliers), each with the name of the `gguf`
+      writer's method suffix (`add_<name>`) that puts it in the file as llama.cpp's converter does;
+    - `gguf_whole_attention`: llama.cpp's graph for `gguf` sizes the attention from the hidden size (OLMo-2's:
+      q is n_embd x n_embd, head size n_embd / n_head), so a model with heads pruned, or whose heads x head_dim is
+      not its hidden size, is refused there in one line (depth and MLP cuts are written);
+    - `attn_norms` / `ffn_norms`: each decoder layer's norms that go with its attention (its MLP), by module name,
+      with their GGUF names: where the norms sit differs by family (Llama's before each block, OLMo-2's after)."""
 
     model_type: str
     pruned_class: str
@@ -25,3 +34,7 @@ class Family:
     gguf_free: bool = True
     tiny: dict = field(default_factory=dict)
     head_norm: str | None = None
+    scalars: dict[str, str] = field(default_factory=dict)
+    gguf_whole_attention: bool = False
+    attn_norms: dict[str, str] = field(default_factory=lambda: {"input_layernorm": "attn_norm"})
+    ffn_norms: dict[str, str] = field(default_factory=lambda: {"post_attention_layernorm": "ffn_norm"})
