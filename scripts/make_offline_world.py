@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/make_offline_world.py              # everything (~7 min of CPU training in all)
     .venv/bin/python scripts/make_offline_world.py --data-only  # text and tasks only (seconds)
+    .venv/bin/python scripts/make_offline_world.py --models tiny-qwen3  # one model (the text is rewritten, the same)
 
 The text and task files are byte-identical for the same code (seeded); the tokenizer is deterministic; the
 models are trained for a fixed number of steps from fixed seeds (bitwise identical on the same machine and
@@ -23,10 +24,20 @@ from scripts.world.generate import write_world_data  # noqa: E402
 from scripts.world.train import train_causal_lm, train_tokenizer  # noqa: E402
 from taylor_tune.sources.world import world_dir  # noqa: E402
 
-ARCHITECTURES = {"tiny-llama": "llama", "tiny-qwen2": "qwen2", "tiny-mistral": "mistral"}
+ARCHITECTURES = {"tiny-llama": "llama", "tiny-qwen2": "qwen2", "tiny-mistral": "mistral", "tiny-qwen3": "qwen3",
+                 "tiny-granite": "granite", "tiny-olmo2": "olmo2", "tiny-gemma2": "gemma2",
+                 "tiny-gemma3": "gemma3_text"}
 # Small enough that pruning visibly costs accuracy; Llama-3-style GQA (4 query heads per key/value head).
 SHAPE = dict(hidden_size=96, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=2, head_dim=12, max_position_embeddings=512, rms_norm_eps=1e-5)
+
+# As the released Gemmas: tied embeddings, attention scaled by the head size, Gemma 2's caps at 50 and 30 (the random
+# tiny model's cap of 3 on the logits keeps a model from ever being sure: it trained to a loss of 1.19, the others ~0.5)
+TRAINED_TRAITS = {
+    "tiny-gemma2": dict(attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=12,
+                        tie_word_embeddings=True),
+    "tiny-gemma3": dict(query_pre_attn_scalar=12, tie_word_embeddings=True),
+}
 
 
 def main() -> None:
@@ -34,6 +45,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=world_dir())
     parser.add_argument("--data-only", action="store_true")
     parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--models", nargs="+", choices=sorted(ARCHITECTURES), default=sorted(ARCHITECTURES),
+                        help="train only these (the others' folders are left as they are)")
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
@@ -49,11 +62,18 @@ def main() -> None:
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from taylor_tune.sources.families import FAMILIES
+
     for seed, (name, arch) in enumerate(ARCHITECTURES.items()):
-        extra = {"sliding_window": None} if arch == "mistral" else {}
+        if name not in args.models:
+            continue
+        # each family's traits as its tiny random model has them (sources.families), on the world's shape, and
+        # where the random one's values are chosen only to show in a test, the released models' (TRAINED_TRAITS)
+        extra = {"sliding_window": None} if arch == "mistral" else dict(FAMILIES[arch].tiny)
+        fields = {"tie_word_embeddings": False, **SHAPE, **extra, **TRAINED_TRAITS.get(name, {})}
         config = AutoConfig.for_model(
             arch, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, **SHAPE, **extra,
+            pad_token_id=tokenizer.pad_token_id, **fields,
         )
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -58,10 +58,10 @@ def run_sweep(experiment: Path, *extra: str, timeout: float = 600, cluster: str 
                           env={**env(**faults), **joined}, cwd=REPO)
 
 
-def run_sweep_to_end(experiment: Path, cluster: str | None = None) -> subprocess.CompletedProcess:
+def run_sweep_to_end(experiment: Path, *extra: str, cluster: str | None = None) -> subprocess.CompletedProcess:
     """Run a sweep that must finish (exit 0), then stop whatever Ray it started."""
     started = time.time()
-    proc = run_sweep(experiment, cluster=cluster)
+    proc = run_sweep(experiment, *extra, cluster=cluster)
     kill_ray_started_after(started)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc

@@ -3,10 +3,10 @@
 Which architecture the file names (what llama.cpp 0.3.36's bundled source does with each, read in src/models/):
 - Layers of one shape (uniform, depth) are written as their family's own architecture (`sources.families`:
   `llama` for Llama and Mistral, `qwen2`, `qwen3` with its `attn_q_norm` / `attn_k_norm`, `granite` with its four
-  multipliers, `olmo2` with its whole-projection q/k norms and its norms after each block), with the usual scalar
-  metadata, as llama.cpp's converter writes them. Llama 3.1's `llama3` RoPE
-  scaling goes in as the converter writes it, `rope_freqs` (one factor per rotary frequency), which `llama` and
-  `deci` read.
+  multipliers, `olmo2` with its whole-projection q/k norms and its norms after each block, `gemma2` with its caps,
+  window and four norms as 1 + w), with the usual scalar metadata, as llama.cpp's converter writes them. Llama
+  3.1's `llama3` RoPE scaling goes in as the converter writes it, `rope_freqs` (one factor per rotary frequency),
+  which `llama` and `deci` read.
 - Layers of different shapes (the free layout) are written as `deci`. llama.cpp's loader reads
   `feed_forward_length`, `attention.head_count` and `attention.head_count_kv` as per-layer arrays for every
   architecture (llama-model.cpp, `get_key_or_arr`), but `llama` and `qwen2` then build every layer's tensors and
@@ -123,6 +123,8 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, *, file_type: str 
         raise GGUFError(f"--gguf: llama.cpp's {arch} sizes attention from the hidden size (q is hidden x hidden), so a "
                         f"{config.model_type} model with attention heads pruned (or heads x head_dim other than the "
                         "hidden size) is not written as GGUF; depth and MLP-only cuts are")
+    if config.model_type == "gemma2":
+        _check_gemma2(config, size)
     vocab = _vocab(tokenizer, config.vocab_size)
 
     path = Path(path)
@@ -145,7 +147,7 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, *, file_type: str 
     _add_vocab(writer, vocab)
     if arch != "deci":  # Granite's multipliers (`Family.scalars`), under the keys llama.cpp's converter writes
         for field_name, key in FAMILIES[config.model_type].scalars.items():
-            getattr(writer, f"add_{key}")(float(getattr(config, field_name)))
+            getattr(writer, f"add_{key}")(getattr(config, field_name))
 
     permute = arch in PAIRED_ROPE
     extra = {"rope_freqs.weight": llama3_rope_factors(config, size)} if scaling == "llama3" else {}
@@ -160,6 +162,26 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, *, file_type: str 
     writer.close()
     return {"architecture": arch, "file_type": file_type, "pre_tokenizer": vocab["pre"],
             "tokens_without_embedding": vocab["beyond"], "layers": [dict(s) for s in shapes]}
+
+
+def _check_gemma2(config, size: int) -> None:
+    """What llama.cpp's gemma2 graph computes (its src/llama-model.cpp): the output from the token embeddings,
+    attention scaled by 1/sqrt(head_dim) (but for its 27B), the sliding window on every even layer. A Gemma 2 that
+    differs is refused rather than written to compute something else."""
+    alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(config.num_hidden_layers)]
+    if config.attn_logit_softcapping is None or config.final_logit_softcapping is None:
+        why = "a soft-cap is off, and llama.cpp's gemma2 caps with its defaults (50, 30) when the file names none"
+    elif not config.tie_word_embeddings:
+        why = "its output is not tied to its token embeddings, which llama.cpp's gemma2 reads as the output"
+    elif config.query_pre_attn_scalar != size:
+        why = (f"its attention is scaled by query_pre_attn_scalar {config.query_pre_attn_scalar}, llama.cpp's gemma2 "
+               f"by the head size {size}")
+    elif list(config.layer_types) != alternating:
+        why = ("its sliding-window layers do not alternate from the first (llama.cpp's gemma2 puts the window on every "
+               "even layer): remove layers in pairs")
+    else:
+        return
+    raise GGUFError(f"--gguf: this gemma2 model is not written as GGUF: {why}")
 
 
 def architecture(model_type: str, *, uniform: bool, biased: bool) -> str:
@@ -195,15 +217,16 @@ def _rope_permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _tensors(model, layers, shapes, permute: bool, tied: bool, family):
+    norm = (lambda t: t + family.norm_offset) if family.norm_offset else (lambda t: t)
     yield "token_embd.weight", model.get_input_embeddings().weight
-    yield "output_norm.weight", model.model.norm.weight
+    yield "output_norm.weight", norm(model.model.norm.weight)
     if not tied:
         yield "output.weight", model.get_output_embeddings().weight
     for index, (layer, shape) in enumerate(zip(layers, shapes)):
         block, attn, mlp = f"blk.{index}", layer.self_attn, layer.mlp
         if shape["heads"]:
             for ours, theirs in family.attn_norms.items():
-                yield f"{block}.{theirs}.weight", getattr(layer, ours).weight
+                yield f"{block}.{theirs}.weight", norm(getattr(layer, ours).weight)
             for ours, theirs, heads in (("q_proj", "attn_q", shape["heads"]), ("k_proj", "attn_k", shape["kv_heads"]),
                                         ("v_proj", "attn_v", 0)):
                 linear = getattr(attn, ours)
@@ -213,13 +236,13 @@ def _tensors(model, layers, shapes, permute: bool, tied: bool, family):
                     yield f"{block}.{theirs}.bias", turn(linear.bias)
             for ours, theirs in (("q_norm", "attn_q_norm"), ("k_norm", "attn_k_norm")):  # Qwen3's, OLMo-2's
                 if hasattr(attn, ours):
-                    yield f"{block}.{theirs}.weight", getattr(attn, ours).weight
+                    yield f"{block}.{theirs}.weight", norm(getattr(attn, ours).weight)
             yield f"{block}.attn_output.weight", attn.o_proj.weight
             if attn.o_proj.bias is not None:
                 yield f"{block}.attn_output.bias", attn.o_proj.bias
         if shape["ff"]:
             for ours, theirs in family.ffn_norms.items():
-                yield f"{block}.{theirs}.weight", getattr(layer, ours).weight
+                yield f"{block}.{theirs}.weight", norm(getattr(layer, ours).weight)
             for ours, theirs in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
                 linear = getattr(mlp, ours)
                 yield f"{block}.{theirs}.weight", linear.weight
@@ -316,7 +339,9 @@ def check_gguf(path: Path, model: nn.Module, tokenizer, file_type: str) -> dict:
     gap = np.abs(theirs - ours)
     measured = {"checked": True, "tokens": len(tokens) - 1, "mean_abs_logprob_gap": float(gap.mean()),
                 "max_abs_logprob_gap": float(gap.max())}
-    limit = TOLERANCE[file_type]
+    family = FAMILIES.get(model.config.model_type)
+    limit = (family.gguf_f32_tolerance if file_type == "f32" and family and family.gguf_f32_tolerance
+             else TOLERANCE[file_type])
     if measured["mean_abs_logprob_gap"] > limit["mean"] or measured["max_abs_logprob_gap"] > limit["max"]:
         raise GGUFError(f"--gguf: llama.cpp reads {path.name} with per-token log-probabilities "
                         f"{measured['mean_abs_logprob_gap']:.2g} (mean) / {measured['max_abs_logprob_gap']:.2g} (max) "

@@ -25,7 +25,8 @@ TINY_MODELS = {"tiny-llama-random": "llama", "tiny-qwen2-random": "qwen2", "tiny
                "tiny-qwen3-random": "qwen3", "tiny-granite-random": "granite",
                "tiny-olmo2-random": "olmo2", "tiny-gemma2-random": "gemma2",
                "tiny-gemma3-random": "gemma3_text"}
-TRAINED_MODELS = ("tiny-llama", "tiny-qwen2", "tiny-mistral")
+TRAINED_MODELS = ("tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-qwen3", "tiny-granite", "tiny-olmo2", "tiny-gemma2",
+                  "tiny-gemma3")
 PRUNED_MANIFEST = "pruned_layout.json"
 
 # The text of each world: what `calibration: auto` and `ppl: auto` mean for a model of that world.

@@ -14,7 +14,7 @@ from taylor_tune.evaluation.evaluate import evaluate
 from taylor_tune.evaluation.perplexity import perplexity
 from taylor_tune.evaluation.zero_shot import TASK_YAML, offline_task_config
 from taylor_tune.pruning.prune import prune
-from taylor_tune.sources.data import load_ppl_text
+from taylor_tune.sources.data import TRAINED_MODELS, load_ppl_text
 from taylor_tune.sources.models import load_model, load_tokenizer
 from taylor_tune.sources.world import heldout_path, task_file
 
@@ -34,7 +34,7 @@ def world_spec(**kw):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-mistral"])
+@pytest.mark.parametrize("name", TRAINED_MODELS)
 def test_shipped_models_beat_chance_and_know_their_text(name):
     model, tokenizer = load_model(name), load_tokenizer(name)
     result = evaluate(model, tokenizer, world_spec(), model_name=name)

@@ -13,6 +13,7 @@ from taylor_tune.config import build_prune_config
 from taylor_tune.export import to_gguf
 from taylor_tune.export.to_gguf import GGUFError, check_gguf, gguf_logprobs, torch_logprobs, write_gguf
 from taylor_tune.pruning.apply import layer_shapes
+from taylor_tune.pruning.plan import PrunePlan
 from taylor_tune.pruning.prune import prune
 from taylor_tune.sources import world
 
@@ -217,6 +218,20 @@ def granite_with_a_real_tokenizer():
     return random_with_a_real_tokenizer("tiny-granite-random", tweak)
 
 
+def written(model, tokenizer, path, plan, architecture: str):
+    """`model` pruned by `plan`, written to `path` in f32 as `architecture` (asserted), and the held-out tokens the
+    family tests score in llama.cpp and in torch."""
+    from taylor_tune.pruning.apply import apply_plan
+
+    model = apply_plan(model, plan)
+    assert write_gguf(model, tokenizer, path, file_type="f32")["architecture"] == architecture
+    return model, tokenizer.encode(world.heldout_path().read_text())[:64]
+
+
+def by_layout(layout: str, uniform: PrunePlan, depth_removed: tuple[int, ...]) -> PrunePlan:
+    return uniform if layout == "uniform" else PrunePlan("hand", ((),) * 4, ((),) * 4, layers_removed=depth_removed)
+
+
 @pytest.mark.parametrize("layout", ["uniform", "depth"])
 def test_qwen3_is_written_as_llama_cpps_qwen3_with_its_head_norms(tmp_path, layout):
     """Issue 82, must-show 3 for Qwen3: the uniform and depth layouts as llama.cpp's `qwen3` (q_norm / k_norm as
@@ -224,19 +239,12 @@ def test_qwen3_is_written_as_llama_cpps_qwen3_with_its_head_norms(tmp_path, layo
     nats of the model's in f32."""
     import gguf
 
-    from taylor_tune.pruning.apply import apply_plan
-    from taylor_tune.pruning.plan import PrunePlan
-
-    model, tokenizer = qwen3_with_a_real_tokenizer()
-    plan = (PrunePlan("hand", ((1,),) * 4, ((0, 5),) * 4) if layout == "uniform"
-            else PrunePlan("hand", ((),) * 4, ((),) * 4, layers_removed=(2,)))
-    model = apply_plan(model, plan)
     path = tmp_path / "model.gguf"
-    assert write_gguf(model, tokenizer, path, file_type="f32")["architecture"] == "qwen3"
+    model, tokens = written(*qwen3_with_a_real_tokenizer(), path,
+                            by_layout(layout, PrunePlan("hand", ((1,),) * 4, ((0, 5),) * 4), (2,)), "qwen3")
     names = {tensor.name for tensor in gguf.GGUFReader(path).tensors}
     layers = len(model.model.layers)
     assert {f"blk.{i}.attn_{n}_norm.weight" for i in range(layers) for n in "qk"} <= names
-    tokens = tokenizer.encode(world.heldout_path().read_text())[:64]
     gap = np.abs(gguf_logprobs(path, tokens) - torch_logprobs(model, tokens))
     assert gap.max() < 1e-4, gap.max()
 
@@ -263,19 +271,14 @@ def test_granite_is_written_as_llama_cpps_granite_with_its_multipliers(tmp_path,
     slip), its log-probabilities are off by far more, and the export's own check refuses it."""
     import gguf
 
-    from taylor_tune.pruning.apply import apply_plan
-    from taylor_tune.pruning.plan import PrunePlan
     from taylor_tune.sources.families import FAMILIES
 
     model, tokenizer = granite_with_a_real_tokenizer()
-    plan = (PrunePlan("hand", ((1,),) * 4, ((0, 5),) * 4) if layout == "uniform"
-            else PrunePlan("hand", ((),) * 4, ((),) * 4, layers_removed=(2,)))
-    model = apply_plan(model, plan)
     path = tmp_path / "model.gguf"
-    assert write_gguf(model, tokenizer, path, file_type="f32")["architecture"] == "granite"
+    model, tokens = written(model, tokenizer, path,
+                            by_layout(layout, PrunePlan("hand", ((1,),) * 4, ((0, 5),) * 4), (2,)), "granite")
     fields = gguf.GGUFReader(path).fields
     assert float(fields["granite.attention.scale"].parts[-1][0]) == model.config.attention_multiplier
-    tokens = tokenizer.encode(world.heldout_path().read_text())[:64]
     ours = torch_logprobs(model, tokens)
     gap = np.abs(gguf_logprobs(path, tokens) - ours)
     assert gap.max() < 1e-4, gap.max()
@@ -300,20 +303,13 @@ def test_olmo2_is_written_as_llama_cpps_olmo2_with_its_norms(tmp_path, layout):
     llama.cpp within 1e-4 nats of the model's in f32."""
     import gguf
 
-    from taylor_tune.pruning.apply import apply_plan
-    from taylor_tune.pruning.plan import PrunePlan
-
-    model, tokenizer = olmo2_with_a_real_tokenizer()
-    plan = (PrunePlan("hand", ((),) * 4, ((0, 5, 17),) * 4) if layout == "uniform"
-            else PrunePlan("hand", ((),) * 4, ((),) * 4, layers_removed=(2,)))
-    model = apply_plan(model, plan)
     path = tmp_path / "model.gguf"
-    assert write_gguf(model, tokenizer, path, file_type="f32")["architecture"] == "olmo2"
+    model, tokens = written(*olmo2_with_a_real_tokenizer(), path,
+                            by_layout(layout, PrunePlan("hand", ((),) * 4, ((0, 5, 17),) * 4), (2,)), "olmo2")
     tensors = {tensor.name: tensor for tensor in gguf.GGUFReader(path).tensors}
     assert int(tensors["blk.0.attn_q_norm.weight"].n_elements) == model.config.hidden_size
     assert {"blk.0.post_attention_norm.weight", "blk.0.post_ffw_norm.weight"} <= set(tensors)
     assert "blk.0.attn_norm.weight" not in tensors
-    tokens = tokenizer.encode(world.heldout_path().read_text())[:64]
     gap = np.abs(gguf_logprobs(path, tokens) - torch_logprobs(model, tokens))
     assert gap.max() < 1e-4, gap.max()
 
@@ -330,6 +326,76 @@ def test_an_olmo2_whose_attention_is_not_hidden_wide_is_refused_in_one_line(tmp_
         model = apply_plan(model, PrunePlan("hand", ((1,),) * 4, ((),) * 4))
     path = tmp_path / "model.gguf"
     with pytest.raises(GGUFError, match="sizes attention from the hidden size") as raised:
+        write_gguf(model, tokenizer, path, file_type="f32")
+    assert "\n" not in str(raised.value) and not path.exists()
+
+
+def gemma2_with_a_real_tokenizer(**config_fields):
+    """A random Gemma 2, tied as the released ones, its attention and logits large enough that the caps act and its
+    norms away from 0 (Gemma's norms compute x * (1 + w))."""
+    def tweak(layer):
+        for name in ("q_proj", "k_proj"):
+            getattr(layer.self_attn, name).weight.normal_(0.0, 0.5)
+        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):
+            getattr(layer, name).weight.normal_(0.0, 0.3)
+    model, tokenizer = random_with_a_real_tokenizer("tiny-gemma2-random", tweak,
+                                                    **{"tie_word_embeddings": True, **config_fields})
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(3))
+    return model, tokenizer
+
+
+class F16TableGelu(torch.nn.Module):
+    """GELU (tanh) as llama.cpp's CPU computes it in f32 graphs: input rounded to f16, an f16 table's value."""
+
+    def forward(self, x):
+        table = torch.nn.functional.gelu(x.half().float(), approximate="tanh").half().float()
+        return torch.where(x >= 10, x, torch.where(x <= -10, torch.zeros_like(x), table))
+
+
+@pytest.mark.parametrize("layout", ["uniform", "depth"])
+def test_gemma2_is_written_as_llama_cpps_gemma2(tmp_path, layout, monkeypatch):
+    """Issue 82, must-show 3 for Gemma 2: the uniform and depth (two layers, so the windows still alternate) layouts
+    as llama.cpp's `gemma2`: caps, window and norms as its converter writes them; every next token's log-probability
+    in llama.cpp within the family's f32 bounds of the model's, over more tokens than the window (8) holds."""
+    import gguf
+
+    from taylor_tune.sources.families import FAMILIES
+
+    model, tokenizer = gemma2_with_a_real_tokenizer()
+    path = tmp_path / "model.gguf"
+    model, tokens = written(model, tokenizer, path,
+                            by_layout(layout, PrunePlan("hand", ((1, 2),) * 4, ((0, 5),) * 4), (1, 2)), "gemma2")
+    fields = gguf.GGUFReader(path).fields
+    assert float(fields["gemma2.final_logit_softcapping"].parts[-1][0]) == model.config.final_logit_softcapping
+    theirs = gguf_logprobs(path, tokens)
+    gap = np.abs(theirs - torch_logprobs(model, tokens))
+    bounds = FAMILIES["gemma2"].gguf_f32_tolerance  # the export's f32 bounds for Gemma 2
+    assert gap.mean() < bounds["mean"] and gap.max() < bounds["max"], (gap.mean(), gap.max())
+    # most of the gap is llama.cpp's GELU, which on CPU rounds its f32 input to f16 and reads an f16 table
+    # (ggml-cpu/vec.h, GGML_GELU_FP16): the model with that GELU, written out here, is several times closer
+    model.model.layers.apply(lambda m: setattr(m, "act_fn", F16TableGelu()) if hasattr(m, "act_fn") else None)
+    assert np.abs(theirs - torch_logprobs(model, tokens)).max() < gap.max() / 2
+    # the planted slip: Gemma's norms written as w, not 1 + w, are refused by the export's own check
+    monkeypatch.setitem(FAMILIES, "gemma2", dataclasses.replace(FAMILIES["gemma2"], norm_offset=0.0))
+    write_gguf(model, tokenizer, tmp_path / "slip.gguf", file_type="f32")
+    with pytest.raises(GGUFError, match="beyond"):
+        check_gguf(tmp_path / "slip.gguf", model, tokenizer, "f32")
+
+
+@pytest.mark.parametrize("case", ["untied", "scalar", "one layer removed", "uncapped"])
+def test_a_gemma2_llama_cpp_would_compute_otherwise_is_refused_in_one_line(tmp_path, case):
+    from taylor_tune.pruning.apply import apply_plan
+    from taylor_tune.pruning.plan import PrunePlan
+
+    fields = {"untied": {"tie_word_embeddings": False}, "scalar": {"query_pre_attn_scalar": 12},
+              "uncapped": {"attn_logit_softcapping": None}}.get(case, {})
+    model, tokenizer = gemma2_with_a_real_tokenizer(**fields)
+    if case == "one layer removed":
+        model = apply_plan(model, PrunePlan("hand", ((),) * 4, ((),) * 4, layers_removed=(1,)))
+    path = tmp_path / "model.gguf"
+    with pytest.raises(GGUFError, match="this gemma2 model is not written as GGUF") as raised:
         write_gguf(model, tokenizer, path, file_type="f32")
     assert "\n" not in str(raised.value) and not path.exists()
 

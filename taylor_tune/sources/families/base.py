@@ -22,6 +22,11 @@ class Family:
       and the pruned model normalises over the rows it kept;
     - `scalars`: config fields that scale the computation (Granite's multipliers), each with the name of the `gguf`
       writer's method suffix (`add_<name>`) that puts it in the file as llama.cpp's converter does;
+    - `norm_offset`: what the GGUF's norm weights add to the model's (Gemma computes x * (1 + w); llama.cpp's graph
+      x * w, so its converter writes 1 + w);
+    - `gguf_f32_tolerance`: the export's check of an f32 file in llama.cpp, where the family's activation is computed
+      there less exactly than the default bounds (`to_gguf.TOLERANCE`) allow: llama.cpp's CPU GELU rounds its input
+      to f16 and reads an f16 table (ggml-cpu's GGML_GELU_FP16), so Gemma's f32 files are ~1e-4 to 1e-3 nats off;
     - `gguf_whole_attention`: llama.cpp's graph for `gguf` sizes the attention from the hidden size (OLMo-2's:
       q is n_embd x n_embd, head size n_embd / n_head), so a model with heads pruned, or whose heads x head_dim is
       not its hidden size, is refused there in one line (depth and MLP cuts are written);
@@ -36,5 +41,7 @@ class Family:
     head_norm: str | None = None
     scalars: dict[str, str] = field(default_factory=dict)
     gguf_whole_attention: bool = False
+    norm_offset: float = 0.0
+    gguf_f32_tolerance: dict | None = None
     attn_norms: dict[str, str] = field(default_factory=lambda: {"input_layernorm": "attn_norm"})
     ffn_norms: dict[str, str] = field(default_factory=lambda: {"post_attention_layernorm": "ffn_norm"})

@@ -2,7 +2,7 @@
 
 Nothing can be downloaded on the project's machines, so the pipeline runs end to end here: a corpus written
 from the world's facts, a tokenizer trained on it, held-out text for perplexity, mini versions of the seven
-zero-shot tasks in the real datasets' schemas, and tiny Llama / Qwen2 / Mistral checkpoints trained on the
+zero-shot tasks in the real datasets' schemas, and a tiny checkpoint of every family (sources.families) trained on the
 corpus. `scripts/make_offline_world.py` regenerates all of it (`scripts/world/generate.py` holds the world
 itself); the package carries only the result.
 """
