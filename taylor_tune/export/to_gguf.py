@@ -4,7 +4,8 @@ Which architecture the file names (what llama.cpp 0.3.36's bundled source does w
 - Layers of one shape (uniform, depth) are written as their family's own architecture (`sources.families`:
   `llama` for Llama and Mistral, `qwen2`, `qwen3` with its `attn_q_norm` / `attn_k_norm`, `granite` with its four
   multipliers, `olmo2` with its whole-projection q/k norms and its norms after each block, `gemma2` with its caps,
-  window and four norms as 1 + w), with the usual scalar metadata, as llama.cpp's converter writes them. Llama
+  window and four norms as 1 + w, `gemma3` with its head norms as 1 + w too), with the usual scalar metadata, as
+  llama.cpp's converter writes them. Llama
   3.1's `llama3` RoPE scaling goes in as the converter writes it, `rope_freqs` (one factor per rotary frequency),
   which `llama` and `deci` read.
 - Layers of different shapes (the free layout) are written as `deci`. llama.cpp's loader reads
@@ -103,6 +104,9 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, *, file_type: str 
         raise GGUFError(f"--gguf: a {config.model_type} model is not written as GGUF yet "
                         f"({', '.join(STOCK_ARCH)} are); export it without --gguf")
     rope = dict(getattr(config, "rope_parameters", None) or {})
+    if config.model_type == "gemma3_text":  # one RoPE per layer type: the file's is the global layers'
+        _check_gemma(config, rope)
+        rope = rope["full_attention"]
     scaling = rope.get("rope_type", "default")
     if scaling not in ("default", "llama3") or (scaling == "llama3" and config.model_type != "llama"):
         raise GGUFError(f"--gguf: RoPE scaling {scaling!r} is not written as GGUF yet (plain RoPE, and Llama 3.1's "
@@ -124,7 +128,7 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, *, file_type: str 
                         f"{config.model_type} model with attention heads pruned (or heads x head_dim other than the "
                         "hidden size) is not written as GGUF; depth and MLP-only cuts are")
     if config.model_type == "gemma2":
-        _check_gemma2(config, size)
+        _check_gemma(config, rope)
     vocab = _vocab(tokenizer, config.vocab_size)
 
     path = Path(path)
@@ -164,24 +168,36 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, *, file_type: str 
             "tokens_without_embedding": vocab["beyond"], "layers": [dict(s) for s in shapes]}
 
 
-def _check_gemma2(config, size: int) -> None:
-    """What llama.cpp's gemma2 graph computes (its src/llama-model.cpp): the output from the token embeddings,
-    attention scaled by 1/sqrt(head_dim) (but for its 27B), the sliding window on every even layer. A Gemma 2 that
-    differs is refused rather than written to compute something else."""
-    alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(config.num_hidden_layers)]
-    if config.attn_logit_softcapping is None or config.final_logit_softcapping is None:
+def _check_gemma(config, rope: dict) -> None:
+    """What llama.cpp's gemma2 and gemma3 graphs compute (its src/llama-model.cpp): attention scaled by
+    1/sqrt(head_dim) (but for their 27B); the sliding window on every even layer (gemma2) or on five layers of every
+    six (gemma3, whose sliding layers rotate with base 10000); gemma2 always soft-capped (its defaults, 50 and 30,
+    where the file names none) and its output the token embeddings; gemma3 never capped. A Gemma that differs is
+    refused rather than written to compute something else."""
+    gemma2 = config.model_type == "gemma2"
+    arch, period = ("gemma2", 2) if gemma2 else ("gemma3", 6)
+    pattern = ["sliding_attention" if i % period < period - 1 else "full_attention"
+               for i in range(config.num_hidden_layers)]
+    capped = config.attn_logit_softcapping is not None and config.final_logit_softcapping is not None
+    uncapped = config.attn_logit_softcapping is None and config.final_logit_softcapping is None
+    local = rope.get("sliding_attention", {}) if not gemma2 else {}
+    if gemma2 and not capped:
         why = "a soft-cap is off, and llama.cpp's gemma2 caps with its defaults (50, 30) when the file names none"
-    elif not config.tie_word_embeddings:
+    elif not gemma2 and not uncapped:
+        why = "it is soft-capped, and llama.cpp's gemma3 caps nothing"
+    elif gemma2 and not config.tie_word_embeddings:
         why = "its output is not tied to its token embeddings, which llama.cpp's gemma2 reads as the output"
-    elif config.query_pre_attn_scalar != size:
-        why = (f"its attention is scaled by query_pre_attn_scalar {config.query_pre_attn_scalar}, llama.cpp's gemma2 "
-               f"by the head size {size}")
-    elif list(config.layer_types) != alternating:
-        why = ("its sliding-window layers do not alternate from the first (llama.cpp's gemma2 puts the window on every "
-               "even layer): remove layers in pairs")
+    elif config.query_pre_attn_scalar != config.head_dim:
+        why = (f"its attention is scaled by query_pre_attn_scalar {config.query_pre_attn_scalar}, llama.cpp's {arch} "
+               f"by the head size {config.head_dim}")
+    elif list(config.layer_types) != pattern:
+        why = (f"its sliding-window layers are not llama.cpp's {arch} pattern (the global layer every {period}th "
+               f"from the start): remove layers {period} at a time from the end")
+    elif not gemma2 and (local.get("rope_theta") != 10000.0 or local.get("rope_type", "default") != "default"):
+        why = "its sliding layers' RoPE is not llama.cpp's gemma3 (plain, base 10000)"
     else:
         return
-    raise GGUFError(f"--gguf: this gemma2 model is not written as GGUF: {why}")
+    raise GGUFError(f"--gguf: this {config.model_type} model is not written as GGUF: {why}")
 
 
 def architecture(model_type: str, *, uniform: bool, biased: bool) -> str:

@@ -400,6 +400,70 @@ def test_a_gemma2_llama_cpp_would_compute_otherwise_is_refused_in_one_line(tmp_p
     assert "\n" not in str(raised.value) and not path.exists()
 
 
+def gemma3_with_a_real_tokenizer(**config_fields):
+    """A random Gemma 3 of seven layers in llama.cpp's window pattern (five sliding, a global, a sliding) and the
+    released models' scalar (the head size), its attention large enough that the windows act and its norms, the
+    head norms included, away from 0 (Gemma's norms compute x * (1 + w))."""
+    def tweak(layer):
+        for name in ("q_proj", "k_proj"):
+            getattr(layer.self_attn, name).weight.normal_(0.0, 0.5)
+        for module in (layer, layer.self_attn):
+            for name, child in module.named_children():
+                if name.endswith("norm"):
+                    child.weight.normal_(0.0, 0.3)
+    types = ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"]
+    return random_with_a_real_tokenizer("tiny-gemma3-random", tweak, num_hidden_layers=7, layer_types=types,
+                                        **config_fields)
+
+
+@pytest.mark.parametrize("layout", ["uniform", "depth"])
+def test_gemma3_is_written_as_llama_cpps_gemma3(tmp_path, layout, monkeypatch):
+    """Issue 82, must-show 3 for Gemma 3: the uniform and depth (the last layer, so the pattern holds) layouts as
+    llama.cpp's `gemma3`: its norms and head norms as 1 + w, the global layers' RoPE base; every next token's
+    log-probability in llama.cpp within the family's f32 bounds of the model's, over more tokens than the window (8)
+    holds. The planted slip, the head norms written as w, is refused by the export's check."""
+    import gguf
+
+    from taylor_tune.sources.families import FAMILIES
+
+    model, tokenizer = gemma3_with_a_real_tokenizer()
+    path = tmp_path / "model.gguf"
+    plan = PrunePlan("hand", ((1, 2),) * 7, ((0, 5),) * 7) if layout == "uniform" else PrunePlan(
+        "hand", ((),) * 7, ((),) * 7, layers_removed=(6,))
+    model, tokens = written(model, tokenizer, path, plan, "gemma3")
+    fields = gguf.GGUFReader(path).fields
+    assert float(fields["gemma3.rope.freq_base"].parts[-1][0]) == 1e6
+    gap = np.abs(gguf_logprobs(path, tokens) - torch_logprobs(model, tokens))
+    bounds = FAMILIES["gemma3_text"].gguf_f32_tolerance
+    assert gap.mean() < bounds["mean"] and gap.max() < bounds["max"], (gap.mean(), gap.max())
+    monkeypatch.setattr(to_gguf, "_tensors", lambda *a: (
+        (n, t - 1 if n.endswith(("attn_q_norm.weight", "attn_k_norm.weight")) else t)
+        for n, t in ORIGINAL_TENSORS(*a)))
+    write_gguf(model, tokenizer, tmp_path / "slip.gguf", file_type="f32")
+    with pytest.raises(GGUFError, match="beyond"):
+        check_gguf(tmp_path / "slip.gguf", model, tokenizer, "f32")
+
+
+@pytest.mark.parametrize("case", ["first layer removed", "scalar", "capped", "local base"])
+def test_a_gemma3_llama_cpp_would_compute_otherwise_is_refused_in_one_line(tmp_path, case):
+    from taylor_tune.pruning.apply import apply_plan
+
+    fields = {"scalar": {"query_pre_attn_scalar": 12}, "capped": {"attn_logit_softcapping": 50.0,
+                                                                  "final_logit_softcapping": 30.0}}.get(case, {})
+    model, tokenizer = gemma3_with_a_real_tokenizer(**fields)
+    if case == "first layer removed":
+        model = apply_plan(model, PrunePlan("hand", ((),) * 7, ((),) * 7, layers_removed=(0,)))
+    if case == "local base":
+        model.config.rope_parameters["sliding_attention"]["rope_theta"] = 20000.0
+    path = tmp_path / "model.gguf"
+    with pytest.raises(GGUFError, match="this gemma3_text model is not written as GGUF") as raised:
+        write_gguf(model, tokenizer, path, file_type="f32")
+    assert "\n" not in str(raised.value) and not path.exists()
+
+
+ORIGINAL_TENSORS = to_gguf._tensors
+
+
 def llama31_with_a_real_tokenizer():
     """A random Llama with Llama 3.1's `llama3` RoPE scaling, its original context short enough (16) that the scaling
     changes the rotation of the tokens checked (every frequency but the fastest is scaled or smoothed), over
