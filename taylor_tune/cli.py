@@ -246,7 +246,11 @@ def _add_sweep(subparsers) -> None:
     p.set_defaults(handler=_run_status)
 
 
-def _interrupt(*_) -> None:
+_SIGNALLED: list[int] = []  # the interrupts this command has received (reset by each `main`)
+
+
+def _interrupt(signum, _frame) -> None:
+    _SIGNALLED.append(signum)
     raise KeyboardInterrupt
 
 
@@ -483,11 +487,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     # SIGTERM (what `ray job stop` and schedulers send) means what Ctrl-C means, from here on: while Tune runs a sweep
     # it turns both into its graceful stop (`sweep.tune.driver`); before and after, they arrive as KeyboardInterrupt
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    # Both are also recorded: an interrupt raised while an extension module initialises reaches us as that module's
+    # ImportError (pybind11's "initialization failed", seen in CI for a SIGTERM during scipy's import)
+    _SIGNALLED.clear()
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         return _main(argv)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -510,13 +518,20 @@ def _main(argv: list[str] | None) -> int:
               file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        _stop_ray()  # a local Ray this process started (during a sweep's start): never left behind
-        if args.command == "sweep":  # as a sweep stopped while it ran: what finished is kept, a rerun resumes
-            print("taylor-tune: interrupted; run the same command to resume (finished trials are kept)",
-                  file=sys.stderr)
-            return EXIT_NOT_DONE
-        print("taylor-tune: interrupted", file=sys.stderr)
-        return 130
+        return _interrupted(args)
+    except Exception:
+        if _SIGNALLED:  # what an interrupt became on its way up (above): an interrupt all the same
+            return _interrupted(args)
+        raise
+
+
+def _interrupted(args: argparse.Namespace) -> int:
+    _stop_ray()  # a local Ray this process started (during a sweep's start): never left behind
+    if args.command == "sweep":  # as a sweep stopped while it ran: what finished is kept, a rerun resumes
+        print("taylor-tune: interrupted; run the same command to resume (finished trials are kept)", file=sys.stderr)
+        return EXIT_NOT_DONE
+    print("taylor-tune: interrupted", file=sys.stderr)
+    return 130
 
 
 def run() -> None:

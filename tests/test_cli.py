@@ -177,6 +177,31 @@ def test_an_interrupted_command_exits_with_its_code_not_by_signal(tmp_path, entr
     assert proc.returncode == (4 if entry == "run" else -signal.SIGINT), proc.stderr[-2000:]
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_an_interrupt_that_an_extension_turned_into_its_import_error_is_an_interrupt(monkeypatch, capsys, sig):
+    """CI saw a SIGTERM during `sweep`'s imports end as a traceback and exit 1: the KeyboardInterrupt it raised inside
+    scipy's pybind11 module came out as "ImportError: initialization failed". After a signal, whatever the command
+    raises is the interrupt: one line, exit 4 for a sweep. Without a signal, the same ImportError is a bug and
+    propagates (the control)."""
+    import taylor_tune.cli as cli
+
+    def interrupted_import(args):
+        try:
+            signal.raise_signal(sig)  # the command's handler raises KeyboardInterrupt, here inside the "import"
+        except KeyboardInterrupt:
+            raise ImportError("initialization failed") from None  # what pybind11 makes of it
+        raise AssertionError("the signal was not handled")
+
+    monkeypatch.setattr(cli, "_run_sweep", interrupted_import)
+    assert main(["sweep", "any.yaml"]) == 4
+    assert capsys.readouterr().err.strip() == ("taylor-tune: interrupted; run the same command to resume "
+                                               "(finished trials are kept)")
+    monkeypatch.setattr(cli, "_run_sweep", lambda args: (_ for _ in ()).throw(ImportError("initialization failed")))
+    with pytest.raises(ImportError):
+        main(["sweep", "any.yaml"])
+    assert signal.getsignal(sig) is not cli._interrupt  # the command's handlers are gone once it returns
+
+
 def test_a_yaml_config_with_overrides_on_the_command_line(capsys, tmp_path):
     code, _, _ = run(capsys, "prune", "--config", str(EXPERIMENTS / "prune_tiny_llama.yaml"), "--num-samples", "8",
                      "--seq-len", "16", "--method", "magnitude", "--output", str(tmp_path / "o"))
