@@ -54,12 +54,12 @@ def _kept_rows(size: int, removed: tuple[int, ...], width: int, device) -> torch
 def masked(model: torch.nn.Module, plan: PrunePlan):
     """Inside, `model` computes what the plan's pruned model computes (its whole layers removed skipped); its weights
     and layers are restored on exit."""
-    saved, norms, layers = [], [], decoder_layers(model)
+    saved, norms, layers, norm_rows = [], [], decoder_layers(model), sliced_norms(model)
     with torch.no_grad():
-        for layer, attn_removed, mlp_removed in zip(decoder_layers(model), plan.attn_removed, plan.mlp_removed):
+        for layer, attn_removed, mlp_removed in zip(layers, plan.attn_removed, plan.mlp_removed):
             attn = layer.self_attn
             width = q_per_kv(attn) * head_dim(attn)
-            if attn_removed and sliced_norms(model):
+            if attn_removed and norm_rows:
                 for name, proj, rows in (("q_norm", attn.q_proj, width), ("k_norm", attn.k_proj, head_dim(attn))):
                     norm = getattr(attn, name)
                     norms.append((attn, name, norm))
