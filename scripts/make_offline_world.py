@@ -26,7 +26,7 @@ from taylor_tune.sources.world import world_dir  # noqa: E402
 
 ARCHITECTURES = {"tiny-llama": "llama", "tiny-qwen2": "qwen2", "tiny-mistral": "mistral", "tiny-qwen3": "qwen3",
                  "tiny-granite": "granite", "tiny-olmo2": "olmo2", "tiny-gemma2": "gemma2",
-                 "tiny-gemma3": "gemma3_text"}
+                 "tiny-gemma3": "gemma3_text", "tiny-phi3": "phi3"}
 # Small enough that pruning visibly costs accuracy; Llama-3-style GQA (4 query heads per key/value head).
 SHAPE = dict(hidden_size=96, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=2, head_dim=12, max_position_embeddings=512, rms_norm_eps=1e-5)
@@ -37,6 +37,7 @@ TRAINED_TRAITS = {
     "tiny-gemma2": dict(attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=12,
                         tie_word_embeddings=True),
     "tiny-gemma3": dict(query_pre_attn_scalar=12, tie_word_embeddings=True),
+    "tiny-phi3": dict(partial_rotary_factor=0.5),  # a rotated width the world's head size (12) halves evenly
 }
 
 

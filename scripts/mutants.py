@@ -86,9 +86,8 @@ MUTANTS = (
     # apply
     m("apply-bias", "pruning/apply.py", "a sliced projection keeps the first bias entries, not the kept rows",
       ("b.index_select(0, keep.to(b.device)) if dim == 0 else b", "b[:out_features] if dim == 0 else b")),
-    m("apply-q-rows", "pruning/apply.py", "query rows of a kept group indexed by the KV head size",
-      ("q_rows = (keep_groups[:, None] * rep * d + torch.arange(rep * d))",
-       "q_rows = (keep_groups[:, None] * d + torch.arange(rep * d))")),
+    m("apply-q-rows", "pruning/groups.py", "a kept group's rows start at its index, not at index x its width",
+      ("(groups[:, None] * width + torch.arange(", "(groups[:, None] + torch.arange(")),
     m("apply-down-proj-rows", "pruning/apply.py", "down_proj sliced along its output rows",
       ("mlp.down_proj = _slice_linear(mlp.down_proj, keep_channels, 1)",
        "mlp.down_proj = _slice_linear(mlp.down_proj, keep_channels, 0)")),
@@ -112,7 +111,7 @@ MUTANTS = (
     # statistics
     m("stats-lead-one-se", "reporting/stats.py", "a lead compared with 1 standard error instead of z = 1.96",
       ("bool(lead.difference > z * lead.stderr)", "bool(lead.difference > lead.stderr)"),
-      ("<= z * gap_se]", "<= gap_se]")),
+      ("independent_tie = gap <= z * gap_se", "independent_tie = gap <= gap_se")),
     m("stats-acc-mean-se", "reporting/stats.py", "acc_mean's stderr divided by sqrt(tasks), not by tasks",
       ("/ len(columns)", "/ math.sqrt(len(columns))")),
     # the Pareto front
@@ -120,7 +119,8 @@ MUTANTS = (
       ("strictly = (better[:, None, :] > better[None, :, :]).any(axis=2)",
        "strictly = (better[:, None, :] >= better[None, :, :]).any(axis=2)")),
     m("pareto-mode-ignored", "reporting/pareto.py", "every objective maximized, a perplexity too",
-      ("better = np.where([o.ascending for o in objectives], -values, values)", "better = values")),
+      ("better = np.where([o.ascending for o in objectives], -values, values)  # higher",
+       "better = values  # higher")),
     # racing
     m("racing-direction", "sweep/racing.py", "a trial raced out for being better than the incumbent, not worse",
       ("worse = found.difference < 0 and found.separated(self.z)",

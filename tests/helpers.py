@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     import torch
 
 ARCHS = ["tiny-llama-random", "tiny-qwen2-random", "tiny-mistral-random", "tiny-qwen3-random", "tiny-granite-random",
-         "tiny-olmo2-random", "tiny-gemma2-random", "tiny-gemma3-random"]
+         "tiny-olmo2-random", "tiny-gemma2-random", "tiny-gemma3-random", "tiny-phi3-random"]
 # The arch-wide tests (the `arch` fixture) run on these in the fast tier and on every family in `make test`; each
 # family's own trait tests (tests/sources/test_families.py) and the diagonal of the arch x method grids run in both.
 FAST_ARCHS = ARCHS[:4]

@@ -4,10 +4,10 @@ Which architecture the file names (what llama.cpp 0.3.36's bundled source does w
 - Layers of one shape (uniform, depth) are written as their family's own architecture (`sources.families`:
   `llama` for Llama and Mistral, `qwen2`, `qwen3` with its `attn_q_norm` / `attn_k_norm`, `granite` with its four
   multipliers, `olmo2` with its whole-projection q/k norms and its norms after each block, `gemma2` with its caps,
-  window and four norms as 1 + w, `gemma3` with its head norms as 1 + w too), with the usual scalar metadata, as
-  llama.cpp's converter writes them. Llama
-  3.1's `llama3` RoPE scaling goes in as the converter writes it, `rope_freqs` (one factor per rotary frequency),
-  which `llama` and `deci` read.
+  window and four norms as 1 + w, `gemma3` with its head norms as 1 + w too, `phi3` with q/k/v and gate/up joined
+  as its fused `attn_qkv` / `ffn_up` and its partial RoPE), with the usual scalar metadata, as llama.cpp's converter
+  writes them. Llama 3.1's `llama3` RoPE scaling goes in as the converter writes it, `rope_freqs` (one factor per
+  rotary frequency), which `llama` and `deci` read.
 - Layers of different shapes (the free layout) are written as `deci`. llama.cpp's loader reads
   `feed_forward_length`, `attention.head_count` and `attention.head_count_kv` as per-layer arrays for every
   architecture (llama-model.cpp, `get_key_or_arr`), but `llama` and `qwen2` then build every layer's tensors and
@@ -16,8 +16,9 @@ Which architecture the file names (what llama.cpp 0.3.36's bundled source does w
   biases: a Llama-style decoder with per-layer widths, which is what the free layout is. Its RoPE is llama's
   (pairs of consecutive values), so q and k are permuted as the converter does for `llama`; Qwen2's HF rotation is
   the same as Llama's, so a Qwen2 goes through the same permutation.
-- A family whose layers hold more than Llama's (Qwen3's and OLMo-2's head norms, Granite's multipliers) is not
-  written as `deci`: its free layout is refused in one line naming the uniform layout.
+- A family whose layers hold more than Llama's (Qwen3's and OLMo-2's head norms, Granite's multipliers, Phi-3's
+  partial RoPE, which the `deci` writing does not carry) is not written as `deci`: its free layout is refused in
+  one line naming the uniform layout.
 - A Qwen2 or Mistral with output biases (FLAP's compensation; their transformers classes cannot hold them either) is
   written as `deci` too, which takes them on any layer; a uniform Llama with them stays `llama` (its graph adds both
   biases when present).
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import tempfile
 from contextlib import contextmanager, redirect_stderr
@@ -133,7 +135,7 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, *, file_type: str 
 
     path = Path(path)
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name(name or getattr(config, "_name_or_path", "") or "pruned")
+    writer.add_name(_name(name or getattr(config, "_name_or_path", "") or "pruned", vocab["tokens"]))
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(len(layers))
@@ -143,7 +145,7 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, *, file_type: str 
     writer.add_head_count_kv(per_layer("kv_heads"))
     writer.add_key_length(size)  # spelled out: a pruned model's width / heads is not its head size
     writer.add_value_length(size)
-    writer.add_rope_dimension_count(size)
+    writer.add_rope_dimension_count(int(size * rope.get("partial_rotary_factor", 1.0)))  # Phi-4-mini's 3/4
     writer.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
@@ -166,6 +168,14 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, *, file_type: str 
     writer.close()
     return {"architecture": arch, "file_type": file_type, "pre_tokenizer": vocab["pre"],
             "tokens_without_embedding": vocab["beyond"], "layers": [dict(s) for s in shapes]}
+
+
+def _name(name: str, tokens: list[str]) -> str:
+    """The file's `general.name`. llama.cpp's vocabulary loader looks Phi-3's "<|end|>" up by its text in any file
+    whose name contains "phi3" or "phi-3" (any case), and cannot load one whose vocabulary lacks it (seen with
+    llama-cpp-python 0.3.36: "error loading model vocabulary"); there the name spells the family "Phi 3", which that
+    rule does not match, and nothing else changes."""
+    return name if "<|end|>" in tokens else re.sub(r"(?i)phi-?3", "Phi 3", name)
 
 
 def _check_gemma(config, rope: dict) -> None:
@@ -243,13 +253,16 @@ def _tensors(model, layers, shapes, permute: bool, tied: bool, family):
         if shape["heads"]:
             for ours, theirs in family.attn_norms.items():
                 yield f"{block}.{theirs}.weight", norm(getattr(layer, ours).weight)
-            for ours, theirs, heads in (("q_proj", "attn_q", shape["heads"]), ("k_proj", "attn_k", shape["kv_heads"]),
-                                        ("v_proj", "attn_v", 0)):
-                linear = getattr(attn, ours)
-                turn = (lambda t, h=heads: _rope_permute(t, h)) if permute and heads else (lambda t: t)
-                yield f"{block}.{theirs}.weight", turn(linear.weight)
-                if linear.bias is not None:
-                    yield f"{block}.{theirs}.bias", turn(linear.bias)
+            if "self_attn.qkv_proj" in family.gguf_fused:  # Phi-3's, NeoX RoPE: nothing to permute
+                yield from _joined(attn, family, "self_attn.qkv_proj", block)
+            else:
+                for ours, theirs, heads in (("q_proj", "attn_q", shape["heads"]),
+                                            ("k_proj", "attn_k", shape["kv_heads"]), ("v_proj", "attn_v", 0)):
+                    linear = getattr(attn, ours)
+                    turn = (lambda t, h=heads: _rope_permute(t, h)) if permute and heads else (lambda t: t)
+                    yield f"{block}.{theirs}.weight", turn(linear.weight)
+                    if linear.bias is not None:
+                        yield f"{block}.{theirs}.bias", turn(linear.bias)
             for ours, theirs in (("q_norm", "attn_q_norm"), ("k_norm", "attn_k_norm")):  # Qwen3's, OLMo-2's
                 if hasattr(attn, ours):
                     yield f"{block}.{theirs}.weight", norm(getattr(attn, ours).weight)
@@ -259,11 +272,26 @@ def _tensors(model, layers, shapes, permute: bool, tied: bool, family):
         if shape["ff"]:
             for ours, theirs in family.ffn_norms.items():
                 yield f"{block}.{theirs}.weight", norm(getattr(layer, ours).weight)
-            for ours, theirs in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
+            fused = "mlp.gate_up_proj" in family.gguf_fused
+            if fused:
+                yield from _joined(mlp, family, "mlp.gate_up_proj", block)
+            for ours, theirs in (("down_proj", "ffn_down"),) if fused else (
+                    ("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
                 linear = getattr(mlp, ours)
                 yield f"{block}.{theirs}.weight", linear.weight
                 if linear.bias is not None:
                     yield f"{block}.{theirs}.bias", linear.bias
+
+
+def _joined(owner, family, path: str, block: str):
+    """A fused projection's GGUF tensors (`Family.gguf_fused`): its parts joined in the family's row order, as the
+    stock class holds them (Phi-3's qkv_proj as attn_qkv, its gate_up_proj as ffn_up, which llama.cpp's SwiGLU splits
+    gate first)."""
+    parts = [getattr(owner, name) for name in family.fused[path]]
+    name = f"{block}.{family.gguf_fused[path]}"
+    yield f"{name}.weight", torch.cat([part.weight for part in parts])
+    if parts[0].bias is not None:
+        yield f"{name}.bias", torch.cat([part.bias for part in parts])
 
 
 def pre_tokenizer(tokenizer) -> str:

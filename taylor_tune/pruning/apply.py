@@ -27,10 +27,19 @@ import torch
 from torch import nn
 
 from taylor_tune.errors import PlanError
-from taylor_tune.pruning.groups import attention_groups, decoder_layers, head_dim, q_per_kv, sliced_norms
+from taylor_tune.pruning.groups import (
+    attention_groups,
+    decoder_layers,
+    head_dim,
+    kept,
+    q_per_kv,
+    rows_of,
+    sliced_norms,
+)
 from taylor_tune.pruning.plan import PrunePlan
 from taylor_tune.sources import pruned_modeling
 from taylor_tune.sources.data import PRUNED_MANIFEST as MANIFEST
+from taylor_tune.sources.families import FAMILIES
 from taylor_tune.sources.pruned_modeling import PRUNED_CLASSES, set_layer_shape
 
 MODELING_FILE = "modeling_taylor_tune_pruned.py"
@@ -51,12 +60,6 @@ def _slice_linear(linear: nn.Linear, keep: torch.Tensor, dim: int) -> nn.Linear:
     return new
 
 
-def _kept(size: int, removed: tuple[int, ...]) -> torch.Tensor:
-    mask = torch.ones(size, dtype=torch.bool)
-    mask[list(removed)] = False
-    return mask.nonzero().flatten()
-
-
 def _slice_norm(norm: nn.Module, keep: torch.Tensor) -> None:
     """A whole-projection norm (OLMo-2's q_norm / k_norm) keeping the entries `keep`, in place: its module computes
     over whatever width it is given, so only its weight changes."""
@@ -70,8 +73,7 @@ def shrink_layer(layer: nn.Module, keep_groups: torch.Tensor, keep_channels: tor
     q_norm / k_norm entries of the kept rows too (`groups.sliced_norms`)."""
     attn, mlp = layer.self_attn, layer.mlp
     d, rep = head_dim(attn), q_per_kv(attn)
-    kv_rows = (keep_groups[:, None] * d + torch.arange(d)).flatten()
-    q_rows = (keep_groups[:, None] * rep * d + torch.arange(rep * d)).flatten()
+    kv_rows, q_rows = rows_of(keep_groups, d), rows_of(keep_groups, rep * d)
     attn.q_proj = _slice_linear(attn.q_proj, q_rows, 0)
     attn.k_proj = _slice_linear(attn.k_proj, kv_rows, 0)
     attn.v_proj = _slice_linear(attn.v_proj, kv_rows, 0)
@@ -114,7 +116,7 @@ def apply_plan(model: nn.Module, plan: PrunePlan) -> nn.Module:
     for layer, attn_removed, mlp_removed in zip(decoder_layers(model), plan.attn_removed, plan.mlp_removed):
         groups, channels = attention_groups(layer.self_attn), layer.mlp.gate_proj.out_features
         if attn_removed or mlp_removed:
-            shrink_layer(layer, _kept(groups, attn_removed), _kept(channels, mlp_removed), norms)
+            shrink_layer(layer, kept(groups, attn_removed), kept(channels, mlp_removed), norms)
     if plan.layers_removed:  # after the width cuts, whose indices are the original layers'
         remove_layers(model, plan.layers_removed)
     return model
@@ -168,6 +170,21 @@ def _stock_config_holds(config: dict) -> bool:
     return True
 
 
+def fused_state_dict(model: nn.Module, fused: dict[str, tuple[str, ...]]) -> dict[str, torch.Tensor]:
+    """The model's state dict with each layer's parts joined back into its family's fused projections (`fused`, as
+    `Family.fused` declares them), as the stock class holds them: a stock Phi-3 folder has `qkv_proj` and
+    `gate_up_proj`."""
+    state = model.state_dict()
+    for index in range(len(decoder_layers(model))):
+        for path, parts in fused.items():
+            owner = path.split(".")[0]
+            for kind in ("weight", "bias"):
+                keys = [f"model.layers.{index}.{owner}.{part}.{kind}" for part in parts]
+                if keys[0] in state:
+                    state[f"model.layers.{index}.{path}.{kind}"] = torch.cat([state.pop(key) for key in keys])
+    return state
+
+
 def save_pruned(model: nn.Module, directory: str | Path, tokenizer=None, *, source_model: str | None = None) -> Path:
     """Write the pruned folder (see the module docstring), with the tokenizer if given.
 
@@ -182,11 +199,12 @@ def save_pruned(model: nn.Module, directory: str | Path, tokenizer=None, *, sour
         _stock_biases(model)
     elif output_bias:
         uniform = False
-    model.save_pretrained(directory)
-    config = json.loads((directory / "config.json").read_text())
     stock = layout[0] | {"head_dim": head_dim(decoder_layers(model)[0].self_attn)}
-    if uniform and not _stock_config_holds(config | stock):
+    if uniform and not _stock_config_holds(json.loads(model.config.to_json_string()) | stock):
         uniform = False  # written as the pruned folder, which loads in transformers all the same (remote code)
+    fused = FAMILIES[model.config.model_type].fused
+    model.save_pretrained(directory, **({"state_dict": fused_state_dict(model, fused)} if uniform and fused else {}))
+    config = json.loads((directory / "config.json").read_text())
     if uniform:  # a stock config: every layer has the shape its fields say
         config |= stock
     else:
@@ -195,6 +213,8 @@ def save_pruned(model: nn.Module, directory: str | Path, tokenizer=None, *, sour
                    "auto_map": {"AutoModelForCausalLM": f"{MODELING_FILE.removesuffix('.py')}.{cls}"}}
         if output_bias:
             config["pruned_output_bias"] = True
+        if fused:  # the folder holds them split, as the pruned class builds them
+            config["pruned_fused"] = {path: list(parts) for path, parts in fused.items()}
         shutil.copyfile(pruned_modeling.__file__, directory / MODELING_FILE)
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")

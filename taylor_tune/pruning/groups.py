@@ -40,6 +40,19 @@ def q_per_kv(attn: nn.Module) -> int:
     return attn.q_proj.out_features // attn.k_proj.out_features
 
 
+def kept(size: int, removed) -> torch.Tensor:
+    """The indices 0..size-1 that are not in `removed`, in order."""
+    mask = torch.ones(size, dtype=torch.bool)
+    mask[list(removed)] = False
+    return mask.nonzero().flatten()
+
+
+def rows_of(groups: torch.Tensor, width: int) -> torch.Tensor:
+    """The rows of the given groups (each `width` consecutive rows: a k/v head of head_dim, a group's query heads of
+    q_per_kv x head_dim), in order: what pruning keeps of a projection, and what a masked norm computes over."""
+    return (groups[:, None] * width + torch.arange(width, device=groups.device)).flatten()
+
+
 def sliced_norms(model: nn.Module) -> bool:
     """Whether the model's `q_norm` / `k_norm` span the whole projections, sliced with the heads (its family says)."""
     family = FAMILIES.get(getattr(model.config, "model_type", ""))

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import torch
 
-from taylor_tune.pruning.groups import decoder_layers, head_dim, q_per_kv, sliced_norms
+from taylor_tune.pruning.groups import decoder_layers, head_dim, kept, q_per_kv, rows_of, sliced_norms
 from taylor_tune.pruning.plan import PrunePlan
 
 LOSS_SEQUENCES = 32  # calibration sequences per candidate: one forward each, at most G candidates per pruning
@@ -45,11 +45,6 @@ class _KeptRows(torch.nn.Module):
         return out
 
 
-def _kept_rows(size: int, removed: tuple[int, ...], width: int, device) -> torch.Tensor:
-    gone = {g * width + i for g in removed for i in range(width)}
-    return torch.tensor([i for i in range(size) if i not in gone], device=device)
-
-
 @contextmanager
 def masked(model: torch.nn.Module, plan: PrunePlan):
     """Inside, `model` computes what the plan's pruned model computes (its whole layers removed skipped); its weights
@@ -63,7 +58,7 @@ def masked(model: torch.nn.Module, plan: PrunePlan):
                 for name, proj, rows in (("q_norm", attn.q_proj, width), ("k_norm", attn.k_proj, head_dim(attn))):
                     norm = getattr(attn, name)
                     norms.append((attn, name, norm))
-                    keep = _kept_rows(proj.out_features, attn_removed, rows, norm.weight.device)
+                    keep = rows_of(kept(proj.out_features // rows, attn_removed), rows).to(norm.weight.device)
                     setattr(attn, name, _KeptRows(norm, keep))
             columns = ((layer.mlp.down_proj, list(mlp_removed)),
                        (attn.o_proj, [g * width + i for g in attn_removed for i in range(width)]))

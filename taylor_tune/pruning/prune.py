@@ -37,7 +37,14 @@ from taylor_tune.pruning.plan import GroupScores, ModelLayout, PrunePlan
 from taylor_tune.pruning.scoring import Calibration, draw_calibration, draws_calibration, score_groups, uses_gradients
 from taylor_tune.pruning.uniform import uniform_plan
 from taylor_tune.sources.data import check_calibration
-from taylor_tune.sources.models import load_model, load_model_config, load_tokenizer, resolve_device, resolve_dtype
+from taylor_tune.sources.models import (
+    held_split,
+    load_model,
+    load_model_config,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+)
 
 __all__ = [
     "STAGES", "ImportanceCache", "Pruning", "PruneResult", "apply", "check_plan", "draw_calibration",
@@ -135,7 +142,7 @@ def meta_layout(model: str, *, trust_remote_code: bool = False) -> ModelLayout:
     """A model's layout from its config alone, built on the meta device (no weights, no memory)."""
     config = load_model_config(model, trust_remote_code=trust_remote_code)
     with building(), torch.device("meta"):
-        return describe_layout(AutoModelForCausalLM.from_config(config))
+        return describe_layout(held_split(AutoModelForCausalLM.from_config(config)))
 
 
 def check_plan(config: PruneConfig, layout: ModelLayout) -> None:

@@ -31,7 +31,7 @@ from taylor_tune.sources.assets import require as require_asset
 from taylor_tune.sources.data import PRUNED_MANIFEST, TINY_MODELS, TRAINED_MODELS
 from taylor_tune.sources.families import FAMILIES
 from taylor_tune.sources.gguf import convert_gguf
-from taylor_tune.sources.pruned_modeling import PRUNED_CLASSES
+from taylor_tune.sources.pruned_modeling import PRUNED_CLASSES, split_fused
 from taylor_tune.sources.world import model_dir
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)  # one module per family (sources/families)
@@ -189,7 +189,16 @@ def load_model(
             raise ModelLoadError(
                 f"model: cannot load the weights of {spec!r}: {type(error).__name__}: {first}"
             ) from None
-    return model.eval()
+    return held_split(model).eval()
+
+
+def held_split(model: PreTrainedModel) -> PreTrainedModel:
+    """`model` with its family's fused projections (`Family.fused`: Phi-3's qkv_proj, gate_up_proj) held as their
+    parts, in place: how taylor_tune holds every model it loads or builds."""
+    fused = FAMILIES[model.config.model_type].fused
+    if fused:
+        split_fused(model, fused)
+    return model
 
 
 def check_safetensors(folder: Path, spec: str) -> None:
@@ -233,4 +242,4 @@ def load_pruned(
         raise ModelLoadError(
             f"model: cannot load the pruned model in {directory}: {type(error).__name__}: {first}"
         ) from None
-    return model.to(device=device, dtype=dtype or saved_dtype).eval()
+    return held_split(model).to(device=device, dtype=dtype or saved_dtype).eval()

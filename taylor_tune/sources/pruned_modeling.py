@@ -13,6 +13,7 @@ loads pruned folders through this module directly (`models.load_pruned`): no cod
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from transformers import (
     Gemma2ForCausalLM,
@@ -21,9 +22,75 @@ from transformers import (
     LlamaForCausalLM,
     MistralForCausalLM,
     Olmo2ForCausalLM,
+    Phi3ForCausalLM,
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
+from transformers.models.phi3 import modeling_phi3
+
+
+class Phi3SplitAttention(modeling_phi3.Phi3Attention):
+    """Phi-3's attention with `qkv_proj` held as `q_proj`, `k_proj`, `v_proj` (its rows, in that order): each layer
+    then has its own head counts, where the stock forward reads the query width from the shared config."""
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        query, key, value = (proj(hidden_states).view(shape).transpose(1, 2)
+                             for proj in (self.q_proj, self.k_proj, self.v_proj))
+        cos, sin = position_embeddings
+        query, key = modeling_phi3.apply_rotary_pos_emb(query, key, cos, sin)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)
+        interface = modeling_phi3.ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, modeling_phi3.eager_attention_forward)
+        output, weights = interface(self, query, key, value, attention_mask,
+                                    dropout=0.0 if not self.training else self.attention_dropout,
+                                    scaling=self.scaling, sliding_window=getattr(self.config, "sliding_window", None),
+                                    **kwargs)
+        return self.o_proj(output.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
+
+
+class Phi3SplitMLP(modeling_phi3.Phi3MLP):
+    """Phi-3's MLP with `gate_up_proj` held as `gate_proj`, `up_proj` (the gate's rows first, as the stock forward
+    splits them)."""
+
+    def forward(self, hidden_states):
+        return self.down_proj(self.up_proj(hidden_states) * self.activation_fn(self.gate_proj(hidden_states)))
+
+
+SPLIT_CLASSES = {modeling_phi3.Phi3Attention: Phi3SplitAttention, modeling_phi3.Phi3MLP: Phi3SplitMLP}
+
+
+def split_fused(model: nn.Module, fused: dict) -> None:
+    """Each decoder layer's fused projections held as their parts, in place (`fused`: a projection's path in the
+    layer -> its parts, in row order, as the family declares it): the same rows, so the same function. A part's size
+    is what Llama's projection of that name has under the model's config. The module keeps its attributes and only
+    its forward changes (its class becomes the split one); a layer already split is left as it is."""
+    config = model.config
+    size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rows = {"q_proj": config.num_attention_heads * size, "k_proj": config.num_key_value_heads * size,
+            "v_proj": config.num_key_value_heads * size, "gate_proj": config.intermediate_size,
+            "up_proj": config.intermediate_size}
+    for layer in model.model.layers:
+        for path, parts in fused.items():
+            owner_name, name = path.split(".")
+            owner = getattr(layer, owner_name)
+            if name not in owner._modules:
+                continue
+            linear = owner._modules.pop(name)
+            sizes = [rows[part] for part in parts]
+            if sum(sizes) != linear.out_features:
+                raise ValueError(f"{path} has {linear.out_features} rows, its parts {dict(zip(parts, sizes))}")
+            biases = linear.bias.split(sizes) if linear.bias is not None else [None] * len(parts)
+            for part, weight, bias in zip(parts, linear.weight.split(sizes), biases):
+                new = _empty_like(linear, out_features=weight.shape[0])
+                with torch.no_grad():
+                    new.weight.copy_(weight)
+                    if bias is not None:
+                        new.bias.copy_(bias)
+                new.requires_grad_(linear.weight.requires_grad)
+                setattr(owner, part, new)
+            owner.__class__ = SPLIT_CLASSES[type(owner)]
 
 
 def set_layer_shape(layer: nn.Module, heads: int, kv_heads: int, width: int) -> None:
@@ -114,7 +181,14 @@ class PrunedGemma3ForCausalLM(Gemma3ForCausalLM):  # its per-head q_norm / k_nor
         shrink_to_layout(self, config.pruned_layout, getattr(config, "pruned_output_bias", False))
 
 
+class PrunedPhi3ForCausalLM(Phi3ForCausalLM):  # its fused projections held split (config.pruned_fused)
+    def __init__(self, config):
+        super().__init__(config)
+        split_fused(self, config.pruned_fused)
+        shrink_to_layout(self, config.pruned_layout, getattr(config, "pruned_output_bias", False))
+
+
 PRUNED_CLASSES = {"llama": PrunedLlamaForCausalLM, "qwen2": PrunedQwen2ForCausalLM, "mistral": PrunedMistralForCausalLM,
                   "qwen3": PrunedQwen3ForCausalLM, "granite": PrunedGraniteForCausalLM,
                   "olmo2": PrunedOlmo2ForCausalLM, "gemma2": PrunedGemma2ForCausalLM,
-                  "gemma3_text": PrunedGemma3ForCausalLM}
+                  "gemma3_text": PrunedGemma3ForCausalLM, "phi3": PrunedPhi3ForCausalLM}

@@ -218,6 +218,19 @@ def granite_with_a_real_tokenizer():
     return random_with_a_real_tokenizer("tiny-granite-random", tweak)
 
 
+def phi3_with_a_real_tokenizer():
+    """A random Phi-3 held split as taylor_tune holds it, heads x head_dim = hidden (8 x 8) as in the released Phi-3
+    and Phi-4, which is what llama.cpp's phi3 takes; its attention and MLP weights large enough to matter, so that a
+    wrong slice of either fused matrix shows."""
+    from taylor_tune.sources.models import held_split
+
+    def tweak(layer):
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            linear.weight.normal_(0.0, 0.3)
+    model, tokenizer = random_with_a_real_tokenizer("tiny-phi3-random", tweak, num_attention_heads=8, head_dim=8)
+    return held_split(model), tokenizer
+
+
 def written(model, tokenizer, path, plan, architecture: str):
     """`model` pruned by `plan`, written to `path` in f32 as `architecture` (asserted), and the held-out tokens the
     family tests score in llama.cpp and in torch."""
@@ -249,13 +262,13 @@ def test_qwen3_is_written_as_llama_cpps_qwen3_with_its_head_norms(tmp_path, layo
     assert gap.max() < 1e-4, gap.max()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "granite", "olmo2"])
+@pytest.mark.parametrize("family", ["qwen3", "granite", "olmo2", "phi3"])
 def test_a_family_deci_cannot_hold_of_different_layer_widths_is_refused_naming_the_uniform_layout(tmp_path, family):
     from taylor_tune.pruning.apply import apply_plan
     from taylor_tune.pruning.plan import PrunePlan
 
     model, tokenizer = {"qwen3": qwen3_with_a_real_tokenizer, "granite": granite_with_a_real_tokenizer,
-                        "olmo2": olmo2_with_a_real_tokenizer}[family]()
+                        "olmo2": olmo2_with_a_real_tokenizer, "phi3": phi3_with_a_real_tokenizer}[family]()
     model = apply_plan(model, PrunePlan("hand", ((0,), (1, 2), (3,), ()), ((),) * 4))
     path = tmp_path / "model.gguf"
     with pytest.raises(GGUFError, match=r"layers differ in width is not written as GGUF .* uniform: true") as raised:
@@ -328,6 +341,67 @@ def test_an_olmo2_whose_attention_is_not_hidden_wide_is_refused_in_one_line(tmp_
     with pytest.raises(GGUFError, match="sizes attention from the hidden size") as raised:
         write_gguf(model, tokenizer, path, file_type="f32")
     assert "\n" not in str(raised.value) and not path.exists()
+
+
+@pytest.mark.parametrize("layout", ["uniform", "depth"])
+def test_phi3_is_written_as_llama_cpps_phi3_with_its_fused_projections(tmp_path, layout, monkeypatch):
+    """Issue 82, must-show 3 for Phi-3: the uniform layout (MLP cut: llama.cpp's phi3 sizes attention from the hidden
+    size) and the depth layout as llama.cpp's `phi3`: q, k and v joined as attn_qkv and gate and up as ffn_up in the
+    stock row order, NeoX RoPE over the rotated 3/4 of each head; every next token's log-probability in llama.cpp
+    within 1e-4 nats of the model's in f32. The planted slip (k and v from each other's slice) is off by far more,
+    and the export's own check refuses it; heads pruned are refused in one line."""
+    import gguf
+
+    from taylor_tune.pruning.apply import apply_plan
+    from taylor_tune.sources.families import FAMILIES
+
+    path = tmp_path / "model.gguf"
+    model, tokenizer = phi3_with_a_real_tokenizer()
+    model, tokens = written(model, tokenizer, path,
+                            by_layout(layout, PrunePlan("hand", ((),) * 4, ((0, 5, 17),) * 4), (2,)), "phi3")
+    reader = gguf.GGUFReader(path)
+    shapes = {tensor.name: tuple(int(n) for n in tensor.shape) for tensor in reader.tensors}
+    width = model.model.layers[0].mlp.up_proj.out_features
+    assert shapes["blk.0.attn_qkv.weight"] == (64, 64 + 2 * 32) and shapes["blk.0.ffn_up.weight"] == (64, 2 * width)
+    assert not {"blk.0.attn_q.weight", "blk.0.ffn_gate.weight"} & set(shapes)
+    assert int(reader.fields["phi3.rope.dimension_count"].parts[-1][0]) == 6  # 3/4 of 8
+    ours = torch_logprobs(model, tokens)
+    gap = np.abs(gguf_logprobs(path, tokens) - ours)
+    assert gap.max() < 1e-4, gap.max()
+    wrong = {"self_attn.qkv_proj": ("q_proj", "v_proj", "k_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj")}
+    monkeypatch.setitem(FAMILIES, "phi3", dataclasses.replace(FAMILIES["phi3"], fused=wrong))
+    write_gguf(model, tokenizer, tmp_path / "slipped.gguf", file_type="f32")
+    assert np.abs(gguf_logprobs(tmp_path / "slipped.gguf", tokens) - ours).mean() > 100 * gap.max()
+    with pytest.raises(GGUFError, match="beyond"):
+        check_gguf(tmp_path / "slipped.gguf", model, tokenizer, "f32")
+    monkeypatch.undo()
+    heads_cut = apply_plan(phi3_with_a_real_tokenizer()[0], PrunePlan("hand", ((1,),) * 4, ((),) * 4))
+    with pytest.raises(GGUFError, match="sizes attention from the hidden size") as raised:
+        write_gguf(heads_cut, tokenizer, tmp_path / "heads.gguf", file_type="f32")
+    assert "\n" not in str(raised.value) and not (tmp_path / "heads.gguf").exists()
+
+
+def test_the_trained_tiny_phi3_pruned_by_depth_passes_the_exports_check_under_its_own_name(tmp_path, monkeypatch):
+    """The trained tiny-phi3 (the world's vocabulary, no "<|end|>"), depth-pruned and written under its folder's name,
+    which says phi3: llama.cpp would look Phi-3's "<|end|>" up and refuse the file, so the name spells the family
+    "Phi 3"; the export's own check passes. Written with the name as it is, llama.cpp cannot load it (the control)."""
+    import gguf
+
+    from taylor_tune.pruning.apply import apply_plan
+    from taylor_tune.sources.models import load_model, load_tokenizer
+
+    model = apply_plan(load_model("tiny-phi3"), PrunePlan("hand", ((),) * 4, ((),) * 4, layers_removed=(2,)))
+    tokenizer = load_tokenizer("tiny-phi3")
+    assert "tiny-phi3" in model.config._name_or_path
+    path = tmp_path / "model.gguf"
+    write_gguf(model, tokenizer, path, file_type="f32")
+    name = gguf.GGUFReader(path).fields["general.name"]
+    assert bytes(name.parts[-1]).decode().endswith("tiny-Phi 3")
+    check_gguf(path, model, tokenizer, "f32")
+    monkeypatch.setattr(to_gguf, "_name", lambda name, tokens: name)
+    write_gguf(model, tokenizer, tmp_path / "as-is.gguf", file_type="f32")
+    with pytest.raises(GGUFError, match="error loading model vocabulary"):
+        gguf_logprobs(tmp_path / "as-is.gguf", tokenizer.encode("the river"))
 
 
 def gemma2_with_a_real_tokenizer(**config_fields):
@@ -464,10 +538,14 @@ def test_a_gemma3_llama_cpp_would_compute_otherwise_is_refused_in_one_line(tmp_p
 ORIGINAL_TENSORS = to_gguf._tensors
 
 
-def llama31_with_a_real_tokenizer():
+LLAMA3_SHAPES = {"3.1": {}, "3.2": {"tie_word_embeddings": True, "num_attention_heads": 12}}  # 3.2: 3 q heads per kv
+
+
+def llama31_with_a_real_tokenizer(version: str = "3.1"):
     """A random Llama with Llama 3.1's `llama3` RoPE scaling, its original context short enough (16) that the scaling
     changes the rotation of the tokens checked (every frequency but the fastest is scaled or smoothed), over
-    tiny-llama's tokenizer (one llama.cpp knows how to split)."""
+    tiny-llama's tokenizer (one llama.cpp knows how to split). Version 3.2 adds its 1B/3B traits: tied embeddings
+    and three query heads per key/value head (3B's 24 / 8)."""
     from transformers import AutoModelForCausalLM
 
     from taylor_tune.sources.models import load_tokenizer, tiny_config
@@ -476,6 +554,8 @@ def llama31_with_a_real_tokenizer():
     config = tiny_config("tiny-llama-random")
     config.vocab_size, config.bos_token_id = len(tokenizer), tokenizer.bos_token_id
     config.eos_token_id, config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    for key, value in LLAMA3_SHAPES[version].items():
+        setattr(config, key, value)
     config.rope_parameters = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
     with torch.random.fork_rng(devices=[]):
@@ -484,15 +564,18 @@ def llama31_with_a_real_tokenizer():
     return model, tokenizer
 
 
+@pytest.mark.parametrize("version", list(LLAMA3_SHAPES))
 @pytest.mark.parametrize("layout", ["uniform", "free"])
-def test_llama31_rope_scaling_is_written_as_llama_cpps_rope_factors(tmp_path, monkeypatch, layout):
+def test_llama31_rope_scaling_is_written_as_llama_cpps_rope_factors(tmp_path, monkeypatch, layout, version):
     """Issue 82 (Llama 3.x): a model with `llama3` RoPE scaling is written with llama.cpp's `rope_freqs` (plain RoPE's
     frequencies over the scaled ones); llama.cpp's log-probabilities within 1e-4 nats of the model's. Written without
     the factors (all 1: plain RoPE) the same file is far off: the check sees the scaling."""
+    import gguf
+
     from taylor_tune.pruning.apply import apply_plan
     from taylor_tune.pruning.plan import PrunePlan
 
-    model, tokenizer = llama31_with_a_real_tokenizer()
+    model, tokenizer = llama31_with_a_real_tokenizer(version)
     removed = ((1,),) * 4 if layout == "uniform" else ((0,), (1, 2), (3,), ())
     model = apply_plan(model, PrunePlan("hand", removed, ((0, 5),) * 4))
     factors = to_gguf.llama3_rope_factors(model.config, 8)
@@ -501,6 +584,8 @@ def test_llama31_rope_scaling_is_written_as_llama_cpps_rope_factors(tmp_path, mo
     path = tmp_path / "model.gguf"
     written = write_gguf(model, tokenizer, path, file_type="f32")
     assert written["architecture"] == ("llama" if layout == "uniform" else "deci")
+    names = {tensor.name for tensor in gguf.GGUFReader(path).tensors}
+    assert ("output.weight" in names) == (not model.config.tie_word_embeddings)  # tied: llama.cpp reads token_embd
     gap = np.abs(gguf_logprobs(path, tokens) - torch_logprobs(model, tokens))
     assert gap.max() < 1e-4, gap.max()
     monkeypatch.setattr(to_gguf, "llama3_rope_factors", lambda config, size: torch.ones(size // 2))

@@ -265,7 +265,8 @@ def test_a_pruned_gemma_reloads_with_its_traits_and_without_each_computes_otherw
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-granite", "tiny-olmo2", "tiny-gemma2", "tiny-gemma3"])
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-granite", "tiny-olmo2", "tiny-gemma2", "tiny-gemma3",
+                                  "tiny-phi3"])
 def test_pruning_the_trained_tiny_model_of_each_new_family_costs_measurable_perplexity(name):
     """Issue 82, build 2: each family's tiny model is trained on the offline world (scripts/make_offline_world.py), so
     that pruning moves its scores: a 30% taylor cut raises its held-out perplexity by more than the spread of the
@@ -286,3 +287,173 @@ def test_pruning_the_trained_tiny_model_of_each_new_family_costs_measurable_perp
     assert before["ppl"] < len(tokenizer) / 50  # trained: far from a uniform guess over the vocabulary
     gap = np.array(after["window_nll"]) - np.array(before["window_nll"])
     assert gap.mean() > 3 * gap.std(ddof=1) / np.sqrt(len(gap)), (before["ppl"], after["ppl"])
+
+
+# Phi-3: the fused projections. The references below are written on the model transformers builds (fused qkv_proj
+# and gate_up_proj), each group's rows indexed by hand in the fused matrices, not through the split.
+WRONG_SLICES = {"self_attn.qkv_proj": ("q_proj", "v_proj", "k_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def stock_phi3():
+    """tiny-phi3-random as transformers' own class holds it, its attention weights large enough to matter."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config("tiny-phi3-random"), dtype=torch.float32).eval()
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.qkv_proj.weight.normal_(0.0, 0.3)
+                layer.self_attn.o_proj.weight.normal_(0.0, 0.3)
+    return model
+
+
+def split(model, fused=None):
+    import copy
+
+    from taylor_tune.sources.pruned_modeling import split_fused
+
+    model = copy.deepcopy(model)
+    split_fused(model, fused or FAMILIES["phi3"].fused)
+    return model
+
+
+def test_the_tiny_phi3_keeps_its_traits_and_is_held_split():
+    model = tiny("tiny-phi3-random")
+    config, attn, mlp = model.config, model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert config.head_dim * config.num_attention_heads != config.hidden_size
+    assert config.rope_parameters["partial_rotary_factor"] == 0.75  # Phi-4-mini's partial RoPE
+    assert type(attn).__name__ == "Phi3SplitAttention" and type(mlp).__name__ == "Phi3SplitMLP"
+    assert not any("qkv_proj" in name or "gate_up_proj" in name for name, _ in model.named_parameters())
+    assert (attn.q_proj.out_features, attn.k_proj.out_features, mlp.up_proj.out_features) == (128, 32, 192)
+
+
+def test_phi3_held_split_computes_what_its_fused_stock_model_computes():
+    """The split model is the stock one: the same logits to float precision. The planted slip (k and v taken from
+    each other's slice of qkv_proj) computes otherwise, so the oracle sees a wrong slice."""
+    stock = stock_phi3()
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = stock(input_ids=ids).logits
+        torch.testing.assert_close(split(stock)(input_ids=ids).logits, expected, rtol=1e-6, atol=1e-6)
+        assert (split(stock, WRONG_SLICES)(input_ids=ids).logits - expected).abs().max() > 1e-2
+
+
+def fused_brute_force(stock, ids):
+    """Group scores by the definition on the fused stock model: the gradient of the mean loss by autograd, then each
+    group's |w * g| summed over its rows of qkv_proj (its q heads, then its k head past every q row, then its v head
+    past every k row), its o_proj columns, and each channel's two rows of gate_up_proj (c and c + intermediate) and
+    down_proj column; divided by the group's parameter count."""
+    import copy
+
+    import numpy as np
+
+    model = copy.deepcopy(stock)
+    model(input_ids=ids, labels=ids).loss.backward()
+    cfg = model.config
+    d, heads, kv, width = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
+    rep = heads // kv
+    attn, mlp = [], []
+    with torch.no_grad():
+        for layer in model.model.layers:
+            qkv, o = layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight
+            gate_up, down = layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight
+            sal = lambda w: (w * w.grad).abs()
+            groups = []
+            for g in range(kv):
+                q = list(range(g * rep * d, (g + 1) * rep * d))
+                k = [heads * d + g * d + i for i in range(d)]
+                v = [heads * d + kv * d + g * d + i for i in range(d)]
+                total = sal(qkv)[q + k + v].sum() + sal(o)[:, q].sum()
+                groups.append(float(total) / (len(q + k + v) * qkv.shape[1] + o.shape[0] * len(q)))
+            attn.append(np.array(groups))
+            both = sal(gate_up)
+            mlp.append(np.array([float(both[c].sum() + both[width + c].sum() + sal(down)[:, c].sum())
+                                 / (3 * cfg.hidden_size) for c in range(width)]))
+    return attn, mlp
+
+
+def test_phi3_importance_equals_brute_force_over_its_fused_rows():
+    """Issue 82, must-show 1 for Phi-3 against the fused model itself; the planted slip (k and v from each other's
+    slice) scores otherwise."""
+    import numpy as np
+
+    from taylor_tune.pruning.groups import describe_layout
+    from taylor_tune.pruning.importance import compute_importance
+    from tests.helpers import calibration_ids
+
+    stock, ids = stock_phi3(), calibration_ids(6, 16)
+    attn, mlp = fused_brute_force(stock, ids)
+
+    def scores(model):
+        return compute_importance(model, describe_layout(model), ids, micro_batch_size=4)[6].scores
+
+    ours = scores(split(stock))
+    for a, b in zip(ours.attn + ours.mlp, attn + mlp):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-12)
+    slipped = scores(split(stock, WRONG_SLICES))
+    assert not all(np.allclose(a, b, rtol=1e-3) for a, b in zip(slipped.attn, attn))
+
+
+@pytest.mark.parametrize("layout", ["free", "uniform", "depth"])
+def test_a_pruned_phi3_is_written_fused_when_stock_and_reloads_to_its_logits(layout, tmp_path):
+    """The uniform and depth layouts are stock folders: qkv_proj and gate_up_proj fused again on disk (the parts
+    joined in their row order) and loaded by plain transformers without remote code; the free layout holds the parts
+    and loads as the pruned class. Each computes the pruned model's logits."""
+    import json
+
+    from safetensors import safe_open
+
+    plans = {"free": PrunePlan("hand", ((0,), (1, 2), (3,), ()), ((0, 5),) * 4),
+             "uniform": PrunePlan("hand", ((1,),) * 4, ((0, 5),) * 4),
+             "depth": PrunePlan("hand", ((),) * 4, ((),) * 4, layers_removed=(1,))}
+    pruned = apply_plan(split(stock_phi3()), plans[layout])
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = pruned(input_ids=ids).logits
+    folder = save_pruned(pruned, tmp_path / "pruned")
+    with safe_open(folder / "model.safetensors", "pt") as weights:
+        keys = set(weights.keys())
+    stock = layout != "free"
+    assert ("model.layers.0.self_attn.qkv_proj.weight" in keys) == stock
+    assert ("model.layers.0.mlp.up_proj.weight" in keys) == (not stock)
+    assert ("pruned_fused" in json.loads((folder / "config.json").read_text())) == (not stock)
+    assert_reloads(folder, stock, "Phi3ForCausalLM", ids, expected)
+    with torch.no_grad():  # taylor_tune's own loader holds it split again, to the same logits
+        torch.testing.assert_close(load_pruned(folder)(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["free", "uniform"])
+def test_a_llama32_shape_meets_the_oracles(layout, tmp_path):
+    """Llama 3.2 1B/3B's traits at toy size: three query heads per key/value head (3B's 24 / 8), tied embeddings,
+    llama3 RoPE scaling. Its importance equals the brute force, the pruned model equals the masked one, the uniform
+    layout reloads in stock transformers (still tied) and the free one in the pruned class, to the same logits."""
+    from taylor_tune.pruning.groups import describe_layout
+    from taylor_tune.pruning.importance import compute_importance
+    from tests.helpers import calibration_ids, llama, mask_groups
+    from tests.pruning.test_importance import assert_scores_close, brute_force
+
+    def model():
+        return llama(vocab_size=259, hidden_size=48, num_attention_heads=6, num_key_value_heads=2,
+                     tie_word_embeddings=True,
+                     rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 16})
+
+    ids = calibration_ids(6, 16)
+    attn, mlp, _, _ = brute_force(model(), ids)
+    ours = compute_importance(model(), describe_layout(model()), ids, micro_batch_size=4)[6].scores
+    assert_scores_close(ours, attn, mlp)
+
+    plan = PrunePlan("hand", ((1,),) * 3 if layout == "uniform" else ((0,), (1,), ()), ((0, 5),) * 3)
+    tokens = torch.randint(0, 259, (2, 24), generator=torch.Generator().manual_seed(0))
+    pruned = apply_plan(model(), plan)
+    assert pruned.model.layers[0].self_attn.q_proj.out_features == 3 * 8  # a group's three query heads went with it
+    with torch.no_grad():
+        expected = pruned(input_ids=tokens).logits
+        torch.testing.assert_close(mask_groups(model(), plan)(input_ids=tokens).logits, expected, rtol=1e-5,
+                                   atol=1e-5)
+    folder = save_pruned(pruned, tmp_path / "pruned")
+    assert_reloads(folder, layout == "uniform", "LlamaForCausalLM", tokens, expected)
+    reloaded = load_pruned(folder)
+    assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight

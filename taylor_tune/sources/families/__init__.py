@@ -3,11 +3,11 @@ family is one module here, its pruned class in `sources.pruned_modeling`, and it
 the family (the supported list, the tiny models, the pruned folder's class, the GGUF architecture) reads `FAMILIES`.
 """
 
-from taylor_tune.sources.families import gemma2, gemma3, granite, llama, mistral, olmo2, qwen2, qwen3
+from taylor_tune.sources.families import gemma2, gemma3, granite, llama, mistral, olmo2, phi3, qwen2, qwen3
 from taylor_tune.sources.families.base import Family
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY,
                                                          granite.FAMILY, olmo2.FAMILY, gemma2.FAMILY,
-                                                         gemma3.FAMILY)}
+                                                         gemma3.FAMILY, phi3.FAMILY)}
 
 __all__ = ["FAMILIES", "Family"]

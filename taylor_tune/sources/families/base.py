@@ -31,7 +31,12 @@ class Family:
       q is n_embd x n_embd, head size n_embd / n_head), so a model with heads pruned, or whose heads x head_dim is
       not its hidden size, is refused there in one line (depth and MLP cuts are written);
     - `attn_norms` / `ffn_norms`: each decoder layer's norms that go with its attention (its MLP), by module name,
-      with their GGUF names: where the norms sit differs by family (Llama's before each block, OLMo-2's after)."""
+      with their GGUF names: where the norms sit differs by family (Llama's before each block, OLMo-2's after);
+    - `fused`: projections that hold several of Llama's in one matrix (Phi-3's `qkv_proj`, `gate_up_proj`), by their
+      path in a decoder layer, with the parts their rows hold, in order. A loaded model holds each as its parts
+      (`pruned_modeling.split_fused`): groups, every method, LoRA and the memory estimate then see Llama's
+      projections; a stock folder is written fused again (`pruning.apply.save_pruned`);
+    - `gguf_fused`: the GGUF tensor each fused projection is written as (llama.cpp's `attn_qkv`, `ffn_up`)."""
 
     model_type: str
     pruned_class: str
@@ -45,3 +50,5 @@ class Family:
     gguf_f32_tolerance: dict | None = None
     attn_norms: dict[str, str] = field(default_factory=lambda: {"input_layernorm": "attn_norm"})
     ffn_norms: dict[str, str] = field(default_factory=lambda: {"post_attention_layernorm": "ffn_norm"})
+    fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    gguf_fused: dict[str, str] = field(default_factory=dict)
