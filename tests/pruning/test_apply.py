@@ -47,6 +47,28 @@ def test_pruned_equals_masked(arch, method, ids):
     )
 
 
+CRITERIA = {"taylor": {"method": "taylor"}, "layerwise": {"method": "layerwise", "layerwise_max_ratio": 0.9},
+            "wanda_sp": {"method": "taylor", "criterion": "wanda_sp"}}
+CASES = [f"{criterion}-{layout}" for criterion in CRITERIA for layout in ("free", "uniform")]
+
+
+@pytest.mark.parametrize("arch, case", [
+    pytest.param(arch, case, marks=() if i == j else pytest.mark.slow)  # the fast tier: each case on one family
+    for i, arch in enumerate(ARCHS) for j, case in enumerate(CASES)])
+def test_every_family_pruned_equals_masked_in_both_layouts(arch, case, ids):
+    """Issue 82, must-show 1: every family pruned by taylor, layerwise and wanda_sp at 60% (attention groups and MLP
+    channels both cut), in the free and the uniform layout, equals the unpruned model with the same groups zeroed
+    index by index."""
+    criterion, layout = case.rsplit("-", 1)
+    fields = dict(CRITERIA[criterion])
+    result = pruned(arch, fields.pop("method"), 0.6, uniform=layout == "uniform", **fields)
+    assert any(result.plan.attn_removed) and any(result.plan.mlp_removed)
+    shapes = {(l.self_attn.k_proj.out_features, l.mlp.gate_proj.out_features) for l in result.model.model.layers}
+    assert (len(shapes) == 1) == (layout == "uniform")
+    torch.testing.assert_close(logits(result.model, ids), logits(masked_original(arch, result.plan), ids),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_attention_groups_pruned_equals_masked(arch, ids):
     # On random-init models the methods above mostly pick MLP channels (blockwise does take attention
     # groups), so the attention path also gets a plan that removes different groups in every layer.
