@@ -84,6 +84,8 @@ MUTANTS = (
     m("random-unseeded", "pruning/methods/random.py", "the random baseline ignores its seed",
       ("np.random.default_rng(seed)", "np.random.default_rng()")),
     # apply
+    m("align-by-position", "pruning/aligned.py", "a width rounded by channel index, not by the layer's ranking",
+      ('order = scores.mlp[layer].argsort(kind="stable")', "order = np.arange(channels)")),
     m("apply-bias", "pruning/apply.py", "a sliced projection keeps the first bias entries, not the kept rows",
       ("b.index_select(0, keep.to(b.device)) if dim == 0 else b", "b[:out_features] if dim == 0 else b")),
     m("apply-q-rows", "pruning/groups.py", "a kept group's rows start at its index, not at index x its width",

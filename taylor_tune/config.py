@@ -146,6 +146,12 @@ class PruneConfig(BaseModel):
         "the groups)", json_schema_extra=searchable(),
     )
     uniform_multiple: int = Field(64, gt=0, description="uniform: the kept MLP width is a multiple of this")
+    align: int | None = Field(
+        None, gt=0, description="the free layout's per-layer MLP widths each rounded to a multiple of this (the "
+        "kernels' tiles: 64, 128, 256), by each layer's own ranking (the lowest-scored kept channels go, the "
+        "highest-scored removed ones come back), to the nearest multiple: within one block per layer of the target; "
+        "unset = the widths the method chose", json_schema_extra=searchable(),
+    )
     extreme_ratio_threshold: float | None = Field(
         None, gt=0.0, description="a layer pruned above this ratio counts as extreme; default 2 x sparsity"
     )
@@ -199,6 +205,16 @@ class PruneConfig(BaseModel):
         if self.depth_share and self.depth_criterion == "taylor":
             raise ValueError("depth_share: a mixed cut chooses its layers by block_influence, angular, measured_loss "
                              "or last (taylor is depth's alone for now)")
+        return self
+
+    @model_validator(mode="after")
+    def _align_is_the_free_layouts(self) -> PruneConfig:
+        if self.align is not None and self.uniform:
+            raise ValueError("align: the uniform layout's width is a multiple of uniform_multiple already; align is "
+                             "for the free layout")
+        if self.align is not None and self.method == "depth":
+            raise ValueError("align: depth removes whole layers and keeps every width; align is for the width "
+                             "methods")
         return self
 
     @property

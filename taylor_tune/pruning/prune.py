@@ -22,6 +22,7 @@ from taylor_tune.config import PruneConfig
 from taylor_tune.errors import ConfigError
 from taylor_tune.jsonio import write_json
 from taylor_tune.pruning.activations import ActivationStats
+from taylor_tune.pruning.aligned import aligned_plan
 from taylor_tune.pruning.apply import apply_plan, layer_shapes
 from taylor_tune.pruning.compensation import add_compensation, compensations
 from taylor_tune.pruning.depth import LayerSimilarity
@@ -116,9 +117,12 @@ def _width(config: PruneConfig, scores: GroupScores | None, layout: ModelLayout,
            options: PlanOptions | None = None) -> PrunePlan:
     options = options or PlanOptions.of(config, plan_loss=loss)
     plan_ = METHODS[config.method].plan(scores, layout, replace(options, sparsity=sparsity, plan_loss=loss))
-    if config.uniform:
+    if config.uniform or config.align:
         scores = drawn_scores(layout, config.seed) if scores is None else scores
+    if config.uniform:
         plan_ = uniform_plan(plan_, scores, layout, sparsity, config.uniform_multiple, loss)
+    elif config.align:
+        plan_ = aligned_plan(plan_, scores, layout, config.align)
     return plan_
 
 
