@@ -409,6 +409,10 @@ def _add_export(subparsers) -> None:
     p.add_argument("--gguf", choices=["f16", "f32"],
                    help="also write model.<type>.gguf for llama.cpp, checked in llama.cpp when llama-cpp-python is "
                         "installed (per-layer widths as the `deci` architecture; docs/export.md)")
+    p.add_argument("--format", default="hf", choices=["hf", "decilm"],
+                   help="hf: transformers' folder (default); decilm: DeciLMForCausalLM with block_configs, which vLLM, "
+                        "TensorRT-LLM, SGLang and llama.cpp's converter read (a model pruned with align: 256 and its "
+                        "attention kept, or by depth; docs/export.md)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let the trial's model run its own code, if it ran with it (never read from the sweep)")
     p.set_defaults(handler=_run_export)
@@ -418,7 +422,8 @@ def _run_export(args: argparse.Namespace) -> int:
     from taylor_tune.export import export  # deferred like every stage (it loads torch only when it builds)
 
     out = export(args.sweep, args.output, model=args.model, trial=args.trial, rank=args.rank,
-                 constraints=tuple(args.constraint), gguf=args.gguf, trust_remote_code=args.trust_remote_code)
+                 constraints=tuple(args.constraint), gguf=args.gguf, trust_remote_code=args.trust_remote_code,
+                 format=args.format)
     print(f"wrote {out} (model card: {Path(out) / 'README.md'})")
     return 0
 

@@ -105,7 +105,7 @@ def gguf_section(gguf: dict | None) -> list[str]:
 def model_card(chosen: Chosen, record: dict, checks: dict, *, layout: str, command: str,
                gguf: dict | None = None) -> str:
     """README.md of the exported folder. `record`: the trial's config.json; `checks`: what the rebuild reproduced
-    (name -> (reported, rebuilt)); `layout`: how the folder loads ("uniform" or "free"); `gguf`: what `--gguf`
+    (name -> (reported, rebuilt)); `layout`: how the folder loads ("uniform", "free" or "decilm"); `gguf`: what `--gguf`
     wrote (to_gguf.write_gguf's record with its check), if asked."""
     prune, recovery = record["prune"], record.get("recovery")
     front = {"library_name": "transformers", "pipeline_tag": "text-generation",
@@ -117,6 +117,8 @@ def model_card(chosen: Chosen, record: dict, checks: dict, *, layout: str, comma
     recovered = [f"| recovery.{k} | {v} |" for k, v in (recovery or {}).items() if v is not None]
     loading = ("AutoModelForCausalLM.from_pretrained(folder)  # stock classes: every layer has one shape"
                if layout == "uniform" else
+               "# DeciLMForCausalLM (block_configs): vllm serve folder, or llama.cpp's convert_hf_to_gguf.py folder"
+               if layout == "decilm" else
                "from taylor_tune.sources.models import load_pruned\nmodel = load_pruned(folder)  # per-layer widths: "
                "the pruned classes of taylor_tune (or trust_remote_code=True with the folder's own modeling file)")
     return "\n".join([

@@ -13,6 +13,7 @@ from pathlib import Path
 from taylor_tune.export.card import model_card
 from taylor_tune.export.choose import ExportError, choose
 from taylor_tune.export.rebuild import rebuild
+from taylor_tune.export.to_decilm import write_decilm
 from taylor_tune.export.to_gguf import check_file_type, check_gguf, gguf_name, write_gguf
 from taylor_tune.jsonio import write_json
 from taylor_tune.pruning.apply import save_pruned
@@ -31,22 +32,29 @@ def check_output(output: Path, sweep: str) -> None:
         raise ExportError(f"--output {output}: {parent} is not a writable folder")
 
 
+FORMATS = ("hf", "decilm")
+
+
 def export(sweep: str, output: str | Path, *, model: str | None = None, trial: str | None = None,
            rank: int | None = None, constraints: tuple[str, ...] = (), gguf: str | None = None,
-           trust_remote_code: bool = False) -> Path:
+           trust_remote_code: bool = False, format: str = "hf") -> Path:
     """Rebuild the chosen trial's model and write it to `output` with its card (and its GGUF when `gguf` names a
-    file type). `trust_remote_code`: the user's word that the trial's model may run its own code; never read from
-    the sweep."""
+    file type). `format`: "hf" (transformers' folder: stock classes where every layer has one shape, taylor_tune's
+    pruned classes otherwise) or "decilm" (`DeciLMForCausalLM` with `block_configs`, which vLLM, TensorRT-LLM,
+    SGLang and llama.cpp's converter read: `export.to_decilm`). `trust_remote_code`: the user's word that the trial's
+    model may run its own code; never read from the sweep."""
     output = Path(output)
     check_output(output, sweep)
+    if format not in FORMATS:
+        raise ExportError(f"--format {format!r}: the formats written are {', '.join(FORMATS)}")
     if gguf is not None:
         check_file_type(gguf)  # before any work
     chosen = choose(sweep, model=model, trial=trial, rank=rank, constraints=tuple(constraints))
     command = (f"taylor-tune export {sweep} --model {chosen.model} --trial {chosen.trial_id} --output {output}"
-               + (f" --gguf {gguf}" if gguf else ""))
+               + (f" --gguf {gguf}" if gguf else "") + (f" --format {format}" if format != "hf" else ""))
     output.parent.mkdir(parents=True, exist_ok=True)
     try:
-        _write(sweep, chosen, output, command, gguf, trust_remote_code)
+        _write(sweep, chosen, output, command, gguf, trust_remote_code, format)
     except Exception as error:  # the writers' own types (safetensors', gguf's) carry a full disk as text, not errno
         if not _disk_full(error):
             raise
@@ -62,13 +70,17 @@ def _disk_full(error: BaseException) -> bool:
     return "No space left on device" in str(error) or "os error 28" in str(error)
 
 
-def _write(sweep: str, chosen, output: Path, command: str, gguf: str | None, trust_remote_code: bool) -> None:
+def _write(sweep: str, chosen, output: Path, command: str, gguf: str | None, trust_remote_code: bool,
+           format: str = "hf") -> None:
     """The model folder and its card built in a scratch folder beside `output`, then moved into place whole."""
     with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.export-") as scratch:
         rebuilt = rebuild(chosen, Path(scratch) / "work", trust_remote_code=trust_remote_code)
-        folder = save_pruned(rebuilt.model, Path(scratch) / "model", rebuilt.tokenizer,
-                             source_model=rebuilt.trial.prune.model)
-        layout = "uniform" if json.loads((folder / PRUNED_MANIFEST).read_text())["uniform"] else "free"
+        if format == "decilm":
+            folder, layout = write_decilm(rebuilt.model, rebuilt.tokenizer, Path(scratch) / "model"), "decilm"
+        else:
+            folder = save_pruned(rebuilt.model, Path(scratch) / "model", rebuilt.tokenizer,
+                                 source_model=rebuilt.trial.prune.model)
+            layout = "uniform" if json.loads((folder / PRUNED_MANIFEST).read_text())["uniform"] else "free"
         record = rebuilt.trial.record()
         written = None
         if gguf is not None:

@@ -315,6 +315,40 @@ def test_export_with_gguf_writes_a_file_llama_cpp_reads_as_the_exported_model(sw
     assert gap.max() < 1e-4
 
 
+def test_export_as_decilm_writes_block_configs_a_reader_rebuilds_the_model_from(sweep, tmp_path):
+    """`--format decilm` on the depth trial (every width kept: servable): `block_configs` per kept layer, read here as
+    DeciLM's readers read them (query heads / n_heads_in_group, ceil256(int(2 * ffn_mult * hidden / 3))), into a
+    Llama built from them with the folder's weights: the trial's model. The free trial (widths not multiples of 256)
+    is refused in one line naming the servable settings, exit 2, nothing written."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from taylor_tune.export.to_decilm import readers_width
+    from taylor_tune.pruning.prune import prune
+
+    run = cli(sweep["path"], "--trial", sweep["ids"]["depth"], "--format", "decilm", "--output", tmp_path / "out")
+    assert run.returncode == 0, run.stderr
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["DeciLMForCausalLM"] and config["model_type"] == "nemotron-nas"
+    blocks = config["block_configs"]
+    assert len(blocks) == config["num_hidden_layers"]
+    kv = {config["num_attention_heads"] // b["attention"]["n_heads_in_group"] for b in blocks}
+    widths = {readers_width(b["ffn"]["ffn_mult"], config["hidden_size"]) for b in blocks}
+    assert len(kv) == len(widths) == 1  # a depth cut: every layer as it was
+    fields = {k: v for k, v in config.items() if k not in ("block_configs", "architectures", "model_type")}
+    rebuilt = LlamaForCausalLM(LlamaConfig(**fields | {"num_key_value_heads": kv.pop(),
+                                                       "intermediate_size": widths.pop()})).eval()
+    rebuilt.load_state_dict(load_file(tmp_path / "out" / "model.safetensors"))
+    reference = prune(trial_config(*TRIALS["depth"], cache=None).prune).model
+    assert torch.allclose(logits(rebuilt, IDS), logits(reference, IDS), rtol=0, atol=1e-5)
+    assert json.loads((tmp_path / "out" / "export.json").read_text())["layout"] == "decilm"
+
+    run = cli(sweep["path"], "--trial", sweep["ids"]["free"], "--format", "decilm", "--output", tmp_path / "free")
+    assert run.returncode == 2 and "Traceback" not in run.stderr and len(run.stderr.strip().splitlines()) == 1
+    assert "--format decilm: not written" in run.stderr and "align: 256" in run.stderr
+    assert not (tmp_path / "free").exists()
+
+
 def test_an_unknown_gguf_type_is_refused_before_any_work(sweep, tmp_path):
     run = cli(sweep["path"], "--gguf", "q4_0", "--output", tmp_path / "out")
     assert run.returncode == 2 and "Traceback" not in run.stderr and "invalid choice: 'q4_0'" in run.stderr

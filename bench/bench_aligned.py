@@ -1,0 +1,172 @@
+"""Issue 83, must-show 3 (speed): is the free layout slow because of its widths? The same configuration (the real
+demo's best: layerwise, seq_len 64, 32 samples, 20%) pruned as the free layout, as the free layout aligned to 64, 128
+and 256 (`align`), as the servable one (align 256 with the attention kept: blockwise, mlp_only) and as the uniform
+one, each timed against the unpruned model side by side in one run, in llama.cpp (f16 GGUF by taylor_tune's writer)
+and in torch on this CPU.
+
+Timing: `rounds` rounds, each timing every model once in a fresh random order (interleaved, so that the machine's
+drift falls on all alike); prefill: a `prefill`-token prompt from an empty cache, tokens / s; decode: after an
+8-token prompt, `decode` greedy single-token steps with the cache, tokens / s. Each round gives a ratio pruned /
+unpruned per model and phase, reported as a trial's paired timing reports it (`evaluation.speed.paired_ratio`: the
+geometric mean of the rounds' ratios with its 95% t interval). Resumable: the pruned models' GGUF and safetensors
+files are kept under --folder and reused.
+
+    .venv/bin/python bench/bench_aligned.py --model smollm2-135m --json bench/aligned_smollm2.json [--rounds 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import torch
+from bench_gguf_speed import speedups  # bench/ is the script's own folder on sys.path
+
+from taylor_tune.config import build_prune_config
+from taylor_tune.export.to_gguf import write_gguf
+from taylor_tune.jsonio import write_json
+from taylor_tune.pruning.apply import layer_shapes, save_pruned
+from taylor_tune.pruning.prune import prune
+from taylor_tune.sources.data import load_ppl_text
+from taylor_tune.sources.models import load_model, load_tokenizer
+
+BEST = {"method": "layerwise", "sparsity": 0.2, "seq_len": 64, "num_samples": 32, "calibration": "wiki",
+        "micro_batch_size": 8, "device": "cpu", "dtype": "float32"}
+LAYOUTS = {"free": {}, "aligned64": {"align": 64}, "aligned128": {"align": 128}, "aligned256": {"align": 256},
+           "servable": {"method": "blockwise", "blockwise_attention": "mlp_only", "align": 256},
+           "uniform": {"uniform": True}}
+
+
+def build(model: str, folder: Path) -> dict[str, dict]:
+    """Each layout's pruned folder and f16 GGUF (kept and reused), and what it is."""
+    built = {}
+    unpruned = folder / "unpruned"
+    if not (unpruned / "model.f16.gguf").exists():
+        loaded, tokenizer = load_model(model), load_tokenizer(model)
+        save_pruned(loaded, unpruned, tokenizer, source_model=model)
+        write_gguf(loaded, tokenizer, unpruned / "model.f16.gguf", file_type="f16")
+    built["unpruned"] = {"folder": unpruned}
+    for name, extra in LAYOUTS.items():
+        target = folder / name
+        if not (target / "model.f16.gguf").exists():
+            start = time.perf_counter()
+            result = prune(build_prune_config({"model": model} | BEST | extra))
+            save_pruned(result.model, target, result.tokenizer, source_model=model)
+            write_gguf(result.model, result.tokenizer, target / "model.f16.gguf", file_type="f16")
+            (target / "bench.json").write_text(json.dumps({
+                "pruning_ratio": result.diagnostics["pruning_ratio"], "seconds": time.perf_counter() - start,
+                "config": {"model": model} | BEST | extra}))
+            print(f"{name}: pruned and written", flush=True)
+        record = json.loads((target / "bench.json").read_text())
+        built[name] = {"folder": target} | record
+    return built
+
+
+def llama_rates(path: Path, threads: int, prefill: int, decode: int):
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), n_ctx=prefill + decode + 16, n_batch=prefill, logits_all=True,
+                n_threads=threads, n_threads_batch=threads, verbose=False)
+
+    def prefill_rate(prompt):
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(prompt)
+        return len(prompt) / (time.perf_counter() - start)
+
+    def decode_rate(prompt):
+        llm.reset()
+        llm.eval(prompt)
+        start = time.perf_counter()
+        for _ in range(decode):
+            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        return decode / (time.perf_counter() - start)
+
+    return prefill_rate, decode_rate
+
+
+def torch_rates(model, decode: int):
+    @torch.no_grad()
+    def prefill_rate(prompt):
+        ids = torch.tensor([prompt])
+        start = time.perf_counter()
+        model(input_ids=ids, use_cache=False)
+        return len(prompt) / (time.perf_counter() - start)
+
+    @torch.no_grad()
+    def decode_rate(prompt):
+        out = model(input_ids=torch.tensor([prompt]), use_cache=True)
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        start = time.perf_counter()
+        for _ in range(decode):
+            step = model(input_ids=token, past_key_values=cache, use_cache=True)
+            cache, token = step.past_key_values, step.logits[:, -1:].argmax(-1)
+        return decode / (time.perf_counter() - start)
+
+    return prefill_rate, decode_rate
+
+
+def timed(runners: dict, prompt: list[int], short: list[int], rounds: int, label: str) -> dict:
+    for prefill_rate, decode_rate in runners.values():  # warm-up: page the weights in, settle the allocator
+        prefill_rate(prompt)
+        decode_rate(short)
+    rates = {name: {"prefill": [], "decode": []} for name in runners}
+    order, rng = list(runners), random.Random(0)
+    for round_ in range(rounds):
+        rng.shuffle(order)
+        for name in order:
+            prefill_rate, decode_rate = runners[name]
+            rates[name]["prefill"].append(prefill_rate(prompt))
+            rates[name]["decode"].append(decode_rate(short))
+        print(f"{label}: round {round_ + 1}/{rounds}", flush=True)
+    speedup = speedups(rates)  # the estimator bench_gguf_speed reports, a trial's paired timing's
+    for key, found in speedup.items():
+        print(f"{label} {key}: {found['ratio']:.3f}x [{found['low']:.3f}, {found['high']:.3f}]", flush=True)
+    return {"speedup": speedup, "tokens_per_s": {n: {p: float(np.median(v)) for p, v in ph.items()}
+                                                 for n, ph in rates.items()}, "rates": rates}
+
+
+def main() -> None:
+    from llama_cpp import __version__
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--folder", default=None)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--torch-rounds", type=int, default=10)
+    parser.add_argument("--prefill", type=int, default=256)
+    parser.add_argument("--decode", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    folder = Path(args.folder or f"bench/out/aligned_{args.model}")
+    folder.mkdir(parents=True, exist_ok=True)
+    built = build(args.model, folder)
+    tokens = load_tokenizer(args.model).encode(load_ppl_text("wiki"))
+    prompt, short = tokens[: args.prefill], tokens[:8]
+    result = {"machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, llama.cpp threads "
+                         f"{args.threads}", "date": datetime.now(UTC).isoformat(timespec="seconds"),
+              "llama_cpp_python": __version__, "settings": vars(args),
+              "layouts": {name: {"mlp_widths": [s["intermediate_size"] for s in layer_shapes(
+                  load_model(str(b["folder"])))], **{k: v for k, v in b.items() if k != "folder"}}
+                  for name, b in built.items()}}
+    llama = {name: llama_rates(b["folder"] / "model.f16.gguf", args.threads, args.prefill, args.decode)
+             for name, b in built.items()}
+    result["llama_cpp"] = timed(llama, prompt, short, args.rounds, "llama.cpp")
+    write_json(Path(args.json), result)
+    del llama
+    torch.set_num_threads(args.threads)
+    models = {name: load_model(str(b["folder"])) for name, b in built.items()}
+    result["torch_cpu"] = timed({n: torch_rates(m, args.decode) for n, m in models.items()}, prompt, short,
+                                args.torch_rounds, "torch")
+    write_json(Path(args.json), result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""A pruned model as a DeciLM folder (`export --format decilm`): the per-layer format vLLM (`nemotron_nas`),
+TensorRT-LLM (NemotronNas), SGLang and llama.cpp's own converter (`conversion/deci.py`) read.
+
+`config.json` is the Llama config with `architectures: ["DeciLMForCausalLM"]`, `model_type: "nemotron-nas"` and one
+`block_configs` entry per layer: `attention.n_heads_in_group` (query heads per key/value head: the query heads are
+global in that format, so a layer keeps every one) and `ffn.ffn_mult`, which the readers turn into a width as
+ceil256(int(2 * ffn_mult * hidden / 3)): each kept width must be a multiple of 256, and `ffn_mult` is chosen so that
+the readers' own formula gives it back exactly. The weights keep Llama's names (safetensors). What the format cannot
+hold is refused in one line naming the settings that prune a servable model: a family other than Llama's graph
+(`llama`, `mistral`), biases, query heads removed, a head size other than hidden / heads, a width that is not a
+multiple of 256.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from torch import nn
+
+from taylor_tune.export.choose import ExportError
+from taylor_tune.pruning.groups import decoder_layers, head_dim
+
+FFN_TILE = 256
+FAMILIES = ("llama", "mistral")  # Llama's graph, as DeciLM's layers are
+SERVABLE = ("prune with align: 256 and the attention kept (e.g. method: blockwise, blockwise_attention: mlp_only), "
+            "or by depth")
+
+
+def readers_width(ffn_mult: float, hidden: int) -> int:
+    """The width DeciLM's readers build from `ffn_mult` (llama.cpp's conversion/deci.py, vLLM's nemotron_nas)."""
+    width = int(2 * ffn_mult * hidden / 3)
+    return width if width % FFN_TILE == 0 else width + FFN_TILE - width % FFN_TILE
+
+
+def ffn_mult(width: int, hidden: int) -> float:
+    """The `ffn_mult` the readers turn back into `width` (a multiple of 256)."""
+    mult = 3 * width / (2 * hidden)
+    if readers_width(mult, hidden) != width:
+        raise ExportError(f"--format decilm: no ffn_mult gives the width {width} back (hidden {hidden})")
+    return mult
+
+
+def servable_problem(model: nn.Module) -> str | None:
+    """Why the model cannot be written as DeciLM, or None."""
+    config, layers = model.config, decoder_layers(model)
+    heads = config.num_attention_heads
+    if config.model_type not in FAMILIES:
+        return f"a {config.model_type} model (DeciLM's layers are Llama's: {', '.join(FAMILIES)})"
+    if head_dim(layers[0].self_attn) * heads != config.hidden_size:
+        return "its head size is not hidden / heads, which DeciLM's readers assume"
+    for index, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        if any(p.bias is not None for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
+                                            mlp.up_proj, mlp.down_proj)):
+            return f"layer {index} has biases, which DeciLM's layers do not"
+        if attn.q_proj.out_features != heads * head_dim(attn):
+            return f"layer {index} lost query heads, and DeciLM keeps every layer's query heads"
+        if mlp.gate_proj.out_features % FFN_TILE:
+            return f"layer {index}'s MLP width {mlp.gate_proj.out_features} is not a multiple of {FFN_TILE}"
+    return None
+
+
+def block_configs(model: nn.Module) -> list[dict]:
+    config = model.config
+    blocks = []
+    for layer in decoder_layers(model):
+        kv_heads = layer.self_attn.k_proj.out_features // head_dim(layer.self_attn)
+        blocks.append({
+            "attention": {"n_heads_in_group": config.num_attention_heads // kv_heads, "no_op": False,
+                          "replace_with_linear": False},
+            "ffn": {"ffn_mult": ffn_mult(layer.mlp.gate_proj.out_features, config.hidden_size), "no_op": False,
+                    "replace_with_linear": False},
+        })
+    return blocks
+
+
+def write_decilm(model: nn.Module, tokenizer, folder: str | Path) -> Path:
+    """Write `model` (pruned, in memory) and its tokenizer to `folder` as DeciLM; ExportError before anything is
+    written when the format cannot hold it."""
+    problem = servable_problem(model)
+    if problem is not None:
+        raise ExportError(f"--format decilm: not written: {problem}; {SERVABLE}")
+    blocks = block_configs(model)
+    folder = Path(folder)
+    model.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    for key in ("num_key_value_heads", "intermediate_size", "pruned_layout", "auto_map", "pruned_output_bias",
+                "head_dim"):
+        config.pop(key, None)
+    config |= {"architectures": ["DeciLMForCausalLM"], "model_type": "nemotron-nas", "block_configs": blocks,
+               "num_hidden_layers": len(blocks)}
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    return folder

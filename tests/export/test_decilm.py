@@ -1,0 +1,161 @@
+"""Issue 83, build 3: `export --format decilm` read by an independent implementation. llama.cpp's own converter
+(`convert_hf_to_gguf.py` with its `conversion/deci.py`), taken from the pinned llama-cpp-python source distribution
+and not from project code, converts the exported folder; llama.cpp then scores every next token as the pruned model
+does. DeciLM's converter takes Llama 3's vocabulary (its 128256 tokens), which the same distribution ships as
+`models/ggml-vocab-llama-bpe.gguf`: the tiny model here is built on it."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from taylor_tune.export.choose import ExportError
+from taylor_tune.export.to_decilm import FFN_TILE, ffn_mult, readers_width, write_decilm
+from taylor_tune.export.to_gguf import GGUFError, gguf_logprobs, torch_logprobs
+from taylor_tune.pruning.apply import apply_plan
+from taylor_tune.pruning.plan import PrunePlan
+from taylor_tune.sources.assets import file_sha256, home
+from tests.helpers import llama
+
+SDIST = ("llama-cpp-python", "0.3.36", "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e")
+MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/", "models/ggml-vocab-llama-bpe.gguf")
+LLAMA3_VOCAB = 128256
+
+
+def converter() -> Path:
+    """llama.cpp's converter out of the pinned sdist (pip download, sha256 checked), cached in the asset home."""
+    package, version, sha256 = SDIST
+    target = home() / f"{package}-{version}-converter"
+    if (target / "ok").is_file():
+        return target
+    with tempfile.TemporaryDirectory() as scratch:
+        run = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                              "--quiet", "-d", scratch, f"{package}=={version}"], capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr[-2000:]
+        (archive,) = Path(scratch).glob("*.tar.gz")
+        assert file_sha256(archive) == sha256
+        prefix = f"{package.replace('-', '_')}-{version}/vendor/llama.cpp/"
+        with tarfile.open(archive) as tar:
+            wanted = [m for m in tar.getmembers() if m.isfile() and any(
+                m.name.startswith(prefix + member) if member.endswith("/") else m.name == prefix + member
+                for member in MEMBERS)]
+            tar.extractall(scratch, members=wanted, filter="data")
+        shutil.rmtree(target, ignore_errors=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(Path(scratch) / prefix, target)
+    (target / "ok").write_text(sha256 + "\n")
+    return target
+
+
+def llama3_tokenizer(vendor: Path, into: Path):
+    """Llama 3's tokenizer rebuilt from llama.cpp's vocabulary file: BOS added as Llama 3's own adds it (so llama.cpp
+    recognises its pre-tokenizer), the one token transformers' GGUF reader appends past the 128256 dropped."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(vendor / "models", gguf_file="ggml-vocab-llama-bpe.gguf",
+                                              add_bos_token=True)
+    tokenizer.save_pretrained(into)
+    spec = json.loads((into / "tokenizer.json").read_text())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["id"] < LLAMA3_VOCAB]
+    spec["model"]["vocab"] = {k: v for k, v in spec["model"]["vocab"].items() if v < LLAMA3_VOCAB}
+    (into / "tokenizer.json").write_text(json.dumps(spec))
+    return AutoTokenizer.from_pretrained(into)
+
+
+def convert(vendor: Path, folder: Path, out: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(vendor / "gguf-py"))  # its own gguf-py, not the installed one
+    return subprocess.run([sys.executable, str(vendor / "convert_hf_to_gguf.py"), str(folder), "--outfile", str(out),
+                           "--outtype", "f32"], env=env, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("hidden", [64, 576, 896, 2048, 4096])
+def test_the_ffn_mult_written_gives_each_width_back_through_the_readers_formula(hidden):
+    for width in range(FFN_TILE, 4 * hidden + 1, FFN_TILE):
+        mult = ffn_mult(width, hidden)
+        # the readers' formula, written out (llama.cpp's conversion/deci.py: int, then up to a multiple of 256)
+        raw = int(2 * mult * hidden / 3)
+        assert (raw + (-raw) % 256) == width == readers_width(mult, hidden)
+    with pytest.raises(ExportError, match="no ffn_mult gives the width 300 back"):
+        ffn_mult(300, hidden)
+
+
+def servable(layers: int = 3):
+    """A tiny Llama 3 (its vocabulary) with attention that matters, MLP 768 = 3 x 256 wide."""
+    model = llama(vocab_size=LLAMA3_VOCAB, hidden_size=64, intermediate_size=768, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, bos_token_id=128000,
+                  eos_token_id=128001, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                           layer.self_attn.o_proj):
+                linear.weight.normal_(0.0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("case, match", [
+    ("width", "layer 0's MLP width 700 is not a multiple of 256"),
+    ("heads", "layer 1 lost query heads"),
+    ("bias", "layer 0 has biases"),
+    ("family", "a qwen2 model"),
+])
+def test_what_decilm_cannot_hold_is_refused_in_one_line_naming_the_servable_settings(case, match, tmp_path):
+    from taylor_tune.sources.models import load_model
+
+    model = servable()
+    if case == "width":
+        model = apply_plan(model, PrunePlan("hand", ((),) * 3, (tuple(range(68)), (), ())))
+    if case == "heads":
+        model = apply_plan(model, PrunePlan("hand", ((), (1,), ()), ((),) * 3))
+    if case == "bias":
+        model = llama(attention_bias=True)
+    if case == "family":
+        model = load_model("tiny-qwen2-random")
+    with pytest.raises(ExportError, match=match) as raised:
+        write_decilm(model, None, tmp_path / "out")
+    assert "\n" not in str(raised.value) and "align: 256" in str(raised.value)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.real  # fetches llama-cpp-python's source distribution (76 MB) into the asset cache once
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["aligned", "depth"])
+def test_llama_cpps_own_converter_reads_the_decilm_export_as_the_model_computes(layout, tmp_path, monkeypatch):
+    """The per-layer widths (512, 256, 768: each a multiple of 256, chosen by hand) or a layer removed, exported as
+    DeciLM, converted by llama.cpp's converter, read by llama.cpp: every next token's log-probability within the
+    export's f32 bounds of the pruned model's. The planted slip, ffn_mult written as width / hidden (not through the
+    readers' formula), makes widths llama.cpp's loader refuses."""
+    from taylor_tune.export import to_decilm
+    from taylor_tune.export.to_gguf import TOLERANCE
+
+    vendor = converter()
+    tokenizer = llama3_tokenizer(vendor, tmp_path / "tokenizer")
+    plan = (PrunePlan("hand", ((),) * 3, (tuple(range(0, 512, 2)), tuple(range(512)), ()))
+            if layout == "aligned" else PrunePlan("hand", ((),) * 3, ((),) * 3, layers_removed=(1,)))
+    model = apply_plan(servable(), plan)
+    folder = write_decilm(model, tokenizer, tmp_path / "decilm")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["DeciLMForCausalLM"]
+    widths = [512, 256, 768] if layout == "aligned" else [768, 768]
+    assert [readers_width(b["ffn"]["ffn_mult"], 64) for b in config["block_configs"]] == widths
+    run = convert(vendor, folder, tmp_path / "model.gguf")
+    assert run.returncode == 0, run.stderr[-3000:]
+    tokens = tokenizer.encode("The river rises in the hills north of the town and flows south through farmland "
+                              "for about forty miles before it reaches the sea.")
+    gap = np.abs(gguf_logprobs(tmp_path / "model.gguf", tokens) - torch_logprobs(model, tokens))
+    assert gap.mean() < TOLERANCE["f32"]["mean"] and gap.max() < TOLERANCE["f32"]["max"], (gap.mean(), gap.max())
+
+    if layout == "aligned":  # 768 read back as ceil256(int(2 * 768 / 3)) = 512: the tensors no longer fit
+        monkeypatch.setattr(to_decilm, "ffn_mult", lambda width, hidden: width / hidden)
+        write_decilm(model, tokenizer, tmp_path / "slipped")
+        run = convert(vendor, tmp_path / "slipped", tmp_path / "slipped.gguf")
+        if run.returncode == 0:
+            with pytest.raises(GGUFError, match="cannot load"):
+                gguf_logprobs(tmp_path / "slipped.gguf", tokens)
