@@ -6,9 +6,9 @@ TensorRT-LLM (NemotronNas), SGLang and llama.cpp's own converter (`conversion/de
 global in that format, so a layer keeps every one) and `ffn.ffn_mult`, which the readers turn into a width as
 ceil256(int(2 * ffn_mult * hidden / 3)): each kept width must be a multiple of 256, and `ffn_mult` is chosen so that
 the readers' own formula gives it back exactly. The weights keep Llama's names (safetensors). What the format cannot
-hold is refused in one line naming the settings that prune a servable model: a family other than Llama's graph
-(`llama`, `mistral`), biases, query heads removed, a head size other than hidden / heads, a width that is not a
-multiple of 256.
+hold is refused in one line naming the settings that prune a servable model: a family whose layers hold more than
+Llama's graph (`Family.gguf_free` false: the same graph llama.cpp's `deci` runs), biases (Qwen2's), query heads
+removed, a head size other than hidden / heads, a width that is not a multiple of 256.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from torch import nn
 
 from taylor_tune.export.choose import ExportError
 from taylor_tune.pruning.groups import decoder_layers, head_dim
+from taylor_tune.sources.families import FAMILIES
 
 FFN_TILE = 256
-FAMILIES = ("llama", "mistral")  # Llama's graph, as DeciLM's layers are
 SERVABLE = ("prune with align: 256 and the attention kept (e.g. method: blockwise, blockwise_attention: mlp_only), "
             "or by depth")
 
@@ -45,8 +45,9 @@ def servable_problem(model: nn.Module) -> str | None:
     """Why the model cannot be written as DeciLM, or None."""
     config, layers = model.config, decoder_layers(model)
     heads = config.num_attention_heads
-    if config.model_type not in FAMILIES:
-        return f"a {config.model_type} model (DeciLM's layers are Llama's: {', '.join(FAMILIES)})"
+    if not FAMILIES[config.model_type].gguf_free:  # its layers hold more than Llama's graph, which DeciLM's is
+        llama_graph = ", ".join(t for t, f in FAMILIES.items() if f.gguf_free)
+        return f"a {config.model_type} model (DeciLM's layers are Llama's: {llama_graph})"
     if head_dim(layers[0].self_attn) * heads != config.hidden_size:
         return "its head size is not hidden / heads, which DeciLM's readers assume"
     for index, layer in enumerate(layers):

@@ -104,7 +104,7 @@ def servable(layers: int = 3):
     ("width", "layer 0's MLP width 700 is not a multiple of 256"),
     ("heads", "layer 1 lost query heads"),
     ("bias", "layer 0 has biases"),
-    ("family", "a qwen2 model"),
+    ("family", "a qwen3 model"),
 ])
 def test_what_decilm_cannot_hold_is_refused_in_one_line_naming_the_servable_settings(case, match, tmp_path):
     from taylor_tune.sources.models import load_model
@@ -117,7 +117,7 @@ def test_what_decilm_cannot_hold_is_refused_in_one_line_naming_the_servable_sett
     if case == "bias":
         model = llama(attention_bias=True)
     if case == "family":
-        model = load_model("tiny-qwen2-random")
+        model = load_model("tiny-qwen3-random")
     with pytest.raises(ExportError, match=match) as raised:
         write_decilm(model, None, tmp_path / "out")
     assert "\n" not in str(raised.value) and "align: 256" in str(raised.value)
