@@ -93,6 +93,14 @@ MUTANTS = (
     m("apply-down-proj-rows", "pruning/apply.py", "down_proj sliced along its output rows",
       ("mlp.down_proj = _slice_linear(mlp.down_proj, keep_channels, 1)",
        "mlp.down_proj = _slice_linear(mlp.down_proj, keep_channels, 0)")),
+    # answer keys (issue 84's planted slips)
+    m("answers-norm-by-tokens", "evaluation/answers.py",
+      "acc_norm divides the log-likelihoods by each choice's tokens, not its characters",
+      ("lengths[position, self.idx] = self.chars",
+       "lengths[position, self.idx] = [len(c) for c in self.continuations]")),
+    m("answers-choices-reversed", "evaluation/answers.py", "the gold choice found counting the choices from the end",
+      ("rows.append((reported, instance.idx, instance.idx == gold,",
+       "rows.append((reported, instance.idx, len(choices) - 1 - instance.idx == gold,")),
     # scorer
     m("scorer-sees-earlier-continuations", "evaluation/scorer.py",
       "a packed continuation attends to the earlier continuations of its pack",

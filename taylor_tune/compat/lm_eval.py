@@ -12,6 +12,8 @@ from functools import lru_cache
 from importlib.metadata import version
 from pathlib import Path
 
+import numpy as np
+
 from taylor_tune.compat import missing
 
 TESTED = "0.4.13"
@@ -100,6 +102,14 @@ def listed_documents(task) -> None:
     setattr(task, "test_docs" if task.has_test_docs() else "validation_docs", lambda: listed)
 
 
+def as_simple_evaluate_sets(task) -> None:
+    """The overrides `simple_evaluate` applies to a loaded task in a plain zero-shot call (no num_fewshot, no
+    gen_kwargs, not predict_only): a task that names no num_fewshot gets 0. Its definition (`task_definition`) is
+    then the one a pass's requests are keyed by."""
+    if task.get_config("num_fewshot") is None:
+        task.set_config(key="num_fewshot", value=0)
+
+
 def task_documents(task, limit: int | None, samples: list[int] | None = None) -> list[tuple[int, dict]]:
     """(doc_id, document) of every document a plain pass at `limit` (or of the listed `samples`) scores, as
     build_all_requests iterates them. With `samples` lm-eval (0.4.13) keeps the listed documents in the task's own
@@ -147,6 +157,39 @@ def encode_requests(lm, instances) -> list[tuple[list[int], list[int]]]:
     finally:
         del lm._loglikelihood_tokens
     return [(context, continuation) for _, context, continuation in recorded]
+
+
+# the metrics `evaluation.answers` computes as lm-eval's process_results does for a multiple-choice task
+ANSWERED_METRICS = ("acc", "acc_norm")
+
+
+def answered_metrics(task) -> tuple[str, ...] | None:
+    """The metrics of `task` (in its own order) that its items' log-likelihoods decide as lm-eval's
+    `ConfigurableTask.process_results` (0.4.13) decides them for a multiple-choice task: acc, the argmax of the
+    choices' log-likelihoods, and acc_norm, the argmax of them over each choice's length in characters, each against
+    the gold index. None where lm-eval's own scoring is needed: another output type, a task's own process_results,
+    several targets, mutual information or any other metric, a filter of its own, repeats."""
+    from lm_eval.api.task import ConfigurableTask
+
+    config = task.config
+    if not isinstance(task, ConfigurableTask) or task.OUTPUT_TYPE != "multiple_choice" \
+            or callable(config.process_results) or task.multiple_target or config.filter_list is not None \
+            or (config.repeats or 1) != 1:
+        return None
+    metrics = tuple(task._metric_fn_list)
+    return metrics if metrics and set(metrics) <= set(ANSWERED_METRICS) else None
+
+
+def gold_index(task, doc: dict, choices: list[str]) -> int | None:
+    """The index of `doc`'s gold choice as process_results finds it (from doc_to_text when the choices are in the
+    context, as Winogrande's, else from doc_to_target; a string by its place among the choices), -1 where lm-eval
+    finds none (no item then scores); None for a gold it reads otherwise (a list: several targets)."""
+    gold = task.doc_to_text(doc) if task.multiple_input else task.doc_to_target(doc)
+    if isinstance(gold, str):
+        return choices.index(gold) if gold in choices else -1
+    if isinstance(gold, (int, np.integer)) and not isinstance(gold, bool):
+        return int(gold) if 0 <= gold < len(choices) else -1
+    return None
 
 
 def make_instance(request_type: str, doc: dict, arguments: tuple, idx: int, task: str, doc_id: int, repeats: int):

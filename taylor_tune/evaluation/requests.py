@@ -5,7 +5,8 @@ document) and HFLM tokenizes every (context, continuation) pair, although in a s
 in every trial. `PassRequests` stands in for that building during one pass: lm-eval builds the requests as always
 (or the cache has them), lm-eval's own tokenization of each is computed once and handed to the scorer, and the time
 it all takes is counted apart from the scoring. lm-eval still scores the answers (filters, process_results,
-aggregation) as always.
+aggregation) as always; with a cache, each task's pass also keeps its answer key (`evaluation.answers`), with which a
+later pass scores without lm-eval.
 
 A `RequestCache` entry holds one task's requests and their tokens as JSON data, keyed by all they depend on: the
 documents lm-eval scores (sha256 of them after its own processing, within the limit), the task's definition (its
@@ -26,11 +27,12 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import cached_property
+from functools import cached_property, lru_cache
 from importlib.metadata import version
 from pathlib import Path
 
 from taylor_tune.compat.lm_eval import encode_requests, make_instance, task_definition, task_documents
+from taylor_tune.evaluation.answers import AnswerKey, verified, worker_keys
 from taylor_tune.jsonio import digest
 from taylor_tune.storage import Store, built_json
 
@@ -60,6 +62,20 @@ class RequestCache:
         (a damaged entry), `build()`'s rows, stored first (`storage.built_json`)."""
         return built_json(self.store, fields, build, read, part="rows")
 
+    @staticmethod
+    def key_name(fields: dict) -> str:
+        """The name of the answer key (`evaluation.answers`) of the pass whose request entry has `fields`."""
+        return f"{digest(fields)[:24]}.answers"
+
+    def answer_key(self, fields: dict) -> AnswerKey | None:
+        """The stored answer key of the pass whose request entry has `fields` (this worker's copy once read)."""
+        return worker_keys().get(self.store, self.key_name(fields), fields)
+
+    def keep_answer_key(self, fields: dict, key: AnswerKey) -> None:
+        name = self.key_name(fields)
+        self.store.write(name, key.to_bytes(fields))
+        worker_keys().keep(self.store, name, key)
+
 
 class PassRequests:
     """The requests of one zero-shot pass (see the module's docstring): called by `compat.building_requests` for each
@@ -68,11 +84,55 @@ class PassRequests:
     def __init__(self, lm, cache: RequestCache | None = None):
         self.lm, self.cache = lm, cache
         self.seconds, self.built = 0.0, 0
+        # (request fields, key, its instances) of each task lm-eval scores in this pass: answer keys to keep
+        self.made: dict[str, tuple[dict, AnswerKey, list]] = {}
+
+    @property
+    def answering(self) -> bool:
+        """Whether this pass's tasks may be answered from keys: with a cache to keep them, for the prefix scorer."""
+        return self.cache is not None and getattr(self.lm, "scorer", None) == "prefix"
+
+    def answer_keys(self, tasks: dict[str, object], limit: int | None,
+                    samples: dict[str, list[int]] | None) -> dict[str, AnswerKey]:
+        """The answer keys kept for these tasks' pass (name -> lm-eval's task object, built once per worker) at
+        `limit` (or of the listed `samples`, by task name); a task without one is left out."""
+        if not self.answering:
+            return {}
+        start = time.perf_counter()
+        try:
+            found = {}
+            for name, task in tasks.items():
+                listed = None if samples is None else samples[name]
+                key = self.cache.answer_key(pass_fields(self, task, limit, listed))
+                if key is not None:
+                    found[name] = key
+            return found
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def keep_answer_keys(self, outcomes: dict[str, object]) -> list[str]:
+        """Keep the answer key of each task lm-eval scored in this pass whose outcomes, computed from the key and that
+        pass's own log-likelihoods, are lm-eval's (`outcomes`: task's config name -> `item_outcomes` of its items);
+        returns the tasks kept."""
+        kept = []
+        for name, (fields, key, ordered) in self.made.items():
+            if name in outcomes and verified(key, ordered, outcomes[name]):
+                self.cache.keep_answer_key(fields, key)
+                kept.append(name)
+        self.made = {}
+        return kept
 
     @cached_property
     def tokenizer(self) -> str:
-        """`tokenizer_digest` of the scorer (once per pass)."""
-        return tokenizer_digest(self.lm)
+        """`tokenizer_digest` of the scorer, found once per scorer (its tokenizer's whole state is serialized)."""
+        digest_of = getattr(self.lm, "tokenizer_digest", None)
+        if digest_of is None:
+            digest_of = tokenizer_digest(self.lm)
+            try:
+                self.lm.tokenizer_digest = digest_of
+            except AttributeError:  # a scorer that takes no attributes: found again next pass
+                pass
+        return digest_of
 
     @contextmanager
     def scoring(self) -> Iterator[None]:
@@ -94,10 +154,14 @@ class PassRequests:
                     self.lm.encoded[(context, continuation)] = (context_ids, continuation_ids)
                 return instances
             docs = dict(task_documents(task, limit, samples))
+            fields = self.fields(task, limit, docs, samples)
             instances, built = self.cache.get_or_build(
-                self.fields(task, limit, docs, samples), lambda: self._rows(lm_eval_build()),
-                lambda rows: self._rows_to_instances(task, docs, rows))
+                fields, lambda: self._rows(lm_eval_build()), lambda rows: self._rows_to_instances(task, docs, rows))
             self.built += built
+            if self.answering:
+                made = AnswerKey.of(task, instances, [self.lm.encoded[i.arguments] for i in instances], samples)
+                if made is not None:
+                    self.made[task.config.task] = (fields, *made)
             return instances
         finally:
             self.seconds += time.perf_counter() - start
@@ -105,11 +169,7 @@ class PassRequests:
     def fields(self, task, limit: int | None, docs: dict | None = None, samples: list[int] | None = None) -> dict:
         """The cache key's fields of `task` at `limit` (or of its listed `samples`): the same in every process that
         would build the same requests (a sweep's trials run in several)."""
-        docs = dict(task_documents(task, limit, samples)) if docs is None else docs
-        return {"task": task.config.task, "docs": digest(list(docs.items())),
-                "definition": digest(task_definition(task)), "lm_eval": version("lm_eval"),
-                "tokenizer": self.tokenizer, "limit": limit,
-                "scorer": getattr(self.lm, "scorer", None)} | ({"samples": digest(samples)} if samples else {})
+        return request_fields(task, limit, self.tokenizer, getattr(self.lm, "scorer", None), docs, samples)
 
     def _rows(self, instances: list) -> list:
         """Each request as a JSON row: doc_id, idx, request type, repeats, context, continuation and lm-eval's tokens
@@ -131,6 +191,27 @@ class PassRequests:
         for *_, context, continuation, context_ids, continuation_ids in rows:
             self.lm.encoded[(context, continuation)] = (context_ids, continuation_ids)
         return instances
+
+
+def request_fields(task, limit: int | None, tokenizer: str, scorer: str | None, docs: dict | None = None,
+                   samples: list[int] | None = None) -> dict:
+    """The fields of a request entry (see `PassRequests.fields`); `docs`: the pass's documents, if at hand."""
+    docs = dict(task_documents(task, limit, samples)) if docs is None else docs
+    return {"task": task.config.task, "docs": digest(list(docs.items())), "definition": digest(task_definition(task)),
+            "lm_eval": version("lm_eval"), "tokenizer": tokenizer, "limit": limit,
+            "scorer": scorer} | ({"samples": digest(samples)} if samples else {})
+
+
+def pass_fields(requests: PassRequests, task, limit: int | None, samples: list[int] | None) -> dict:
+    """`requests.fields` of `task`'s pass, found once per worker (the documents' digest reads every document)."""
+    return dict(_pass_fields(task, limit, requests.tokenizer, getattr(requests.lm, "scorer", None),
+                             None if samples is None else tuple(samples)))
+
+
+@lru_cache(maxsize=256)
+def _pass_fields(task, limit: int | None, tokenizer: str, scorer: str | None, samples: tuple | None) -> tuple:
+    return tuple(request_fields(task, limit, tokenizer, scorer, None, None if samples is None else list(samples))
+                 .items())
 
 
 def checked_rows(task, docs: dict, rows: object) -> list:

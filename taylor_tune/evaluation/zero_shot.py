@@ -22,13 +22,16 @@ from lm_eval import simple_evaluate
 from lm_eval.tasks import TaskManager, get_task_dict
 
 from taylor_tune.compat.lm_eval import (
+    as_simple_evaluate_sets,
     building_requests,
     compiled_templates,
+    listed_documents,
     load_task_yaml,
     without_environment_record,
 )
 from taylor_tune.config import EvalSpec
 from taylor_tune.errors import EvaluationError
+from taylor_tune.evaluation.answers import AnswerKey
 from taylor_tune.evaluation.requests import PassRequests
 from taylor_tune.schema import OUTCOME_COLUMNS
 from taylor_tune.sources.data import task_file
@@ -82,12 +85,18 @@ def task_sizes(tasks: tuple[str, ...], task_data: str) -> dict[str, int]:
 
 @lru_cache(maxsize=4)  # a sweep's trials in one worker ask for the same tasks
 def _task_sizes(tasks: tuple[str, ...], task_data: str) -> tuple[tuple[str, int], ...]:
-    sizes = []
-    for task in tasks:
-        source, manager = task_source(task, task_data)
-        (loaded,) = get_task_dict([source], manager).values()
-        sizes.append((task, len(loaded.eval_docs)))
-    return tuple(sizes)
+    return tuple((task, len(built_task(task, task_data).eval_docs)) for task in tasks)
+
+
+@lru_cache(maxsize=16)
+def built_task(task: str, task_data: str):
+    """lm-eval's task object of `task` on `task_data`, built once per worker (a sweep reuses its workers): what the
+    answer keys' fields are found from. Never scored through: lm-eval's own passes build their own."""
+    source, manager = task_source(task, task_data)
+    (loaded,) = get_task_dict([source], manager).values()
+    as_simple_evaluate_sets(loaded)
+    listed_documents(loaded)
+    return loaded
 
 
 def result_name(source: str | dict) -> str:
@@ -162,8 +171,56 @@ def _failure(task: str | None, error: Exception) -> EvaluationError:
     return EvaluationError(f"{f'task {task}' if task else 'zero-shot'}: {type(error).__name__}: {first_line}")
 
 
+def answered(lm, keys: dict[str, AnswerKey]) -> pd.DataFrame:
+    """Every item's outcome of the tasks whose answer keys are at hand (task -> key): their requests scored in one
+    call of the scorer, as lm-eval pools a pass's requests, then each item's acc and acc_norm from its choices'
+    log-likelihoods (`AnswerKey.outcomes`)."""
+    requests = [request for key in keys.values() for request in key.requests()]
+    scores = [score for score, _ in lm._loglikelihood_tokens(requests, disable_tqdm=True)]
+    parts, start = [], 0
+    for task, key in keys.items():
+        parts.append(key.outcomes(task, scores[start : start + len(key.idx)]))
+        start += len(key.idx)
+    return pd.concat(parts, ignore_index=True)
+
+
 def zero_shot(lm, spec: EvalSpec, task_data: str, requests: PassRequests | None = None,
               samples: dict[str, list[int]] | None = None) -> tuple[dict[str, dict], float, pd.DataFrame]:
+    """Every task in one pass. A task whose answer key a sweep's earlier pass kept (`evaluation.answers`: with a
+    request cache and the prefix scorer) is scored without lm-eval: its requests go to the scorer and its outcomes are
+    computed from the answers as lm-eval computes them. The others go through lm-eval's `simple_evaluate` in one call
+    (`lm_eval_pass`), which keeps their keys for the next pass. Each task's entry is lm-eval's when lm-eval scored the
+    whole pass, else aggregated from the items' outcomes as lm-eval aggregates them (`task_results`).
+    Returns the tasks' results, the pass's seconds and every item's outcome (`item_outcomes`)."""
+    requests = PassRequests(lm) if requests is None else requests
+    start = time.perf_counter()
+    keys = requests.answer_keys({task: built_task(task, task_data) for task in spec.tasks},
+                                spec.limit if samples is None else None,
+                                None if samples is None else {task: sorted(set(samples[task])) for task in spec.tasks}
+                                ) if requests.answering else {}
+    rest = [task for task in spec.tasks if task not in keys]
+    if not keys:
+        return lm_eval_pass(lm, spec, task_data, requests, samples)
+    try:
+        outcomes = answered(lm, keys)
+    except Exception as error:  # the model's (out of memory, a shape): no task to name
+        raise _failure(None, error) from None
+    if rest:
+        _, _, more = lm_eval_pass(lm, spec.model_copy(update={"tasks": tuple(rest)}), task_data, requests,
+                                  None if samples is None else {task: samples[task] for task in rest})
+        outcomes = pd.concat([outcomes, more], ignore_index=True)
+    order = {task: n for n, task in enumerate(spec.tasks)}
+    outcomes = outcomes.sort_values(["task", "doc_id"], key=lambda c: c.map(order) if c.name == "task" else c,
+                                    kind="stable", ignore_index=True)
+    seconds = time.perf_counter() - start
+    out = task_results(outcomes, spec)
+    log.info("zero-shot: %d tasks (%d from answer keys), %d items in %.1fs", len(out), len(keys),
+             sum(e["n"] for e in out.values()), seconds)
+    return out, seconds, outcomes
+
+
+def lm_eval_pass(lm, spec: EvalSpec, task_data: str, requests: PassRequests,
+                 samples: dict[str, list[int]] | None = None) -> tuple[dict[str, dict], float, pd.DataFrame]:
     """Every task in one `simple_evaluate` call: lm-eval then pools the requests of all tasks into one sorted
     batch stream, and pays its per-call set-up once, not per task (it collects the environment by running pip).
     A pass's time is reported as a whole: per-task times do not exist in one call. `requests` builds the pass's
@@ -172,7 +229,6 @@ def zero_shot(lm, spec: EvalSpec, task_data: str, requests: PassRequests | None 
     race's blocks do; their outcomes keep each item's index in its task.
     Returns the tasks' results, the pass's seconds and every item's outcome (`item_outcomes`)."""
     sources = {task: task_source(task, task_data) for task in spec.tasks}
-    requests = PassRequests(lm) if requests is None else requests
     # sorted: lm-eval numbers the listed items 0..k-1 in the task's order and logs each under `list[k]`, the index
     # in the task only when the list is in that order (`compat.lm_eval.task_documents`)
     listed = None if samples is None else {result_name(sources[task][0]): sorted(set(samples[task]))
@@ -208,4 +264,7 @@ def zero_shot(lm, spec: EvalSpec, task_data: str, requests: PassRequests | None 
         out[task] = entry
         log.info("%s: %s %.4f (n=%d)", task, metric, entry["score"], entry["n"])
     log.info("zero-shot: %d tasks, %d items in %.1fs", len(out), sum(e["n"] for e in out.values()), seconds)
-    return out, seconds, item_outcomes({task: result["samples"][name] for task, name in names.items()})
+    outcomes = item_outcomes({task: result["samples"][name] for task, name in names.items()})
+    if requests.made:
+        requests.keep_answer_keys({names[task]: outcomes[outcomes["task"] == task] for task in names})
+    return out, seconds, outcomes

@@ -15,6 +15,7 @@ from lm_eval import simple_evaluate
 from taylor_tune.compat.lm_eval import without_environment_record
 from taylor_tune.config import EvalSpec, Evaluation, PruneConfig
 from taylor_tune.evaluation import zero_shot as zero_shot_module
+from taylor_tune.evaluation.answers import worker_keys
 from taylor_tune.evaluation.requests import PassRequests, RequestCache, tokenizer_digest
 from taylor_tune.evaluation.scorer import PrefixLM
 from taylor_tune.jsonio import entry_text, read_entry
@@ -81,11 +82,12 @@ def trial(model: str, limit: int, cache_dir) -> TrialConfig:
 @pytest.mark.slow
 def test_a_models_second_trial_reuses_its_requests_and_another_tokenizer_or_limit_does_not(tmp_path, monkeypatch):
     """Must show 3: through `run_trial` with a sweep's cache folder. The model's first trial builds its three tasks'
-    requests; the second (the same model, tokenizer and limit) builds none: lm-eval constructs no request and the
-    tokenizer encodes only the sample of each task's requests that the entry's check tokenizes again (RETOKENIZED, set
-    to 4 here: 2 encodings per request, context and context+continuation), and its answers are the first trial's.
+    requests; the second (the same model, tokenizer and limit) builds none: lm-eval constructs no request and nothing
+    is tokenized (it answers from the answer keys the first kept, issue 84), and its answers are the first trial's.
     Another limit, and another tokenizer (tiny-llama-random's byte tokenizer instead of the world's), build their
-    own."""
+    own; a second trial whose keys are gone reads the requests back and tokenizes only the sample of each task's
+    requests that the entry's check tokenizes again (RETOKENIZED, set to 4 here: 2 encodings per request, context
+    and context+continuation)."""
     from lm_eval.api.task import ConfigurableTask
     from lm_eval.models.huggingface import HFLM
 
@@ -108,12 +110,16 @@ def test_a_models_second_trial_reuses_its_requests_and_another_tokenizer_or_limi
     for index, (model, limit) in enumerate([("tiny-llama", 6), ("tiny-llama", 6), ("tiny-llama", 8),
                                             ("tiny-llama-random", 6), ("tiny-llama-random", 6)]):
         calls.update(construct_requests=0, tok_encode=0)
+        if index == 4:  # no answer keys: the requests read back
+            worker_keys().held.clear()
+            for key in (tmp_path / "requests").glob("*.answers"):
+                key.unlink()
         metrics = run_trial(trial(model, limit, cache_dir), tmp_path / f"t{index}")
         runs.append((metrics[f"zero_shot_{limit}_requests_built"], dict(calls), metrics))
     built = [b for b, _, _ in runs]
     assert built == [3, 0, 3, 3, 0]
     assert runs[0][1]["construct_requests"] > 0 and runs[0][1]["tok_encode"] > 0
-    assert runs[1][1] == {"construct_requests": 0, "tok_encode": 3 * 4 * 2}
+    assert runs[1][1] == {"construct_requests": 0, "tok_encode": 0}
     assert runs[4][1] == {"construct_requests": 0, "tok_encode": 3 * 4 * 2}
     scores = lambda m: {k: v for k, v in m.items() if k.startswith("acc_")}
     assert scores(runs[0][2]) == scores(runs[1][2]) and scores(runs[3][2]) == scores(runs[4][2])
