@@ -11,13 +11,21 @@ unpruned per model and phase, reported as a trial's paired timing reports it (`e
 geometric mean of the rounds' ratios with its 95% t interval). Resumable: the pruned models' GGUF and safetensors
 files are kept under --folder and reused.
 
+`--quality` (instead of the timing): every layout and the unpruned model evaluated on the same items (the seven real
+tasks at `--limit` items each) and the same held-out wiki windows (128 tokens, `--windows`), each item's outcome and
+each window's NLL written beside its folder (resumable: a layout with its outcomes is not evaluated again); each
+layout's acc_mean and log perplexity are then compared with the free layout's, paired by item and by window
+(`reporting.paired`: the task-stratified standard error; separated at 1.96 of it).
+
     .venv/bin/python bench/bench_aligned.py --model smollm2-135m --json bench/aligned_smollm2.json [--rounds 20]
+    .venv/bin/python bench/bench_aligned.py --model smollm2-135m --quality --json bench/aligned_quality_smollm2.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import random
 import time
@@ -25,6 +33,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import torch
 from bench_gguf_speed import speedups  # bench/ is the script's own folder on sys.path
 
@@ -132,6 +141,55 @@ def timed(runners: dict, prompt: list[int], short: list[int], rounds: int, label
                                                  for n, ph in rates.items()}, "rates": rates}
 
 
+def evaluated(name: str, folder: Path, model: str, limit: int, windows: int) -> dict:
+    """One model's quality on the shared items and windows: its outcomes written under folder/quality (reused)."""
+    from taylor_tune.config import EvalSpec
+    from taylor_tune.evaluation.evaluate import Evaluator
+
+    where, record = folder / "quality", folder / "quality" / "quality.json"
+    if not record.exists():
+        start = time.perf_counter()
+        spec = EvalSpec(task_data="real", limit=limit, ppl="wiki", ppl_window=128, ppl_max_windows=windows)
+        evaluator = Evaluator(load_model(str(folder)), load_tokenizer(model), spec, model_name=model)
+        ppl, shots = evaluator.perplexity(), evaluator.zero_shot(limit)
+        ppl.write_outcomes(where)
+        shots.write_outcomes(where)
+        write_json(record, {"ppl": ppl.ppl, "acc_mean": shots.acc_mean, "seconds": time.perf_counter() - start,
+                            "tasks": {t: {k: e[k] for k in ("score", "score_stderr", "n", "metric")}
+                                      for t, e in shots.tasks.items()}})
+        print(f"{name}: evaluated", flush=True)
+    return json.loads(record.read_text())
+
+
+def quality(built: dict, model: str, limit: int, windows: int) -> dict:
+    """Each model's quality and its paired differences against the free layout (see the module's docstring)."""
+    from taylor_tune.reporting.frame import read_outcomes, read_ppl_windows
+    from taylor_tune.reporting.paired import paired_difference, paired_log_ppl
+    from taylor_tune.reporting.stats import Z95
+    from taylor_tune.schema import zero_shot_stage
+
+    rows = {name: evaluated(name, b["folder"], model, limit, windows) for name, b in built.items()}
+
+    def items(name):  # each item's score in its task's reported metric (acc or acc_norm)
+        outcomes = read_outcomes(str(built[name]["folder"] / "quality"), zero_shot_stage(limit))
+        metric = {t: e["metric"] for t, e in rows[name]["tasks"].items()}
+        return pd.Series([row[metric[task]] for (task, _), row in outcomes.iterrows()], index=outcomes.index)
+
+    scored = {name: items(name) for name in rows}
+    for name, row in rows.items():
+        if not math.isclose(scored[name].groupby(level="task").mean().mean(), row["acc_mean"], abs_tol=1e-12):
+            raise SystemExit(f"{name}: the stored outcomes do not reproduce its acc_mean")
+        acc = paired_difference(scored[name], scored["free"])
+        ppl = paired_log_ppl(read_ppl_windows(str(built[name]["folder"] / "quality")),
+                             read_ppl_windows(str(built["free"]["folder"] / "quality")))
+        row["vs_free"] = {"acc_mean": acc.difference, "acc_mean_se": acc.stderr, "items": acc.items,
+                          "acc_separated": acc.separated(Z95), "log_ppl": ppl.difference, "log_ppl_se": ppl.stderr,
+                          "windows": ppl.items, "ppl_separated": ppl.separated(Z95)}
+        print(f"{name}: acc_mean {row['acc_mean']:.4f} ({acc.difference:+.4f} ± {acc.stderr:.4f} vs free), "
+              f"ppl {row['ppl']:.3f} (log {ppl.difference:+.4f} ± {ppl.stderr:.4f})", flush=True)
+    return rows
+
+
 def main() -> None:
     from llama_cpp import __version__
 
@@ -144,10 +202,20 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=256)
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quality", action="store_true", help="the quality comparison instead of the timing")
+    parser.add_argument("--limit", type=int, default=300, help="items per task (--quality)")
+    parser.add_argument("--windows", type=int, default=64, help="wiki windows of 128 tokens (--quality)")
     args = parser.parse_args()
     folder = Path(args.folder or f"bench/out/aligned_{args.model}")
     folder.mkdir(parents=True, exist_ok=True)
     built = build(args.model, folder)
+    if args.quality:
+        torch.set_num_threads(args.threads)
+        result = {"machine": f"{platform.machine()}, {args.threads} torch threads",
+                  "date": datetime.now(UTC).isoformat(timespec="seconds"), "settings": vars(args),
+                  "layouts": quality(built, args.model, args.limit, args.windows)}
+        write_json(Path(args.json), result)
+        return
     tokens = load_tokenizer(args.model).encode(load_ppl_text("wiki"))
     prompt, short = tokens[: args.prefill], tokens[:8]
     result = {"machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, llama.cpp threads "

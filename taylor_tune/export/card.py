@@ -102,6 +102,17 @@ def gguf_section(gguf: dict | None) -> list[str]:
             "```python", "from llama_cpp import Llama", f"llm = Llama(model_path=\"{gguf['file']}\")", "```", ""]
 
 
+def layout_said(layout: str, prune: dict) -> str:
+    """The card's words for the folder's layout: a free layout says whether its widths are aligned (`align`), and
+    where they are not, what that costs in llama.cpp and which setting avoids it."""
+    if layout != "free":
+        return layout
+    if prune.get("align"):
+        return f"free, every kept width a multiple of {prune['align']} (`align: {prune['align']}`)"
+    return ("free, each layer's widths as its importance earned them, not aligned: llama.cpp prefills such widths "
+            "slower than aligned ones (`align: 64` keeps the quality at the uniform layout's speed, BENCHMARKS.md)")
+
+
 def model_card(chosen: Chosen, record: dict, checks: dict, *, layout: str, command: str,
                gguf: dict | None = None) -> str:
     """README.md of the exported folder. `record`: the trial's config.json; `checks`: what the rebuild reproduced
@@ -126,7 +137,7 @@ def model_card(chosen: Chosen, record: dict, checks: dict, *, layout: str, comma
         f"# {prune['model']}, pruned by taylor_tune: {prune['method']} at {prune['sparsity']:g} sparsity"
         + (", recovered with LoRA" if recovery else ""), "",
         f"Structured pruning with group-normalized first-order Taylor importance (or the baseline named below), "
-        f"chosen by a taylor_tune sweep as {chosen.why}. Layout: {layout}.", "",
+        f"chosen by a taylor_tune sweep as {chosen.why}. Layout: {layout_said(layout, prune)}.", "",
         "## Configuration", "", "| setting | value |", "|---|---|", *settings, *recovered, "",
         "## Measured in the sweep", "",
         f"Trial `{chosen.trial_id}` of model `{chosen.model}`; ranked by {chosen.objective.metric} "

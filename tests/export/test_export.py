@@ -263,6 +263,18 @@ def test_the_model_card_shows_plain_numbers_no_machine_path_and_only_the_setting
         assert f"params_count {int(sweep[name]['params_count'])} (trial: {int(sweep[name]['params_count'])})" in checks
 
 
+def test_the_card_says_whether_a_free_layouts_widths_are_aligned(sweep, tmp_path):
+    """Issue 83, must-show 4: a free export's card says its widths are not aligned and names the setting that aligns
+    them; an aligned trial's card names its multiple; another layout's card names the layout alone."""
+    from taylor_tune.export.card import layout_said
+
+    card = (export(str(sweep["path"]), tmp_path / "free", trial=sweep["ids"]["free"]) / "README.md").read_text()
+    assert "Layout: free, each layer's widths as its importance earned them, not aligned" in card
+    assert "`align: 64`" in card
+    assert layout_said("free", {"align": 128}) == "free, every kept width a multiple of 128 (`align: 128`)"
+    assert layout_said("uniform", {"align": None}) == "uniform" and layout_said("decilm", {}) == "decilm"
+
+
 def test_a_rebuild_that_does_not_give_the_trials_numbers_is_refused_and_writes_nothing(sweep, tmp_path):
     """A setting changed in the trial's record (its calibration seed): refused before anything loads, as the record
     is no longer what Tune ran (params.json: the report flags the trial, naming both); changed in both, then the
