@@ -68,8 +68,13 @@ class RequestCache:
         return f"{digest(fields)[:24]}.answers"
 
     def answer_key(self, fields: dict) -> AnswerKey | None:
-        """The stored answer key of the pass whose request entry has `fields` (this worker's copy once read)."""
-        return worker_keys().get(self.store, self.key_name(fields), fields)
+        """The stored answer key of the pass whose request entry has `fields` (this worker's copy once read); a key
+        used is the cache's hit for that task's pass, recorded as a read of its requests would be."""
+        name = self.key_name(fields)
+        key = worker_keys().get(self.store, name, fields)
+        if key is not None:
+            self.store.record("hit", name, via="answer key")
+        return key
 
     def keep_answer_key(self, fields: dict, key: AnswerKey) -> None:
         name = self.key_name(fields)
