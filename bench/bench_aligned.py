@@ -1,6 +1,6 @@
 """Issue 83, must-show 3 (speed): is the free layout slow because of its widths? The same configuration (the real
 demo's best: layerwise, seq_len 64, 32 samples, 20%) pruned as the free layout, as the free layout aligned to 64, 128
-and 256 (`align`), as the servable one (align 256 with the attention kept: blockwise, mlp_only) and as the uniform
+and 256 (`align`), as the servable one (`servable`: the attention kept, widths aligned to 256) and as the uniform
 one, each timed against the unpruned model side by side in one run, in llama.cpp (f16 GGUF by taylor_tune's writer)
 and in torch on this CPU.
 
@@ -28,6 +28,7 @@ import json
 import math
 import platform
 import random
+import shutil
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -48,7 +49,7 @@ from taylor_tune.sources.models import load_model, load_tokenizer
 BEST = {"method": "layerwise", "sparsity": 0.2, "seq_len": 64, "num_samples": 32, "calibration": "wiki",
         "micro_batch_size": 8, "device": "cpu", "dtype": "float32"}
 LAYOUTS = {"free": {}, "aligned64": {"align": 64}, "aligned128": {"align": 128}, "aligned256": {"align": 256},
-           "servable": {"method": "blockwise", "blockwise_attention": "mlp_only", "align": 256},
+           "servable": {"servable": True},
            "uniform": {"uniform": True}}
 
 
@@ -62,15 +63,17 @@ def build(model: str, folder: Path) -> dict[str, dict]:
         write_gguf(loaded, tokenizer, unpruned / "model.f16.gguf", file_type="f16")
     built["unpruned"] = {"folder": unpruned}
     for name, extra in LAYOUTS.items():
-        target = folder / name
+        target, config = folder / name, {"model": model} | BEST | extra
+        if (target / "bench.json").exists() and json.loads((target / "bench.json").read_text())["config"] != config:
+            shutil.rmtree(target)  # made by another definition of the layout: made again, its quality with it
         if not (target / "model.f16.gguf").exists():
             start = time.perf_counter()
-            result = prune(build_prune_config({"model": model} | BEST | extra))
+            result = prune(build_prune_config(config))
             save_pruned(result.model, target, result.tokenizer, source_model=model)
             write_gguf(result.model, result.tokenizer, target / "model.f16.gguf", file_type="f16")
             (target / "bench.json").write_text(json.dumps({
                 "pruning_ratio": result.diagnostics["pruning_ratio"], "seconds": time.perf_counter() - start,
-                "config": {"model": model} | BEST | extra}))
+                "config": config}))
             print(f"{name}: pruned and written", flush=True)
         record = json.loads((target / "bench.json").read_text())
         built[name] = {"folder": target} | record
@@ -168,7 +171,10 @@ def quality(built: dict, model: str, limit: int, windows: int) -> dict:
     from taylor_tune.reporting.stats import Z95
     from taylor_tune.schema import zero_shot_stage
 
-    rows = {name: evaluated(name, b["folder"], model, limit, windows) for name, b in built.items()}
+    # the target's layouts first, so that a run cut short still answers it (--only summarizes those evaluated)
+    first = ["free", "aligned64", "uniform"]
+    order = first + [name for name in built if name not in first]
+    rows = {name: evaluated(name, built[name]["folder"], model, limit, windows) for name in order if name in built}
 
     def items(name):  # each item's score in its task's reported metric (acc or acc_norm)
         outcomes = read_outcomes(str(built[name]["folder"] / "quality"), zero_shot_stage(limit))
@@ -205,10 +211,13 @@ def main() -> None:
     parser.add_argument("--quality", action="store_true", help="the quality comparison instead of the timing")
     parser.add_argument("--limit", type=int, default=300, help="items per task (--quality)")
     parser.add_argument("--windows", type=int, default=64, help="wiki windows of 128 tokens (--quality)")
+    parser.add_argument("--only", nargs="+", default=None, help="these layouts (and free) alone")
     args = parser.parse_args()
     folder = Path(args.folder or f"bench/out/aligned_{args.model}")
     folder.mkdir(parents=True, exist_ok=True)
     built = build(args.model, folder)
+    if args.only:
+        built = {name: b for name, b in built.items() if name in {"free", *args.only}}
     if args.quality:
         torch.set_num_threads(args.threads)
         result = {"machine": f"{platform.machine()}, {args.threads} torch threads",

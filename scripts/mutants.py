@@ -93,6 +93,12 @@ MUTANTS = (
     m("apply-down-proj-rows", "pruning/apply.py", "down_proj sliced along its output rows",
       ("mlp.down_proj = _slice_linear(mlp.down_proj, keep_channels, 1)",
        "mlp.down_proj = _slice_linear(mlp.down_proj, keep_channels, 0)")),
+    # the servable layout (issue 83)
+    m("servable-layerwise-counts-attention", "pruning/methods/layerwise.py",
+      "the servable layerwise counts the kept attention's scores towards each layer's importance",
+      ("layer_importance(scores, layout, options.attention)", "layer_importance(scores, layout)")),
+    m("servable-ranks-attention", "pruning/methods/_base.py", "the servable global ranking still holds attention",
+      ("ranked_groups(scores, kinds=kinds(options))", "ranked_groups(scores)")),
     # answer keys (issue 84's planted slips)
     m("answers-norm-by-tokens", "evaluation/answers.py",
       "acc_norm divides the log-likelihoods by each choice's tokens, not its characters",

@@ -30,6 +30,8 @@ METHOD_CRITERIA = {"taylor": CRITERIA, "layerwise": CRITERIA, "blockwise": CRITE
 BLOCKWISE_ATTENTION_RULES = ("closest_ratio", "measured_loss", "mlp_only", "min_loss")
 # blockwise's attention rule when none is asked for (BENCHMARKS.md, pruning quality, says why)
 DEFAULT_BLOCKWISE_ATTENTION = "measured_loss"  # BENCHMARKS.md: blockwise attention rules on the real models
+# DeciLM's MLP widths are multiples of this (its readers round ffn_mult's width up to it): the servable layout's align
+SERVABLE_TILE = 256
 
 CALIBRATION_DATASETS = ("wikitext2", "c4")
 ZERO_SHOT_TASKS = ("boolq", "piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
@@ -152,6 +154,12 @@ class PruneConfig(BaseModel):
         "highest-scored removed ones come back), to the nearest multiple: within one block per layer of the target; "
         "unset = the widths the method chose", json_schema_extra=searchable(),
     )
+    servable: bool = Field(
+        False, description="prune only what DeciLM's per-layer format holds (export --format decilm, which vLLM, "
+        "TensorRT-LLM and SGLang serve): every layer keeps its attention whole (no method ranks attention groups) and "
+        "each MLP width is aligned to 256 by importance (align, a multiple of 256; default 256); the export also needs "
+        "a family with Llama's layers and no biases", json_schema_extra=searchable(),
+    )
     extreme_ratio_threshold: float | None = Field(
         None, gt=0.0, description="a layer pruned above this ratio counts as extreme; default 2 x sparsity"
     )
@@ -216,6 +224,39 @@ class PruneConfig(BaseModel):
             raise ValueError("align: depth removes whole layers and keeps every width; align is for the width "
                              "methods")
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _servable_blockwise_keeps_attention(cls, data):
+        # recorded as what it does: the servable blockwise removes no attention group (mlp_only), unless asked
+        # otherwise, which the check below refuses
+        if isinstance(data, dict) and data.get("servable") is True and data.get("method") == "blockwise":
+            return {"blockwise_attention": "mlp_only"} | data
+        return data
+
+    @model_validator(mode="after")
+    def _servable_is_decilms(self) -> PruneConfig:
+        if not self.servable:
+            return self
+        if self.method == "depth" or self.uniform:
+            kept = "keeps every width" if self.method == "depth" else "is a stock model"
+            raise ValueError(f"servable: {'depth' if self.method == 'depth' else 'the uniform layout'} {kept} "
+                             "already, which DeciLM holds; servable is for the free layout of the width methods")
+        if self.align is not None and self.align % SERVABLE_TILE:
+            raise ValueError(f"servable: DeciLM's MLP widths are multiples of {SERVABLE_TILE}, so align must be one "
+                             f"(or unset: {SERVABLE_TILE}), not {self.align}")
+        if self.method == "blockwise" and self.blockwise_attention != "mlp_only":
+            raise ValueError("blockwise_attention: servable keeps every layer's attention, so blockwise removes "
+                             f"none (mlp_only), not {self.blockwise_attention}; leave it unset")
+        if self.criterion == "flap" and self.flap_compensation:
+            raise ValueError("servable: FLAP's compensation adds a bias to each pruned MLP, which DeciLM's layers "
+                             "do not hold; set flap_compensation: false")
+        return self
+
+    @property
+    def servable_align(self) -> int | None:
+        """The MLP widths' multiple: `align`, or DeciLM's tile for the servable layout."""
+        return self.align or (SERVABLE_TILE if self.servable else None)
 
     @property
     def extreme_threshold(self) -> float:

@@ -148,33 +148,40 @@ def layouts(draw):
     return ModelLayout(attn, mlp, attn_params, mlp_params, layer_params, total)
 
 
-def global_plans_meet_their_target(layout, sparsity, seed, method):
+def global_plans_meet_their_target(layout, sparsity, seed, method, attention):
     """taylor (a global ranking of any scores), magnitude's and random's plans remove at least the target and less
     than one group more, never a block's last group; or say they cannot (PlanError) only when even every removable
-    group falls short."""
+    group falls short. Without attention (the servable layout) no attention group goes, and the MLP channels alone
+    reach the target or the plan says it cannot."""
     from taylor_tune.errors import PlanError
-    from taylor_tune.pruning.methods._base import plan_global
+    from taylor_tune.pruning.methods._base import PlanOptions, plan_global
     from taylor_tune.pruning.methods.random import drawn_scores
     from taylor_tune.pruning.plan import target_params
 
     scores = drawn_scores(layout, seed)
     target = target_params(layout, sparsity)
-    removable = sum((a - 1) * layout.attn_group_params + (m - 1) * layout.mlp_channel_params
+    removable = sum((a - 1) * layout.attn_group_params * attention + (m - 1) * layout.mlp_channel_params
                     for a, m in zip(layout.attn_groups, layout.mlp_channels))
+    options = PlanOptions(sparsity=sparsity, layerwise_max_ratio=0.5, blockwise_layer_start=None,
+                          blockwise_layer_end=None, blockwise_attention="mlp_only", criterion="taylor", seed=seed,
+                          attention=attention)
     try:
-        plan = plan_global(method, scores, layout, sparsity)
+        plan = plan_global(method, scores, layout, options)
     except PlanError:
         assert removable < target
         return
     removed = plan.params_removed(layout)
-    assert target <= removed < target + max(layout.attn_group_params, layout.mlp_channel_params)
+    largest = max(layout.attn_group_params * attention, layout.mlp_channel_params)
+    assert target <= removed < target + largest
     for a, m, gone_a, gone_m in zip(layout.attn_groups, layout.mlp_channels, plan.attn_removed, plan.mlp_removed):
         assert len(gone_a) < a and len(gone_m) < m
+        assert attention or not gone_a
 
 
 test_global_plans_meet_their_target, test_global_plans_meet_their_target_many = both_tiers(
     {"layout": layouts(), "sparsity": st.floats(0.01, 0.9), "seed": st.integers(0, 1000),
-     "method": st.sampled_from(["taylor", "magnitude", "random"])})(global_plans_meet_their_target)
+     "method": st.sampled_from(["taylor", "magnitude", "random"]), "attention": st.booleans()}
+)(global_plans_meet_their_target)
 
 
 @st.composite

@@ -9,6 +9,7 @@ import re
 
 import yaml
 
+from taylor_tune.config import SERVABLE_TILE
 from taylor_tune.export.choose import Chosen
 from taylor_tune.reporting.stats import Z95, wilson_interval
 from taylor_tune.schema import task_columns, task_key
@@ -107,6 +108,10 @@ def layout_said(layout: str, prune: dict) -> str:
     where they are not, what that costs in llama.cpp and which setting avoids it."""
     if layout != "free":
         return layout
+    if prune.get("servable"):
+        return (f"servable: every layer's attention kept and every MLP width a multiple of "
+                f"{prune.get('align') or SERVABLE_TILE}, the shapes DeciLM's per-layer format holds (`servable: true`; "
+                "`export --format decilm` writes it for vLLM, TensorRT-LLM and SGLang)")
     if prune.get("align"):
         return f"free, every kept width a multiple of {prune['align']} (`align: {prune['align']}`)"
     return ("free, each layer's widths as its importance earned them, not aligned: llama.cpp prefills such widths "

@@ -18,13 +18,14 @@ from pathlib import Path
 
 from torch import nn
 
+from taylor_tune.config import SERVABLE_TILE
 from taylor_tune.export.choose import ExportError
 from taylor_tune.pruning.groups import decoder_layers, head_dim
 from taylor_tune.sources.families import FAMILIES
 
-FFN_TILE = 256
-SERVABLE = ("prune with align: 256 and the attention kept (e.g. method: blockwise, blockwise_attention: mlp_only), "
-            "or by depth")
+FFN_TILE = SERVABLE_TILE
+SERVABLE = ("prune with servable: true (the attention kept, every MLP width a multiple of 256) on a llama or mistral "
+            "model, or by depth")
 
 
 def readers_width(ffn_mult: float, hidden: int) -> int:

@@ -17,28 +17,29 @@ from taylor_tune.errors import PlanError
 from taylor_tune.pruning.plan import GroupScores, ModelLayout, PrunePlan
 
 
-def aligned_width(kept: int, channels: int, align: int) -> int:
+def aligned_width(kept: int, channels: int, align: int, setting: str = "align") -> int:
     """The width a layer that keeps `kept` of its `channels` MLP channels keeps once aligned: the nearest multiple of
     `align` in [align, channels] (ties: the wider), or `channels` itself where nothing was removed."""
     if kept == channels:
         return channels
     if align > channels:
-        raise PlanError(f"align: {align} is wider than the model's MLP ({channels} channels)")
+        raise PlanError(f"{setting}: {align} is wider than the model's MLP ({channels} channels)")
     down = max(align, kept // align * align)
     up = down + align
     return up if up <= channels and up - kept <= kept - down else down
 
 
-def aligned_plan(plan: PrunePlan, scores: GroupScores, layout: ModelLayout, align: int) -> PrunePlan:
+def aligned_plan(plan: PrunePlan, scores: GroupScores, layout: ModelLayout, align: int,
+                 setting: str = "align") -> PrunePlan:
     """`plan` with every layer's MLP width aligned (module docstring); ties in score: the lower index goes first, as
-    in the global ranking."""
+    in the global ranking. `setting`: the name an error gives (align, or servable's tile)."""
     scores.check_matches(layout)
     mlp = []
     for layer, removed in enumerate(plan.mlp_removed):
         channels = layout.mlp_channels[layer]
         gone = np.zeros(channels, dtype=bool)
         gone[list(removed)] = True
-        width = aligned_width(channels - int(gone.sum()), channels, align)
+        width = aligned_width(channels - int(gone.sum()), channels, align, setting)
         order = scores.mlp[layer].argsort(kind="stable")  # least important first
         change = width - (channels - int(gone.sum()))
         if change < 0:  # the kept channels with the lowest scores go

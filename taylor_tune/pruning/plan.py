@@ -103,15 +103,18 @@ def plan_from_sets(method: str, attn: list[set[int]], mlp: list[set[int]]) -> Pr
     return PrunePlan(method, tuple(tuple(sorted(s)) for s in attn), tuple(tuple(sorted(s)) for s in mlp))
 
 
-def ranked_groups(scores: GroupScores, layers: range | list[int] | None = None) -> list[tuple[float, int, int, str]]:
-    """All groups of the given layers, least important first: (score, layer, index, kind).
+def ranked_groups(scores: GroupScores, layers: range | list[int] | None = None,
+                  kinds: tuple[str, ...] = ("attn", "mlp")) -> list[tuple[float, int, int, str]]:
+    """All groups of the given layers and kinds, least important first: (score, layer, index, kind).
 
     Ties break by layer, then attention before MLP, then index, so a plan is deterministic.
     """
     layers = range(len(scores.attn)) if layers is None else layers
     items = []
     for layer in layers:
-        items += [(float(s), layer, 0, i) for i, s in enumerate(scores.attn[layer])]
-        items += [(float(s), layer, 1, i) for i, s in enumerate(scores.mlp[layer])]
+        if "attn" in kinds:
+            items += [(float(s), layer, 0, i) for i, s in enumerate(scores.attn[layer])]
+        if "mlp" in kinds:
+            items += [(float(s), layer, 1, i) for i, s in enumerate(scores.mlp[layer])]
     items.sort()
     return [(s, layer, i, "attn" if k == 0 else "mlp") for s, layer, k, i in items]

@@ -117,12 +117,13 @@ def _width(config: PruneConfig, scores: GroupScores | None, layout: ModelLayout,
            options: PlanOptions | None = None) -> PrunePlan:
     options = options or PlanOptions.of(config, plan_loss=loss)
     plan_ = METHODS[config.method].plan(scores, layout, replace(options, sparsity=sparsity, plan_loss=loss))
-    if config.uniform or config.align:
+    align = config.servable_align
+    if config.uniform or align:
         scores = drawn_scores(layout, config.seed) if scores is None else scores
     if config.uniform:
         plan_ = uniform_plan(plan_, scores, layout, sparsity, config.uniform_multiple, loss)
-    elif config.align:
-        plan_ = aligned_plan(plan_, scores, layout, config.align)
+    elif align:
+        plan_ = aligned_plan(plan_, scores, layout, align, "align" if config.align else "servable")
     return plan_
 
 

@@ -27,7 +27,7 @@ from taylor_tune.sweep.experiment import Experiment
 # it is declared here as score-only; and those that decide whether a trial draws calibration at all.
 SCORE_ONLY = ("taylor_seq_len", "taylor_num_samples", "calibration")
 PLAN_FIELDS = tuple(name for name in DIMENSIONS if name not in SCORE_ONLY)
-DRAW_FIELDS = ("pruning_method", "criterion", "uniform", "blockwise_attention", "calibration")
+DRAW_FIELDS = ("pruning_method", "criterion", "uniform", "servable", "blockwise_attention", "calibration")
 
 
 def _distinct(experiment: Experiment, fields: tuple[str, ...]) -> list[dict]:

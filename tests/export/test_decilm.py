@@ -120,7 +120,7 @@ def test_what_decilm_cannot_hold_is_refused_in_one_line_naming_the_servable_sett
         model = load_model("tiny-qwen3-random")
     with pytest.raises(ExportError, match=match) as raised:
         write_decilm(model, None, tmp_path / "out")
-    assert "\n" not in str(raised.value) and "align: 256" in str(raised.value)
+    assert "\n" not in str(raised.value) and "servable: true" in str(raised.value)
     assert not (tmp_path / "out").exists()
 
 

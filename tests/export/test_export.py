@@ -273,6 +273,8 @@ def test_the_card_says_whether_a_free_layouts_widths_are_aligned(sweep, tmp_path
     assert "`align: 64`" in card
     assert layout_said("free", {"align": 128}) == "free, every kept width a multiple of 128 (`align: 128`)"
     assert layout_said("uniform", {"align": None}) == "uniform" and layout_said("decilm", {}) == "decilm"
+    assert layout_said("free", {"servable": True, "align": None}).startswith(
+        "servable: every layer's attention kept and every MLP width a multiple of 256")
 
 
 def test_a_rebuild_that_does_not_give_the_trials_numbers_is_refused_and_writes_nothing(sweep, tmp_path):
@@ -357,7 +359,7 @@ def test_export_as_decilm_writes_block_configs_a_reader_rebuilds_the_model_from(
 
     run = cli(sweep["path"], "--trial", sweep["ids"]["free"], "--format", "decilm", "--output", tmp_path / "free")
     assert run.returncode == 2 and "Traceback" not in run.stderr and len(run.stderr.strip().splitlines()) == 1
-    assert "--format decilm: not written" in run.stderr and "align: 256" in run.stderr
+    assert "--format decilm: not written" in run.stderr and "servable: true" in run.stderr
     assert not (tmp_path / "free").exists()
 
 

@@ -406,12 +406,13 @@ def test_the_planners_options_are_the_configs_settings():
 
     config = PruneConfig(model="tiny-llama", sparsity=0.3, method="blockwise", layerwise_max_ratio=0.6,
                          blockwise_layer_start=2, blockwise_layer_end=5, blockwise_attention="mlp_only",
-                         criterion="taylor_sum", seed=7, depth_criterion="angular")
+                         criterion="taylor_sum", seed=7, depth_criterion="angular", servable=True)
     loss = lambda plan: 0.0  # noqa: E731
     options = PlanOptions.of(config, plan_loss=loss)
-    fields = {f.name for f in dataclasses.fields(PlanOptions)} - {"layerwise_max_ratio", "plan_loss"}
+    fields = {f.name for f in dataclasses.fields(PlanOptions)} - {"layerwise_max_ratio", "plan_loss", "attention"}
     assert {name: getattr(options, name) for name in fields} == {name: getattr(config, name) for name in fields}
     assert options.layerwise_max_ratio == config.layerwise_cap and options.plan_loss is loss
+    assert options.attention is False and PlanOptions.of(PruneConfig(model="tiny-llama")).attention is True
     defaults = PruneConfig(model="tiny-llama")
     assert all(getattr(config, name) != getattr(defaults, name) for name in fields)
 

@@ -24,6 +24,7 @@ class PlanOptions:
     criterion: str
     seed: int
     depth_criterion: str = "block_influence"
+    attention: bool = True  # whether attention groups may go (the servable layout keeps them: MLP channels only)
     # the calibration loss of the model pruned by a candidate plan (blockwise_attention measured_loss); the caller
     # that holds the model provides it, so that planners stay pure
     plan_loss: Callable[[PrunePlan], float] | None = field(default=None, compare=False)
@@ -33,7 +34,12 @@ class PlanOptions:
         return cls(sparsity=config.sparsity, layerwise_max_ratio=config.layerwise_cap,
                    blockwise_layer_start=config.blockwise_layer_start, blockwise_layer_end=config.blockwise_layer_end,
                    blockwise_attention=config.blockwise_attention, criterion=config.criterion, seed=config.seed,
-                   depth_criterion=config.depth_criterion, plan_loss=plan_loss)
+                   depth_criterion=config.depth_criterion, attention=not config.servable, plan_loss=plan_loss)
+
+
+def kinds(options: PlanOptions) -> tuple[str, ...]:
+    """The kinds of group a plan may remove."""
+    return ("attn", "mlp") if options.attention else ("mlp",)
 
 
 Planner = Callable[[GroupScores | None, ModelLayout, PlanOptions], PrunePlan]  # depth's: a LayerSimilarity
@@ -55,18 +61,20 @@ class Method:
     plan: Planner
 
 
-def plan_global(method: str, scores: GroupScores, layout: ModelLayout, sparsity: float) -> PrunePlan:
+def plan_global(method: str, scores: GroupScores, layout: ModelLayout, options: PlanOptions) -> PrunePlan:
     """Remove the least important groups of the whole model, in one ranking, until the target is reached.
 
     The last group of a block is never removed (a block needs one to run); it is skipped, not fatal.
-    Stops at the first removal that reaches the target, so the overshoot is under one group.
+    Stops at the first removal that reaches the target, so the overshoot is under one group. Without
+    `options.attention`, the ranking holds the MLP channels alone.
     """
+    sparsity = options.sparsity
     scores.check_matches(layout)
     target = target_params(layout, sparsity)
     left = {"attn": list(layout.attn_groups), "mlp": list(layout.mlp_channels)}
     removed = {"attn": [set() for _ in left["attn"]], "mlp": [set() for _ in left["mlp"]]}
     total = 0
-    for _, layer, index, kind in ranked_groups(scores):
+    for _, layer, index, kind in ranked_groups(scores, kinds=kinds(options)):
         if total >= target:
             break
         if left[kind][layer] == 1:

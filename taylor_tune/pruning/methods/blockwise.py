@@ -13,7 +13,7 @@ groups go. Which k, among the feasible ones, is the rule `blockwise_attention`:
   group size, i.e. the salience Σ|w·ḡ| removed for the default criterion; the scores as given for taylor_sum).
 - `closest_ratio`: the k whose attention ratio k/G is closest to the MLP ratio, so attention and MLP lose the same
   share as nearly as the group sizes allow (LLM-Pruner's one ratio for every block, as near as groups allow).
-- `mlp_only`: k = 0; the MLP blocks give the whole budget.
+- `mlp_only`: k = 0; the MLP blocks give the whole budget (always, where attention is kept: the servable layout).
 BENCHMARKS.md compares the rules.
 """
 
@@ -122,8 +122,9 @@ def block_plan(scores: GroupScores, layout: ModelLayout, layers: range, attn_per
 def plan_blockwise(scores: GroupScores, layout: ModelLayout, options: PlanOptions) -> PrunePlan:
     scores.check_matches(layout)
     layers = blockwise_range(layout, options)
-    counts = choose_block_counts(scores, layout, layers, target_params(layout, options.sparsity),
-                                 options.blockwise_attention, options.criterion, options.plan_loss)
+    rule = options.blockwise_attention if options.attention else "mlp_only"
+    counts = choose_block_counts(scores, layout, layers, target_params(layout, options.sparsity), rule,
+                                 options.criterion, options.plan_loss)
     return block_plan(scores, layout, layers, *counts)
 
 

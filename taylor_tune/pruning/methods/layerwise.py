@@ -5,7 +5,8 @@ Layer importance I_l is the layer's mean salience per prunable parameter (its gr
 group size). Ratios follow the inverse relative importance, r_l = min(cap, c * mean(I) / I_l), with c
 solved so that the ratios add up to the target ("water-filling" under the cap). Each layer first drops its
 lowest groups within its own budget; the rounding remainder is then taken from the lowest remaining groups
-of the whole model among layers still under the cap, so the total stops within one group of the target.
+of the whole model among layers still under the cap, so the total stops within one group of the target. Where
+attention is kept (the servable layout), a layer's importance and its removals are its MLP channels'.
 """
 
 from __future__ import annotations
@@ -13,12 +14,15 @@ from __future__ import annotations
 import numpy as np
 
 from taylor_tune.errors import PlanError
-from taylor_tune.pruning.methods._base import Method, PlanOptions, Scoring
+from taylor_tune.pruning.methods._base import Method, PlanOptions, Scoring, kinds
 from taylor_tune.pruning.plan import GroupScores, ModelLayout, PrunePlan, plan_from_sets, ranked_groups, target_params
 
 
-def layer_importance(scores: GroupScores, layout: ModelLayout) -> np.ndarray:
+def layer_importance(scores: GroupScores, layout: ModelLayout, attention: bool = True) -> np.ndarray:
+    """Each layer's mean salience per prunable parameter: over its MLP channels alone where attention is kept."""
     a, m = layout.attn_group_params, layout.mlp_channel_params
+    if not attention:
+        return np.array([scores.mlp[l].mean() for l in range(layout.num_layers)], dtype=np.float64)
     return np.array([
         (scores.attn[l].sum() * a + scores.mlp[l].sum() * m) / (len(scores.attn[l]) * a + len(scores.mlp[l]) * m)
         for l in range(layout.num_layers)
@@ -51,7 +55,7 @@ def plan_layerwise(scores: GroupScores, layout: ModelLayout, options: PlanOption
     cap = options.layerwise_max_ratio
     target = target_params(layout, options.sparsity)
     layer_params = np.array(layout.layer_params, dtype=np.float64)
-    ratios = allocate_layer_ratios(layer_importance(scores, layout), layer_params, target, cap)
+    ratios = allocate_layer_ratios(layer_importance(scores, layout, options.attention), layer_params, target, cap)
 
     left = {"attn": list(layout.attn_groups), "mlp": list(layout.mlp_channels)}
     removed = {"attn": [set() for _ in left["attn"]], "mlp": [set() for _ in left["mlp"]]}
@@ -67,9 +71,9 @@ def plan_layerwise(scores: GroupScores, layout: ModelLayout, options: PlanOption
 
     for layer in range(layout.num_layers):
         budget = ratios[layer] * layer_params[layer]
-        for _, _, index, kind in ranked_groups(scores, [layer]):
+        for _, _, index, kind in ranked_groups(scores, [layer], kinds(options)):
             take(layer, index, kind, budget)
-    for _, layer, index, kind in ranked_groups(scores):
+    for _, layer, index, kind in ranked_groups(scores, kinds=kinds(options)):
         if sum(layer_removed) >= target:
             break
         take(layer, index, kind, cap * layer_params[layer])

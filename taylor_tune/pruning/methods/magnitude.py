@@ -5,7 +5,7 @@ from taylor_tune.pruning.plan import GroupScores, ModelLayout, PrunePlan
 
 
 def plan_magnitude(scores: GroupScores, layout: ModelLayout, options: PlanOptions) -> PrunePlan:
-    return plan_global("magnitude", scores, layout, options.sparsity)
+    return plan_global("magnitude", scores, layout, options)
 
 
 METHOD = Method("magnitude", Scoring.WEIGHTS, plan_magnitude)

@@ -14,7 +14,7 @@ def drawn_scores(layout: ModelLayout, seed: int) -> GroupScores:
 
 
 def plan_random(scores: GroupScores | None, layout: ModelLayout, options: PlanOptions) -> PrunePlan:
-    return plan_global("random", drawn_scores(layout, options.seed), layout, options.sparsity)
+    return plan_global("random", drawn_scores(layout, options.seed), layout, options)
 
 
 METHOD = Method("random", Scoring.NONE, plan_random)

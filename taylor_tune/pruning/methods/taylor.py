@@ -5,7 +5,7 @@ from taylor_tune.pruning.plan import GroupScores, ModelLayout, PrunePlan
 
 
 def plan_taylor(scores: GroupScores, layout: ModelLayout, options: PlanOptions) -> PrunePlan:
-    return plan_global("taylor", scores, layout, options.sparsity)
+    return plan_global("taylor", scores, layout, options)
 
 
 METHOD = Method("taylor", Scoring.CRITERION, plan_taylor)
