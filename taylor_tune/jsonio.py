@@ -103,25 +103,30 @@ def digest(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def sha256_text(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
+def checked_bytes(fields: dict, part: str, payload: bytes, **about) -> bytes:
+    """A cache entry: one JSON header line ({"fields", "part", what else is `about` it, "sha256"}: what it is and the
+    sha256 of its payload), then the payload's bytes."""
+    header = {"fields": fields, "part": part, **about, "sha256": hashlib.sha256(payload).hexdigest()}
+    return json.dumps(header, separators=(",", ":")).encode() + b"\n" + payload
 
 
-def entry_text(fields: dict, part: str, value) -> str:
-    """A cache entry: one header line ({"fields", "part", "sha256"}: what it is and the sha256 of its payload), then
-    the payload `value` as JSON."""
-    payload = json.dumps(value, separators=(",", ":"), allow_nan=False)
-    header = json.dumps({"fields": fields, "part": part, "sha256": sha256_text(payload)}, separators=(",", ":"))
-    return f"{header}\n{payload}"
-
-
-def read_entry(text: str, fields: dict, part: str):
-    """The payload of an entry written by `entry_text` for these `fields`; ValueError when the entry is another
-    one's, or its payload is not what its checksum says (cut short, edited)."""
-    line, _, payload = text.partition("\n")
+def checked_payload(data: bytes, fields: dict, part: str) -> tuple[dict, bytes]:
+    """(header, payload) of an entry written by `checked_bytes` for these `fields`; ValueError when the entry is
+    another one's, or its payload is not what its checksum says (cut short, edited)."""
+    line, _, payload = data.partition(b"\n")
     header = json.loads(line)
     if not isinstance(header, dict) or header.get("fields") != fields or header.get("part") != part:
         raise ValueError("the entry is another one's (its fields differ)")
-    if header.get("sha256") != sha256_text(payload):
+    if header.get("sha256") != hashlib.sha256(payload).hexdigest():
         raise ValueError("its payload does not match its checksum (cut short or changed)")
-    return json.loads(payload)
+    return header, payload
+
+
+def entry_text(fields: dict, part: str, value) -> str:
+    """A JSON cache entry (`checked_bytes`): the payload `value` as JSON."""
+    return checked_bytes(fields, part, json.dumps(value, separators=(",", ":"), allow_nan=False).encode()).decode()
+
+
+def read_entry(text: str, fields: dict, part: str):
+    """The value of an entry written by `entry_text` for these `fields` (`checked_payload`'s ValueError)."""
+    return json.loads(checked_payload(text.encode(), fields, part)[1])

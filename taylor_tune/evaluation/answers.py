@@ -18,8 +18,6 @@ Each worker keeps the keys it has read (a sweep reuses its workers), and the tas
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
@@ -28,6 +26,7 @@ import numpy as np
 import pandas as pd
 
 from taylor_tune.compat.lm_eval import answered_metrics, gold_index
+from taylor_tune.jsonio import checked_bytes, checked_payload
 from taylor_tune.schema import OUTCOME_COLUMNS
 
 PART = "answer key"
@@ -112,10 +111,7 @@ class AnswerKey:
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table)
-        payload = sink.getvalue().to_pybytes()
-        header = {"fields": fields, "part": PART, "task": self.task, "metrics": list(self.metrics),
-                  "sha256": hashlib.sha256(payload).hexdigest()}
-        return json.dumps(header, separators=(",", ":")).encode() + b"\n" + payload
+        return checked_bytes(fields, PART, sink.getvalue().to_pybytes(), task=self.task, metrics=list(self.metrics))
 
     @classmethod
     def from_bytes(cls, data: bytes, fields: dict) -> AnswerKey:
@@ -123,12 +119,7 @@ class AnswerKey:
         or does not hold a key (each item's choices 0..k-1, at most one gold)."""
         import pyarrow as pa
 
-        line, _, payload = data.partition(b"\n")
-        header = json.loads(line)
-        if not isinstance(header, dict) or header.get("fields") != fields or header.get("part") != PART:
-            raise ValueError("the entry is another one's (its fields differ)")
-        if header.get("sha256") != hashlib.sha256(payload).hexdigest():
-            raise ValueError("its payload does not match its checksum (cut short or changed)")
+        header, payload = checked_payload(data, fields, PART)
         metrics = header.get("metrics")
         if not (isinstance(metrics, list) and metrics and all(m in ("acc", "acc_norm") for m in metrics)):
             raise ValueError(f"its metrics {metrics!r} are not among acc and acc_norm")
