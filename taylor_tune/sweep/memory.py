@@ -143,6 +143,15 @@ def recovery(shape: Shape, spec, dtype_bytes: int, kept: float = 1.0) -> StagePe
                                                              else ""))
 
 
+def kept_share(shape: Shape, prune) -> float:
+    """The least share of the parameters the pruned model keeps: 1 - sparsity, less what aligning its MLP widths
+    (`align`, `servable`) may round down: half a block of channels per layer (`pruning.aligned`: to the nearest
+    multiple), each channel a row of gate and up and a column of down."""
+    align = None if prune.uniform else prune.servable_align
+    rounded = shape.layers * (align // 2) * 3 * shape.hidden if align else 0
+    return max(0.0, 1 - prune.sparsity - rounded / shape.params)
+
+
 def trial_peaks(shape: Shape, prune, evaluation, recovery_spec, dtype_bytes: int, *,
                 draws_calibration: bool, uses_gradients: bool) -> list[StagePeak]:
     """The estimated peak of each stage of a trial that allocates with the sizes its settings set (`prune`: a

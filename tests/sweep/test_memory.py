@@ -159,3 +159,31 @@ def test_a_reservation_no_node_of_the_cluster_offers_is_refused_once_ray_has_sta
     proc = run_sweep(experiment, cluster=ray_head)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(finished(tmp_path / "sweeps" / "fits")) == 1
+
+
+def test_the_kept_share_is_a_lower_bound_of_what_an_aligned_plan_keeps():
+    """Issue 83, build 4: aligned widths (`align`, `servable`) round each layer to the nearest multiple, down as well
+    as up, so a model can keep less than 1 - sparsity; the estimate's share is below what every plan here keeps (its
+    layout's own count), and 1 - sparsity alone is not (some plan keeps less)."""
+    import numpy as np
+
+    from taylor_tune.pruning.plan import GroupScores
+    from taylor_tune.pruning.prune import make_plan, meta_layout
+    from taylor_tune.sources.models import load_model_config
+
+    layout = meta_layout("tiny-llama-random")
+    shape = memory.Shape.of(load_model_config("tiny-llama-random"), layout.total_params, sum(layout.layer_params))
+    below_target = 0
+    for sparsity in np.linspace(0.05, 0.4, 15):
+        for seed in range(4):
+            rng = np.random.default_rng(seed)
+            scores = GroupScores(attn=tuple(rng.random(g) for g in layout.attn_groups),
+                                 mlp=tuple(rng.random(c) * rng.uniform(0.1, 3.0) for c in layout.mlp_channels))
+            config = PruneConfig(model="tiny-llama-random", method="layerwise", sparsity=float(sparsity), align=64,
+                                 layerwise_max_ratio=0.9)
+            plan = make_plan(config, scores, layout, loss=lambda candidate: 0.0)
+            kept = 1 - plan.params_removed(layout) / layout.total_params
+            assert kept >= memory.kept_share(shape, config), (sparsity, seed)
+            below_target += kept < 1 - sparsity
+    assert below_target
+    assert memory.kept_share(shape, PruneConfig(model="tiny-llama-random", sparsity=0.3)) == pytest.approx(0.7)
