@@ -155,14 +155,19 @@ def _reset(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+# --trial-layouts: each name's PruneConfig fields (issue 83: which layout a GPU serves fastest at the same quality)
+TRIAL_LAYOUTS = {"free": {}, "uniform": {"uniform": True}, "align64": {"align": 64}, "align128": {"align": 128},
+                 "align256": {"align": 256}, "servable": {"servable": True}}
+
+
 def trial(folder: Path, params: int, samples: int, seq_len: int, args, device: torch.device, cache: Path,
-          uniform: bool = False) -> dict:
+          layout: str = "free") -> dict:
     """One `run_trial` at samples x seq_len with the product's defaults (speed, perplexity, full evaluation) and a
     sweep's caches under `cache`; the importance pass's TFLOP/s counts forward and backward as 6 x parameters x
     tokens."""
     config = PruneConfig(model=str(folder), method="taylor", sparsity=0.2, seq_len=seq_len, num_samples=samples,
                          calibration="wiki", micro_batch_size=args.micro_batch_size, device=args.device,
-                         dtype=args.dtype, uniform=uniform)
+                         dtype=args.dtype, **TRIAL_LAYOUTS[layout])
     # item_seed null: a --limit scores the first N documents, the items whose requests the passes before it built
     # (every item, the default, is the same items either way)
     evaluation = Evaluation(tasks="all", task_data="real", ppl="wiki", ppl_max_windows=args.ppl_windows,
@@ -174,13 +179,15 @@ def trial(folder: Path, params: int, samples: int, seq_len: int, args, device: t
         metrics = run_trial(TrialConfig(prune=config, evaluation=evaluation, cache_dir=str(cache / "importance_cache")),
                             trial_dir)
     final, stages = schema.zero_shot_stage(args.limit), schema.stage_seconds(metrics)
-    return {"samples": samples, "seq_len": seq_len, "uniform": uniform, "wall_s": time.perf_counter() - start,
+    return {"samples": samples, "seq_len": seq_len, "layout": layout, "wall_s": time.perf_counter() - start,
             "stages_s": stages,
             "requests_s": metrics[schema.requests_key(final)],
             "requests_built": metrics[schema.requests_key(final, "_built")],
             "importance_tflops": 6 * params * samples * seq_len / stages["importance"] / 1e12,
             "zero_shot_tokens": metrics.get(schema.tokens_key(final)),
-            "ppl": metrics.get("ppl"), "acc_mean": metrics.get("acc_mean"), "peak_gib": _peak(device)}
+            "ppl": metrics.get("ppl"), "acc_mean": metrics.get("acc_mean"), "peak_gib": _peak(device),
+            "pruning_ratio": metrics.get("pruning_ratio"),
+            "prefill_speedup": metrics.get("prefill_speedup"), "decode_speedup": metrics.get("decode_speedup")}
 
 
 # (family, method, uniform, depth_share): the shapes --families measures
@@ -421,6 +428,15 @@ def _gib(value: float | None) -> str:
     return "–" if value is None else f"{value:.1f}"
 
 
+def _ratio(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}"
+
+
+def trial_layout(row: dict) -> str:
+    """A trial row's layout name (rows of the earlier files say `uniform` only)."""
+    return row.get("layout") or ("uniform" if row.get("uniform") else "free")
+
+
 def table(data: dict) -> str:
     lines = [f"{data['machine']['device']} · torch {data['machine']['torch']} · {data['date']}", "",
              "| shape | parameters | pass | fused | items | seconds | of which requests | requests built | "
@@ -444,8 +460,8 @@ def table(data: dict) -> str:
                          f"{e['requests_s']:.1f} | {e.get('requests_built', '–')} | {e.get('compiled_graphs', '–')} | "
                          f"{e['tokens']:,} | {e['tokens_per_s']:,.0f} | {e['tflops']:.1f} | {_gib(e['peak_gib'])} |")
     lines += ["", "| shape | samples × seq_len | layout | trial s | unpruned speed | load | importance (TFLOP/s) | "
-              "prune | speed | ppl | zero-shot (requests) | peak GiB |",
-              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "prune | speed | ppl | zero-shot (requests) | peak GiB | prefill speedup |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, shape in data["shapes"].items():
         for t in shape.get("trials", []):
             if "error" in t:
@@ -454,10 +470,11 @@ def table(data: dict) -> str:
             s = t["stages_s"]
             shot = next((v for k, v in s.items() if k.startswith("zero_shot_")), 0)
             lines.append(f"| {name} | {t['samples']} × {t['seq_len']} | "
-                         f"{'uniform' if t.get('uniform') else 'free'} | {t['wall_s']:.1f} | "
+                         f"{trial_layout(t)} | {t['wall_s']:.1f} | "
                          f"{s.get('unpruned_speed', 0):.1f} | {s.get('load', 0):.1f} | {s.get('importance', 0):.1f} "
                          f"({t['importance_tflops']:.1f}) | {s.get('prune', 0):.1f} | {s.get('speed', 0):.1f} | "
-                         f"{s.get('ppl', 0):.1f} | {shot:.1f} ({t['requests_s']:.1f}) | {_gib(t['peak_gib'])} |")
+                         f"{s.get('ppl', 0):.1f} | {shot:.1f} ({t['requests_s']:.1f}) | {_gib(t['peak_gib'])} | "
+                         f"{_ratio(t.get('prefill_speedup'))} |")
     for name, shape in data["shapes"].items():
         rows = shape.get("families")
         if not rows:
@@ -528,8 +545,8 @@ def main() -> None:
                         "limit may cut)")
     parser.add_argument("--profile-passes", default="prefix", help="the passes --profile profiles, any of prefix, "
                         "prefix_fused")
-    parser.add_argument("--trial-layouts", default="free", help="the trials' width layouts: free, uniform or both "
-                        "(free,uniform)")
+    parser.add_argument("--trial-layouts", default="free", help="the trials' width layouts, comma-separated: "
+                        + ", ".join(TRIAL_LAYOUTS))
     parser.add_argument("--families", type=float, default=None, metavar="SPARSITY",
                         help="the speed of depth, width and mixed cuts at this sparsity (decode at batch 1 and 16)")
     parser.add_argument("--limit", type=int, default=None, help="items per task (default every item)")
@@ -563,7 +580,9 @@ def main() -> None:
         "8x32" if args.small else "128x512,256x512")).split(",") if pair != "none"]
     args.passes = [name for name in args.passes.split(",") if name != "none"]
     args.last = [name for name in (args.last or "").split(",") if name]
-    args.trial_layouts = [{"free": False, "uniform": True}[v] for v in args.trial_layouts.split(",")]
+    args.trial_layouts = args.trial_layouts.split(",")
+    if not set(args.trial_layouts) <= set(TRIAL_LAYOUTS):
+        parser.error(f"--trial-layouts: any of {', '.join(TRIAL_LAYOUTS)}, not {','.join(args.trial_layouts)}")
     for flag, names in (("--passes", args.passes), ("--last", args.last),
                         ("--profile-passes", args.profile_passes.split(","))):
         if not set(names) <= set(PASSES):
@@ -635,9 +654,9 @@ def main() -> None:
                 entry["families"] = families(folder, args.families, args, device, dtype)
                 write_json(args.json, data)
             for samples, seq_len in runs:
-                for uniform in args.trial_layouts:
+                for layout in args.trial_layouts:
                     entry["trials"].append(attempt(lambda: trial(folder, params, samples, seq_len, args, device,
-                                                                 cache, uniform), device))
+                                                                 cache, layout), device))
                     write_json(args.json, data)
             run_passes(late + args.last)
         finally:

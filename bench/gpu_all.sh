@@ -11,9 +11,14 @@
 #   bash bench/gpu_all.sh recovery   # recovery at the 8B shape: kd at 8 x 512, seconds per step and peak
 #   bash bench/gpu_all.sh tests      # every gpu-marked test          (carry .device/ray.aa ray.name ray.sha256)
 #   bash bench/gpu_all.sh sweep      # paper_grid_20 and tpe_asha through Ray with gpu: 1, then the report (ray.ab)
+# Issues 83 and 84 (the answer keys, the aligned layouts), two calls with the wheels, assets and tokenizers:
+#   bash bench/gpu_all.sh 84   # the 8B evaluation: a first pass, a later one (answered from the keys the first kept),
+#                              # the later one profiled (device-busy share), and lm-eval's HFLM beside them, last
+#   bash bench/gpu_all.sh 83   # the fused tests; 128 x 512 trials in the layouts aligned to 64, free and uniform
+#                              # (each trial's zero-shot seconds and prefill speedup)
 # Each writes its results under $OUT as it goes (a call cut by its limit still returns what was done).
 set -uo pipefail
-step=${1:?usage: gpu_all.sh 1|2|recovery|tests|sweep}  # not "part": remote.sh loops over a variable of that name
+step=${1:?usage: gpu_all.sh 1|2|83|84|recovery|tests|sweep}  # not "part": remote.sh loops over a variable of that name
 source .device/remote.sh
 mkdir -p /tmp/tok && tar xzf .device/tokenizers.tgz -C /tmp/tok
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -28,6 +33,15 @@ case $step in
   python3 -m pytest -q -m gpu tests/test_gpu.py tests/recovery/test_recovery.py 2>&1 | tail -3 | tee "$OUT/tests.txt"
   "${bench[@]}" --passes hflm --importance none --json "$OUT/gpu_hflm.json" 2>&1 | grep -v "it/s\]" | tail -20
   ;;
+84)
+  "${bench[@]}" --passes prefix_fused,prefix_fused --profile 300 --profile-passes prefix_fused --importance none \
+      --last hflm --json "$OUT/gpu_84.json" 2>&1 | grep -v "it/s\]" | tail -30
+  ;;
+83)
+  python3 -m pytest -q -m gpu tests/test_gpu.py -k fused 2>&1 | tail -3 | tee "$OUT/tests_fused.txt"
+  "${bench[@]}" --passes none --importance 128x512 --trial-layouts align64,free,uniform \
+      --json "$OUT/gpu_83.json" 2>&1 | grep -v "it/s\]" | tail -30
+  ;;
 recovery)
   "${bench[@]}" --recovery 8x512 --recovery-steps 2,10 --passes none --importance none \
       --json "$OUT/gpu_recovery.json" 2>&1 | grep -v "it/s\]" | tail -8
@@ -38,5 +52,5 @@ tests)
 sweep)
   python3 bench/bench_gpu_sweep.py --tokenizers /tmp/tok --json "$OUT/gpu_sweep.json" 2>&1 | tail -60
   ;;
-*) echo "gpu_all.sh: step 1, 2, recovery, tests or sweep, not $step"; exit 2 ;;
+*) echo "gpu_all.sh: step 1, 2, 83, 84, recovery, tests or sweep, not $step"; exit 2 ;;
 esac

@@ -58,7 +58,7 @@ def test_the_gpu_benchmark_runs_its_small_mode_on_cpu(assets, tmp_path):
         archive.extractall(tmp_path / "tok", filter="data")
     proc = subprocess.run([sys.executable, bench, "--small", "--tokenizers", str(tmp_path / "tok"), "--families", "0.2",
                            "--profile", "2", "--peaks", "8x32", "--recovery", "2x32", "--recovery-steps", "1,3",
-                           "--json", str(out)],
+                           "--trial-layouts", "free,align64", "--json", str(out)],
                           capture_output=True, text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -72,7 +72,9 @@ def test_the_gpu_benchmark_runs_its_small_mode_on_cpu(assets, tmp_path):
         assert e["tokens_per_s"] == pytest.approx(e["tokens"] / e["seconds"])
         assert e["tflops"] == pytest.approx(2 * shape["params"] * e["tokens"] / e["seconds"] / 1e12)
     assert prefix["requests_built"] == 7 and 0 < prefix["requests_s"] < prefix["seconds"]  # the first pass builds
-    (trial,) = shape["trials"]
+    trial, aligned = shape["trials"]  # issue 83: the same trial in the layout aligned to 64, its prefill ratio kept
+    assert (trial["layout"], aligned["layout"]) == ("free", "align64")
+    assert aligned["prefill_speedup"] > 0 and abs(aligned["pruning_ratio"] - 0.2) < 0.1
     assert trial["requests_built"] == 0 and trial["requests_s"] < stages_of(trial)  # and the trial reads them
     stages = trial["stages_s"]
     assert {"load", "importance", "prune", "speed", "ppl", "zero_shot_3"} <= set(stages)
