@@ -47,7 +47,7 @@ class Rebuilt:
         return self.run.pruning.tokenizer
 
 
-def _record(folder: str | Path, name: str) -> tuple[str, str]:
+def trial_file(folder: str | Path, name: str) -> tuple[str, str]:
     """(where, text) of a file of the trial's folder: a local path or a URI (s3://...), read through pyarrow as the
     report reads the sweep; OSError when it cannot be read."""
     filesystem, root = open_filesystem(str(folder))
@@ -61,10 +61,10 @@ def _record(folder: str | Path, name: str) -> tuple[str, str]:
 
 
 def _read(folder: str | Path, name: str, parse, unreadable: str, invalid: str) -> TrialConfig:
-    """A trial's record `name` read (`_record`) and parsed; ExportError naming the file when it cannot be."""
+    """A trial's record `name` read (`trial_file`) and parsed; ExportError naming the file when it cannot be."""
     path = f"{str(folder).rstrip('/')}/{name}"
     try:
-        path, text = _record(folder, name)
+        path, text = trial_file(folder, name)
         return parse(json.loads(text))
     except OSError as error:
         raise ExportError(f"{path}: cannot read {unreadable} ({error.strerror or error})") from None

@@ -19,8 +19,10 @@ from pathlib import Path
 from torch import nn
 
 from taylor_tune.config import SERVABLE_TILE
-from taylor_tune.export.choose import ExportError
+from taylor_tune.export.choose import Chosen, ExportError
+from taylor_tune.export.rebuild import trial_file
 from taylor_tune.pruning.groups import decoder_layers, head_dim
+from taylor_tune.pruning.prune import meta_model
 from taylor_tune.sources.families import FAMILIES
 
 FFN_TILE = SERVABLE_TILE
@@ -42,8 +44,9 @@ def ffn_mult(width: int, hidden: int) -> float:
     return mult
 
 
-def servable_problem(model: nn.Module) -> str | None:
-    """Why the model cannot be written as DeciLM, or None."""
+def servable_problem(model: nn.Module, *, shapes: bool = True) -> str | None:
+    """Why the model cannot be written as DeciLM, or None; without `shapes`, what its family and config decide
+    alone (its graph, head size and biases: the unpruned model, on the meta device, answers for a trial's)."""
     config, layers = model.config, decoder_layers(model)
     heads = config.num_attention_heads
     if not FAMILIES[config.model_type].gguf_free:  # its layers hold more than Llama's graph, which DeciLM's is
@@ -56,11 +59,49 @@ def servable_problem(model: nn.Module) -> str | None:
         if any(p.bias is not None for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
                                             mlp.up_proj, mlp.down_proj)):
             return f"layer {index} has biases, which DeciLM's layers do not"
+        if not shapes:
+            continue
         if attn.q_proj.out_features != heads * head_dim(attn):
             return f"layer {index} lost query heads, and DeciLM keeps every layer's query heads"
         if mlp.gate_proj.out_features % FFN_TILE:
             return f"layer {index}'s MLP width {mlp.gate_proj.out_features} is not a multiple of {FFN_TILE}"
     return None
+
+
+def planned_problem(summary: dict, intermediate: int) -> str | None:
+    """Why the model a trial's recorded plan (its pruning_summary.json: the groups each layer lost, the layers
+    removed) gives cannot be written as DeciLM, or None: what `servable_problem` finds of the shapes, decided before
+    a rebuild. `intermediate`: the unpruned MLP width. Indices are the unpruned model's layers."""
+    gone = set(summary.get("layers_removed", []))
+    for index, entry in enumerate(summary["removed_groups"]):
+        if index in gone:
+            continue
+        if entry["attention_groups"]:
+            return f"layer {index} lost query heads, and DeciLM keeps every layer's query heads"
+        width = intermediate - len(entry["mlp_channels"])
+        if width % FFN_TILE:
+            return f"layer {index}'s MLP width {width} is not a multiple of {FFN_TILE}"
+    return None
+
+
+def refusal(problem: str) -> ExportError:
+    return ExportError(f"--format decilm: not written: {problem}; {SERVABLE}")
+
+
+def check_trial(chosen: Chosen, *, trust_remote_code: bool = False) -> None:
+    """The refusal a trial's records decide before its model is rebuilt (minutes at 8B): its family, from the
+    model's config on the meta device, and the shapes its recorded plan gives. A record that cannot be read decides
+    nothing here: the rebuilt model is checked again by `write_decilm`."""
+    unpruned = meta_model(chosen.model, trust_remote_code=trust_remote_code)
+    problem = servable_problem(unpruned, shapes=False)
+    if problem is None:
+        try:
+            summary = json.loads(trial_file(chosen.folder, "pruning_summary.json")[1])
+            problem = planned_problem(summary, unpruned.config.intermediate_size)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return
+    if problem is not None:
+        raise refusal(problem)
 
 
 def block_configs(model: nn.Module) -> list[dict]:
@@ -82,7 +123,7 @@ def write_decilm(model: nn.Module, tokenizer, folder: str | Path) -> Path:
     written when the format cannot hold it."""
     problem = servable_problem(model)
     if problem is not None:
-        raise ExportError(f"--format decilm: not written: {problem}; {SERVABLE}")
+        raise refusal(problem)
     blocks = block_configs(model)
     folder = Path(folder)
     model.save_pretrained(folder)

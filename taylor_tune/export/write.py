@@ -13,7 +13,7 @@ from pathlib import Path
 from taylor_tune.export.card import model_card
 from taylor_tune.export.choose import ExportError, choose
 from taylor_tune.export.rebuild import rebuild
-from taylor_tune.export.to_decilm import write_decilm
+from taylor_tune.export.to_decilm import check_trial, write_decilm
 from taylor_tune.export.to_gguf import check_file_type, check_gguf, gguf_name, write_gguf
 from taylor_tune.jsonio import write_json
 from taylor_tune.pruning.apply import save_pruned
@@ -50,6 +50,8 @@ def export(sweep: str, output: str | Path, *, model: str | None = None, trial: s
     if gguf is not None:
         check_file_type(gguf)  # before any work
     chosen = choose(sweep, model=model, trial=trial, rank=rank, constraints=tuple(constraints))
+    if format == "decilm":
+        check_trial(chosen, trust_remote_code=trust_remote_code)
     command = (f"taylor-tune export {sweep} --model {chosen.model} --trial {chosen.trial_id} --output {output}"
                + (f" --gguf {gguf}" if gguf else "") + (f" --format {format}" if format != "hf" else ""))
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -49,8 +49,8 @@ from taylor_tune.sources.models import (
 
 __all__ = [
     "STAGES", "ImportanceCache", "Pruning", "PruneResult", "apply", "check_plan", "draw_calibration",
-    "draws_calibration", "layer_shapes", "load", "meta_layout", "plan", "prune", "score", "start", "summary_dict",
-    "uses_gradients", "write_summary",
+    "draws_calibration", "layer_shapes", "load", "meta_layout", "meta_model", "plan", "prune", "score", "start",
+    "summary_dict", "uses_gradients", "write_summary",
 ]
 
 log = logging.getLogger(__name__)
@@ -143,11 +143,16 @@ def _mixed(config: PruneConfig, scores, layout: ModelLayout, loss, similarity) -
     return mixed_plan(removed, layout, config.sparsity, width, config.method)
 
 
-def meta_layout(model: str, *, trust_remote_code: bool = False) -> ModelLayout:
-    """A model's layout from its config alone, built on the meta device (no weights, no memory)."""
+def meta_model(model: str, *, trust_remote_code: bool = False) -> torch.nn.Module:
+    """A model built from its config alone on the meta device (its modules and shapes; no weights, no memory)."""
     config = load_model_config(model, trust_remote_code=trust_remote_code)
     with building(), torch.device("meta"):
-        return describe_layout(held_split(AutoModelForCausalLM.from_config(config)))
+        return held_split(AutoModelForCausalLM.from_config(config))
+
+
+def meta_layout(model: str, *, trust_remote_code: bool = False) -> ModelLayout:
+    """A model's layout from its config alone (`meta_model`)."""
+    return describe_layout(meta_model(model, trust_remote_code=trust_remote_code))
 
 
 def check_plan(config: PruneConfig, layout: ModelLayout) -> None:

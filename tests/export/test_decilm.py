@@ -124,6 +124,29 @@ def test_what_decilm_cannot_hold_is_refused_in_one_line_naming_the_servable_sett
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("plan", [
+    PrunePlan("hand", ((),) * 3, (tuple(range(256)), (), tuple(range(512)))),  # widths 512, 768, 256: held
+    PrunePlan("hand", ((),) * 3, ((), tuple(range(100)), ())),  # 668 wide
+    PrunePlan("hand", ((), (0,), ()), ((),) * 3),  # a KV group (and its query heads) gone
+    PrunePlan("hand", ((),) * 3, ((),) * 3, layers_removed=(1,)),  # depth: held
+    PrunePlan("hand", ((), (), (1,)), ((),) * 3, layers_removed=(0,)),  # the third layer's heads, as the second
+])
+def test_the_recorded_plan_decides_what_the_rebuilt_model_would(plan):
+    """`planned_problem` (before a rebuild, from pruning_summary.json's removed groups) against `servable_problem` of
+    the model the plan prunes: both hold it, or both refuse it for the same reason (layer indices: the unpruned
+    model's and the pruned model's)."""
+    from taylor_tune.export.to_decilm import planned_problem, servable_problem
+
+    summary = {"layers_removed": list(plan.layers_removed),
+               "removed_groups": [{"layer": i, "attention_groups": list(a), "mlp_channels": list(m)}
+                                  for i, (a, m) in enumerate(zip(plan.attn_removed, plan.mlp_removed))]}
+    before, after = planned_problem(summary, 768), servable_problem(apply_plan(servable(), plan))
+    assert (before is None) == (after is None)
+    if before is not None:
+        strip = lambda said: said.split(" ", 2)[2]  # noqa: E731 ("layer N ...": the numbering differs by depth)
+        assert strip(before) == strip(after)
+
+
 @pytest.mark.real  # fetches llama-cpp-python's source distribution (76 MB) into the asset cache once
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["aligned", "depth"])

@@ -363,6 +363,20 @@ def test_export_as_decilm_writes_block_configs_a_reader_rebuilds_the_model_from(
     assert not (tmp_path / "free").exists()
 
 
+def test_a_trial_decilm_cannot_hold_is_refused_from_its_records_before_a_rebuild(sweep, tmp_path, monkeypatch):
+    """The free trial's recorded plan (its pruning_summary.json) decides the refusal: no rebuild runs (minutes at
+    8B); the reason is the one the rebuilt model gives, named by its layer and shape."""
+    import taylor_tune.export.write as write
+
+    def no_rebuild(*args, **kwargs):
+        raise AssertionError("rebuilt before the refusal")
+
+    monkeypatch.setattr(write, "rebuild", no_rebuild)
+    with pytest.raises(ExportError, match=r"--format decilm: not written: layer \d+( lost query heads|'s MLP width)"):
+        export(str(sweep["path"]), tmp_path / "free", trial=sweep["ids"]["free"], format="decilm")
+    assert not (tmp_path / "free").exists()
+
+
 def test_an_unknown_gguf_type_is_refused_before_any_work(sweep, tmp_path):
     run = cli(sweep["path"], "--gguf", "q4_0", "--output", tmp_path / "out")
     assert run.returncode == 2 and "Traceback" not in run.stderr and "invalid choice: 'q4_0'" in run.stderr
