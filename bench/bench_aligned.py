@@ -172,7 +172,7 @@ def quality(built: dict, model: str, limit: int, windows: int) -> dict:
     from taylor_tune.schema import zero_shot_stage
 
     # the target's layouts first, so that a run cut short still answers it (--only summarizes those evaluated)
-    first = ["free", "aligned64", "uniform"]
+    first = ["free", "aligned64", "uniform", "servable"]
     order = first + [name for name in built if name not in first]
     rows = {name: evaluated(name, built[name]["folder"], model, limit, windows) for name in order if name in built}
 

@@ -310,6 +310,9 @@ def test_report_follows_no_symbolic_link_out_of_a_trial_or_into_the_output(capsy
      "evaluation.speed: sequences of 4096 tokens (prefill_len, or prompt_len + new_tokens) exceed the maximum context"),
     (dict(prune={**SMALL["prune"], "uniform": True, "uniform_multiple": 100000}),
      "prune: taylor on tiny-llama cannot be planned with these settings: uniform_multiple: 100000 is wider"),
+    (dict(prune={**SMALL["prune"], "servable": True}),  # tiny-llama's MLP is 256 channels: nothing to align to 256
+     "prune: taylor on tiny-llama cannot be planned with these settings: servable: 256 is not narrower than the "
+     "model's MLP (256 channels)"),
     (dict(search_space={**SMALL["search_space"], "taylor_seq_len": {"grid": [True]}}), "search_space.taylor_seq_len"),
     (dict(resources={"cpu": 1, "gpu": 0, "memory": 0.25}, prune={**SMALL["prune"], "micro_batch_size": 64},
           search_space={"taylor_seq_len": {"grid": [256]}, "taylor_num_samples": {"grid": [64]}}),

@@ -19,11 +19,13 @@ from taylor_tune.pruning.plan import GroupScores, ModelLayout, PrunePlan
 
 def aligned_width(kept: int, channels: int, align: int, setting: str = "align") -> int:
     """The width a layer that keeps `kept` of its `channels` MLP channels keeps once aligned: the nearest multiple of
-    `align` in [align, channels] (ties: the wider), or `channels` itself where nothing was removed."""
+    `align` in [align, channels] (ties: the wider), or `channels` itself where nothing was removed. PlanError where
+    `align` is not narrower than the MLP."""
     if kept == channels:
         return channels
-    if align > channels:
-        raise PlanError(f"{setting}: {align} is wider than the model's MLP ({channels} channels)")
+    if align >= channels:  # equal: the only multiple is the whole MLP, so no layer could be pruned
+        raise PlanError(f"{setting}: {align} is not narrower than the model's MLP ({channels} channels), so no "
+                        "width could be pruned")
     down = max(align, kept // align * align)
     up = down + align
     return up if up <= channels and up - kept <= kept - down else down

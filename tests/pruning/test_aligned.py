@@ -71,7 +71,7 @@ def test_a_layer_left_whole_stays_whole_and_none_keeps_less_than_one_block():
     plan = PrunePlan("hand", ((),) * LAYERS, ((), tuple(range(500)), tuple(range(10)), (), (), tuple(range(300))))
     widths = [CHANNELS - len(m) for m in aligned_plan(plan, drawn, layout, 64).mlp_removed]
     assert widths == [512, 64, 512, 512, 512, 192]  # 12 -> 64 (one block), 502 -> 512, 212 -> 192
-    with pytest.raises(PlanError, match="align: 1024 is wider than the model's MLP"):
+    with pytest.raises(PlanError, match="align: 1024 is not narrower than the model's MLP"):
         aligned_plan(plan, drawn, layout, 1024)
 
 
