@@ -140,8 +140,17 @@ def timed(runners: dict, prompt: list[int], short: list[int], rounds: int, label
     speedup = speedups(rates)  # the estimator bench_gguf_speed reports, a trial's paired timing's
     for key, found in speedup.items():
         print(f"{label} {key}: {found['ratio']:.3f}x [{found['low']:.3f}, {found['high']:.3f}]", flush=True)
-    return {"speedup": speedup, "tokens_per_s": {n: {p: float(np.median(v)) for p, v in ph.items()}
-                                                 for n, ph in rates.items()}, "rates": rates}
+    return {"speedup": speedup, "vs_uniform": against_uniform(rates, label),
+            "tokens_per_s": {n: {p: float(np.median(v)) for p, v in ph.items()} for n, ph in rates.items()},
+            "rates": rates}
+
+
+def against_uniform(rates: dict, label: str) -> dict:
+    """Must-show 3's target read directly: each layout's speed over the uniform layout's, paired by round."""
+    found = speedups(rates, base="uniform")
+    for key, ratio in found.items():
+        print(f"{label} {key} / uniform: {ratio['ratio']:.3f}x [{ratio['low']:.3f}, {ratio['high']:.3f}]", flush=True)
+    return found
 
 
 def evaluated(name: str, folder: Path, model: str, limit: int, windows: int) -> dict:
@@ -212,7 +221,15 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=300, help="items per task (--quality)")
     parser.add_argument("--windows", type=int, default=64, help="wiki windows of 128 tokens (--quality)")
     parser.add_argument("--only", nargs="+", default=None, help="these layouts (and free) alone")
+    parser.add_argument("--against-uniform", action="store_true",
+                        help="add each layout's speed over the uniform layout's to the timing --json, from its rates")
     args = parser.parse_args()
+    if args.against_uniform:
+        result = json.loads(Path(args.json).read_text())
+        for runtime, label in (("llama_cpp", "llama.cpp"), ("torch_cpu", "torch")):
+            result[runtime]["vs_uniform"] = against_uniform(result[runtime]["rates"], label)
+        write_json(Path(args.json), result)
+        return
     folder = Path(args.folder or f"bench/out/aligned_{args.model}")
     folder.mkdir(parents=True, exist_ok=True)
     built = build(args.model, folder)

@@ -79,13 +79,13 @@ def decode_rate(llm, prompt: list[int], steps: int) -> float:
     return steps / (time.perf_counter() - start)
 
 
-def speedups(rates: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float]]:
-    """Each model's speedup per phase against the unpruned one, paired by round, with the estimator a trial's paired
-    timing reports (`evaluation.speed.paired_ratio`: the geometric mean of the rounds' ratios, a t interval)."""
+def speedups(rates: dict[str, dict[str, list[float]]], base: str = "unpruned") -> dict[str, dict[str, float]]:
+    """Each model's speedup per phase against `base` (the unpruned one), paired by round, with the estimator a trial's
+    paired timing reports (`evaluation.speed.paired_ratio`: the geometric mean of the rounds' ratios, a t interval)."""
     out = {}
-    for name in [n for n in rates if n != "unpruned"]:
+    for name in [n for n in rates if n not in ("unpruned", base)]:
         for phase in ("prefill", "decode"):
-            ratio, _, low, high = paired_ratio([1 / r for r in rates["unpruned"][phase]],
+            ratio, _, low, high = paired_ratio([1 / r for r in rates[base][phase]],
                                                [1 / r for r in rates[name][phase]])
             out[f"{name}_{phase}"] = {"ratio": ratio, "low": low, "high": high}
     return out
