@@ -61,10 +61,18 @@ def servable_problem(model: nn.Module, *, shapes: bool = True) -> str | None:
             return f"layer {index} has biases, which DeciLM's layers do not"
         if not shapes:
             continue
-        if attn.q_proj.out_features != heads * head_dim(attn):
-            return f"layer {index} lost query heads, and DeciLM keeps every layer's query heads"
-        if mlp.gate_proj.out_features % FFN_TILE:
-            return f"layer {index}'s MLP width {mlp.gate_proj.out_features} is not a multiple of {FFN_TILE}"
+        problem = shape_problem(index, attn.q_proj.out_features != heads * head_dim(attn), mlp.gate_proj.out_features)
+        if problem is not None:
+            return problem
+    return None
+
+
+def shape_problem(index: int, lost_heads: bool, width: int) -> str | None:
+    """Why layer `index`'s shapes are not DeciLM's, or None: what `servable_problem` and `planned_problem` say."""
+    if lost_heads:
+        return f"layer {index} lost query heads, and DeciLM keeps every layer's query heads"
+    if width % FFN_TILE:
+        return f"layer {index}'s MLP width {width} is not a multiple of {FFN_TILE}"
     return None
 
 
@@ -74,13 +82,10 @@ def planned_problem(summary: dict, intermediate: int) -> str | None:
     a rebuild. `intermediate`: the unpruned MLP width. Indices are the unpruned model's layers."""
     gone = set(summary.get("layers_removed", []))
     for index, entry in enumerate(summary["removed_groups"]):
-        if index in gone:
-            continue
-        if entry["attention_groups"]:
-            return f"layer {index} lost query heads, and DeciLM keeps every layer's query heads"
-        width = intermediate - len(entry["mlp_channels"])
-        if width % FFN_TILE:
-            return f"layer {index}'s MLP width {width} is not a multiple of {FFN_TILE}"
+        problem = None if index in gone else shape_problem(index, bool(entry["attention_groups"]),
+                                                           intermediate - len(entry["mlp_channels"]))
+        if problem is not None:
+            return problem
     return None
 
 
