@@ -75,6 +75,30 @@ def test_the_console_counts_the_trials_the_search_will_run_not_those_created_so_
     assert out.getvalue().splitlines()[-1].startswith("[2/3]")
 
 
+def test_once_the_storage_is_full_the_console_prints_no_errored_trial_and_no_status_count():
+    """A status line printed after the disk filled read "1 errored": the trial's error is the disk's, which the CLI
+    says once. Before it fills, the status line counts as always."""
+    import io
+
+    from taylor_tune.sweep.tune.console import ConsoleCallback
+
+    disk, out, now = Disk(), io.StringIO(), [0.0]
+    console = ConsoleCallback("zero_shot_4", out=out, clock=lambda: now[0], storage="/sweeps", total=2, is_full=disk)
+    now[0] = 31.0
+    console.on_step_end(0, [Trial(), Trial("RUNNING")])
+    assert out.getvalue().splitlines()[-1].endswith("1 finished, 1 running, 0 pending, 0 errored, of 2")
+    disk.full = True
+    errored = Trial("ERROR")
+    errored.get_error = lambda: "OSError: [Errno 28] No space left on device"
+    console.on_trial_error(0, [Trial(), errored], errored)
+    now[0] = 62.0
+    console.on_step_end(0, [Trial(), errored])
+    assert len(out.getvalue().splitlines()) == 1 and console.ended == 1
+    disk.full = False  # the same console with room: the error is the trial's own, and says so
+    console.on_trial_error(0, [Trial(), errored], errored)
+    assert out.getvalue().splitlines()[-1] == "[2/2] tiny-llama: errored: OSError: [Errno 28] No space left on device"
+
+
 def test_a_trials_line_shows_its_decode_speedup_with_the_pairs_interval():
     config = {"model": "m", "pruning_method": "taylor", "taylor_seq_len": 64}
     result = {"ppl": 12.345, "acc_mean": 0.5, "decode_speedup": 1.153, "decode_speedup_low": 0.9,

@@ -111,15 +111,19 @@ def quiet_when_full(storage_path: str):
 
 class ConsoleCallback(Callback):
     def __init__(self, final_stage: str, *, interval_s: float = 30, out: TextIO | None = None, clock=time.monotonic,
-                 storage: str | None = None, total: int = 0):
+                 storage: str | None = None, total: int = 0, is_full: Callable[[str], str | None] = storage_full):
         self.final_stage, self.interval_s, self.out, self.clock = final_stage, interval_s, out, clock
         self.total = total  # the trials the search will run: Tune creates them lazily (one at a time when limited)
-        self.storage = storage  # once it is full, a trial's error is the disk's, said once by the CLI
+        # once it is full, a trial's error is the disk's, said once by the CLI: no errored line, no status count
+        self.storage, self.is_full = storage, is_full
         self.last_status = clock()
         self.ended = 0
 
     def _print(self, line: str) -> None:
         print(line, file=self.out or sys.stdout, flush=True)
+
+    def _full(self) -> bool:
+        return self.storage is not None and self.is_full(self.storage) is not None
 
     def _of(self, trials) -> int:
         return max(len(trials), self.total)
@@ -133,7 +137,7 @@ class ConsoleCallback(Callback):
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
         self.ended += 1
-        if self.storage is not None and storage_full(self.storage) is not None:
+        if self._full():
             return
         try:
             error = error_summary(trial.get_error())
@@ -145,6 +149,8 @@ class ConsoleCallback(Callback):
         if self.clock() - self.last_status < self.interval_s:
             return
         self.last_status = self.clock()
+        if self._full():
+            return
         states: dict[str, int] = {}
         for trial in trials:
             states[trial.status] = states.get(trial.status, 0) + 1
