@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from taylor_tune.reporting.stats import multiplicative
+from taylor_tune.reporting.stats import layout_names, multiplicative
 from taylor_tune.schema import before_recovery_key
 
 
@@ -75,7 +75,7 @@ class SpeedQuality:
     speedup: list[list[float | None]]  # [method index][trial]
     acc_mean: list[list[float | None]]
     ppl: list[list[float | None]]
-    labels: list[list[str]]  # uniform or not, per trial
+    labels: list[list[str]]  # each trial's layout (`stats.layout_name`)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -97,7 +97,7 @@ class ParetoData:
     x_se: list[list[float | None]]
     y_se: list[list[float | None]]
     on_front: list[list[bool]]
-    labels: list[list[str]]  # uniform or free
+    labels: list[list[str]]  # each point's layout (`stats.layout_name`)
     points: list[list[str]]
     front_x: list[float]  # the front in order of x, for its line
     front_y: list[float]
@@ -173,12 +173,8 @@ def speed_quality_data(table: pd.DataFrame, model: str) -> SpeedQuality:
     def column(name):
         return [[_none_if_nan(v) for v in r[name]] if name in r else [None] * len(r) for r in rows]
 
-    labels = [[_uniform_label(u) for u in r.get("uniform", [None] * len(r))] for r in rows]
+    labels = [list(r["layout"]) if "layout" in r else layout_names(r) for r in rows]
     return SpeedQuality(model, methods, column("decode_speedup"), column("acc_mean"), column("ppl"), labels)
-
-
-def _uniform_label(uniform) -> str:  # a bool column iterates as numpy bools; a missing value is NaN or None
-    return "uniform" if isinstance(uniform, (bool, np.bool_)) and uniform else "free"
 
 
 def pareto_data(front: pd.DataFrame, model: str, objectives) -> ParetoData:
@@ -193,7 +189,7 @@ def pareto_data(front: pd.DataFrame, model: str, objectives) -> ParetoData:
         [[_none_if_nan(v) for v in r[f"{x}_se"]] for r in rows],
         [[_none_if_nan(v) for v in r[f"{y}_se"]] for r in rows],
         [[bool(v) for v in r["on_front"]] for r in rows],
-        [[_uniform_label(u) for u in r.get("uniform", [None] * len(r))] for r in rows],
+        [layout_names(r) for r in rows],
         [[str(v) for v in r["point"]] for r in rows],
         [float(v) for v in line[x]], [float(v) for v in line[y]],
         *_before_points(rows, x, y),
@@ -298,16 +294,41 @@ def render_layer_plots(data: LayerProfile, folder: Path) -> dict[str, Path]:
     return paths
 
 
+# A trial's marker tells its layout: a circle where every width is the importance's own or the layers are stock
+# (filled: one shape for all, uniform or depth), a square where widths are aligned, a diamond for the servable one.
+_MARKERS = {"free": ("o", False), "uniform": ("o", True), "depth": ("o", True), "servable": ("D", False)}
+
+
+def _marker(label: str) -> tuple[str, bool]:
+    return _MARKERS.get(label, ("s", False))  # `align N`
+
+
+def _scatter(ax, x, y, color, layout: str, **kw) -> None:
+    marker, filled = _marker(layout)
+    ax.scatter(x, y, color=color, facecolors=color if filled else "none", marker=marker, **kw)
+
+
+def _layout_legend(ax, labels: list[list[str]]) -> None:
+    """One grey legend entry per marker the figure shows, naming its layouts (after the methods' colours)."""
+    shown: dict[tuple[str, bool], list[str]] = {}
+    for layout in sorted({layout for row in labels for layout in row},
+                         key=lambda name: (name.split()[0], int(name.split()[-1]) if " " in name else 0)):
+        shown.setdefault(_marker(layout), []).append(layout)
+    for layouts in shown.values():
+        _scatter(ax, [], [], "grey", layouts[0], label=", ".join(layouts))
+
+
 def render_speed_quality(data: SpeedQuality, path: Path) -> None:
-    """acc_mean and ppl against the measured decode speedup; filled markers: uniform layout, open: free."""
+    """acc_mean and ppl against the measured decode speedup; a marker per layout (`_MARKERS`)."""
     figure, (left, right) = _figure(9, 3.6, ncols=2)
     for k, method in enumerate(data.methods):
         color = f"C{k}"
         for ax, values in ((left, data.acc_mean[k]), (right, data.ppl[k])):
             for x, y, label in zip(data.speedup[k], values, data.labels[k]):
                 if x is not None and y is not None:
-                    ax.scatter(x, y, color=color, facecolors=color if label == "uniform" else "none", s=30)
+                    _scatter(ax, x, y, color, label, s=30)
         left.scatter([], [], color=color, label=method)  # one legend entry per method
+    _layout_legend(left, data.labels)
     for ax, label in ((left, "acc_mean (higher is better)"), (right, "ppl (lower is better)")):
         ax.axvline(1.0, color="grey", lw=0.8, ls=":")
         ax.set_xlabel("decode speedup against the unpruned model (batch 1)")
@@ -318,12 +339,12 @@ def render_speed_quality(data: SpeedQuality, path: Path) -> None:
     for ticks in (right.yaxis.set_major_formatter, right.yaxis.set_minor_formatter):
         ticks(FormatStrFormatter("%.4g"))
     left.legend(fontsize=8)
-    figure.suptitle(f"{data.model}: quality against measured speed (filled: uniform layout)")
+    figure.suptitle(f"{data.model}: quality against measured speed (marker: layout)")
     figure.savefig(path, dpi=120)
 
 
 def render_pareto(data: ParetoData, path: Path) -> None:
-    """Every configuration (filled: uniform layout, open: free), error bars where an uncertainty was measured,
+    """Every configuration (a marker per layout, `_MARKERS`), error bars where an uncertainty was measured,
     the front as a step line through its points, larger markers on the front."""
     figure, (ax,) = _figure(6.4, 4.2)
     for k, method in enumerate(data.methods):
@@ -332,11 +353,11 @@ def render_pareto(data: ParetoData, path: Path) -> None:
                                               data.labels[k]):
             if xs is not None or ys is not None:
                 ax.errorbar(x, y, xerr=xs, yerr=ys, color=color, lw=0.8, capsize=2)
-            ax.scatter(x, y, color=color, facecolors=color if label == "uniform" else "none", s=50 if front else 20,
-                       zorder=3)
+            _scatter(ax, x, y, color, label, s=50 if front else 20, zorder=3)
         ax.scatter([], [], color=color, label=method)
         if data.before_y:
             ax.scatter(data.before_x[k], data.before_y[k], color=color, alpha=0.25, s=16, marker="o", lw=0, zorder=2)
+    _layout_legend(ax, data.labels)
     if data.before_y:
         ax.scatter([], [], color="grey", alpha=0.25, s=16, lw=0, label="before recovery")
     # the edge of what the front dominates: between two front points it runs at the level of the one further along x
@@ -354,5 +375,5 @@ def render_pareto(data: ParetoData, path: Path) -> None:
     ax.set_xlabel(data.x_metric)
     ax.set_ylabel(f"{data.y_metric} ({'lower' if data.y_lower_better else 'higher'} is better)")
     ax.legend(fontsize=8)
-    figure.suptitle(f"{data.model}: Pareto front (filled: uniform layout; large: on the front)")
+    figure.suptitle(f"{data.model}: Pareto front (marker: layout; large: on the front)")
     figure.savefig(path, dpi=120)

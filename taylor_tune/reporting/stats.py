@@ -610,11 +610,41 @@ def plain(value):
 
 
 
+def _set(value) -> bool:  # a bool column iterates as numpy bools; a missing value is NaN or None
+    return isinstance(value, (bool, np.bool_)) and bool(value)
+
+
+def layout_name(method, uniform=None, align=None, servable=None) -> str:
+    """What shapes a trial's layers have: `depth` (whole layers removed, every kept one stock), `uniform` (one
+    width for all), `servable` (DeciLM's: MLP widths multiples of 256, attention kept), `align N` (each width a
+    multiple of N) or `free` (each layer the widths its importance earns). A missing setting is its default."""
+    if method == "depth":
+        return "depth"
+    if _set(uniform):
+        return "uniform"
+    if _set(servable):
+        return "servable"
+    if isinstance(align, (int, float, np.number)) and not isinstance(align, (bool, np.bool_)) and align == align:
+        return f"align {int(align)}"
+    return "free"
+
+
+def layout_names(df: pd.DataFrame) -> list[str]:
+    """`layout_name` of each row of a table of trials or configurations."""
+    column = lambda name: df[name] if name in df else [None] * len(df)  # noqa: E731
+    return [layout_name(*row) for row in zip(column("pruning_method"), column("uniform"), column("align"),
+                                             column("servable"))]
+
+
 def speed_quality(df: pd.DataFrame) -> pd.DataFrame | None:
-    """Each trial's quality beside its measured speed against the unpruned model, fastest decode first (a
-    consolidated table: its numbers are numbers); None when no trial measured its speed."""
+    """Each trial's quality beside its measured speed against the unpruned model, with its layout
+    (`layout_name`), fastest decode first (a consolidated table: its numbers are numbers); None when no trial
+    measured its speed."""
     if "decode_speedup" not in df or df["decode_speedup"].isna().all():
         return None
-    columns = [c for c in ("trial_id", "pruning_method", "uniform", "sparsity", "taylor_seq_len", "taylor_num_samples",
+    columns = [c for c in ("trial_id", "pruning_method", "sparsity", "taylor_seq_len", "taylor_num_samples",
                            "acc_mean", "ppl", *SPEED_METRICS, "decode_speedup_low", "decode_speedup_high") if c in df]
-    return df[columns].sort_values(["decode_speedup", "trial_id"], ascending=[False, True]).reset_index(drop=True)
+    table = df[columns].copy()
+    table.insert(table.columns.get_loc("pruning_method") + 1 if "pruning_method" in table else 0, "layout",
+                 layout_names(df))
+    return table.sort_values(["decode_speedup", "trial_id"], ascending=[False, True]).reset_index(drop=True)

@@ -230,3 +230,26 @@ def test_a_front_of_no_trials_has_a_fronts_columns_and_filters_like_one():
     assert empty["on_front"].dtype == full["on_front"].dtype == bool
     assert list(empty[empty["on_front"]].columns) == list(empty.columns)
     assert list(full[full["on_front"]].columns) == list(full.columns)
+
+
+def test_each_point_of_the_front_figure_is_marked_with_its_own_layout():
+    """The figure's data once called an aligned or servable point "free" (only `uniform` was read): each point's
+    layout is the one its configuration's settings make, written out by hand here."""
+    from taylor_tune.reporting import plots
+
+    layouts = {False: "free", True: "uniform"}
+    df = trials(seeds=1)
+    df["align"], df["servable"] = np.nan, False
+    for i in df.index[::4]:  # some free configurations aligned, some servable (one with a larger multiple of 256)
+        if not df.at[i, "uniform"]:
+            df.at[i, "align"] = (64, 128, 512)[i % 3]
+            df.at[i, "servable"] = i % 3 == 2
+    expected = {row.trial_id: ("servable" if row.servable else f"align {int(row.align)}" if row.align == row.align
+                               else layouts[row.uniform]) for row in df.itertuples()}
+    assert {"free", "uniform", "servable", "align 64"} <= set(expected.values())
+    objectives = (Objective("acc_mean", "max"), Objective("decode_speedup", "max"))
+    front = pareto_front(df, objectives)
+    data = plots.pareto_data(front, "m", objectives)
+    assert sum(map(len, data.labels)) == len(df)
+    for k, points in enumerate(data.points):
+        assert data.labels[k] == [expected[p] for p in points]

@@ -270,29 +270,36 @@ def test_speed_vs_quality_table_and_figure_hold_each_trials_numbers(table, tmp_p
     """Issue 28: with measured speed in the trials, the report's table per model holds every valid trial's speedups
     beside its quality (fastest decode first) and the figure's data the same points per method."""
     rng = np.random.default_rng(3)
+    # each trial's layout drawn first, then written as the settings that make it (servable with align 512 is
+    # servable; an aligned trial was once drawn as "free")
+    drawn = rng.choice(["free", "uniform", "align 64", "align 128", "servable", "servable 512"], len(table))
     timed = table.assign(
         decode_speedup=rng.uniform(0.9, 1.6, len(table)),
         prefill_speedup=rng.uniform(1, 2, len(table)),
         decode_batch_speedup=rng.uniform(1, 2, len(table)),
         memory_ratio=rng.uniform(0.5, 1, len(table)),
-        uniform=rng.random(len(table)) < 0.5,
+        uniform=drawn == "uniform",
+        servable=np.char.startswith(drawn.astype(str), "servable"),
+        align=[float(k.split()[1]) if " " in k else np.nan for k in drawn],
     )
-    report = build_report(timed)
+    timed["layout"] = ["depth" if m == "depth" else k.split()[0] if k.startswith("servable") else k
+                       for m, k in zip(timed["pruning_method"], drawn)]
+    assert {"free", "uniform", "align 64", "servable"} <= set(timed["layout"])
+    report = build_report(timed.drop(columns="layout"))
     for name, m in report.models.items():
         rows = timed[timed["model"] == name]
         assert len(m.speed) == len(rows)
         assert list(m.speed["decode_speedup"]) == sorted(rows["decode_speedup"], reverse=True)
         by_id = rows.set_index("trial_id")
         for _, row in m.speed.iterrows():
-            for column in ("acc_mean", "prefill_speedup", "memory_ratio", "pruning_method", "uniform"):
+            for column in ("acc_mean", "prefill_speedup", "memory_ratio", "pruning_method", "layout"):
                 assert row[column] == by_id.loc[row["trial_id"], column]
         data = plots.speed_quality_data(m.speed, name)
         for k, method in enumerate(data.methods):
             mine = rows[rows["pruning_method"] == method]
             assert sorted(data.speedup[k]) == sorted(mine["decode_speedup"])
-            assert sorted(data.labels[k]) == sorted("uniform" if u else "free" for u in mine["uniform"])
-            assert sorted(zip(data.speedup[k], data.acc_mean[k])) == sorted(
-                zip(mine["decode_speedup"], mine["acc_mean"])
+            assert sorted(zip(data.speedup[k], data.acc_mean[k], data.labels[k])) == sorted(
+                zip(mine["decode_speedup"], mine["acc_mean"], mine["layout"])
             )
     assert "9. Speed vs quality" in render_text(report)
     written = write_report(report, tmp_path / "r")

@@ -255,3 +255,27 @@ def test_the_method_comparison_names_the_baselines_criteria_apart():
     for label, mean in expected.items():
         assert table.loc[label, "mean"] == pytest.approx(mean)
     assert method_comparison(df, ACCURACY)["best_method"] == "taylor"
+
+
+def test_a_trials_layout_is_named_from_its_settings_whatever_the_table_holds():
+    """The speed table's and the figures' `layout`: numpy bools, NaN for a setting a trial did not have, a table
+    without the newer columns (a sweep from before they existed reads free or uniform)."""
+    import numpy as np
+
+    from taylor_tune.reporting.stats import layout_names, speed_quality
+
+    df = pd.DataFrame({
+        "trial_id": list("abcdefg"),
+        "pruning_method": ["taylor", "taylor", "layerwise", "taylor", "depth", "taylor", "random"],
+        "uniform": np.array([False, True, False, False, False, np.nan, False], dtype=object),
+        "align": [np.nan, np.nan, 128.0, 512.0, np.nan, np.nan, 64],
+        "servable": [False, False, False, True, False, np.nan, np.bool_(False)],
+        "decode_speedup": [1.0, 1.3, 1.2, 1.1, 1.5, 0.9, 1.25],
+    })
+    hand = ["free", "uniform", "align 128", "servable", "depth", "free", "align 64"]
+    assert layout_names(df) == hand
+    assert layout_names(df.drop(columns=["align", "servable"])) == ["free", "uniform", "free", "free", "depth", "free",
+                                                                    "free"]
+    table = speed_quality(df)
+    assert list(table.columns[:3]) == ["trial_id", "pruning_method", "layout"]
+    assert dict(zip(table["trial_id"], table["layout"])) == dict(zip(df["trial_id"], hand))
