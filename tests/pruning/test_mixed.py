@@ -113,5 +113,7 @@ def test_a_mixed_cuts_layer_measure_is_timed_apart_from_the_scores_a_cache_serve
     assert computed["similarity_s"] >= 1.0 and hit["similarity_s"] >= 1.0
     assert 0.0 <= hit["importance_s"] < 1.0 and hit["calibration_s"] > 0.0
     parts = hit["importance_s"] + hit["similarity_s"] + hit["calibration_s"]
-    assert parts <= wall < parts + 0.25  # the call's seconds, each counted once
+    # the call's seconds, each counted once: a part counted twice or left out is off by the planted 1 s sleep; the
+    # slack is for the untimed rest of the call on a busy machine
+    assert parts <= wall < parts + 0.5
     assert "similarity_s" not in timings(mixed.model_copy(update={"depth_share": 0.0}))[0]
