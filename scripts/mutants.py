@@ -130,6 +130,10 @@ MUTANTS = (
       ("independent_tie = gap <= z * gap_se", "independent_tie = gap <= gap_se")),
     m("stats-acc-mean-se", "reporting/stats.py", "acc_mean's stderr divided by sqrt(tasks), not by tasks",
       ("/ len(columns)", "/ math.sqrt(len(columns))")),
+    m("layout-servable-read-as-aligned", "reporting/stats.py",
+      "a servable trial with a larger multiple of 256 named by its align, not as servable",
+      ("    if _set(servable):\n        return \"servable\"\n    if isinstance(align",
+       "    if isinstance(align")),
     # the Pareto front
     m("pareto-weak-dominance", "reporting/pareto.py", "a point equal in every objective counted as dominating",
       ("strictly = (better[:, None, :] > better[None, :, :]).any(axis=2)",
