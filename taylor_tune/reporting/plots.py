@@ -173,8 +173,8 @@ def speed_quality_data(table: pd.DataFrame, model: str) -> SpeedQuality:
     def column(name):
         return [[_none_if_nan(v) for v in r[name]] if name in r else [None] * len(r) for r in rows]
 
-    labels = [list(r["layout"]) if "layout" in r else layout_names(r) for r in rows]
-    return SpeedQuality(model, methods, column("decode_speedup"), column("acc_mean"), column("ppl"), labels)
+    return SpeedQuality(model, methods, column("decode_speedup"), column("acc_mean"), column("ppl"),
+                        [layout_names(r) for r in rows])
 
 
 def pareto_data(front: pd.DataFrame, model: str, objectives) -> ParetoData:

@@ -624,13 +624,16 @@ def layout_name(method, uniform=None, align=None, servable=None) -> str:
         return "uniform"
     if _set(servable):
         return "servable"
-    if isinstance(align, (int, float, np.number)) and not isinstance(align, (bool, np.bool_)) and align == align:
+    if align is not None and pd.notna(align):
         return f"align {int(align)}"
     return "free"
 
 
 def layout_names(df: pd.DataFrame) -> list[str]:
-    """`layout_name` of each row of a table of trials or configurations."""
+    """`layout_name` of each row of a table of trials or configurations; a table that names them already (the speed
+    table's `layout` column) as it says."""
+    if "layout" in df:
+        return list(df["layout"])
     column = lambda name: df[name] if name in df else [None] * len(df)  # noqa: E731
     return [layout_name(*row) for row in zip(column("pruning_method"), column("uniform"), column("align"),
                                              column("servable"))]
