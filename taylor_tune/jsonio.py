@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +59,41 @@ def open_own(path: Path, flags: int) -> int:
     raise OSError(errno.ELOOP, f"{path} is replaced by a link again and again; refused")
 
 
+def linked_part(root: str | Path, path: str | Path) -> Path | None:
+    """The first folder below `root` on the way to `path` (its parent included) that is a symbolic link, or None:
+    a file of a sweep reached through such a folder lies wherever the link points, outside the sweep. `root` itself
+    may be a link (where the user keeps the sweep is the user's choice)."""
+    root, path = Path(root), Path(path)
+    try:
+        parts = path.parent.relative_to(root).parts
+    except ValueError:
+        return None
+    folder = root
+    for part in parts:
+        folder = folder / part
+        if folder.is_symlink():
+            return folder
+    return None
+
+
+def read_own(path: str | Path) -> bytes | None:
+    """The bytes of a regular file of ours, never through a link: None where `path` is missing or unreadable, a
+    symbolic link, not a regular file, or a file with other hard links (its content is another file's too, and what
+    is read from a sweep is copied into reports)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+            return None
+        try:
+            return handle.read()
+        except OSError:
+            return None
+
+
 def write_text(path: str | Path, text: str) -> Path:
     """Written whole or not at all (`write_bytes`), as UTF-8."""
     return write_bytes(path, text.encode("utf-8"))
@@ -80,13 +116,18 @@ def write_bytes(path: str | Path, data: bytes) -> Path:
     return path
 
 
-def write_whole(filesystem, path: str, data: bytes) -> None:
+def write_whole(filesystem, path: str, data: bytes, root: str | None = None) -> None:
     """`data` at `path` of a pyarrow filesystem, whole or not at all and never through a link: on a local disk
     `write_bytes` (a file of our own renamed into place: a link planted at the name or at a temporary name is
-    replaced, not written through), on object storage one PUT, which is whole by itself."""
+    replaced, not written through), on object storage one PUT, which is whole by itself. With `root` (the sweep's
+    folder), a folder below it on the way that is a symbolic link is refused (OSError), not written through."""
     from pyarrow import fs
 
     if isinstance(filesystem, fs.LocalFileSystem):
+        linked = None if root is None else linked_part(root, path)
+        if linked is not None:
+            raise OSError(errno.ELOOP, f"{linked} is a symbolic link, and {path} would be written through it, "
+                                       "outside the sweep; refused")
         write_bytes(path, data)
         return
     with filesystem.open_output_stream(path) as stream:

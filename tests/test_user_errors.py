@@ -274,6 +274,33 @@ def test_an_edited_experiment_is_not_silently_resumed_with_its_old_settings(caps
 
 
 @pytest.mark.slow  # writes whole reports: seconds
+@pytest.mark.parametrize("link", ["symbolic", "hard"])
+def test_a_private_file_linked_into_a_trial_is_never_copied_into_the_report(capsys, tmp_path, link):
+    """Issue 91, case 4: a trial's error.txt made a link (symbolic or hard) to a 0600 file outside the sweep: its last
+    line went into all_methods_results.csv and both best-config files (0644). Every file read from a sweep is now a
+    regular file of its own (`reporting.frame.read_text`): the linked one is not read, and no report file holds it."""
+    import os
+
+    from tests.report_helpers import synthetic_trials, write_tune_folder
+
+    path = write_tune_folder(synthetic_trials(n_items=50).head(6), tmp_path / "exp")
+    secret = tmp_path / "private.txt"
+    secret.write_text("Traceback\nPrivateError: the-private-line-of-a-file-outside\n")
+    secret.chmod(0o600)
+    trials = sorted(p for p in path.iterdir() if p.is_dir())
+    for trial in trials:
+        (trial / "error.txt").unlink(missing_ok=True)
+        (trial / "error.txt").symlink_to(secret) if link == "symbolic" else os.link(secret, trial / "error.txt")
+    code, _, err = run(capsys, "report", path, "--output", tmp_path / "r")
+    assert code == 0, err
+    written = [p for p in (tmp_path / "r").rglob("*") if p.is_file()]
+    assert any(p.name == "all_methods_results.csv" for p in written) and any(p.name == "best_config.json"
+                                                                           for p in written)
+    assert not [p for p in written if b"the-private-line" in p.read_bytes()]
+    assert secret.read_text().endswith("outside\n")  # untouched
+
+
+@pytest.mark.slow  # writes whole reports: seconds
 def test_report_follows_no_symbolic_link_out_of_a_trial_or_into_the_output(capsys, tmp_path):
     from tests.report_helpers import synthetic_trials, write_tune_folder
 

@@ -75,6 +75,13 @@ class AnswerKey:
                   np.array(gold, dtype=bool), np.array(chars, dtype=np.float64), list(contexts), list(continuations))
         return key, list(ordered)
 
+    def same(self, other: AnswerKey) -> bool:
+        """Whether two keys say the same of every request (every field, exactly)."""
+        arrays = ("doc_id", "idx", "gold", "chars")
+        return (self.task, self.metrics, self.contexts, self.continuations) == (
+            other.task, other.metrics, other.contexts, other.continuations) and all(
+            np.array_equal(getattr(self, name), getattr(other, name)) for name in arrays)
+
     def requests(self) -> list[tuple[None, list[int], list[int]]]:
         """The requests as a scorer's `_loglikelihood_tokens` takes them (no string key: nothing to cache by)."""
         return [(None, context, continuation) for context, continuation in zip(self.contexts, self.continuations)]
@@ -179,8 +186,9 @@ class Keys:
     def __init__(self):
         self.held: OrderedDict[str, AnswerKey] = OrderedDict()
 
-    def get(self, store, name: str, fields: dict) -> AnswerKey | None:
-        """The key `name` of `store` (held by its place: another sweep's store is read for itself)."""
+    def get(self, store, name: str, fields: dict, check) -> AnswerKey | None:
+        """The key `name` of `store` (held by its place: another sweep's store is read for itself), taken only once
+        `check(key)` has found it to say what its pass's documents and requests say (ValueError otherwise)."""
         place = store.path(name)
         if place in self.held:
             self.held.move_to_end(place)
@@ -190,6 +198,7 @@ class Keys:
             return None
         try:
             key = AnswerKey.from_bytes(data, fields)
+            check(key)
         except Exception as error:  # a damaged entry: lm-eval's pass makes the key again and replaces it
             store.record("damaged", name, error=f"{type(error).__name__}: {str(error)[:200]}")
             return None

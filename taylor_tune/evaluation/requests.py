@@ -16,14 +16,13 @@ only (not its data) and stores pickles, and nothing read from disk here may run 
 
 Safe when trials ask at once: the first to ask builds under a file lock while the others wait, then read. An entry is
 written whole under a temporary name with the sha256 of its rows; before use it is checked (`checked_rows`): the
-checksum, every document's requests present and well-formed, and a sample of them tokenized again equal to the stored
+checksum, every document's requests present and well-formed, and every one tokenized again equal to the stored
 tokens. An entry that fails is removed and built again.
 """
 
 from __future__ import annotations
 
 import json
-import random
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -33,11 +32,9 @@ from pathlib import Path
 
 from taylor_tune.compat.lm_eval import encode_requests, make_instance, task_definition, task_documents
 from taylor_tune.evaluation.answers import AnswerKey, verified, worker_keys
-from taylor_tune.jsonio import digest
-from taylor_tune.storage import Store, built_json
+from taylor_tune.jsonio import digest, read_entry
+from taylor_tune.storage import Store, built_json, json_name
 
-# requests of each task tokenized again when its entry is read (a few milliseconds)
-RETOKENIZED = 64
 ROW_TYPES = (int, int, str, int, str, str, list, list)
 
 
@@ -67,14 +64,22 @@ class RequestCache:
         """The name of the answer key (`evaluation.answers`) of the pass whose request entry has `fields`."""
         return f"{digest(fields)[:24]}.answers"
 
-    def answer_key(self, fields: dict) -> AnswerKey | None:
-        """The stored answer key of the pass whose request entry has `fields` (this worker's copy once read); a key
-        used is the cache's hit for that task's pass, recorded as a read of its requests would be."""
+    def answer_key(self, fields: dict, check: Callable[[AnswerKey], None]) -> AnswerKey | None:
+        """The stored answer key of the pass whose request entry has `fields` (this worker's copy once read), taken
+        once `check` passes it; a key used is the cache's hit for that task's pass, recorded as a read of its requests
+        would be."""
         name = self.key_name(fields)
-        key = worker_keys().get(self.store, name, fields)
+        key = worker_keys().get(self.store, name, fields, check)
         if key is not None:
             self.store.record("hit", name, via="answer key")
         return key
+
+    def rows(self, fields: dict) -> list | None:
+        """The request entry's rows for `fields` as stored (its header and checksum checked), None when it has none;
+        ValueError for an entry that is another's or not what its checksum says. Read only: nothing is built."""
+        fields = json.loads(json.dumps(fields))  # as the entry's header reads back
+        data = self.store.read(json_name(fields))
+        return None if data is None else read_entry(data.decode(), fields, "rows")
 
     def keep_answer_key(self, fields: dict, key: AnswerKey) -> None:
         name = self.key_name(fields)
@@ -108,12 +113,28 @@ class PassRequests:
             found = {}
             for name, task in tasks.items():
                 listed = None if samples is None else samples[name]
-                key = self.cache.answer_key(pass_fields(self, task, limit, listed))
+                fields = pass_fields(self, task, limit, listed)
+                key = self.cache.answer_key(fields, lambda key, task=task, listed=listed, fields=fields:
+                                            self.check_answer_key(task, limit, listed, fields, key))
                 if key is not None:
                     found[name] = key
             return found
         finally:
             self.seconds += time.perf_counter() - start
+
+    def check_answer_key(self, task, limit: int | None, samples: list[int] | None, fields: dict,
+                         key: AnswerKey) -> None:
+        """ValueError unless `key` is the key that the pass's documents and its request entry make (`AnswerKey.of`):
+        the entry checked against the documents as a pass reads it (`checked_rows`, its tokens the tokenizer's), each
+        item's gold, choices and their lengths from its document. A key's own checksum proves only that it is whole;
+        this proves that it says what its items say, before any pass is scored by it (once per worker and key)."""
+        rows = self.cache.rows(fields)
+        if rows is None:
+            raise ValueError("its pass's request entry is gone, so what it says of the items cannot be checked")
+        instances = self._instances(task, dict(task_documents(task, limit, samples)), rows)
+        made = AnswerKey.of(task, instances, [(row[6], row[7]) for row in rows], samples)
+        if made is None or not key.same(made[0]):
+            raise ValueError("it says other than its items' documents and requests do (a gold, a choice, a token)")
 
     def keep_answer_keys(self, outcomes: dict[str, object]) -> list[str]:
         """Keep the answer key of each task lm-eval scored in this pass whose outcomes, computed from the key and that
@@ -183,16 +204,22 @@ class PassRequests:
         return [[i.doc_id, i.idx, i.request_type, i.repeats, *i.arguments, *encoded]
                 for i, encoded in zip(instances, tokens, strict=True)]
 
-    def _rows_to_instances(self, task, docs: dict, rows: list) -> list:
+    def _instances(self, task, docs: dict, rows: list) -> list:
+        """lm-eval's instances of a stored entry's rows, once the rows are found to be the pass's requests
+        (`checked_rows`) and their tokens the tokenizer's (every request tokenized again: a sample would let an
+        edited token outside it through, and with it a key made from that token)."""
         name = task.config.task
         instances = [make_instance(request_type, docs[doc_id], (context, continuation), idx, name, doc_id, repeats)
                      for doc_id, idx, request_type, repeats, context, continuation, *_
                      in checked_rows(task, docs, rows)]
-        sample = random.sample(range(len(rows)), min(RETOKENIZED, len(rows)))
-        for i, tokens in zip(sample, encode_requests(self.lm, [instances[i] for i in sample]), strict=True):
+        for i, tokens in enumerate(encode_requests(self.lm, instances)):
             if [list(t) for t in tokens] != [list(t) for t in rows[i][6:]]:
                 raise ValueError(f"{task.config.task}: document {rows[i][0]}'s request {rows[i][1]} holds other "
                                  "tokens than the tokenizer gives")
+        return instances
+
+    def _rows_to_instances(self, task, docs: dict, rows: list) -> list:
+        instances = self._instances(task, docs, rows)
         for *_, context, continuation, context_ids, continuation_ids in rows:
             self.lm.encoded[(context, continuation)] = (context_ids, continuation_ids)
         return instances
@@ -240,6 +267,11 @@ def checked_rows(task, docs: dict, rows: object) -> list:
                          f"{foreign[:5]}")
     multiple_choice = getattr(task, "OUTPUT_TYPE", None) == "multiple_choice"
     choices = {doc_id: task.doc_to_choice(docs[doc_id]) for doc_id in per_doc} if multiple_choice else {}
+    if multiple_choice:  # lm-eval's construct_requests: a log-likelihood request per choice, the task's repeats
+        wrong = next((row for row in rows if (row[2], row[3]) != ("loglikelihood", task.config.repeats)), None)
+        if wrong is not None:
+            raise ValueError(f"{name}: document {wrong[0]}'s request {wrong[1]} is a {wrong[2]!r} request repeated "
+                             f"{wrong[3]} times, not a log-likelihood repeated {task.config.repeats}")
     for doc_id, idxs in per_doc.items():
         expected = len(choices[doc_id]) if multiple_choice else len(idxs)
         if sorted(idxs) != list(range(expected)):

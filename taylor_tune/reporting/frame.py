@@ -20,7 +20,7 @@ import pandas as pd
 from taylor_tune.compat import CompatError
 from taylor_tune.compat.tune_state import saved_trials
 from taylor_tune.errors import ReportError
-from taylor_tune.jsonio import json_safe
+from taylor_tune.jsonio import json_safe, linked_part, read_own
 from taylor_tune.reporting.stats import ACCURACY, Objective
 from taylor_tune.schema import (
     CONFIG_COLUMNS,
@@ -131,7 +131,18 @@ def open_filesystem(location: str, filesystem=None):
     return fs.LocalFileSystem(), str(Path(location).resolve())
 
 
-def read_text(filesystem, path: str) -> str | None:
+def read_text(filesystem, path: str, root: str | None = None) -> str | None:
+    """A sweep's file as text, None where it is missing or unreadable. Every file read from a sweep comes through
+    here: on a local disk only a regular file of its own (`jsonio.read_own`: no symbolic link, no file with other
+    hard links) and, with `root` (the sweep's folder), none reached through a linked folder below it. What it reads
+    goes into reports that are made to be shared: a link would copy someone else's file into them."""
+    from pyarrow import fs
+
+    if isinstance(filesystem, fs.LocalFileSystem):
+        if root is not None and linked_part(root, path) is not None:
+            return None
+        data = read_own(path)
+        return None if data is None else data.decode("utf-8", errors="replace")
     try:
         with filesystem.open_input_stream(path) as stream:
             return stream.read().decode("utf-8", errors="replace")
@@ -222,23 +233,13 @@ def same_value(a, b) -> bool:
     return a == b
 
 
-def _own_text(filesystem, path: str) -> str | None:
-    """A trial's file as `read_text` reads it, but None for a symbolic link on a local disk: what it points at is not
-    the trial's (the report's artifacts say so, MISSING.txt)."""
-    from pyarrow import fs
-
-    if isinstance(filesystem, fs.LocalFileSystem) and Path(path).is_symlink():
-        return None
-    return read_text(filesystem, path)
-
-
 def disagreement(filesystem, trial_dir: str, last: dict, params: dict) -> str | None:
     """Where a finished trial's own files contradict each other, in one line naming them; None when they agree (or
     the trial has not written the file to compare with). Its last report (result.json) against the final metrics it
     wrote beside it (evaluation.json): every key both hold. What Tune ran (params.json) against the trial's record of
     its configuration (config.json): the model, the seed, each searched and fixed pruning setting, the item limits
     of the zero-shot passes. Either file may be the edited one: both are named."""
-    text = _own_text(filesystem, posixpath.join(trial_dir, "evaluation.json"))
+    text = read_text(filesystem, posixpath.join(trial_dir, "evaluation.json"))
     try:
         final = json.loads(text) if text else None
     except ValueError:
@@ -250,7 +251,7 @@ def disagreement(filesystem, trial_dir: str, last: dict, params: dict) -> str | 
             differ = sorted(k for k in final.keys() & last.keys() if not same_value(final[k], last[k]))
             if differ:
                 return f"result.json and evaluation.json disagree on {', '.join(differ[:3])}"
-    text = _own_text(filesystem, posixpath.join(trial_dir, "config.json"))
+    text = read_text(filesystem, posixpath.join(trial_dir, "config.json"))
     try:
         record = json.loads(text) if text else None
     except ValueError:
@@ -275,12 +276,21 @@ def disagreement(filesystem, trial_dir: str, last: dict, params: dict) -> str | 
 def _read_columns(trial_dir: str, name: str, columns: tuple[str, ...], index, filesystem) -> pd.DataFrame | None:
     """Plain columns of a parquet file in a trial's folder (nothing is unpickled), indexed by `index`; None when the
     trial did not write it."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
+    from pyarrow import fs
 
     filesystem, root = open_filesystem(str(trial_dir), filesystem)
+    path = posixpath.join(root, name)
     try:
-        with filesystem.open_input_file(posixpath.join(root, name)) as handle:
-            table = pq.read_table(handle, columns=list(columns))
+        if isinstance(filesystem, fs.LocalFileSystem):  # a file of the trial's own, as `read_text` reads one
+            data = read_own(path)
+            if data is None:
+                return None
+            table = pq.read_table(pa.BufferReader(data), columns=list(columns))
+        else:
+            with filesystem.open_input_file(path) as handle:
+                table = pq.read_table(handle, columns=list(columns))
     except (FileNotFoundError, OSError):
         return None
     return pd.DataFrame({column: table.column(column).to_numpy() for column in columns}).set_index(index)
@@ -309,7 +319,9 @@ def read_experiment(location: str, filesystem=None) -> pd.DataFrame:
     if info.type != pafs.FileType.Directory:
         raise ReportError(f"{location}: no such experiment folder")
     entries = filesystem.get_file_info(pafs.FileSelector(root, recursive=False))
+    local = isinstance(filesystem, pafs.LocalFileSystem)  # a linked trial folder is another's, never read as ours
     trial_dirs = sorted(e.path for e in entries if e.type == pafs.FileType.Directory
+                        and not (local and Path(e.path).is_symlink())
                         and filesystem.get_file_info(posixpath.join(e.path, "params.json")).type == pafs.FileType.File)
     if not trial_dirs and not any(e.base_name.startswith("experiment_state-") for e in entries):
         raise ReportError(f"{location}: not a Tune experiment folder (no trial folders, no experiment_state-*.json)")
@@ -350,9 +362,9 @@ def _check_objective(rows: pd.DataFrame, record_text: str | None) -> None:
 def _race_lines(filesystem, root: str) -> dict[str, str]:
     """A racing sweep's word on each trial it stopped (the race's state, the scheduler's: trial id -> why), {}
     otherwise. An older version kept the state at the top of the folder (LEGACY_RACE_FILE)."""
-    text = read_text(filesystem, posixpath.join(root, RACE_FILE))
+    text = read_text(filesystem, posixpath.join(root, RACE_FILE), root)
     if text is None:
-        text = read_text(filesystem, posixpath.join(root, LEGACY_RACE_FILE))
+        text = read_text(filesystem, posixpath.join(root, LEGACY_RACE_FILE), root)
     try:
         trials = json.loads(text).get("trials", {}) if text else {}
     except (ValueError, AttributeError):

@@ -7,15 +7,17 @@ from __future__ import annotations
 import json
 import logging
 import os
+import posixpath
 import shutil
 import tempfile
+from fnmatch import fnmatch
 from pathlib import Path
 
 from taylor_tune.config import Evaluation
 from taylor_tune.errors import ConfigError
-from taylor_tune.jsonio import write_whole
+from taylor_tune.jsonio import linked_part, write_whole
 from taylor_tune.reporting.frame import open_filesystem
-from taylor_tune.schema import EXPERIMENT_RECORD
+from taylor_tune.schema import EXPERIMENT_RECORD, RACE_FILE
 from taylor_tune.sweep.experiment import Experiment, Resources, Search
 from taylor_tune.sweep.race_state import RaceStateError, check_race
 
@@ -31,16 +33,49 @@ def check_experiment_folder(experiment: Experiment) -> None:
         raise ConfigError(f"name: {folder} is a file, not an experiment folder; choose another name or storage_path")
 
 
+def _top_files(folder: str) -> tuple[object, dict[str, str]]:
+    """The experiment folder's filesystem and its top-level files (name -> path inside that filesystem; {} where the
+    folder does not exist yet): the one reading of a folder's Tune state that every guard below shares, a local path
+    and a URI alike, so that none of them holds on a disk and not in a bucket."""
+    from pyarrow import fs
+
+    filesystem, root = open_filesystem(folder)
+    try:
+        found = filesystem.get_file_info(fs.FileSelector(root, allow_not_found=True, recursive=False))
+    except OSError as error:
+        raise ConfigError(f"{folder}: cannot be listed ({_first_line(error)})") from None
+    return filesystem, {i.base_name: i.path for i in found if i.type == fs.FileType.File}
+
+
+def _read_bytes(filesystem, path: str, shown: str) -> bytes:
+    try:
+        with filesystem.open_input_stream(path) as stream:
+            return stream.read()
+    except OSError as error:
+        raise ConfigError(f"{shown}: unreadable ({_first_line(error)}); a resume reads it") from None
+
+
+def _first_line(error: BaseException) -> str:
+    """An OSError's reason (a local one's strerror, an object store's first line), without its traceback."""
+    text = getattr(error, "strerror", None) or str(error).strip()
+    return text.splitlines()[0][:200] if text else type(error).__name__
+
+
+def _states(files: dict[str, str]) -> list[str]:
+    """The names of a folder's experiment states, oldest first (Tune names them by time)."""
+    return sorted(n for n in files if n.startswith("experiment_state-") and n.endswith(".json"))
+
+
 def check_ours(folder: str) -> None:
     """A folder that holds a Tune experiment's state (`tuner.pkl`, `experiment_state-*.json`) but not the settings
     record every taylor_tune sweep writes before Tune saves anything (`SAVED_EXPERIMENT`) is another program's: a
-    resume would unpickle its state, so it is refused before anything in it is read (TAYLOR_TUNE_TRUST_EXPERIMENT=1
-    opts in, as for `check_resume_trust`)."""
-    root = Path(folder)
-    if "://" in folder or not root.is_dir() or os.environ.get("TAYLOR_TUNE_TRUST_EXPERIMENT") == "1":
+    resume would unpickle its state, so it is refused before anything in it is read, in a bucket as on a disk
+    (TAYLOR_TUNE_TRUST_EXPERIMENT=1 opts in, as for `check_resume_trust`)."""
+    if os.environ.get("TAYLOR_TUNE_TRUST_EXPERIMENT") == "1":
         return
-    tune_state = [p.name for p in (*root.glob("tuner.pkl"), *root.glob("experiment_state-*.json"))]
-    if tune_state and not (root / SAVED_EXPERIMENT).is_file():
+    _, files = _top_files(folder)
+    tune_state = [n for n in files if n == "tuner.pkl" or n in _states(files)]
+    if tune_state and SAVED_EXPERIMENT not in files:
         found = ", ".join(sorted(tune_state)[:2])
         raise ConfigError(f"{folder} holds a Ray Tune experiment ({found}) that taylor_tune did not write (no "
                           f"{SAVED_EXPERIMENT}); resuming would unpickle its state: choose another name or "
@@ -52,11 +87,12 @@ def check_resume_trust(folder: str) -> None:
     searcher's `searcher-state-*.pkl`, the `*state*.json` files with pickled blobs): a local folder, or one of those
     files, that another user owns or every user can write is refused unless the user opts in with
     TAYLOR_TUNE_TRUST_EXPERIMENT=1 (README: what is trusted in an experiment folder). Group-writable is let through:
-    with per-user groups (umask 002) it is every file a user writes."""
+    with per-user groups (umask 002) it is every file a user writes. A bucket has no owner per file: its access
+    control is the trust decision there (docs/operations.md)."""
     root = Path(folder)
     if "://" in folder or not root.is_dir() or os.environ.get("TAYLOR_TUNE_TRUST_EXPERIMENT") == "1":
         return
-    for path in (root, *pickled_state(root)):
+    for path in (root, *(root / name for name in pickled_state(p.name for p in root.iterdir()))):
         info = path.stat()
         problem = ("is owned by another user" if info.st_uid != os.getuid()
                    else "is writable by every user" if info.st_mode & 0o002 else None)
@@ -65,34 +101,31 @@ def check_resume_trust(folder: str) -> None:
                               "names); make it yours alone (chmod o-w) or set TAYLOR_TUNE_TRUST_EXPERIMENT=1")
 
 
-def pickled_state(root: Path) -> list[Path]:
-    """Every file of an experiment folder that Ray's restore unpickles: each pickle at its top (`tuner.pkl`, the
-    searcher's `searcher-state-*.pkl`, and any other a Tune version adds there) and each state file in JSON that
+def pickled_state(names) -> list[str]:
+    """Of an experiment folder's top-level names, every file that Ray's restore unpickles: each pickle (`tuner.pkl`,
+    the searcher's `searcher-state-*.pkl`, and any other a Tune version adds there) and each state file in JSON that
     carries pickled blobs (`experiment_state-*.json`, `search_gen_state-*.json`, `basic-variant-state-*.json`)."""
-    return sorted({*root.glob("*.pkl"), *root.glob("*state*.json")})
+    return sorted(n for n in names if fnmatch(n, "*.pkl") or fnmatch(n, "*state*.json"))
 
 
 def check_pickles_whole(folder: str) -> None:
     """Every pickle a resume would read is whole (`pickled_state`: the .pkl files, and Ray's pickles under a .json name
     such as `basic-variant-state-*.json`): its opcodes are walked up to the STOP that ends it (`pickletools`: read,
     never run). A searcher state cut short made Ray print a traceback, restart the search and hand out finished
-    configurations again; it is refused with one line instead."""
+    configurations again; it is refused with one line instead, in a bucket as on a disk."""
     import pickletools
 
-    root = Path(folder)
-    if "://" in folder or not root.is_dir():
-        return
-    for path in pickled_state(root):
+    filesystem, files = _top_files(folder)
+    for name in pickled_state(files):
+        shown = f"{folder.rstrip('/')}/{name}"
+        data = _read_bytes(filesystem, files[name], shown)
+        if not name.endswith(".pkl") and data[:1] != b"\x80":  # JSON (a pickle starts with PROTO, Ray's .json too)
+            continue
         try:
-            data = path.read_bytes()
-            if path.suffix != ".pkl" and data[:1] != b"\x80":  # JSON (a pickle starts with PROTO, Ray's .json ones too)
-                continue
             for _ in pickletools.genops(data):
                 pass
-        except OSError as error:
-            raise ConfigError(f"{path}: unreadable ({error.strerror}); a resume reads it") from None
         except Exception as error:  # genops raises ValueError for a cut, others for bytes that are no pickle
-            raise ConfigError(f"{path} is damaged ({str(error).splitlines()[0] or type(error).__name__}), and a "
+            raise ConfigError(f"{shown} is damaged ({str(error).splitlines()[0] or type(error).__name__}), and a "
                               "resume would restart the search from nothing over the finished trials; restore it "
                               "from a copy, or run the experiment under another --name") from None
 
@@ -104,15 +137,15 @@ def check_state_intact(folder: str) -> None:
     to resume from it. With none intact (a state cut short by a full disk before any whole one was written) the
     sweep starts afresh (`set_aside_damaged_state`), reusing every finished trial from its folder. Read as JSON only:
     nothing is unpickled here."""
-    root = Path(folder)
-    if "://" in folder or not root.is_dir():
-        return
-    states = sorted(root.glob("experiment_state-*.json"))
-    if states and not _parses(states[-1]) and any(_parses(state) for state in states[:-1]):
-        intact = next(state for state in reversed(states) if _parses(state))
-        raise ConfigError(f"{states[-1]}: the experiment state is damaged, and resuming from it would start the sweep "
-                          f"afresh over its finished trials; the previous state {intact.name} is intact: move the "
-                          "damaged file aside to resume from it (the trials' folders hold every finished result)")
+    filesystem, files = _top_files(folder)
+    states = _states(files)
+    parses = {name: _parses(filesystem, files[name]) for name in states}
+    if states and not parses[states[-1]] and any(parses[name] for name in states[:-1]):
+        intact = next(name for name in reversed(states) if parses[name])
+        raise ConfigError(f"{folder.rstrip('/')}/{states[-1]}: the experiment state is damaged, and resuming from it "
+                          f"would start the sweep afresh over its finished trials; the previous state {intact} is "
+                          "intact: move the damaged file aside to resume from it (the trials' folders hold every "
+                          "finished result)")
 
 
 def check_race_state(folder: str) -> None:
@@ -120,6 +153,9 @@ def check_race_state(folder: str) -> None:
     trials reported (`race_state.check_race`): otherwise one line naming the file, before Ray starts. Read through
     the sweep's storage, a local folder or a URI alike."""
     filesystem, root = open_filesystem(folder)
+    if "://" not in folder and (linked := linked_part(root, posixpath.join(root, RACE_FILE))) is not None:
+        raise ConfigError(f"{linked} is a symbolic link, and a racing sweep keeps its state there ({RACE_FILE}): it "
+                          "would be read and written outside the sweep; make it a folder of the sweep's own")
     try:
         check_race(filesystem, root)
     except RaceStateError as error:
@@ -128,30 +164,33 @@ def check_race_state(folder: str) -> None:
 
 def has_state(folder: str) -> bool:
     """Whether the folder holds an experiment state to resume from (the newest parses)."""
-    states = sorted(Path(folder).glob("experiment_state-*.json")) if "://" not in folder else []
-    return "://" in folder or bool(states) and _parses(states[-1])
+    filesystem, files = _top_files(folder)
+    states = _states(files)
+    return bool(states) and _parses(filesystem, files[states[-1]])
 
 
-def set_aside_damaged_state(folder: str) -> list[Path]:
+def set_aside_damaged_state(folder: str) -> list[str]:
     """Every experiment state file in a folder where none is intact, renamed to `<name>.damaged` (kept, never read
-    again): the sweep then starts afresh rather than resuming from a state cut short. Call with the driver lock."""
-    root = Path(folder)
-    if "://" in folder or not root.is_dir() or has_state(folder):
+    again; in a bucket, copied and removed): the sweep then starts afresh rather than resuming from a state cut
+    short. Call with the driver lock. Returns the new names."""
+    filesystem, files = _top_files(folder)
+    states = _states(files)
+    if not states or _parses(filesystem, files[states[-1]]):
         return []
-    states = sorted(root.glob("experiment_state-*.json"))
-    if states:
-        logging.getLogger(__name__).warning(
-            "%s: no intact experiment state (%s set aside as .damaged); the sweep starts afresh and reuses every "
-            "finished trial from its folder", folder, ", ".join(p.name for p in states))
-    return [state.rename(state.with_name(state.name + ".damaged")) for state in states]
+    logging.getLogger(__name__).warning(
+        "%s: no intact experiment state (%s set aside as .damaged); the sweep starts afresh and reuses every "
+        "finished trial from its folder", folder, ", ".join(states))
+    for name in states:
+        filesystem.move(files[name], files[name] + ".damaged")
+    return [name + ".damaged" for name in states]
 
 
-def _parses(path: Path) -> bool:
+def _parses(filesystem, path: str) -> bool:
     try:
-        return isinstance(json.loads(path.read_text(encoding="utf-8")).get("trial_data"), list)
+        with filesystem.open_input_stream(path) as stream:
+            return isinstance(json.loads(stream.read().decode("utf-8")).get("trial_data"), list)
     except (OSError, ValueError, UnicodeDecodeError, AttributeError):
         return False
-
 
 
 def flat(value, prefix: str = "") -> dict:

@@ -51,7 +51,7 @@ def read_race(filesystem, root: str) -> dict | None:
     path = race_file(root, filesystem)
     if path is None:
         return None
-    text = read_text(filesystem, path)
+    text = read_text(filesystem, path, root)
     try:
         saved = json.loads(text or "")
     except ValueError:

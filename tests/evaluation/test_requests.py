@@ -85,15 +85,10 @@ def test_a_models_second_trial_reuses_its_requests_and_another_tokenizer_or_limi
     requests; the second (the same model, tokenizer and limit) builds none: lm-eval constructs no request and nothing
     is tokenized (it answers from the answer keys the first kept, issue 84), and its answers are the first trial's.
     Another limit, and another tokenizer (tiny-llama-random's byte tokenizer instead of the world's), build their
-    own; a second trial whose keys are gone reads the requests back and tokenizes only the sample of each task's
-    requests that the entry's check tokenizes again (RETOKENIZED, set to 4 here: 2 encodings per request, context
-    and context+continuation)."""
+    own; a second trial whose keys are gone reads the requests back, constructs none, and tokenizes each request
+    once to check the entry (2 encodings per request, context and context+continuation, as the build's own)."""
     from lm_eval.api.task import ConfigurableTask
     from lm_eval.models.huggingface import HFLM
-
-    from taylor_tune.evaluation import requests
-
-    monkeypatch.setattr(requests, "RETOKENIZED", 4)
 
     calls = {"construct_requests": 0, "tok_encode": 0}
 
@@ -120,7 +115,10 @@ def test_a_models_second_trial_reuses_its_requests_and_another_tokenizer_or_limi
     assert built == [3, 0, 3, 3, 0]
     assert runs[0][1]["construct_requests"] > 0 and runs[0][1]["tok_encode"] > 0
     assert runs[1][1] == {"construct_requests": 0, "tok_encode": 0}
-    assert runs[4][1] == {"construct_requests": 0, "tok_encode": 3 * 4 * 2}
+    # the entries run 4 read are run 3's (the last written): each of their requests tokenized once, 2 encodings
+    read_back = sorted((tmp_path / "requests").glob("*.json"), key=lambda p: p.stat().st_mtime_ns)[-3:]
+    requests = sum(len(json.loads(p.read_bytes().partition(b"\n")[2])) for p in read_back)
+    assert requests > 3 * 6 and runs[4][1] == {"construct_requests": 0, "tok_encode": 2 * requests}
     scores = lambda m: {k: v for k, v in m.items() if k.startswith("acc_")}
     assert scores(runs[0][2]) == scores(runs[1][2]) and scores(runs[3][2]) == scores(runs[4][2])
     assert 0 < runs[1][2]["zero_shot_6_requests_s"] < runs[1][2]["zero_shot_6_s"]
@@ -385,13 +383,11 @@ def stored_piqa_entry(piqa, folder):
 
 def test_stored_tokens_that_the_tokenizer_does_not_give_are_refused_and_built_again(piqa, tmp_path, monkeypatch,
                                                                                      caplog):
-    """Every request tokenized again (RETOKENIZED above the count): a stored row whose tokens are not the
-    tokenizer's, with a valid checksum, is refused naming its document and request, and the pass builds again."""
+    """Every request tokenized again: a stored row whose tokens are not the tokenizer's, with a valid checksum, is
+    refused naming its document and request, and the pass builds again."""
     from taylor_tune.compat.lm_eval import task_documents
-    from taylor_tune.evaluation import requests as requests_module
     from taylor_tune.jsonio import entry_text
 
-    monkeypatch.setattr(requests_module, "RETOKENIZED", 100)
     lm, cache, first, entry, fields, rows = stored_piqa_entry(piqa, tmp_path)
     docs = dict(task_documents(piqa, 4))
     for k, part in ((5, 6), (2, 7)):  # a context's, then a continuation's tokens

@@ -241,3 +241,33 @@ def test_a_race_state_missing_a_key_or_cut_short_is_one_line_and_a_link_is_never
         message = rf"^{state}: not JSON \(cut short or damaged\)$"
     with pytest.raises(ConfigError, match=message):
         check_race_state(str(tmp_path))
+
+
+def test_a_race_never_reads_or_writes_its_state_through_a_linked_folder(tmp_path):
+    """Issue 91, case 3: the sweep's `taylor_tune/` folder made a link to a folder outside it: a fresh race wrote
+    race.json there (the link check covered the file and its temporary name, not a linked parent). Now the driver
+    refuses it in one line before Ray starts, and the scheduler neither writes through it nor reads what lies there."""
+    from taylor_tune.errors import ConfigError
+    from taylor_tune.reporting.frame import read_experiment
+    from taylor_tune.sweep.folder import check_race_state
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / RACE_FILE).parent.symlink_to(outside)
+    linked = sweep / RACE_FILE.split("/")[0]
+    with pytest.raises(ConfigError, match=rf"^{linked} is a symbolic link, and a racing sweep keeps its state there"):
+        check_race_state(str(sweep))
+    rng = np.random.default_rng(5)
+    with pytest.raises(OSError, match=rf"{linked} is a symbolic link, and .* would be written through it"):
+        race(lambda step: RaceScheduler(str(sweep)), sweep, {"a": scores(rng, 0.7)}, [("a", 0)])
+    assert list(outside.iterdir()) == []  # nothing written outside the sweep
+
+    planted = {"alpha": 0.05, "objective": "acc_mean", "trials": {"a": {"why": "planted"}}, "decisions": {}}
+    (outside / "race.json").write_text(json.dumps(planted))  # what lies behind the link is never read as the race's
+    (sweep / "a" / "params.json").write_text(json.dumps({"model": "tiny-llama"}))
+    assert "race" not in read_experiment(str(sweep)).columns
+    resumed = RaceScheduler(str(sweep))
+    resumed._load()
+    assert resumed.trials == {} and resumed.races == {}

@@ -130,7 +130,7 @@ class RaceScheduler(FIFOScheduler):
         state = {"alpha": self.alpha, "objective": self.objective, "trials": self.trials,
                  "decisions": {model: [dataclasses.asdict(d) for d in race.decisions]
                                for model, race in self.races.items()}}
-        write_whole(filesystem, posixpath.join(root, RACE_FILE), json.dumps(state, indent=1).encode())
+        write_whole(filesystem, posixpath.join(root, RACE_FILE), json.dumps(state, indent=1).encode(), root)
 
     def _outcomes(self, folder: str, stage: str, metrics: dict, filesystem) -> pd.Series | pd.DataFrame | None:
         """What the race compares: each item's score (acc_mean), or each window's NLL and tokens (ppl)."""
