@@ -48,6 +48,27 @@ def is_transient(error: BaseException) -> bool:
         and any(word in str(error).lower() for word in TRANSIENT))
 
 
+# What an object store's error says, and what it means for the user (pyarrow's AWS errors carry the SDK's code)
+_STORAGE_ERRORS = (
+    (("NETWORK_CONNECTION", "Could not connect", "Couldn't connect", "curlCode", "timed out", "Timeout",
+      "Could not resolve"), "its endpoint cannot be reached"),
+    (("NO_SUCH_BUCKET", "NoSuchBucket", "bucket does not exist"), "its bucket does not exist"),
+    (("INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+      "EXPIRED_TOKEN", "ExpiredToken", "No credentials", "MISSING_AUTHENTICATION_TOKEN"),
+     "its credentials are refused"),
+    (("ACCESS_DENIED", "AccessDenied", "Forbidden", "403"), "access is denied"),
+)
+
+
+def storage_problem(error: Exception) -> str:
+    """What an object store's error means for the user, in a few words (its endpoint cannot be reached, ...)."""
+    text = str(error)
+    for needles, meaning in _STORAGE_ERRORS:
+        if any(needle in text for needle in needles):
+            return meaning
+    return "it cannot be used"
+
+
 def open_storage(location: str | Path) -> tuple[fs.FileSystem, str]:
     """(filesystem, path in it) of a local folder or a URI (credentials and endpoint from the environment, as Ray
     Tune opens its own storage)."""

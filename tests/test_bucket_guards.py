@@ -167,3 +167,24 @@ def test_a_real_sweeps_finished_trial_survives_its_state_cut_short_in_the_bucket
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     trials = {k.split("/")[3] for k in listing(aws, "real") if k.count("/") > 3 and "/sweep_trainable_" in k}
     assert len(trials) == 1, trials  # resumed, nothing ran again
+
+
+@pytest.mark.parametrize("command", ["report", "export"])
+@pytest.mark.parametrize("case", ["wrong credentials", "endpoint down"])
+def test_report_and_export_of_a_bucket_they_cannot_read_are_one_line(s3, tmp_path, command, case):
+    """Issue 91, case 6: `report` and `export` of an `s3://` sweep with credentials the server refuses, or with its
+    endpoint down, ended in about 30 lines of traceback, exit 1 (`read_experiment` let the OSError through), where
+    `status` and `sweep` said one line. Now one line naming the sweep and what failed, exit 2."""
+    from tests.s3_helpers import aws_env
+    from tests.sweep_helpers import free_port
+
+    lay(s3, "unreadable/exp", {"taylor_tune_experiment.json": b"{}"})
+    aws = s3["env"] | {"AWS_SECRET_ACCESS_KEY": "not-the-secret"} if case == "wrong credentials" \
+        else aws_env(f"http://127.0.0.1:{free_port()}")
+    folder = f"s3://{BUCKET}/unreadable/exp"
+    proc = subprocess.run([sys.executable, "-m", "taylor_tune", command, folder, "--output", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300, cwd=REPO, env={**env(), **aws})
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+    meaning = "its credentials are refused" if case == "wrong credentials" else "its endpoint cannot be reached"
+    assert proc.stderr.startswith("taylor-tune: error: ") and f"{folder}: {meaning} (" in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists()

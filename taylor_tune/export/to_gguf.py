@@ -21,7 +21,8 @@ Which architecture the file names (what llama.cpp 0.3.36's bundled source does w
   one line naming the uniform layout.
 - A Qwen2 or Mistral with output biases (FLAP's compensation; their transformers classes cannot hold them either) is
   written as `deci` too, which takes them on any layer; a uniform Llama with them stays `llama` (its graph adds both
-  biases when present).
+  biases when present). So is a uniform Qwen2 with attention heads cut: llama.cpp's `qwen2` sizes q as hidden x
+  hidden (`Family.gguf_whole_attention`), `deci` from the heads the file names.
 
 The tokenizer goes in as llama.cpp's converter writes a byte-level BPE (`gpt2`): the token list, types, merges and
 special ids, and the pre-tokenizer's name, which llama.cpp needs to split text as the model's tokenizer does. The
@@ -118,17 +119,18 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, *, file_type: str 
     size = head_dim(layers[0].self_attn)
     biased = any(layer.self_attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None for layer in layers)
     uniform = all(shape == shapes[0] for shape in shapes)
-    arch = architecture(config.model_type, uniform=uniform, biased=biased)
+    whole = all(layer.self_attn.q_proj.out_features == config.hidden_size for layer in layers)
+    arch = architecture(config.model_type, uniform=uniform, biased=biased, whole_attention=whole)
     if arch == "deci" and not FAMILIES[config.model_type].gguf_free:
+        if uniform and not biased:  # the attention alone keeps it from its own architecture
+            raise GGUFError(f"--gguf: llama.cpp's {STOCK_ARCH[config.model_type]} sizes attention from the hidden "
+                            f"size (q is hidden x hidden), so a {config.model_type} model with attention heads pruned "
+                            "(or heads x head_dim other than the hidden size) is not written as GGUF; depth and "
+                            "MLP-only cuts are")
         what = "whose layers differ in width" if not uniform else "with output biases (FLAP's compensation)"
         raise GGUFError(f"--gguf: a {config.model_type} model {what} is not written as GGUF (llama.cpp reads "
                         "per-layer widths and those biases only as deci, which has no head norms or multipliers); "
                         "prune it with uniform: true" + ("" if not uniform else " and a method without compensation"))
-    if FAMILIES[config.model_type].gguf_whole_attention and any(
-            layer.self_attn.q_proj.out_features != config.hidden_size for layer in layers):
-        raise GGUFError(f"--gguf: llama.cpp's {arch} sizes attention from the hidden size (q is hidden x hidden), so a "
-                        f"{config.model_type} model with attention heads pruned (or heads x head_dim other than the "
-                        "hidden size) is not written as GGUF; depth and MLP-only cuts are")
     if config.model_type == "gemma2":
         _check_gemma(config, rope)
     vocab = _vocab(tokenizer, config.vocab_size)
@@ -210,10 +212,38 @@ def _check_gemma(config, rope: dict) -> None:
     raise GGUFError(f"--gguf: this {config.model_type} model is not written as GGUF: {why}")
 
 
-def architecture(model_type: str, *, uniform: bool, biased: bool) -> str:
-    """llama.cpp's architecture for a model (module docstring): its own where its layers share one shape and its
-    graph takes its biases, `deci` otherwise."""
-    return STOCK_ARCH[model_type] if uniform and not (biased and model_type != "llama") else "deci"
+def architecture(model_type: str, *, uniform: bool, biased: bool, whole_attention: bool = True) -> str:
+    """llama.cpp's architecture for a model (module docstring): its own where its layers share one shape, its graph
+    takes its biases and its loader takes its attention's width (`Family.gguf_whole_attention`: q hidden x hidden),
+    `deci` otherwise (whose family has Llama's graph, `Family.gguf_free`, or refused)."""
+    own = uniform and not (biased and model_type != "llama") and (
+        whole_attention or not FAMILIES[model_type].gguf_whole_attention)
+    return STOCK_ARCH[model_type] if own else "deci"
+
+
+# The layouts the README's family table names: (uniform, the attention left hidden-wide)
+GGUF_LAYOUTS = {"free": (False, False), "uniform, heads cut": (True, False), "uniform, MLP only": (True, True),
+                "depth": (True, True)}
+
+
+def written_as(model_type: str, layout: str) -> str | None:
+    """The llama.cpp architecture `export --gguf` writes a model of this family and layout (`GGUF_LAYOUTS`) as, None
+    where it refuses: derived from the family's declaration, so that the README's table (`gguf_table`) cannot promise
+    what the writer refuses. Gemma's own checks (`_check_gemma`) come on top, from each model's config."""
+    family, (uniform, whole) = FAMILIES[model_type], GGUF_LAYOUTS[layout]
+    if family.gguf is None:
+        return None
+    arch = architecture(model_type, uniform=uniform, biased=False, whole_attention=whole)
+    return None if arch == "deci" and not family.gguf_free else arch
+
+
+def gguf_table() -> str:
+    """The README's table of what `export --gguf` writes, one row per family (`written_as`)."""
+    rows = ["| family | " + " | ".join(GGUF_LAYOUTS) + " |", "|---|" + "---|" * len(GGUF_LAYOUTS)]
+    for model_type in FAMILIES:
+        cells = [f"`{arch}`" if (arch := written_as(model_type, layout)) else "refused" for layout in GGUF_LAYOUTS]
+        rows.append(f"| `{model_type}` | " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n"
 
 
 def llama3_rope_factors(config, size: int) -> torch.Tensor:

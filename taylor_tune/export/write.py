@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -25,6 +26,10 @@ def check_output(output: Path, sweep: str) -> None:
     if output.is_symlink() or output.exists():  # a dangling link too: the export would be written through it
         what = "is a link" if output.is_symlink() else "exists"
         raise ExportError(f"--output {output} {what}; give a new folder (an export never writes over one)")
+    dangling = next((p for p in output.parents if p.is_symlink() and not p.exists()), None)
+    if dangling is not None:  # the folders above --output would be made through it, where it points
+        raise ExportError(f"--output {output}: {dangling} is a link to nothing ({os.readlink(dangling)}); give a "
+                          "folder whose parents exist or can be made")
     if output.resolve().is_relative_to(Path(sweep).resolve()):
         raise ExportError(f"--output {output} lies inside the sweep {sweep}; give a folder outside it")
     parent = next(p for p in output.resolve().parents if p.exists())
@@ -67,9 +72,16 @@ def export(sweep: str, output: str | Path, *, model: str | None = None, trial: s
 
 
 def _disk_full(error: BaseException) -> bool:
+    """Whether a writer failed for want of room: an errno of a full disk or quota, or the text its own type carries
+    (safetensors' Rust "os error 28"; numpy's `tofile`, which the GGUF writer uses, reports a short write only as
+    "N requested and M written", with no errno)."""
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
-    return "No space left on device" in str(error) or "os error 28" in str(error)
+    text = str(error)
+    return "No space left on device" in text or "os error 28" in text or bool(_SHORT_WRITE.search(text))
+
+
+_SHORT_WRITE = re.compile(r"\b\d+ requested and \d+ written\b")
 
 
 def _write(sweep: str, chosen, output: Path, command: str, gguf: str | None, trust_remote_code: bool,

@@ -37,6 +37,7 @@ from taylor_tune.schema import (
     task_key,
     zero_shot_stage,
 )
+from taylor_tune.storage import storage_problem
 
 GRAD_COLUMNS = ("grad_mean_ratio", "grad_norm_ratio", "grad_mean_range", "grad_norm_range")
 SPEC_COLUMNS = ("output_dir", "ppl", "acc_mean", "params_count", "pruning_ratio", *GRAD_COLUMNS,
@@ -315,10 +316,17 @@ def read_experiment(location: str, filesystem=None) -> pd.DataFrame:
 
     given = filesystem
     filesystem, root = open_filesystem(str(location), filesystem)
-    info = filesystem.get_file_info(root)
+    try:
+        if not isinstance(filesystem, pafs.LocalFileSystem):  # a listing first: a GET's error names its cause (a
+            filesystem.get_file_info(pafs.FileSelector(root, allow_not_found=True))  # HEAD's has no body to say it)
+        info = filesystem.get_file_info(root)
+        entries = filesystem.get_file_info(pafs.FileSelector(root, recursive=False)) \
+            if info.type == pafs.FileType.Directory else []
+    except OSError as error:  # an object store's: its endpoint down, its credentials refused, access denied
+        said = (str(error).strip() or type(error).__name__).splitlines()[0][:200]
+        raise ReportError(f"{location}: {storage_problem(error)} ({said})") from None
     if info.type != pafs.FileType.Directory:
         raise ReportError(f"{location}: no such experiment folder")
-    entries = filesystem.get_file_info(pafs.FileSelector(root, recursive=False))
     local = isinstance(filesystem, pafs.LocalFileSystem)  # a linked trial folder is another's, never read as ours
     trial_dirs = sorted(e.path for e in entries if e.type == pafs.FileType.Directory
                         and not (local and Path(e.path).is_symlink())

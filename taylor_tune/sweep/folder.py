@@ -18,6 +18,7 @@ from taylor_tune.errors import ConfigError
 from taylor_tune.jsonio import linked_part, write_whole
 from taylor_tune.reporting.frame import open_filesystem
 from taylor_tune.schema import EXPERIMENT_RECORD, RACE_FILE
+from taylor_tune.storage import storage_problem
 from taylor_tune.sweep.experiment import Experiment, Resources, Search
 from taylor_tune.sweep.race_state import RaceStateError, check_race
 
@@ -266,26 +267,6 @@ def storage_full(storage_path: str) -> str | None:
             f"{megabytes(MIN_FREE_BYTES)} there (its state, trial folders and caches)")
 
 
-# What an object store's error says, and what it means for the user (pyarrow's AWS errors carry the SDK's code)
-_STORAGE_ERRORS = (
-    (("NETWORK_CONNECTION", "Could not connect", "Couldn't connect", "curlCode", "timed out", "Timeout",
-      "Could not resolve"), "its endpoint cannot be reached"),
-    (("NO_SUCH_BUCKET", "NoSuchBucket", "bucket does not exist"), "its bucket does not exist"),
-    (("INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH", "InvalidAccessKeyId", "SignatureDoesNotMatch",
-      "EXPIRED_TOKEN", "ExpiredToken", "No credentials", "MISSING_AUTHENTICATION_TOKEN"),
-     "its credentials are refused"),
-    (("ACCESS_DENIED", "AccessDenied", "Forbidden", "403"), "access is denied"),
-)
-
-
-def _storage_problem(error: Exception) -> str:
-    text = str(error)
-    for needles, meaning in _STORAGE_ERRORS:
-        if any(needle in text for needle in needles):
-            return meaning
-    return "it cannot be used"
-
-
 def check_object_storage(storage_path: str) -> None:
     """A URI storage (s3://, gs://, any pyarrow opens) checked before Ray starts: it opens, its bucket exists, the
     credentials are taken, and this process can write there (a probe object written and removed). ConfigError in one
@@ -317,7 +298,7 @@ def check_object_storage(storage_path: str) -> None:
             filesystem.delete_dir(root)
     except Exception as error:
         said = str(error).splitlines()[0][:200]
-        raise ConfigError(f"storage_path: {storage_path}: {_storage_problem(error)} ({step}: {said}); nothing was "
+        raise ConfigError(f"storage_path: {storage_path}: {storage_problem(error)} ({step}: {said}); nothing was "
                           "written") from None
 
 

@@ -243,6 +243,48 @@ def test_an_export_onto_a_full_disk_is_one_line_and_leaves_nothing(sweep, tmp_pa
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
+def test_a_gguf_the_disk_has_no_room_for_is_one_line_and_leaves_nothing(sweep, tmp_path):
+    """Issue 91, case 6: a disk with room for the model's safetensors but not for its GGUF: numpy's short write
+    ("N requested and M written", no errno) ended the export in a traceback, exit 1. Now one line, exit 2, nothing
+    left on the disk. The disk is sized from the same export written whole: everything else and half the GGUF."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "taylor_tune", "export", str(sweep["path"]), "--trial", sweep["ids"]["free"],
+               "--gguf", "f16"]
+    whole = tmp_path / "whole"
+    assert subprocess.run([*command, "--output", str(whole)], capture_output=True).returncode == 0
+    files = [p for p in whole.rglob("*") if p.is_file()]
+    gguf = (whole / "model.f16.gguf").stat().st_size
+    rest = sum(-(-p.stat().st_size // 4096) * 4096 for p in files if p.name != "model.f16.gguf")
+    size = rest + 16 * 4096 + gguf // 2  # the folders' own blocks, then half the GGUF
+    assert gguf > 32 * 4096, gguf  # half of it is more than the slack
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)]).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        proc = subprocess.run([*command, "--output", str(disk / "out")], capture_output=True, text=True)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert "no space left" in proc.stderr and str(disk / "out") in proc.stderr, proc.stderr
+        assert list(disk.iterdir()) == []
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_an_output_under_a_dangling_link_is_one_line_and_nothing_is_made_where_it_points(sweep, tmp_path, capsys):
+    """Issue 91, case 6: `--output a/model` where `a` is a dangling link ended in FileExistsError, exit 1 (check_output
+    looked at --output only, not its parents). Now one line naming the link, exit 2, before any work."""
+    from taylor_tune.cli import main
+
+    (tmp_path / "a").symlink_to(tmp_path / "nowhere")
+    code = main(["export", str(sweep["path"]), "--trial", sweep["ids"]["free"], "--output", str(tmp_path / "a" / "m")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"--output {tmp_path / 'a' / 'm'}: {tmp_path / 'a'} is a link to nothing" in err, err
+    assert not (tmp_path / "nowhere").exists()
+
+
 def test_the_model_card_shows_plain_numbers_no_machine_path_and_only_the_settings_the_method_read(sweep, tmp_path):
     """Issue 80: the card showed `np.int64(107611776)` where numbers belong, the machine's absolute trial folder, and
     settings a taylor trial never read (flap_compensation, depth_criterion, blockwise_attention)."""
