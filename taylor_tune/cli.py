@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import errno
+import json
 import logging
 import os
 import signal
@@ -24,6 +25,8 @@ from taylor_tune.config import (
     RecoverySpec,
     build_eval_spec,
     build_prune_config,
+    check_schedule,
+    check_typed,
     format_validation_error,
     read_config_file,
 )
@@ -121,6 +124,7 @@ def _run_prune(args: argparse.Namespace) -> int:
     check_output(args.output, folder=True)
     values = read_config_file(args.config) if args.config else {}
     recovery = values.pop("recovery", None)
+    check_typed(values)
     values |= _given(args, PruneConfig)
     config = build_prune_config(values)
     if recovery is not None and not isinstance(recovery, dict):
@@ -133,6 +137,7 @@ def _run_prune(args: argparse.Namespace) -> int:
         except ValidationError as error:
             raise ConfigError("\n".join(f"recovery.{line}" for line in
                                         format_validation_error(error).splitlines())) from None
+        check_schedule(spec)
 
     from taylor_tune.pruning.artifacts import write_prune_artifacts  # torch: only once the arguments are valid
     from taylor_tune.pruning.prune import prune
@@ -154,9 +159,21 @@ def _run_prune(args: argparse.Namespace) -> int:
     print(
         f"{config.method}: removed {d['params_count_before'] - d['params_count']} of {d['params_count_before']} "
         f"parameters (pruning_ratio {d['pruning_ratio']:.4f}, target {config.sparsity}); "
-        f"extreme layers {d['extreme_pruning_layers']}{recovered}; wrote {out}"
+        f"extreme layers {d['extreme_pruning_layers']}{recovered}; wrote {out} ({_folder_kind(out / 'model', config)})"
     )
     return 0
+
+
+def _folder_kind(folder: Path, config: PruneConfig) -> str:
+    """What the written model folder is, in words: a stock transformers folder, or taylor_tune's pruned one (and,
+    where uniform was asked, that its shapes are more than its stock config can say, as a Gemma 3 whose head count
+    no longer divides its hidden size)."""
+    from taylor_tune.sources.data import PRUNED_MANIFEST  # with the prune's other deferred imports (torch's world)
+
+    if json.loads((folder / PRUNED_MANIFEST).read_text())["uniform"]:
+        return "model/ is a stock transformers folder"
+    said = "model/ is taylor_tune's pruned folder (load_pruned, or transformers with trust_remote_code)"
+    return said + (": uniform, but its shapes are more than its stock config can say" if config.uniform else "")
 
 
 EVALUATE_EXAMPLE = """\

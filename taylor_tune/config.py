@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from taylor_tune.errors import ConfigError, shown
 
@@ -517,6 +517,30 @@ def format_validation_error(error: ValidationError) -> str:
             message += f" (got {shown(item['input'])})"
         parts.append(f"{field}: {message}")
     return "; ".join(parts)
+
+
+def check_schedule(spec: RecoverySpec) -> None:
+    """The recovery's schedule warms up to lr, then decays to 0 at `steps`: a warm-up longer than the steps would
+    never reach lr nor decay (and the recovery would change the model by less than asked, silently). One rule for
+    `prune --recovery-*` and every point of a sweep (`sweep.preflight.check_recovery`)."""
+    if spec.warmup_steps > spec.steps:
+        raise ConfigError(f"recovery.warmup_steps: {spec.warmup_steps} warm-up steps for {spec.steps} steps: the "
+                          "learning rate would never reach recovery.lr nor decay; set warmup_steps to at most "
+                          f"{spec.steps} (0 for none)")
+
+
+def check_typed(values: dict[str, Any], model: type[BaseModel] = None) -> None:
+    """A settings file's values as YAML typed them, each strictly its field's type: `true` is not the integer 1, nor
+    "64" a number, nor "yes" a yes (the search space's dimensions are held to the same); ConfigError naming the
+    field. The command line's options are text and are converted; a file's values are not."""
+    fields = (model or PruneConfig).model_fields
+    for name, value in values.items():
+        if name not in fields or value is None:
+            continue
+        try:
+            TypeAdapter(fields[name].annotation).validate_python(value, strict=True)
+        except ValidationError as error:
+            raise ConfigError(f"{name}: {error.errors()[0]['msg']} (got {shown(value)})") from None
 
 
 def build_prune_config(values: dict[str, Any]) -> PruneConfig:

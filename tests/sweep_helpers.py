@@ -134,6 +134,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# `ray ...` (Ray's own command line) with every node address of 127.0.0.1 kept on loopback
+LOOPBACK_RAY = ("import sys; from ray.scripts.scripts import main; from taylor_tune.compat.ray import on_loopback\n"
+                "sys.argv[0] = 'ray'\nwith on_loopback(): main()")
+
+
+def listeners(processes) -> list[tuple[str, int, str]]:
+    """(address, port, process name) of every socket the processes listen on (TCP; psutil reads /proc)."""
+    found = []
+    for proc in processes:
+        try:
+            found += [(c.laddr.ip, c.laddr.port, proc.name()) for c in proc.net_connections(kind="inet")
+                      if c.status == psutil.CONN_LISTEN]
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
 def shared_head() -> str:
     """The run's head, started by whichever process asks first (every service on 127.0.0.1, two CPUs for each
     worker of the run, workers at the suite's priority); its address."""
@@ -147,7 +164,9 @@ def shared_head() -> str:
         # Ray's fixed defaults (dashboard, its agent, the client server) are any other Ray's on the machine too
         port, dashboard, agent, client = (free_port() for _ in range(4))
         cpus = 2 * int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-        subprocess.run([str(Path(sys.executable).parent / "ray"), "start", "--head", "--node-ip-address=127.0.0.1",
+        # `ray start` turns 127.0.0.1 into the machine's address (its client server then listened there):
+        # started with the loopback address kept as given (`compat.ray.on_loopback`), as a local sweep's Ray is
+        subprocess.run([sys.executable, "-c", LOOPBACK_RAY, "start", "--head", "--node-ip-address=127.0.0.1",
                         f"--port={port}", f"--num-cpus={cpus}", "--include-dashboard=false",
                         f"--dashboard-port={dashboard}", f"--dashboard-agent-listen-port={agent}",
                         f"--ray-client-server-port={client}",

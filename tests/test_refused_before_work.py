@@ -121,6 +121,16 @@ def test_one_model_folder_spelled_two_ways_is_listed_twice(capsys, tmp_path, mon
         nothing_started(tmp_path)
 
 
+def test_a_built_in_model_and_the_folder_it_loads_from_are_one_model(capsys, tmp_path):
+    """Issue 91, case 7: `models: [tiny-llama, <the package's own tiny-llama folder>]` ran one model twice, as two."""
+    from taylor_tune.sources.world import model_dir
+
+    folder = str(model_dir("tiny-llama"))
+    code, _, err = run(capsys, "sweep", experiment(tmp_path, models=["tiny-llama", folder]))
+    one_line(code, err, f"models: 'tiny-llama' is listed twice (as 'tiny-llama' and {folder!r})")
+    nothing_started(tmp_path)
+
+
 def test_a_refused_start_leaves_the_name_free_for_other_settings(capsys, tmp_path):
     """A record of settings written by a run that never saved a Tune state does not bind the name."""
     import json

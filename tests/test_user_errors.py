@@ -438,3 +438,84 @@ def test_status_leaves_out_a_trial_whose_saved_state_its_result_json_contradicts
     assert code == 0 and f"(trial {best['trial_id']})" in out, out
     assert (f"trial {worst['trial_id']}: the experiment state and its result.json disagree on acc_mean; left out of "
             "the best") in out
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("align", True, "prune: align: Input should be a valid integer (got True)"),
+    ("align", "64", "align: Input should be a valid integer (got '64')"),
+    ("servable", "yes", "servable: Input should be a valid boolean (got 'yes')"),
+    ("sparsity", "0.2", "sparsity: Input should be a valid number (got '0.2')"),
+])
+def test_the_prune_block_takes_values_as_typed_as_the_search_space_does(capsys, tmp_path, field, value, expected):
+    """Issue 91, case 7: `prune: {align: true}` ran as align 1, and `servable: "yes"`, `align: "64"` were taken in the
+    prune block while the search space refused the same values. One line, exit 2, before Ray; the same as a prune
+    config file."""
+    code, _, err = run(capsys, "sweep", experiment(tmp_path, prune={**SMALL["prune"], field: value}))
+    one_line(code, err, expected.removeprefix("prune: "))
+    assert not (tmp_path / "sweeps").exists()
+    (tmp_path / "prune.yaml").write_text(yaml.safe_dump({"model": "tiny-llama", field: value}))
+    code, _, err = run(capsys, "prune", "--config", tmp_path / "prune.yaml", "--output", tmp_path / "out")
+    one_line(code, err, expected.removeprefix("prune: "))
+    assert not (tmp_path / "out").exists()
+
+
+def test_prune_refuses_a_recovery_warm_up_longer_than_its_steps_as_a_sweep_does(capsys, tmp_path):
+    """Issue 91, case 7: `prune --recovery-steps 4` (warm-up 10 by default) ran silently, its held-out loss unchanged,
+    where a sweep refused the same setting. The one rule (`config.check_schedule`) now holds for both."""
+    code, _, err = run(capsys, "prune", "--model", "tiny-llama", "--recovery-steps", "4", "--output", tmp_path / "o")
+    one_line(code, err, "recovery.warmup_steps: 10 warm-up steps for 4 steps")
+    assert not (tmp_path / "o").exists()
+    code, _, err = run(capsys, "sweep", experiment(tmp_path, recovery={"steps": 4}))
+    one_line(code, err, "recovery.warmup_steps: 10 warm-up steps for 4 steps")
+
+
+@pytest.mark.parametrize("tensors", ["tiny-qwen2", "tiny-gemma2"])
+def test_a_config_naming_another_family_over_a_checkpoints_tensors_is_one_line(capsys, tmp_path, tensors):
+    """Issue 91, case 7: a folder whose config.json says llama over Qwen2's tensors was evaluated with its biases
+    dropped; over Gemma 2's, at perplexity 419, exit 0 (only transformers' load report on stderr said so). Now the
+    tensors the class does not use, lacks or shapes otherwise are one line naming how many and the first, exit 2."""
+    import json
+    import subprocess
+    import sys
+
+    from taylor_tune.sources.world import model_dir
+
+    folder = tmp_path / "model"
+    shutil.copytree(model_dir(tensors), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"model_type": "llama",
+                                                             "architectures": ["LlamaForCausalLM"]}))
+    flags = ("--tasks", "piqa", "--task-data", "world", "--ppl", "world", "--limit", "4")
+    # as a user runs it (a process of its own: transformers' progress bars off from its import, as the CLI sets)
+    proc = subprocess.run([sys.executable, "-m", "taylor_tune", "evaluate", "--model", str(folder), *flags,
+                           "--output", str(tmp_path / "eval.json")], capture_output=True, text=True, timeout=300)
+    code, err = proc.returncode, proc.stderr
+    one_line(code, err, f"model: {str(folder)!r}'s weights do not match its config.json (llama): ")
+    assert "is config.json this checkpoint's?" in err and not (tmp_path / "eval.json").exists()
+    code, _, err = run(capsys, "evaluate", "--model", model_dir(tensors), *flags, "--output", tmp_path / "eval.json")
+    assert code == 0, err  # the folder as shipped loads
+
+
+@pytest.mark.parametrize("model, uniform", [("tiny-llama", True), ("tiny-llama", False), ("tiny-gemma2", True)])
+def test_the_prunes_last_line_says_which_folder_it_wrote(capsys, tmp_path, model, uniform):
+    """Issue 91, case 7: a `--uniform` pruning whose shapes its stock config cannot say (a Gemma whose head count no
+    longer divides its hidden size) writes taylor_tune's pruned folder, documented, but the prune's last line did
+    not say so. The line now says which folder it is, and that agrees with the folder: a stock one loads in
+    transformers without remote code, a pruned one does not."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    code, said, err = run(capsys, "prune", "--model", model, "--sparsity", "0.4", "--seq-len", "16", "--num-samples",
+                          "4", "--calibration", "world", "--device", "cpu", *(["--uniform"] if uniform else []),
+                          "--output", out)
+    assert code == 0, err
+    stock = said.strip().endswith("(model/ is a stock transformers folder)")
+    assert stock or "(model/ is taylor_tune's pruned folder (load_pruned, or transformers with trust_remote_code)" \
+        in said, said
+    assert stock == (": uniform, but" not in said) if uniform else not stock
+    try:
+        AutoModelForCausalLM.from_pretrained(out / "model", trust_remote_code=False)
+        loads = True
+    except Exception:  # a pruned folder's config names its own class (auto_map): refused without remote code
+        loads = False
+    assert loads == stock, said

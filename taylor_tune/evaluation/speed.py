@@ -205,6 +205,7 @@ PLAUSIBLE_SPEEDUP = 20.0
 # The ratio of the two models' median rates and the pairs' speedup are two summaries of the same timed runs: apart by
 # more than this factor, a rate was not measured with the pairs (an edited or damaged record)
 RATES_AGREE = 3.0
+ONE_PAIR_AGREES = 1 + 1e-9
 
 
 def checked_paired(record: object) -> dict[str, float | None]:
@@ -216,6 +217,11 @@ def checked_paired(record: object) -> dict[str, float | None]:
         raise ValueError(f"a speed record is a mapping, not {type(record).__name__}")
     checked = checked_speed(record) | {f"unpruned_{k}": v for k, v in checked_speed(
         {k.removeprefix("unpruned_"): v for k, v in record.items() if k.startswith("unpruned_")}).items()}
+    pairs = record.get("speed_pairs")
+    if isinstance(pairs, bool) or not isinstance(pairs, int) or pairs < 1:
+        raise ValueError(f"speed record: speed_pairs is {str(pairs)[:40]!r}, not a positive count")
+    # one pair: its ratio of times is the ratio of the two rates, to rounding; any other gap is damage
+    agree = ONE_PAIR_AGREES if pairs == 1 else RATES_AGREE
     for speedup in SPEEDUPS:
         value = record.get(speedup)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
@@ -226,16 +232,13 @@ def checked_paired(record: object) -> dict[str, float | None]:
         checked |= {speedup + part: _error(record, speedup + part) for part in ("_se", "_low", "_high")}
         rate = SPEEDUPS[speedup]
         rates = checked[rate] / checked[f"unpruned_{rate}"]
-        if not 1 / RATES_AGREE <= rates / value <= RATES_AGREE:
+        if not 1 / agree <= rates / value <= agree:
             raise ValueError(f"speed record: {rate} {checked[rate]:.4g} against unpruned_{rate} "
                              f"{checked[f'unpruned_{rate}']:.4g} is {rates:.3g}x, but its pairs measured "
                              f"{speedup} {value:.3g}x: not one measurement")
     memory = record.get("memory_ratio")
     if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not 0 < memory <= PLAUSIBLE_SPEEDUP:
         raise ValueError(f"speed record: memory_ratio is {str(memory)[:40]!r}, not a positive ratio")
-    pairs = record.get("speed_pairs")
-    if isinstance(pairs, bool) or not isinstance(pairs, int) or pairs < 1:
-        raise ValueError(f"speed record: speed_pairs is {str(pairs)[:40]!r}, not a positive count")
     return checked | {"memory_ratio": memory, "memory_ratio_se": 0.0, "speed_pairs": pairs}
 
 

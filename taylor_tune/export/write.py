@@ -57,7 +57,8 @@ def export(sweep: str, output: str | Path, *, model: str | None = None, trial: s
     chosen = choose(sweep, model=model, trial=trial, rank=rank, constraints=tuple(constraints))
     if format == "decilm":
         check_trial(chosen, trust_remote_code=trust_remote_code)
-    command = (f"taylor-tune export {sweep} --model {chosen.model} --trial {chosen.trial_id} --output {output}"
+    command = (f"taylor-tune export {public_path(sweep)} --model {chosen.model} --trial {chosen.trial_id} "
+               f"--output {public_path(output)}"
                + (f" --gguf {gguf}" if gguf else "") + (f" --format {format}" if format != "hf" else ""))
     output.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -69,6 +70,28 @@ def export(sweep: str, output: str | Path, *, model: str | None = None, trial: s
         raise ExportError(f"--output {output}: no space left on its disk ({free:.1f} MB free); nothing written: free "
                           "space there or choose another folder") from None
     return output
+
+
+def public_path(path: str | Path) -> str:
+    """A path as a card made to be published shows it: relative to the current folder where it lies inside it, else
+    its last two parts (the machine's folders above them are nobody else's business); a URI as given."""
+    if "://" in str(path):
+        return str(path)
+    absolute = Path(path).absolute()
+    if absolute.is_relative_to(Path.cwd()):
+        return str(absolute.relative_to(Path.cwd())) or "."
+    return str(Path(*absolute.parts[-2:]))
+
+
+def _normal_modes(folder: Path) -> None:
+    """Every file of the folder readable as a file this user writes is (0666 less the umask; folders 0777 less it):
+    the writers (safetensors among them) and the scratch folder leave some 0600, though an export is made to be
+    shared."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in (folder, *folder.rglob("*")):
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def _disk_full(error: BaseException) -> bool:
@@ -108,6 +131,7 @@ def _write(sweep: str, chosen, output: Path, command: str, gguf: str | None, tru
                                             "trial_folder": chosen.folder, "why": chosen.why, "layout": layout,
                                             "checks": rebuilt.checks, "gguf": written, "config": record,
                                             "command": command})
+        _normal_modes(folder)
         try:
             os.replace(folder, output)
         except OSError:

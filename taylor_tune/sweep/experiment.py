@@ -33,6 +33,7 @@ from taylor_tune.config import (
     Evaluation,
     PruneConfig,
     RecoverySpec,
+    check_typed,
     dimensions,
     format_validation_error,
     load_yaml,
@@ -49,8 +50,10 @@ from taylor_tune.schema import (
     objective_metrics,
     prune_dimensions,
 )
-from taylor_tune.sources.data import check_calibration, check_eval_sources, heldout_paths
+from taylor_tune.sources.assets import MODEL_ASSETS, asset_dir
+from taylor_tune.sources.data import TRAINED_MODELS, check_calibration, check_eval_sources, heldout_paths
 from taylor_tune.sources.instructions import check_instruction_file, is_instruction_data
+from taylor_tune.sources.world import model_dir
 
 Value = StrictBool | StrictInt | StrictFloat | StrictStr | None
 
@@ -264,6 +267,10 @@ class Experiment(BaseModel):
         reserved = {"model", "seed"} & set(values)
         if reserved:
             raise ValueError(f"{sorted(reserved)[0]!r} is set by the sweep (models, search.repeats), not in prune")
+        try:
+            check_typed(values)
+        except ConfigError as error:
+            raise ValueError(str(error)) from None
         PruneConfig(model="tiny-llama", **values)
         return values
 
@@ -448,8 +455,12 @@ def load_experiment(path: str | Path, **overrides: Any) -> Experiment:
 
 
 def _model_key(model: str) -> str:
-    """What a model spec names: an existing folder or file by its resolved path, anything else (a hub id, a built-in
-    name) by its normalized spelling."""
+    """What a model spec names: an existing folder or file by its resolved path (a built-in name by the folder it
+    loads from: the shipped one of a trained tiny model, the fetched one of a real model), anything else (a hub id,
+    a random tiny model) by its normalized spelling."""
+    if model in TRAINED_MODELS or model in MODEL_ASSETS:
+        folder = model_dir(model) if model in TRAINED_MODELS else asset_dir(model)
+        return str(folder.resolve())
     path = Path(model).expanduser()
     try:
         return str(path.resolve()) if path.exists() else os.path.normpath(model)

@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from taylor_tune.config import check_schedule
 from taylor_tune.errors import CalibrationError, ConfigError, PlanError
 from taylor_tune.pruning.prune import check_plan, draw_calibration, draws_calibration, meta_layout, uses_gradients
 from taylor_tune.schema import DIMENSIONS
@@ -93,11 +94,8 @@ def check_recovery(experiment: Experiment) -> None:
         return
     trust = bool(experiment.prune.get("trust_remote_code"))
     specs = {spec.model_dump_json(): spec for spec in map(experiment.recovery_spec, experiment.space_points())}
-    for spec in specs.values():  # the schedule warms up to lr, then decays to 0 at `steps`
-        if spec.warmup_steps > spec.steps:
-            raise ConfigError(f"recovery.warmup_steps: {spec.warmup_steps} warm-up steps for {spec.steps} steps: the "
-                              "learning rate would never reach recovery.lr nor decay; set warmup_steps to at most "
-                              f"{spec.steps} (0 for none)")
+    for spec in specs.values():
+        check_schedule(spec)
     for model in experiment.models:
         hidden = load_model_config(model, trust_remote_code=trust).hidden_size
         tokenizer = load_tokenizer(model, trust_remote_code=trust)

@@ -104,3 +104,26 @@ def test_a_stored_pair_that_no_measurement_gives_is_refused(field, value, says):
         checked_paired(PAIRED | {field: value})
     with pytest.raises(ValueError):
         checked_paired({k: v for k, v in PAIRED.items() if k != field})  # or missing
+
+
+@pytest.mark.parametrize("pairs, factor, refused", [(1, 2.5, True), (1, 1 + 1e-6, True), (1, 1.0, False),
+                                                    (3, 2.5, False)])
+def test_one_pairs_record_is_refused_unless_its_rates_give_its_speedup(pairs, factor, refused):
+    """Issue 91, case 7: a record whose unpruned rate was off by 2.5x was reused (the check allowed 3x). With one pair
+    the speedup is the ratio of the two rates (both its single runs): any gap is damage. Several pairs' geometric
+    mean of ratios and ratio of medians differ by the runs' spread, so 3x stays their bound."""
+    record = PAIRED | {"speed_pairs": pairs,
+                       "unpruned_decode_tokens_per_s": PAIRED["unpruned_decode_tokens_per_s"] * factor}
+    if refused:
+        with pytest.raises(ValueError, match="but its pairs measured decode_speedup 0.5x: not one measurement"):
+            checked_paired(record)
+    else:
+        assert checked_paired(record)["decode_speedup"] == 0.5
+
+
+def test_a_one_pair_measurement_passes_the_one_pair_check():
+    """The rule's premise, on a real measurement: `measure_paired` with repeats 1 on two tiny models (other weights,
+    the same shapes, unequal speeds on a real clock) gives a record whose rates' ratio is its speedup."""
+    spec = SpeedSpec(prefill_batch=1, prefill_len=8, decode_batch=2, prompt_len=4, new_tokens=3, repeats=1, warmup=0)
+    record = measure_paired(tiny("tiny-llama"), tiny("tiny-llama-random"), spec)
+    assert record["speed_pairs"] == 1 and checked_paired(record) == record

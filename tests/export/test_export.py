@@ -285,6 +285,28 @@ def test_an_output_under_a_dangling_link_is_one_line_and_nothing_is_made_where_i
     assert not (tmp_path / "nowhere").exists()
 
 
+@pytest.mark.parametrize("format", ["hf", "decilm"])
+def test_an_export_is_readable_as_any_file_and_its_card_holds_no_absolute_path(sweep, tmp_path, format):
+    """Issue 91, case 7: every export wrote `model.safetensors` 0600 (every other file 0644), and the card's "made
+    again by" line carried the sweep and output paths as typed: absolute ones put the machine's folders into a card
+    made to be published. Now every file has the mode a file this user writes gets, and the line shows the paths
+    relative to the current folder, or their last two parts."""
+    import os
+
+    out = tmp_path / "deep" / "out"
+    folder = export(str(sweep["path"].absolute()), out.absolute(), trial=sweep["ids"]["depth" if format == "decilm"
+                                                                                 else "free"], format=format)
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in folder.rglob("*") if p.is_file()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~umask}, modes
+    assert folder.stat().st_mode & 0o777 == 0o777 & ~umask
+    card = (folder / "README.md").read_text()
+    line = next(line for line in card.splitlines() if line.startswith("- made again by:"))
+    assert str(tmp_path) not in card and str(sweep["path"].parent) not in card, line
+    assert f"taylor-tune export {sweep['path'].parent.name}/exp --model " in line and "--output deep/out" in line
+
+
 def test_the_model_card_shows_plain_numbers_no_machine_path_and_only_the_settings_the_method_read(sweep, tmp_path):
     """Issue 80: the card showed `np.int64(107611776)` where numbers belong, the machine's absolute trial folder, and
     settings a taylor trial never read (flap_compensation, depth_criterion, blockwise_attention)."""
