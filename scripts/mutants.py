@@ -160,6 +160,19 @@ MUTANTS = (
       ("sum(r > extreme_threshold for r in layer_ratio)", "sum(r >= extreme_threshold for r in layer_ratio)")),
     m("diagnostics-ratio-inverted", "pruning/diagnostics.py", "the spread ratio computed as min/max",
       ("ratio = high / low", "ratio = low / high")),
+    # issue 91: slips every tier let through before
+    m("calibration-loss-all-tokens", "pruning/measured.py",
+      "the calibration loss divided by every token of the batch, not by the predicted ones",
+      ("tokens += batch[:, 1:].numel()", "tokens += batch.numel()")),
+    m("fidelity-zero-accepted", "config.py", "an evaluation fidelity of 0 accepted",
+      ("if any(v is not None and v <= 0 for v in value):", "if any(v is not None and v < 0 for v in value):")),
+    m("rebuild-first-ppl-pass", "export/rebuild.py", "the export's rebuild checked against the first perplexity pass",
+      ('passes[-1]["ppl"])', 'passes[0]["ppl"])')),
+    m("export-last-constraint-only", "export/choose.py", "only the last of several export --constraint applied",
+      ("candidates = candidates[constraint.holds(candidates[constraint.metric]).to_numpy()]",
+       "candidates = valid[constraint.holds(valid[constraint.metric]).to_numpy()]")),
+    m("gguf-k-permuted-by-query-heads", "export/to_gguf.py", "the GGUF's k rows permuted with the query-head count",
+      ('("k_proj", "attn_k", shape["kv_heads"])', '("k_proj", "attn_k", shape["heads"])')),
 )
 
 

@@ -442,6 +442,9 @@ def _run_export(args: argparse.Namespace) -> int:
                  constraints=tuple(args.constraint), gguf=args.gguf, trust_remote_code=args.trust_remote_code,
                  format=args.format)
     print(f"wrote {out} (model card: {Path(out) / 'README.md'})")
+    said = json.loads((Path(out) / "export.json").read_text()).get("llama_cpp_converter")
+    if said:
+        print(f"note: not for llama.cpp's converter: {said}")
     return 0
 
 

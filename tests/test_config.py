@@ -48,3 +48,15 @@ def test_config_and_planning_import_neither_torch_nor_ray():
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
         == "False"
     )
+
+
+@pytest.mark.parametrize("field", ["fidelities", "ppl_fidelities"])
+@pytest.mark.parametrize("limits", [(0,), (0, 10), (-5, None)])
+def test_a_pass_of_no_items_is_refused(field, limits):
+    """Issue 91, must-show 5: a fidelity of 0 (a pass scoring nothing, reported as a result) passed every tier.
+    Positive limits, null for every item, are what a pass takes."""
+    from taylor_tune.config import Evaluation
+
+    with pytest.raises(ValueError, match="limits must be positive"):
+        Evaluation(**{field: limits})
+    assert getattr(Evaluation(**{field: (1, 10, None)}), field) == (1, 10, None)

@@ -119,10 +119,11 @@ def layout_said(layout: str, prune: dict) -> str:
 
 
 def model_card(chosen: Chosen, record: dict, checks: dict, *, layout: str, command: str,
-               gguf: dict | None = None) -> str:
+               gguf: dict | None = None, converter: str | None = None) -> str:
     """README.md of the exported folder. `record`: the trial's config.json; `checks`: what the rebuild reproduced
     (name -> (reported, rebuilt)); `layout`: how the folder loads ("uniform", "free" or "decilm"); `gguf`: what `--gguf`
-    wrote (to_gguf.write_gguf's record with its check), if asked."""
+    wrote (to_gguf.write_gguf's record with its check), if asked; `converter`: why llama.cpp's converter refuses a
+    DeciLM folder, if it does (`to_decilm.converter_problem`)."""
     prune, recovery = record["prune"], record.get("recovery")
     front = {"library_name": "transformers", "pipeline_tag": "text-generation",
              "tags": ["taylor-tune", "pruned", "structured-pruning", prune["method"],
@@ -156,5 +157,6 @@ def model_card(chosen: Chosen, record: dict, checks: dict, *, layout: str, comma
         "## Loading", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "tokenizer = AutoTokenizer.from_pretrained(folder)", *(["model = " + loading] if layout == "uniform"
                                                                else loading.splitlines()), "```", "",
+        *([f"Not for llama.cpp's converter: {converter}.", ""] if converter else []),
         *gguf_section(gguf),
     ])

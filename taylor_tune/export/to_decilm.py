@@ -14,11 +14,13 @@ removed, a head size other than hidden / heads, a width that is not a multiple o
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from torch import nn
 
 from taylor_tune.config import SERVABLE_TILE
+from taylor_tune.export import configuration_decilm
 from taylor_tune.export.choose import Chosen, ExportError
 from taylor_tune.export.rebuild import trial_file
 from taylor_tune.pruning.groups import decoder_layers, head_dim
@@ -26,6 +28,7 @@ from taylor_tune.pruning.prune import meta_model
 from taylor_tune.sources.families import FAMILIES
 
 FFN_TILE = SERVABLE_TILE
+CONFIG_FILE = "configuration_decilm.py"  # the folder's configuration class (`configuration_decilm`), for AutoConfig
 SERVABLE = ("prune with servable: true (the attention kept, every MLP width a multiple of 256) on a llama or mistral "
             "model, or by depth")
 
@@ -137,8 +140,37 @@ def write_decilm(model: nn.Module, tokenizer, folder: str | Path) -> Path:
                 "head_dim"):
         config.pop(key, None)
     config |= {"architectures": ["DeciLMForCausalLM"], "model_type": "nemotron-nas", "block_configs": blocks,
-               "num_hidden_layers": len(blocks)}
+               "num_hidden_layers": len(blocks),
+               "auto_map": {"AutoConfig": f"{CONFIG_FILE.removesuffix('.py')}.DeciLMConfig"}}
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    shutil.copyfile(configuration_decilm.__file__, folder / CONFIG_FILE)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     return folder
+
+
+# llama.cpp's DeciLM reader (convert_hf_to_gguf.py, conversion/deci.py in the llama.cpp llama-cpp-python 0.3.36
+# bundles) takes Llama 3's vocabulary by its size, anything else only as a SentencePiece-style BPE (gguf's LlamaHfVocab)
+LLAMA3_VOCAB = 128256
+
+
+def converter_problem(folder: str | Path) -> str | None:
+    """Why llama.cpp's own converter refuses the vocabulary of a written DeciLM folder, or None: a vocabulary of
+    Llama 3's size goes its BPE way; any other must be a BPE with byte fallback decoded by a Sequence (Llama 2's,
+    Mistral's: SentencePiece's, converted), or it stops at "Cannot find Llama BPE tokenizer" (SmolLM2's, Qwen2's
+    byte-level BPE). The folder serves in vLLM all the same, and `export --gguf` writes the GGUF itself."""
+    folder = Path(folder)
+    if json.loads((folder / "config.json").read_text()).get("vocab_size") == LLAMA3_VOCAB:
+        return None
+    try:
+        spec = json.loads((folder / "tokenizer.json").read_text())
+        model, decoder = spec.get("model") or {}, spec.get("decoder") or {}
+    except (OSError, ValueError):
+        return "it has no tokenizer.json, and llama.cpp's converter reads the vocabulary from one"
+    if model.get("type") == "BPE" and model.get("byte_fallback") and decoder.get("type") == "Sequence":
+        return None
+    kind = f"a {model.get('type', 'unknown')} vocabulary" + ("" if model.get("byte_fallback") else " without byte "
+                                                             "fallback")
+    return (f"llama.cpp's converter takes a DeciLM folder's vocabulary only as Llama 3's ({LLAMA3_VOCAB} tokens) or a "
+            f"SentencePiece-style BPE (byte fallback: Llama 2's, Mistral's), and this is {kind}: it stops at \"Cannot "
+            "find Llama BPE tokenizer\" (export --gguf writes the GGUF itself)")

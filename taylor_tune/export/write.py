@@ -14,7 +14,7 @@ from pathlib import Path
 from taylor_tune.export.card import model_card
 from taylor_tune.export.choose import ExportError, choose
 from taylor_tune.export.rebuild import rebuild
-from taylor_tune.export.to_decilm import check_trial, write_decilm
+from taylor_tune.export.to_decilm import check_trial, converter_problem, write_decilm
 from taylor_tune.export.to_gguf import check_file_type, check_gguf, gguf_name, write_gguf
 from taylor_tune.jsonio import write_json
 from taylor_tune.pruning.apply import save_pruned
@@ -112,8 +112,10 @@ def _write(sweep: str, chosen, output: Path, command: str, gguf: str | None, tru
     """The model folder and its card built in a scratch folder beside `output`, then moved into place whole."""
     with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.export-") as scratch:
         rebuilt = rebuild(chosen, Path(scratch) / "work", trust_remote_code=trust_remote_code)
+        converter = None
         if format == "decilm":
             folder, layout = write_decilm(rebuilt.model, rebuilt.tokenizer, Path(scratch) / "model"), "decilm"
+            converter = converter_problem(folder)
         else:
             folder = save_pruned(rebuilt.model, Path(scratch) / "model", rebuilt.tokenizer,
                                  source_model=rebuilt.trial.prune.model)
@@ -126,11 +128,11 @@ def _write(sweep: str, chosen, output: Path, command: str, gguf: str | None, tru
                                                        name=f"{rebuilt.trial.prune.model} pruned ({chosen.trial_id})")
             written["check"] = check_gguf(path, rebuilt.model, rebuilt.tokenizer, gguf)
         (folder / "README.md").write_text(model_card(chosen, record, rebuilt.checks, layout=layout, command=command,
-                                                     gguf=written))
+                                                     gguf=written, converter=converter))
         write_json(folder / "export.json", {"sweep": str(sweep), "trial_id": chosen.trial_id,
                                             "trial_folder": chosen.folder, "why": chosen.why, "layout": layout,
                                             "checks": rebuilt.checks, "gguf": written, "config": record,
-                                            "command": command})
+                                            "command": command, "llama_cpp_converter": converter})
         _normal_modes(folder)
         try:
             os.replace(folder, output)

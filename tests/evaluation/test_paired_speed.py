@@ -10,7 +10,7 @@ import pytest
 from scipy import stats
 
 from taylor_tune.config import SpeedSpec
-from taylor_tune.evaluation.speed import SPEEDUPS, checked_paired, measure_paired, paired_ratio
+from taylor_tune.evaluation.speed import ONE_PAIR_AGREES, SPEEDUPS, checked_paired, measure_paired, paired_ratio
 from tests.helpers import tiny
 
 
@@ -122,8 +122,12 @@ def test_one_pairs_record_is_refused_unless_its_rates_give_its_speedup(pairs, fa
 
 
 def test_a_one_pair_measurement_passes_the_one_pair_check():
-    """The rule's premise, on a real measurement: `measure_paired` with repeats 1 on two tiny models (other weights,
-    the same shapes, unequal speeds on a real clock) gives a record whose rates' ratio is its speedup."""
+    """The rule's premise, on a real measurement: `measure_paired` with repeats 1 on two tiny models, timed on the
+    real clock, gives a record whose rates' ratio is its speedup within the one-pair check's bound, whatever the
+    two times were (cold first runs on a busy machine included)."""
     spec = SpeedSpec(prefill_batch=1, prefill_len=8, decode_batch=2, prompt_len=4, new_tokens=3, repeats=1, warmup=0)
-    record = measure_paired(tiny("tiny-llama"), tiny("tiny-llama-random"), spec)
-    assert record["speed_pairs"] == 1 and checked_paired(record) == record
+    record = measure_paired(tiny("tiny-llama"), tiny("tiny-llama"), spec)
+    assert record["speed_pairs"] == 1
+    for speedup, rate in SPEEDUPS.items():
+        rates = record[rate] / record[f"unpruned_{rate}"]
+        assert abs(rates / record[speedup] - 1) < ONE_PAIR_AGREES - 1, (speedup, rates, record[speedup])

@@ -147,6 +147,111 @@ def test_the_recorded_plan_decides_what_the_rebuilt_model_would(plan):
         assert strip(before) == strip(after)
 
 
+def vllm_reads(config) -> list[tuple[int, int, str]]:
+    """What vLLM's nemotron_nas (`DeciLMDecoderLayer.__init__`) reads of a DeciLM config to build each layer, written
+    out: the entry as objects (`block.attention.no_op`, `.n_heads_in_group`, `block.ffn.no_op`, `.ffn_mult` or
+    `.intermediate_size`, `.hidden_act` if it has one), the model's fields beside it. (kv heads, MLP width, act)."""
+    layers = []
+    for index in range(config.num_hidden_layers):
+        block = config.block_configs[index]
+        assert block.attention.no_op is False and block.ffn.no_op is False
+        kv_heads = config.num_attention_heads // block.attention.n_heads_in_group
+        width = (readers_width(block.ffn.ffn_mult, config.hidden_size) if hasattr(block.ffn, "ffn_mult")
+                 else block.ffn.intermediate_size)
+        act = block.ffn.hidden_act if hasattr(block.ffn, "hidden_act") else config.hidden_act
+        layers.append((kv_heads, width, act))
+    return layers
+
+
+def test_the_decilm_folders_config_reads_as_vllm_reads_it(tmp_path):
+    """Issue 91, case 8: vLLM reads `block_configs` entries as objects, built by the checkpoint's own configuration
+    class through AutoConfig with remote code; the folder shipped none (transformers does not know nemotron-nas), so
+    it would not load there. Now the folder's configuration_decilm.py is that class: read as vLLM reads it, every
+    layer's KV heads and MLP width are the exported model's, and the model's fields are its config's."""
+    from transformers import AutoConfig
+
+    from taylor_tune.pruning.groups import head_dim
+
+    model = apply_plan(servable(), PrunePlan("hand", ((),) * 3, (tuple(range(256)), (), tuple(range(512)))))
+    folder = write_decilm(model, None, tmp_path / "decilm")
+    with pytest.raises(ValueError):  # its class is the folder's own code: read only when the reader allows it
+        AutoConfig.from_pretrained(folder)
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    assert type(config).__name__ == "DeciLMConfig" and config.model_type == "nemotron-nas"
+    built = [(layer.self_attn.k_proj.out_features // head_dim(layer.self_attn), layer.mlp.gate_proj.out_features,
+              model.config.hidden_act) for layer in model.model.layers]
+    assert vllm_reads(config) == built == [(2, 512, "silu"), (2, 768, "silu"), (2, 256, "silu")]
+    for field in ("hidden_size", "num_attention_heads", "rms_norm_eps", "max_position_embeddings", "vocab_size",
+                  "tie_word_embeddings", "rope_parameters", "hidden_act"):
+        assert getattr(config, field) == getattr(model.config, field), field
+    assert not getattr(config, "attention_bias", False) and not getattr(config, "mlp_bias", False)
+    config.save_pretrained(tmp_path / "again")  # and written back as the same entries
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["block_configs"] == \
+        json.loads((folder / "config.json").read_text())["block_configs"]
+
+
+def servable_of_vocab(vocab_size: int):
+    """A Llama DeciLM holds (MLP 256 wide, heads x head_dim = hidden) whose vocabulary is not Llama 3's."""
+    return llama(vocab_size=vocab_size, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+def spm_style_tokenizer(into: Path):
+    """A BPE with byte fallback, normalised and decoded as SentencePiece's (Llama 2's, Mistral's) converted."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{i:02X}>": 3 + i for i in range(256)}}
+    for piece in ("\u2581", "a", "b", "\u2581a", "ab"):
+        vocab.setdefault(piece, len(vocab))
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=[("\u2581", "a"), ("a", "b")], byte_fallback=True,
+                               unk_token="<unk>", fuse_unk=True))
+    bpe.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    bpe.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tokenizer.save_pretrained(into)
+    return tokenizer
+
+
+def test_the_export_says_when_llama_cpps_converter_would_refuse_the_folders_vocabulary(tmp_path):
+    """Issue 91, case 8: llama.cpp's converter stopped on SmolLM2's DeciLM folder ("Cannot find Llama BPE tokenizer"):
+    its deci reader takes Llama 3's vocabulary (by its size) or a SentencePiece-style BPE only. The rule, on each
+    kind: a byte-level BPE (the world's, SmolLM2's kind) is named, with what to do instead; the other two pass."""
+    from taylor_tune.export.to_decilm import converter_problem
+    from taylor_tune.sources.models import load_tokenizer
+
+    small = servable_of_vocab(512)  # not Llama 3's size
+    said = converter_problem(write_decilm(small, load_tokenizer("tiny-llama"), tmp_path / "byte-level"))
+    assert said is not None and "Cannot find Llama BPE tokenizer" in said and "export --gguf" in said
+    assert "a BPE vocabulary without byte fallback" in said
+    assert converter_problem(write_decilm(small, spm_style_tokenizer(tmp_path / "spm"), tmp_path / "spm-folder")) \
+        is None
+    assert converter_problem(write_decilm(servable(), load_tokenizer("tiny-llama"), tmp_path / "llama3")) is None
+
+
+@pytest.mark.real  # the converter out of llama-cpp-python's source distribution (cached by the test below)
+@pytest.mark.slow
+def test_llama_cpps_own_vocabulary_reader_agrees_with_the_exports_word(tmp_path):
+    """The same three folders read by llama.cpp's own code (its gguf-py's LlamaHfVocab, which conversion/deci.py uses
+    for a vocabulary not of Llama 3's size; Llama 3's goes its BPE way): it refuses exactly the folder the export
+    names."""
+    from taylor_tune.export.to_decilm import converter_problem
+    from taylor_tune.sources.models import load_tokenizer
+
+    vendor = converter()
+    small = servable_of_vocab(512)
+    folders = {"byte-level": write_decilm(small, load_tokenizer("tiny-llama"), tmp_path / "byte-level"),
+               "spm": write_decilm(small, spm_style_tokenizer(tmp_path / "spm"), tmp_path / "spm-folder")}
+    for name, folder in folders.items():
+        read = subprocess.run([sys.executable, "-c", "import sys, pathlib, gguf; gguf.LlamaHfVocab(pathlib.Path("
+                               "sys.argv[1]))", str(folder)], capture_output=True, text=True,
+                              env=dict(os.environ, PYTHONPATH=str(vendor / "gguf-py")))
+        refused = read.returncode != 0
+        assert refused == (converter_problem(folder) is not None), (name, read.stderr[-500:])
+        assert not refused or "Cannot find Llama BPE tokenizer" in read.stderr
+
+
 @pytest.mark.real  # fetches llama-cpp-python's source distribution (76 MB) into the asset cache once
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["aligned", "depth"])

@@ -645,3 +645,23 @@ def test_the_readmes_gguf_table_is_what_the_writer_does_for_each_family_and_layo
                 wrote = None
                 assert not path.exists()
             assert wrote == to_gguf.written_as(family, layout), (family, layout)
+
+
+def test_k_is_permuted_by_its_own_head_count_where_the_query_count_would_divide_it_too(tmp_path):
+    """Issue 91, must-show 5: k's rows permuted with the query-head count instead of the KV-head count was caught only
+    by a reshape error, since no test model's k rows divided evenly by twice the query heads. Here they do (4 query
+    heads, 2 KV heads of 16: k's 32 rows split as 4 blocks of 8 as well as 2 of 16), so such a slip would write a
+    file silently; llama.cpp's log-probabilities are the model's within 1e-4 nats in f32 only with k's own count."""
+    def tweak(layer):
+        for name in ("q_proj", "k_proj"):
+            getattr(layer.self_attn, name).weight.normal_(0.0, 0.3)  # attention that matters: a wrong rotation shows
+
+    model, tokenizer = random_with_a_real_tokenizer("tiny-llama-random", tweak, num_attention_heads=4,
+                                                    num_key_value_heads=2, head_dim=16)
+    k_rows = model.model.layers[0].self_attn.k_proj.out_features
+    assert k_rows % (2 * 4) == 0 and k_rows // 4 // 2 > 1  # the wrong count divides, and permutes otherwise
+    path = tmp_path / "model.gguf"
+    assert write_gguf(model, tokenizer, path, file_type="f32")["architecture"] == "llama"
+    tokens = tokenizer.encode(world.heldout_path().read_text())[:64]
+    gap = np.abs(gguf_logprobs(path, tokens) - torch_logprobs(model, tokens))
+    assert gap.max() < 1e-4, gap.max()

@@ -426,3 +426,18 @@ def test_a_plan_is_applied_where_the_weights_are():
     assert {(p.device.type, p.dtype) for p in model.parameters()} == {("meta", torch.bfloat16)}
     assert [layer.mlp.gate_proj.out_features for layer in model.model.layers] == [22, 23, 24]
     assert [layer.mlp.intermediate_size for layer in model.model.layers] == [22, 23, 24]  # what it says of itself
+
+
+def test_the_calibration_loss_is_the_mean_cross_entropy_of_the_predicted_tokens(arch, ids):
+    """Issue 91, must-show 5: a loss divided by every token of each batch (not only the predicted ones) passed every
+    tier. Against transformers' own loss (`labels=`: the mean next-token cross-entropy over the predicted tokens),
+    computed in one batch, for micro-batches that split the sequences unevenly."""
+    from taylor_tune.pruning.measured import calibration_loss
+
+    model = tiny(arch)
+    batch = ids.repeat(5, 1)
+    batch[1:] = torch.roll(batch[1:], shifts=1, dims=1)  # other sequences, the same length
+    with torch.no_grad():
+        reference = float(model(input_ids=batch, labels=batch).loss)
+    for micro in (1, 2, 5):
+        assert calibration_loss(model, batch, micro) == pytest.approx(reference, rel=1e-5, abs=1e-6)
