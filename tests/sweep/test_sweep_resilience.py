@@ -108,12 +108,19 @@ def test_a_trial_killed_after_its_final_report_is_not_recomputed_on_resume(tmp_p
                     TAYLOR_TUNE_TEST_PAUSE=str(markers))  # a trial held after its final report
     (paused,) = [p.name for p in markers.iterdir()]
     assert paused not in terminated(path)  # Tune had not recorded it finished: a restore runs it again
+    reported = [json.loads(line)["stage"] for line in (trial_dirs(path)[paused] / "result.json").read_text()
+                .splitlines() if line.strip()]
+    assert "pruned" in reported  # its per-stage reports before the kill
 
     again = run_sweep(experiment)
     kill_ray_started_after(started)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     rows = {row["trial_id"]: row for row in analysis_rows(path)}
     assert len(rows) == 2 and rows[paused]["reused_artifacts"] is True and rows[paused]["stage"] == "zero_shot_10"
+    # issue 91, case 7: its result.json keeps those reports (it came back as the rerun's one line), the reuse last
+    kept = [json.loads(line) for line in (trial_dirs(path)[paused] / "result.json").read_text().splitlines()
+            if line.strip()]
+    assert [r["stage"] for r in kept[: len(reported)]] == reported and kept[-1].get("reused_artifacts") is True
     other = next(t for t in rows if t != paused)
     assert not rows[other].get("reused_artifacts")
     # one importance pass (the paused trial's first run) and one hit (the other trial): the rerun touched no gradient

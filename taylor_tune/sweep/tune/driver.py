@@ -48,6 +48,7 @@ from taylor_tune.sweep.status import sweep_status  # noqa: F401 (where callers f
 from taylor_tune.sweep.tune.console import ConsoleCallback, FullStorage, quiet_when_full
 from taylor_tune.sweep.tune.leases import start_leases
 from taylor_tune.sweep.tune.metrics import SweepMetricsCallback
+from taylor_tune.sweep.tune.reports import KeptReports
 from taylor_tune.sweep.tune.scheduler import FidelityASHA, RaceScheduler
 from taylor_tune.sweep.tune.search import PerModelSearcher, domains_of
 from taylor_tune.sweep.tune.space import fixed_settings, param_space
@@ -208,6 +209,7 @@ def _fit(experiment: Experiment, verbose: bool):
                     SweepMetricsCallback(experiment.name, final_stage, experiment.metric, experiment.mode),
                     FullStorage(experiment.storage_path),
                     ConsoleCallback(final_stage, storage=experiment.storage_path, total=experiment.grid_size()),
+                    KeptReports(),
                 ],
             ),
         )
