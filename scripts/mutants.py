@@ -173,6 +173,19 @@ MUTANTS = (
        "candidates = valid[constraint.holds(valid[constraint.metric]).to_numpy()]")),
     m("gguf-k-permuted-by-query-heads", "export/to_gguf.py", "the GGUF's k rows permuted with the query-head count",
       ('("k_proj", "attn_k", shape["kv_heads"])', '("k_proj", "attn_k", shape["heads"])')),
+    # issue 92: the layer-major gradient pass
+    m("streamed-input-of-another-batch", "pruning/streamed.py", "a layer's kept input taken from the previous batch",
+      ("x = inputs[index][part].to(device)", "x = inputs[index][part - 1].to(device)")),
+    m("streamed-snapshot-before-its-last-batch", "pruning/streamed.py",
+      "a snapshot taken before its last micro-batch is accumulated",
+      ("                for _, p in params:\n                    buffers[p].add_(p.grad)\n",
+       "                if end in taken:\n"
+       "                    taken[end].append(layer_snapshot(layer, params, buffers, end))\n"
+       "                for _, p in params:\n                    buffers[p].add_(p.grad)\n"),
+      ("                if end in taken:\n"
+       "                    taken[end].append(layer_snapshot(layer, params, buffers, end))\n"
+       "            for _, p in params:",
+       "            for _, p in params:")),
 )
 
 

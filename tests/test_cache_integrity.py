@@ -111,6 +111,47 @@ def test_a_request_entry_with_two_choices_swapped_is_rebuilt(clean, tmp_path, ch
     assert path.read_text() == (clean_folder / "requests" / path.name).read_text()
 
 
+@pytest.mark.parametrize("attack", ["piqa gold on the next choice", "hellaswag's next item's context tokens"])
+def test_an_answer_key_edited_with_its_checksum_recomputed_is_rebuilt_and_the_trial_scores_as_clean(clean, tmp_path,
+                                                                                                   attack):
+    """Issue 91, case 2: each piqa item's gold flag moved to the next choice, or each item given the next item's
+    context tokens, the key's checksum recomputed: the key was used unread (acc_piqa 0.0 where it is 1.0). Now the
+    trial's accuracies are the clean trial's, its pass scored that task through lm-eval again (the key refused as
+    damaged) and the key is made again as it was."""
+    import dataclasses
+
+    import numpy as np
+
+    from taylor_tune.evaluation.answers import AnswerKey, worker_keys
+
+    clean_folder, clean_metrics, _ = clean
+    experiment = seeded(clean_folder, tmp_path)
+    task = "piqa_offline" if attack.startswith("piqa") else "hellaswag_offline"
+    (path,) = [p for p in (experiment / "requests").glob("*.answers")
+               if json.loads(p.read_bytes().partition(b"\n")[0])["task"] == task]
+    original = path.read_bytes()
+    fields = json.loads(original.partition(b"\n")[0])["fields"]
+    key = AnswerKey.from_bytes(original, fields)
+    starts = np.flatnonzero(np.r_[True, key.doc_id[1:] != key.doc_id[:-1]])
+    if task == "piqa_offline":  # every item's gold on the next choice
+        gold = np.zeros_like(key.gold)
+        for start, end in zip(starts, [*starts[1:], len(key.gold)]):
+            at = start + (int(np.flatnonzero(key.gold[start:end])[0]) + 1) % (end - start)
+            gold[at] = True
+        edited = dataclasses.replace(key, gold=gold)
+    else:  # every request given the first request's context of the next item
+        nxt = {int(s): int(starts[(i + 1) % len(starts)]) for i, s in enumerate(starts)}
+        item = np.searchsorted(starts, np.arange(len(key.idx)), side="right") - 1
+        edited = dataclasses.replace(key, contexts=[key.contexts[nxt[int(starts[i])]] for i in item])
+    path.write_bytes(edited.to_bytes(fields))  # its checksum recomputed
+    worker_keys().held.clear()  # a new worker: the key is read from the store
+    metrics = run_trial(trial(experiment), experiment / "trial")
+    assert scores(metrics) == scores(clean_metrics)
+    assert path.read_bytes() == original
+    damaged = [e for e in Store(experiment / "requests").events() if e["event"] == "damaged"]
+    assert [e["key"] for e in damaged] == [path.name.split(".")[0]]
+
+
 def test_a_request_entry_missing_rows_is_rebuilt_not_an_error(clean, tmp_path):
     """Finding 3: a parsable entry (its checksum recomputed) without one document's requests."""
     clean_folder, clean_metrics, _ = clean

@@ -117,26 +117,31 @@ def reduce_to_groups(
 
     Works on pruned models too (each layer read at its own size).
     """
-    attn_sums, mlp_sums = [], []
-    for layer, params in zip(decoder_layers(model), prunable_parameters(model)):
-        attn = layer.self_attn
-        groups, d, rep = attention_groups(attn), head_dim(attn), q_per_kv(attn)
-        a = torch.zeros(groups, dtype=torch.float32, device=attn.q_proj.weight.device)
-        c = torch.zeros(layer.mlp.gate_proj.out_features, dtype=torch.float32, device=a.device)
-        for name, param in params:
-            v = value(name, param).float()
-            if name.startswith(("self_attn.q_proj", "self_attn.q_norm")):
-                a += v.reshape(groups, rep * d, -1).sum(dim=(1, 2))
-            elif name.startswith(("self_attn.k_proj", "self_attn.v_proj", "self_attn.k_norm")):
-                a += v.reshape(groups, d, -1).sum(dim=(1, 2))
-            elif name == "self_attn.o_proj.weight":
-                a += v.reshape(v.shape[0], groups, rep * d).sum(dim=(0, 2))
-            elif name.startswith(("mlp.gate_proj", "mlp.up_proj")):
-                c += v.reshape(v.shape[0], -1).sum(dim=1)
-            elif name == "mlp.down_proj.weight":
-                c += v.sum(dim=0)
-            else:  # a parameter listed by prunable_parameters but not mapped: a bug, not user input
-                raise AssertionError(name)
-        attn_sums.append(a)
-        mlp_sums.append(c)
-    return attn_sums, mlp_sums
+    sums = [reduce_layer(layer, params, value) for layer, params in zip(decoder_layers(model),
+                                                                         prunable_parameters(model))]
+    return [a for a, _ in sums], [c for _, c in sums]
+
+
+def reduce_layer(layer: nn.Module, params: list[tuple[str, nn.Parameter]],
+                 value: Callable[[str, nn.Parameter], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reduce_to_groups` of one decoder layer and its prunable parameters (`prunable_parameters`' entry for it):
+    (attn [G], mlp [C]) in fp32."""
+    attn = layer.self_attn
+    groups, d, rep = attention_groups(attn), head_dim(attn), q_per_kv(attn)
+    a = torch.zeros(groups, dtype=torch.float32, device=attn.q_proj.weight.device)
+    c = torch.zeros(layer.mlp.gate_proj.out_features, dtype=torch.float32, device=a.device)
+    for name, param in params:
+        v = value(name, param).float()
+        if name.startswith(("self_attn.q_proj", "self_attn.q_norm")):
+            a += v.reshape(groups, rep * d, -1).sum(dim=(1, 2))
+        elif name.startswith(("self_attn.k_proj", "self_attn.v_proj", "self_attn.k_norm")):
+            a += v.reshape(groups, d, -1).sum(dim=(1, 2))
+        elif name == "self_attn.o_proj.weight":
+            a += v.reshape(v.shape[0], groups, rep * d).sum(dim=(0, 2))
+        elif name.startswith(("mlp.gate_proj", "mlp.up_proj")):
+            c += v.reshape(v.shape[0], -1).sum(dim=1)
+        elif name == "mlp.down_proj.weight":
+            c += v.sum(dim=0)
+        else:  # a parameter listed by prunable_parameters but not mapped: a bug, not user input
+            raise AssertionError(name)
+    return a, c

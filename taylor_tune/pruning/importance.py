@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from taylor_tune.progress import bar
-from taylor_tune.pruning.groups import prunable_parameters, reduce_to_groups
+from taylor_tune.pruning.groups import decoder_layers, prunable_parameters, reduce_layer, reduce_to_groups
 from taylor_tune.pruning.plan import GroupScores, ModelLayout
 
 
@@ -90,15 +90,34 @@ def magnitude_scores(model: nn.Module, layout: ModelLayout, p: int = 2) -> Group
     return _to_scores(attn, mlp, layout)
 
 
-def _snapshot(model, layout, buffers, n) -> Importance:
+def layer_snapshot(layer, params, buffers, n: int) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """One layer's group sums of |w · ḡ| / n (attention, MLP) and its gradient statistics (mean |ḡ|, ‖ḡ‖) at n
+    samples, from its prunable parameters' fp32 buffers of Σ over samples of the gradient."""
     with torch.no_grad():
-        attn, mlp = reduce_to_groups(model, lambda name, p: (p.float() * buffers[p]).abs_().div_(n))
-        means, norms = [], []
-        for params in prunable_parameters(model):
-            count = sum(p.numel() for _, p in params)
-            means.append(sum(float(buffers[p].abs().sum()) for _, p in params) / n / count)
-            norms.append(float(torch.stack([buffers[p].square().sum() for _, p in params]).sum().sqrt()) / n)
-    return Importance(n, _to_scores(attn, mlp, layout), np.array(means), np.array(norms))
+        attn, mlp = reduce_layer(layer, params, lambda name, p: (p.float() * buffers[p]).abs_().div_(n))
+        count = sum(p.numel() for _, p in params)
+        mean = sum(float(buffers[p].abs().sum()) for _, p in params) / n / count
+        norm = float(torch.stack([buffers[p].square().sum() for _, p in params]).sum().sqrt()) / n
+    return attn, mlp, mean, norm
+
+
+def assembled(per_layer: list, layout: ModelLayout, n: int) -> Importance:
+    """The Importance at n samples from every layer's `layer_snapshot`, first layer first."""
+    attn, mlp, means, norms = zip(*per_layer)
+    return Importance(n, _to_scores(list(attn), list(mlp), layout), np.array(means), np.array(norms))
+
+
+def sample_counts(total: int, snapshots: list[int] | None) -> list[int]:
+    """The sample counts a pass over `total` sequences snapshots, sorted (default: all of them)."""
+    counts = sorted(set(snapshots or [total]))
+    if counts[0] <= 0 or counts[-1] > total:
+        raise ValueError(f"snapshots {counts} must lie in [1, {total}]")
+    return counts
+
+
+def _snapshot(model, layout, buffers, n) -> Importance:
+    return assembled([layer_snapshot(layer, params, buffers, n) for layer, params
+                      in zip(decoder_layers(model), prunable_parameters(model))], layout, n)
 
 
 def compute_importance(
@@ -115,9 +134,7 @@ def compute_importance(
     The model's parameters, requires_grad flags and mode are restored afterwards.
     """
     total = input_ids.shape[0]
-    counts = sorted(set(snapshots or [total]))
-    if counts[0] <= 0 or counts[-1] > total:
-        raise ValueError(f"snapshots {counts} must lie in [1, {total}]")
+    counts = sample_counts(total, snapshots)
     device = next(model.parameters()).device
     grouped = [p for params in prunable_parameters(model) for _, p in params]
     buffers = {p: torch.zeros_like(p, dtype=torch.float32) for p in grouped}
