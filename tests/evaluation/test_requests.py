@@ -86,7 +86,9 @@ def test_a_models_second_trial_reuses_its_requests_and_another_tokenizer_or_limi
     is tokenized (it answers from the answer keys the first kept, issue 84), and its answers are the first trial's.
     Another limit, and another tokenizer (tiny-llama-random's byte tokenizer instead of the world's), build their
     own; a second trial whose keys are gone reads the requests back, constructs none, and tokenizes each request
-    once to check the entry (2 encodings per request, context and context+continuation, as the build's own)."""
+    once to check the entry (2 encodings per request, context and context+continuation, as the build's own; lm-eval's
+    tokenization runs twice, a dry run recording the texts that are then encoded in one batch, so 4 tok_encode calls
+    per request)."""
     from lm_eval.api.task import ConfigurableTask
     from lm_eval.models.huggingface import HFLM
 
@@ -118,7 +120,7 @@ def test_a_models_second_trial_reuses_its_requests_and_another_tokenizer_or_limi
     # the entries run 4 read are run 3's (the last written): each of their requests tokenized once, 2 encodings
     read_back = sorted((tmp_path / "requests").glob("*.json"), key=lambda p: p.stat().st_mtime_ns)[-3:]
     requests = sum(len(json.loads(p.read_bytes().partition(b"\n")[2])) for p in read_back)
-    assert requests > 3 * 6 and runs[4][1] == {"construct_requests": 0, "tok_encode": 2 * requests}
+    assert requests > 3 * 6 and runs[4][1] == {"construct_requests": 0, "tok_encode": 2 * 2 * requests}
     scores = lambda m: {k: v for k, v in m.items() if k.startswith("acc_")}
     assert scores(runs[0][2]) == scores(runs[1][2]) and scores(runs[3][2]) == scores(runs[4][2])
     assert 0 < runs[1][2]["zero_shot_6_requests_s"] < runs[1][2]["zero_shot_6_s"]
@@ -513,3 +515,31 @@ def test_listed_documents_are_the_documents_lm_eval_iterates_and_later_reads_ski
         assert task.eval_docs == own and len(own) > 0, name
         assert task_documents(task, 5) == list(enumerate(own[:5])) and not formatted, name
         monkeypatch.undo()
+
+
+def test_the_batched_encoding_gives_lm_evals_tokens_and_falls_back_when_a_batch_differs(piqa, monkeypatch):
+    """`compat.lm_eval.encode_requests` batches the tokenizer's calls (`batched_encode`): the same tokens as lm-eval's
+    own one-at-a-time tokenization of every request of the pass; and where a batch would answer otherwise than the
+    tokenizer one text at a time (planted), every text is encoded one at a time, as before."""
+    from lm_eval.api.model import TemplateLM
+
+    from taylor_tune.compat import lm_eval as compat
+    from taylor_tune.compat.lm_eval import encode_requests
+
+    lm = recording_lm(load_tokenizer("tiny-llama"))
+    instances = lm_eval_build(piqa, 12)()
+    recorded = []
+    lm._loglikelihood_tokens = lambda requests, **_: recorded.extend(requests) or []
+    TemplateLM.loglikelihood(lm, instances, disable_tqdm=True)  # lm-eval's own, no batching
+    del lm._loglikelihood_tokens
+    own = [(list(c), list(t)) for _, c, t in recorded]
+    assert [(list(c), list(t)) for c, t in encode_requests(lm, instances)] == own and len(own) > 12
+    assert "encode" not in vars(lm.tokenizer)  # put back
+
+    real_call = type(lm.tokenizer).__call__
+    monkeypatch.setattr(type(lm.tokenizer), "__call__", lambda self, texts, **kw: {
+        "input_ids": [ids[:-1] or ids for ids in real_call(self, texts, **kw)["input_ids"]]})
+    monkeypatch.setattr(compat, "BATCH_CHECKED", 0)  # nothing checked: the planted batch's answers are used
+    assert [(list(c), list(t)) for c, t in encode_requests(lm, instances)] != own
+    monkeypatch.setattr(compat, "BATCH_CHECKED", 32)  # as shipped: the sample finds the difference
+    assert [(list(c), list(t)) for c, t in encode_requests(lm, instances)] == own
