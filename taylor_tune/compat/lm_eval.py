@@ -163,6 +163,36 @@ def encode_requests(lm, instances) -> list[tuple[list[int], list[int]]]:
     return [(context, continuation) for _, context, continuation in recorded]
 
 
+@contextmanager
+def rendered_once(task) -> Iterator[None]:
+    """Within, the task's `doc_to_choice`, `doc_to_text` and `doc_to_target` render each document once: a check that
+    reads a pass's requests and then makes its answer key asks each twice per document (its templates are Jinja)."""
+    names = ("doc_to_choice", "doc_to_text", "doc_to_target")
+    before = {name: vars(task).get(name, _NONE) for name in names}
+    memo: dict[tuple, object] = {}
+    kept: list = []  # the documents asked about, alive while their ids key the memo
+
+    def once(name, method):
+        def render(doc, *args, **kwargs):
+            key = (name, id(doc), args, tuple(sorted(kwargs.items())))
+            if key not in memo:
+                kept.append(doc)
+                memo[key] = method(doc, *args, **kwargs)
+            return memo[key]
+        return render
+
+    for name in names:
+        setattr(task, name, once(name, getattr(task, name)))
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is _NONE:
+                delattr(task, name)
+            else:
+                setattr(task, name, value)
+
+
 # strings a batched encoding is checked on, one at a time, before its answers stand in for the tokenizer's
 BATCH_CHECKED = 32
 

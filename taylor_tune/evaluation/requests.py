@@ -30,7 +30,13 @@ from functools import cached_property, lru_cache
 from importlib.metadata import version
 from pathlib import Path
 
-from taylor_tune.compat.lm_eval import encode_requests, make_instance, task_definition, task_documents
+from taylor_tune.compat.lm_eval import (
+    encode_requests,
+    make_instance,
+    rendered_once,
+    task_definition,
+    task_documents,
+)
 from taylor_tune.evaluation.answers import AnswerKey, verified, worker_keys
 from taylor_tune.jsonio import digest, read_entry
 from taylor_tune.storage import Store, built_json, json_name
@@ -131,8 +137,9 @@ class PassRequests:
         rows = self.cache.rows(fields)
         if rows is None:
             raise ValueError("its pass's request entry is gone, so what it says of the items cannot be checked")
-        instances = self._instances(task, dict(task_documents(task, limit, samples)), rows)
-        made = AnswerKey.of(task, instances, [(row[6], row[7]) for row in rows], samples)
+        with rendered_once(task):
+            instances = self._instances(task, dict(task_documents(task, limit, samples)), rows)
+            made = AnswerKey.of(task, instances, [(row[6], row[7]) for row in rows], samples)
         if made is None or not key.same(made[0]):
             raise ValueError("it says other than its items' documents and requests do (a gold, a choice, a token)")
 
