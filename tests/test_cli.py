@@ -367,8 +367,9 @@ def test_every_recovery_setting_is_a_prune_flag_and_a_new_one_becomes_one(monkey
 
 @pytest.mark.slow  # prunes, then trains for a few steps
 def test_prune_with_recovery_flags_saves_the_recovered_model(capsys, tmp_path):
-    """`prune --recovery-steps 3 ...` saves what recovering the pruned model gives when done by hand (`prune`, then
-    `recover_pruned` with the same settings): the same logits."""
+    """`prune --recovery-steps 3 --recovery-warmup-steps 1 ...` saves what recovering the pruned model gives when done
+    by hand (`prune`, then `recover_pruned` with the same settings): the same logits. (A warm-up longer than the steps
+    is refused, issue 91.)"""
     from taylor_tune.config import PruneConfig, RecoverySpec
     from taylor_tune.pruning.prune import prune
     from taylor_tune.recovery.train import recover_pruned
@@ -376,13 +377,15 @@ def test_prune_with_recovery_flags_saves_the_recovered_model(capsys, tmp_path):
 
     out = tmp_path / "run"
     code, stdout, err = run(capsys, *BASE, "--sparsity", "0.25", "--recovery-steps", "3", "--recovery-lr", "5e-3",
-                            "--recovery-seq-len", "16", "--recovery-micro-batch-size", "2",
+                            "--recovery-warmup-steps", "1", "--recovery-seq-len", "16",
+                            "--recovery-micro-batch-size", "2",
                             "--recovery-data", "sample", "--recovery-lora-dropout", "0", "--output", str(out))
     assert code == 0, err
     assert "recovered 3 steps (ce): held-out loss" in stdout
     config = PruneConfig(model="tiny-llama-random", method="taylor", sparsity=0.25, seq_len=32, num_samples=16,
                          calibration="sample", seed=0)
-    spec = RecoverySpec(steps=3, lr=5e-3, seq_len=16, micro_batch_size=2, data="sample", lora_dropout=0.0)
+    spec = RecoverySpec(steps=3, lr=5e-3, warmup_steps=1, seq_len=16, micro_batch_size=2, data="sample",
+                        lora_dropout=0.0)
     pruned = prune(config)
     by_hand = recover_pruned(pruned.model, pruned.tokenizer, spec, model_name=config.model,
                              heldout_text=resolve_text("auto", config.model), seed=0).model

@@ -61,7 +61,7 @@ def test_a_ragged_layout_named_llama_does_not_load_in_llama_cpp(pruned, tmp_path
     its head counts and widths) does not load in llama.cpp, which builds every llama layer at layer 0's shape; the
     check says so in one line with llama.cpp's own reason."""
     result, tokens, _ = pruned("free")
-    monkeypatch.setattr(to_gguf, "architecture", lambda model_type, uniform, biased: "llama")
+    monkeypatch.setattr(to_gguf, "architecture", lambda model_type, uniform, biased, **_: "llama")
     path = tmp_path / "ragged.gguf"
     written = write_gguf(result.model, result.tokenizer, path, file_type="f16")
     assert written["architecture"] == "llama" and len({tuple(s.values()) for s in written["layers"]}) > 1
