@@ -289,7 +289,7 @@ def _run_sweep(args: argparse.Namespace) -> int:
     from taylor_tune.sweep.tune.driver import experiment_path, run_sweep
 
     try:
-        results = run_sweep(experiment, verbose=args.verbose)
+        results = run_sweep(experiment, verbose=args.verbose, interrupted=lambda: bool(_SIGNALLED))
     except TaylorTuneError:
         raise
     except Exception:  # Tune fails in many ways when its storage fills up (OSError, EOFError reading a cut file)

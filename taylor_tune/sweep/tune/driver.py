@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import ray
@@ -138,18 +139,20 @@ def _resources(experiment: Experiment) -> dict:
     return {"cpu": experiment.resources.cpu, "gpu": gpu, "memory": reserved}
 
 
-def run_sweep(experiment: Experiment, *, verbose: bool = False):
+def run_sweep(experiment: Experiment, *, verbose: bool = False, interrupted: Callable[[], bool] | None = None):
     """Run (or resume) the sweep to completion; returns Tune's ResultGrid. The console gets one line per trial
     that ends and a status line at most every 30 s; `verbose` adds Tune's own tables. One driver per experiment
-    folder: a second one is refused before Ray starts (`lock.driver_lock`)."""
+    folder: a second one is refused before Ray starts (`lock.driver_lock`). `interrupted` (the CLI's): whether an
+    interrupt came during the start that the code it hit swallowed (an extension module's initialisation prints it
+    as "Exception ignored" and goes on); asked just before Tune takes over, which then stops instead of running."""
     validate(experiment)
     with driver_lock(experiment_path(experiment)):
         check_unchanged(experiment, experiment_path(experiment))
         set_aside_damaged_state(experiment_path(experiment))
-        return _fit(experiment, verbose)
+        return _fit(experiment, verbose, interrupted or (lambda: False))
 
 
-def _fit(experiment: Experiment, verbose: bool):
+def _fit(experiment: Experiment, verbose: bool, interrupted: Callable[[], bool]):
     os.environ["TUNE_GLOBAL_CHECKPOINT_S"] = "1"  # read when the Tuner starts; a SIGKILL then loses <= 1 s of state
     os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")  # early stages report no acc_mean yet
     if not verbose:  # Tune's new console prints its configuration box even at verbose 0; the classic one does not
@@ -213,6 +216,8 @@ def _fit(experiment: Experiment, verbose: bool):
                 ],
             ),
         )
+    if interrupted():
+        raise KeyboardInterrupt
     leases = start_leases(cache_folder(path))  # held while the sweep runs (leases.start_leases)
     previous = signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
     try:
