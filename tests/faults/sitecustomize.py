@@ -8,7 +8,8 @@ trial to finish fills the disk that <file> is on (writes <file> until no space i
 With TAYLOR_TUNE_TEST_SLOW=<seconds> every trial first sleeps that long: a sweep slow enough to be interrupted part-way
 whatever the machine. With TAYLOR_TUNE_TEST_SLOW_PASS=<seconds> every importance pass a trial computes (under the
 cache's lease) first sleeps that long: a window in which a test removes the node that holds the lease. Without any of
-them nothing happens.
+them nothing happens. With TAYLOR_TUNE_TEST_SWALLOW=1 the driver's start records an interrupt that nothing raises (what
+an extension module's initialisation does to one it prints as "Exception ignored").
 The product's modules are patched when they are first imported (nothing is imported here ahead of time).
 """
 
@@ -98,6 +99,18 @@ def _slow_pass(get_or_compute):
     return wrapper
 
 
+def _swallowed_interrupt(validate):
+    """The start's checks, then an interrupt recorded and lost, as an extension module's start loses one."""
+    @functools.wraps(validate)
+    def wrapper(*args, **kwargs):
+        out = validate(*args, **kwargs)
+        from taylor_tune import cli
+
+        cli._SIGNALLED.append(15)
+        return out
+    return wrapper
+
+
 PATCHES = {}  # module -> (attribute, wrapper factory); "Class.method" patches a class's method
 if os.environ.get("TAYLOR_TUNE_TEST_FAULT"):
     PATCHES["taylor_tune.sweep.trial"] = ("run_trial", _fail_matching)
@@ -109,6 +122,8 @@ if os.environ.get("TAYLOR_TUNE_TEST_SLOW_PASS"):
     PATCHES["taylor_tune.pruning.importance_cache"] = ("ImportanceCache.get_or_compute", _slow_pass)
 if os.environ.get("TAYLOR_TUNE_TEST_FILL"):
     PATCHES["taylor_tune.sweep.tune.trainable"] = ("sweep_trainable", _fill_disk_after)
+if os.environ.get("TAYLOR_TUNE_TEST_SWALLOW"):
+    PATCHES["taylor_tune.sweep.tune.driver"] = ("validate", _swallowed_interrupt)
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):
