@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import signal
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -103,9 +104,21 @@ def cache_folder(path: str) -> str:
 
 
 def _start_ray(verbose: bool = False) -> None:
+    """Ray started or joined. `ray.init` sets a SIGTERM handler of its own (`sys.exit(15)`): the one before it (the
+    CLI's, an interrupt that exits 4) is put back, so that a SIGTERM between Ray's start and Tune's is still an
+    interrupt (seen in CI: exit 15)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if ray.is_initialized():
         return
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        _init_ray(verbose)
+    finally:
+        if callable(previous) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _init_ray(verbose: bool) -> None:
     level = logging.INFO if verbose else logging.WARNING
     address = os.environ.get("RAY_ADDRESS")
     if address:
