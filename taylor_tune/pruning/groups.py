@@ -61,25 +61,28 @@ def sliced_norms(model: nn.Module) -> bool:
 
 def prunable_parameters(model: nn.Module) -> list[list[tuple[str, nn.Parameter]]]:
     """Per layer, the (name, parameter) pairs that belong to groups: their gradients make the importance."""
-    result, norms = [], sliced_norms(model)
-    for layer in decoder_layers(model):
-        params = []
-        for name in ATTN_ROWS:
-            proj = getattr(layer.self_attn, name)
-            params.append((f"self_attn.{name}.weight", proj.weight))
-            if proj.bias is not None:
-                params.append((f"self_attn.{name}.bias", proj.bias))
-        if norms:
-            params += [(f"self_attn.{n}.weight", getattr(layer.self_attn, n).weight) for n in ("q_norm", "k_norm")]
-        params.append(("self_attn.o_proj.weight", layer.self_attn.o_proj.weight))
-        for name in MLP_ROWS:
-            proj = getattr(layer.mlp, name)
-            params.append((f"mlp.{name}.weight", proj.weight))
-            if proj.bias is not None:
-                params.append((f"mlp.{name}.bias", proj.bias))
-        params.append(("mlp.down_proj.weight", layer.mlp.down_proj.weight))
-        result.append(params)
-    return result
+    norms = sliced_norms(model)
+    return [layer_parameters(layer, norms) for layer in decoder_layers(model)]
+
+
+def layer_parameters(layer: nn.Module, norms: bool) -> list[tuple[str, nn.Parameter]]:
+    """`prunable_parameters` of one decoder layer; `norms`: its family's head norms are sliced (`sliced_norms`)."""
+    params = []
+    for name in ATTN_ROWS:
+        proj = getattr(layer.self_attn, name)
+        params.append((f"self_attn.{name}.weight", proj.weight))
+        if proj.bias is not None:
+            params.append((f"self_attn.{name}.bias", proj.bias))
+    if norms:
+        params += [(f"self_attn.{n}.weight", getattr(layer.self_attn, n).weight) for n in ("q_norm", "k_norm")]
+    params.append(("self_attn.o_proj.weight", layer.self_attn.o_proj.weight))
+    for name in MLP_ROWS:
+        proj = getattr(layer.mlp, name)
+        params.append((f"mlp.{name}.weight", proj.weight))
+        if proj.bias is not None:
+            params.append((f"mlp.{name}.bias", proj.bias))
+    params.append(("mlp.down_proj.weight", layer.mlp.down_proj.weight))
+    return params
 
 
 def count_parameters(model: nn.Module) -> int:

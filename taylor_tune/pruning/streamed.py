@@ -1,4 +1,4 @@
-"""The gradient pass taken layer-major (issue 92, first step): the same Taylor importance as
+"""The gradient pass taken layer-major (issue 92): the same Taylor importance as
 `importance.compute_importance`, to float rounding, while the device holds one layer's gradient buffers.
 
 ḡ is a sum over the calibration sequences, so it can be taken one decoder layer at a time. A forward pass without
@@ -10,19 +10,23 @@ through it alone, the layer's prunable parameters accumulate ḡ in fp32 buffers
 input's gradient becomes the output gradient of the layer below. At each sample count in `snapshots` the layer's
 group sums and gradient statistics are taken, as the in-memory pass takes them for every layer at once.
 
-What lives where: the kept activations and gradients (two per micro-batch: a layer's inputs, and the gradient
-flowing down) on the host; one layer's buffers beside the model. The weights here are the loaded model's; reading
-each layer's weights from the checkpoint one at a time comes next (the module's contract does not change).
+What lives where: the kept activations and gradients (per micro-batch, every layer's input, and the gradient flowing
+down) on the host or in a scratch folder (`sources.streaming.Kept`); one layer's weights and buffers on the device,
+beside the head. The layers come from a loaded model (`Resident`) or are read from the checkpoint one at a time
+(`Checkpoint`): one code path, so the two agree by construction and the tests hold them to the in-memory pass.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
-from taylor_tune.pruning.groups import decoder_layers, prunable_parameters
+from taylor_tune.pruning.groups import layer_parameters, sliced_norms
 from taylor_tune.pruning.importance import Importance, assembled, layer_snapshot, sample_counts
 from taylor_tune.pruning.plan import ModelLayout
+from taylor_tune.sources.streaming import Checkpoint, Kept, Resident, forward_layers, head_logits, hidden_of
 
 
 def spans(total: int, counts: list[int], micro_batch_size: int) -> list[tuple[int, int]]:
@@ -36,93 +40,59 @@ def spans(total: int, counts: list[int], micro_batch_size: int) -> list[tuple[in
 
 
 def head_loss(model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The model's causal-LM loss from its last decoder layer's output, as its own forward computes it: the final
-    norm, lm_head, the logit scaling and soft-cap its config names (Granite's `logits_scaling`, Gemma's
-    `final_logit_softcapping`), then its loss function."""
-    logits = model.lm_head(model.model.norm(hidden))
-    config = model.config
-    if getattr(config, "logits_scaling", None):
-        logits = logits / config.logits_scaling
-    if getattr(config, "final_logit_softcapping", None):
-        logits = torch.tanh(logits / config.final_logit_softcapping) * config.final_logit_softcapping
-    return model.loss_function(logits=logits, labels=labels, vocab_size=config.vocab_size)
+    """The model's causal-LM loss from its last decoder layer's output, as its own forward computes it
+    (`sources.streaming.head_logits`, then the model's loss function)."""
+    return model.loss_function(logits=head_logits(model, hidden), labels=labels, vocab_size=model.config.vocab_size)
 
 
-def _kept_forward(model: nn.Module, input_ids: torch.Tensor, parts: list[tuple[int, int]], device):
-    """Per layer and micro-batch, its input (on the host) and the keywords it was called with; and per micro-batch
-    the last layer's output (on the host). No gradients."""
-    layers = decoder_layers(model)
-    inputs = [[None] * len(parts) for _ in layers]
-    calls = [[None] * len(parts) for _ in layers]
-    final, at = [None] * len(parts), {"part": 0}
-
-    def keep(index):
-        def hook(module, args, kwargs):
-            hidden = args[0] if args else kwargs["hidden_states"]
-            inputs[index][at["part"]] = hidden.detach().to("cpu")
-            calls[index][at["part"]] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-        return hook
-
-    def keep_output(module, args, output):
-        final[at["part"]] = (output[0] if isinstance(output, tuple) else output).detach().to("cpu")
-
-    hooks = [layer.register_forward_pre_hook(keep(i), with_kwargs=True) for i, layer in enumerate(layers)]
-    hooks.append(layers[-1].register_forward_hook(keep_output))
-    try:
-        with torch.no_grad():
-            for part, (start, end) in enumerate(parts):
-                at["part"] = part
-                model.model(input_ids=input_ids[start:end].to(device), use_cache=False)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return inputs, calls, final
-
-
-def compute_importance_streamed(model: nn.Module, layout: ModelLayout, input_ids: torch.Tensor, *,
-                                micro_batch_size: int = 8, snapshots: list[int] | None = None) -> dict[int, Importance]:
-    """`importance.compute_importance`, layer-major (the module's docstring): the same arguments and results. The
-    model's requires_grad flags and mode are restored afterwards."""
+def compute_importance_streamed(model: nn.Module | Resident | Checkpoint, layout: ModelLayout,
+                                input_ids: torch.Tensor, *, micro_batch_size: int = 8,
+                                snapshots: list[int] | None = None, scratch: Path | None = None) -> dict[int, Importance]:
+    """`importance.compute_importance`, layer-major (the module's docstring): the same arguments and results. `model`
+    is a loaded model or a stream of one's layers (`sources.streaming`); `scratch`: a folder for what the pass keeps
+    between layers, instead of the host's memory. A loaded model's requires_grad flags and mode are restored."""
+    stream = Resident(model) if isinstance(model, nn.Module) else model
+    model = stream.model
     total = input_ids.shape[0]
     counts = sample_counts(total, snapshots)
-    device = next(model.parameters()).device
     parts = spans(total, counts, micro_batch_size)
-    layers, prunable = decoder_layers(model), prunable_parameters(model)
     flags = {p: p.requires_grad for p in model.parameters()}
     was_training = model.training
     taken: dict[int, list] = {n: [] for n in counts}
+    kept, last = Kept(scratch), stream.num_layers
     try:
-        for p in model.parameters():
-            p.requires_grad_(False)
+        model.requires_grad_(False)
         model.eval()  # dropout off, as the in-memory pass
-        inputs, calls, final = _kept_forward(model, input_ids, parts, device)
-        grads = []
-        for (start, end), hidden in zip(parts, final):
-            leaf = hidden.to(device).requires_grad_(True)
-            labels = input_ids[start:end].to(device)
-            (head_loss(model, leaf, labels) * (end - start)).backward()  # Σ over samples of each sample's mean
-            grads.append(leaf.grad.to("cpu"))
-        del final
-        for index in reversed(range(len(layers))):
-            layer, params = layers[index], prunable[index]
+        calls = forward_layers(stream, [{"input_ids": input_ids[a:b].to(stream.device)} for a, b in parts], kept,
+                               keep_inputs=True)
+        for part, (start, end) in enumerate(parts):  # the head: the loss's gradient at the last layer's output
+            leaf = kept.get((last, part)).to(stream.device).requires_grad_(True)
+            (head_loss(model, leaf, input_ids[start:end].to(stream.device)) * (end - start)).backward()
+            kept.put(("grad", part), leaf.grad)  # Σ over samples of each sample's mean token loss
+            kept.drop((last, part))
+        for index in reversed(range(last)):
+            layer = stream.layer(index)
+            params = layer_parameters(layer, sliced_norms(model))
             buffers = {p: torch.zeros_like(p, dtype=torch.float32) for _, p in params}
             for _, p in params:
                 p.requires_grad_(True)
             for part, (start, end) in enumerate(parts):
-                x = inputs[index][part].to(device).requires_grad_(index > 0)
-                out = layer(x, **calls[index][part])
-                (out[0] if isinstance(out, tuple) else out).backward(grads[part].to(device))
+                x = kept.get((index, part)).to(stream.device).requires_grad_(index > 0)
+                hidden_of(layer(x, **calls[part][index])).backward(kept.get(("grad", part)).to(stream.device))
                 for _, p in params:
                     buffers[p].add_(p.grad)
                     p.grad = None
                 if index > 0:
-                    grads[part] = x.grad.to("cpu")
-                inputs[index][part] = calls[index][part] = None  # this layer's part is done with
+                    kept.put(("grad", part), x.grad)
+                else:
+                    kept.drop(("grad", part))
+                kept.drop((index, part))  # this layer's part is done with
                 if end in taken:
                     taken[end].append(layer_snapshot(layer, params, buffers, end))
             for _, p in params:
                 p.requires_grad_(False)
             del buffers
+            stream.release(index)
         return {n: assembled(list(reversed(per_layer)), layout, n) for n, per_layer in taken.items()}
     finally:
         for p, flag in flags.items():

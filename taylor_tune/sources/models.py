@@ -33,6 +33,7 @@ from taylor_tune.sources.data import PRUNED_MANIFEST, TINY_MODELS, TRAINED_MODEL
 from taylor_tune.sources.families import FAMILIES
 from taylor_tune.sources.gguf import convert_gguf
 from taylor_tune.sources.pruned_modeling import PRUNED_CLASSES, split_fused
+from taylor_tune.sources.streaming import Checkpoint
 from taylor_tune.sources.world import model_dir
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)  # one module per family (sources/families)
@@ -193,6 +194,20 @@ def load_model(
             ) from None
         check_loaded(spec, config, loading)
     return held_split(model).eval()
+
+
+def stream_model(spec: str, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 trust_remote_code: bool = False) -> Checkpoint:
+    """The model held one decoder layer at a time (`streaming.Checkpoint`): a folder of safetensors (a built-in
+    asset, a local folder, a converted GGUF); ModelLoadError for what has no such folder here (a tiny model built in
+    memory, a pruned folder, a hub id not downloaded)."""
+    source, location = _source(spec)
+    if source != "folder":
+        kind = {"tiny": "is built in memory", "pruned": "is a pruned folder", "hub": "is a hub id"}[source]
+        raise ModelLoadError(f"model: {shown(spec)} {kind}; streaming reads a folder of safetensors weights")
+    check_safetensors(Path(location), spec)
+    config = load_model_config(spec, trust_remote_code=trust_remote_code)
+    return Checkpoint(location, config, device=torch.device(device), dtype=dtype)
 
 
 @contextlib.contextmanager
