@@ -1,4 +1,4 @@
-"""Perplexity as LLM-Pruner defines it, on an in-memory model.
+"""Perplexity as LLM-Pruner defines it, on an in-memory model or one held layer by layer (`sources.streaming`).
 
 The text is tokenized once and cut into non-overlapping windows of `window` tokens (the last partial window is
 dropped); ppl = exp(mean NLL of every predicted token, i.e. positions 1..W-1 of each window). Which text a
@@ -8,12 +8,14 @@ name means is decided in `sources.data`.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 
 from taylor_tune.config import PPL_BATCH
 from taylor_tune.errors import EvaluationError
 from taylor_tune.progress import bar
+from taylor_tune.sources.streaming import final_hidden, head_logits, is_stream
 
 
 def check_window(window: int, model_config) -> None:
@@ -38,6 +40,17 @@ def curve_of(window_nll: list[float], window: int, batch_size: int) -> list[list
     return [[n, math.exp(math.fsum(window_nll[:n]) / (n * (window - 1)))] for n in ends]
 
 
+def _logits(model, batches: list[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """Each batch's logits, in order: a loaded model's forward one batch at a time, or a model held layer by layer
+    (`sources.streaming`) taken layer-major over all the batches, then its head batch by batch."""
+    if not is_stream(model):
+        device = next(model.parameters()).device
+        yield from (model(input_ids=batch.to(device), use_cache=False).logits for batch in batches)
+        return
+    inputs = [{"input_ids": batch.to(model.device)} for batch in batches]
+    yield from (head_logits(model.model, hidden) for hidden in final_hidden(model, inputs))
+
+
 @torch.no_grad()
 def perplexity(
     model, tokenizer, text: str, *, window: int = 128, batch_size: int = PPL_BATCH, max_windows: int | None = None,
@@ -48,18 +61,17 @@ def perplexity(
     those first windows] after each batch (a cheaper perplexity's value, for free: what a search could have stopped
     on), `window_nll`: each window's summed NLL over its window - 1 predicted tokens (ppl is exp of their exact sum
     over the tokens: two models compare paired, window by window), and `window_ids`: which windows those are."""
-    check_window(window, model.config)
+    check_window(window, (model.model if is_stream(model) else model).config)
     windows = windows_of(tokenizer, text, window, max_windows)
     ids = list(range(len(windows))) if select is None else [int(i) for i in select]
     if not ids or min(ids) < 0 or max(ids) >= len(windows):
         raise EvaluationError(f"ppl: windows {ids[:5]}... are not among the text's {len(windows)}")
     windows, count = windows[ids], len(ids)
-    device = next(model.parameters()).device
     summed: list[float] = []  # each window's summed NLL (float64 over float32 token losses)
+    batches = [windows[start : start + batch_size] for start in range(0, count, batch_size)]
     with bar(count * window, "perplexity", unit="tok", unit_scale=True) as progress:
-        for start in range(0, count, batch_size):
-            batch = windows[start : start + batch_size].to(device)
-            logits = model(input_ids=batch, use_cache=False).logits.float()
+        for batch, logits in zip(batches, _logits(model, batches), strict=True):
+            batch, logits = batch.to(logits.device), logits.float()
             nll = torch.nn.functional.cross_entropy(
                 logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="none"
             )

@@ -37,6 +37,7 @@ from lm_eval.models.huggingface import HFLM
 from taylor_tune.compat.lm_eval import check
 from taylor_tune.evaluation.fused import compiled_layers
 from taylor_tune.progress import bar
+from taylor_tune.sources.streaming import final_hidden, head_logits, is_stream
 
 
 @dataclass
@@ -251,36 +252,48 @@ class PrefixLM(_Scorer):
 
         Only the positions that predict a continuation token go through the output layer (transformers' boolean
         `logits_to_keep`): with a 150k-word vocabulary the full [rows, width, vocab] logits are gigabytes."""
+        inputs, keep, scored = self._on_device(prepared)
+        with torch.no_grad(), self._autocast():
+            logits = self.model(**inputs, use_cache=False, logits_to_keep=keep).logits  # [kept, vocab], row-major
+            return self._score(prepared, logits, scored)
+
+    def _autocast(self):
+        return torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
+                              enabled=self.mixed_precision_dtype is not None)
+
+    def _on_device(self, prepared: Prepared) -> tuple[dict, torch.Tensor, torch.Tensor]:
+        """A prepared batch on the device: the model's keyword inputs (token ids, the packed mask, position ids), the
+        kept positions and the scoring indices."""
         on_cuda = self.device.type == "cuda"  # pinned host memory: the copies do not wait for the device
         inputs, scored = (t.pin_memory().to(self.device, non_blocking=True) if on_cuda else t
                           for t in (prepared.inputs, prepared.scored))
         ids, positions, segment, prefix_of, keep = inputs
-        keep = keep.bool()
         if self.attention == "flex":
             mask = block_mask(segment, prefix_of)
         else:
             mask = additive_mask(segment, prefix_of, self.mixed_precision_dtype or self.model.dtype)
         self.tokens_forwarded += ids.numel()
         self.tokens_unpadded += prepared.unpadded
-        with torch.no_grad(), torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
-                                             enabled=self.mixed_precision_dtype is not None):
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
-                                logits_to_keep=keep).logits  # [kept positions, vocab], row-major
-            kept_row, target, owner = scored
-            logprob = torch.empty(target.shape, dtype=torch.float64, device=self.device)
-            greedy = torch.empty(target.shape, dtype=torch.bool, device=self.device)
-            # the log-softmax a few thousand rows at a time: [kept, vocab] in float32 at once can be gigabytes
-            step = max(1, SOFTMAX_ELEMENTS // logits.shape[-1])
-            bounds = np.searchsorted(prepared.scored[0].numpy(), np.arange(0, prepared.kept + step, step))
-            for chunk, first in enumerate(range(0, prepared.kept, step)):
-                a, b = int(bounds[chunk]), int(bounds[chunk + 1])
-                rows = F.log_softmax(logits[first : first + step], dim=-1, dtype=self.softmax_dtype)
-                local = kept_row[a:b] - first
-                logprob[a:b] = rows[local, target[a:b]].double()
-                greedy[a:b] = rows.argmax(-1)[local] == target[a:b]
-            per_request = torch.zeros(2, len(prepared.requests), dtype=torch.float64, device=self.device)
-            per_request[0].index_add_(0, owner, logprob)
-            per_request[1].index_add_(0, owner, (~greedy).double())
+        return {"input_ids": ids, "attention_mask": mask, "position_ids": positions}, keep.bool(), scored
+
+    def _score(self, prepared: Prepared, logits: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+        """[2, requests] from the kept positions' logits: each request's summed log-likelihood and its count of
+        tokens that are not the greedy choice."""
+        kept_row, target, owner = scored
+        logprob = torch.empty(target.shape, dtype=torch.float64, device=self.device)
+        greedy = torch.empty(target.shape, dtype=torch.bool, device=self.device)
+        # the log-softmax a few thousand rows at a time: [kept, vocab] in float32 at once can be gigabytes
+        step = max(1, SOFTMAX_ELEMENTS // logits.shape[-1])
+        bounds = np.searchsorted(prepared.scored[0].numpy(), np.arange(0, prepared.kept + step, step))
+        for chunk, first in enumerate(range(0, prepared.kept, step)):
+            a, b = int(bounds[chunk]), int(bounds[chunk + 1])
+            rows = F.log_softmax(logits[first : first + step], dim=-1, dtype=self.softmax_dtype)
+            local = kept_row[a:b] - first
+            logprob[a:b] = rows[local, target[a:b]].double()
+            greedy[a:b] = rows.argmax(-1)[local] == target[a:b]
+        per_request = torch.zeros(2, len(prepared.requests), dtype=torch.float64, device=self.device)
+        per_request[0].index_add_(0, owner, logprob)
+        per_request[1].index_add_(0, owner, (~greedy).double())
         return per_request
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
@@ -347,19 +360,54 @@ class PrefixLM(_Scorer):
         return results
 
 
+class StreamedPrefixLM(PrefixLM):
+    """PrefixLM over a model held layer by layer (`sources.streaming`): every batch of a call is planned and laid out
+    first, all of them go through each decoder layer in turn (each layer's weights reach the device once per call),
+    then each batch's kept positions go through the head and the same scoring. The same packs, batches, masks and
+    arithmetic as PrefixLM's, so the same log-likelihoods."""
+
+    stream = None  # the Checkpoint (or Resident) whose `model` this HFLM was made around
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
+        max_length = self.max_length
+        for _, context, continuation in requests:
+            assert len(context) > 0 and 0 < len(continuation) <= max_length  # HFLM's own preconditions
+        packs = plan_packs([(context, continuation) for _, context, continuation in requests], max_length)
+        auto = self.batch_size == "auto"
+        batches = plan_batches(packs, None if auto else self.batch_size, budget=self._budget(packs) if auto else None)
+        prepared = [self._prepare(batch) for batch in batches]
+        placed = [self._on_device(batch) for batch in prepared]
+        results: list[tuple[float, bool] | None] = [None] * len(requests)
+        with torch.no_grad(), self._autocast():
+            finals = final_hidden(self.stream, [inputs for inputs, _, _ in placed])
+            for batch, (_, keep, scored), hidden in zip(prepared, placed, finals, strict=True):
+                sums, misses = self._score(batch, head_logits(self.stream.model, hidden, keep), scored).tolist()
+                for slot, index in enumerate(batch.requests):
+                    results[index] = answer = (sums[slot], misses[slot] == 0)
+                    if requests[index][0] is not None:
+                        self.cache_hook.add_partial("loglikelihood", requests[index][0], answer)
+        return results
+
+
 def make_lm(model, tokenizer, batch_size: int | str, scorer: str = "prefix", fused: bool = False) -> HFLM:
-    """The lm-eval LM for an in-memory model on its own device, in its own dtype; log-softmax in float32. `fused`:
-    the prefix scorer's decoder layers compiled for each pass (`evaluation.fused`)."""
+    """The lm-eval LM for an in-memory model on its own device, in its own dtype, or for a model held layer by
+    layer (`sources.streaming`: the prefix scorer, streamed); log-softmax in float32. `fused`: the prefix scorer's
+    decoder layers compiled for each pass (`evaluation.fused`)."""
+    stream = model if is_stream(model) else None
+    if stream is not None:
+        model = stream.model
+        if scorer != "prefix" or fused:
+            raise ValueError("a streamed model is scored by the prefix scorer, not fused")
     device = next(model.parameters()).device
     if batch_size == "auto" and device.type != "cuda":
         batch_size = 16  # lm-eval's auto search probes GPU memory; on CPU a fixed size is faster and predictable
-    cls = {"prefix": PrefixLM, "hflm": CountingHFLM}[scorer]
+    cls = StreamedPrefixLM if stream is not None else {"prefix": PrefixLM, "hflm": CountingHFLM}[scorer]
     # log-softmax in float32 whatever the model's dtype: in bfloat16 a log-probability is rounded to 8 bits of
     # mantissa, and two scorers that forward other shapes then disagree by more than the rounding of the logits
     lm = cls(pretrained=model, tokenizer=tokenizer, device=str(device), batch_size=batch_size,
              softmax_dtype=torch.float32)
     check(lm)  # the HFLM internals PrefixLM relies on
-    lm.scorer = scorer
+    lm.scorer, lm.stream = scorer, stream
     if fused and scorer == "prefix":
         lm.fused = True
     return lm

@@ -47,7 +47,8 @@ def head_loss(model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> t
 
 def compute_importance_streamed(model: nn.Module | Resident | Checkpoint, layout: ModelLayout,
                                 input_ids: torch.Tensor, *, micro_batch_size: int = 8,
-                                snapshots: list[int] | None = None, scratch: Path | None = None) -> dict[int, Importance]:
+                                snapshots: list[int] | None = None,
+                                scratch: Path | None = None) -> dict[int, Importance]:
     """`importance.compute_importance`, layer-major (the module's docstring): the same arguments and results. `model`
     is a loaded model or a stream of one's layers (`sources.streaming`); `scratch`: a folder for what the pass keeps
     between layers, instead of the host's memory. A loaded model's requires_grad flags and mode are restored."""

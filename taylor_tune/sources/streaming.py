@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -241,14 +242,31 @@ def forward_layers(stream, inputs: list[dict], kept: Kept, *, keep_inputs: bool 
     return calls
 
 
-def head_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+def final_hidden(stream, inputs: list[dict], scratch: Path | None = None) -> Iterator[torch.Tensor]:
+    """Each call's last decoder layer output on the device, in order, after a layer-major pass over all of them
+    (`forward_layers`: each layer's weights reach the device once for every call together)."""
+    kept = Kept(scratch)
+    forward_layers(stream, inputs, kept)
+    for part in range(len(inputs)):
+        hidden = kept.get((stream.num_layers, part)).to(stream.device)
+        kept.drop((stream.num_layers, part))
+        yield hidden
+
+
+def head_logits(model: nn.Module, hidden: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
     """The model's logits from its last decoder layer's output, as its own forward computes them: the final norm,
-    lm_head, the logit scaling and soft-cap its config names (Granite's `logits_scaling`, Gemma's
-    `final_logit_softcapping`)."""
-    logits = model.lm_head(model.model.norm(hidden))
+    the positions `keep` selects (all by default; as transformers' boolean `logits_to_keep`), lm_head, the logit
+    scaling and soft-cap its config names (Granite's `logits_scaling`, Gemma's `final_logit_softcapping`)."""
+    normed = model.model.norm(hidden)
+    logits = model.lm_head(normed if keep is None else normed[keep])
     config = model.config
     if getattr(config, "logits_scaling", None):
         logits = logits / config.logits_scaling
     if getattr(config, "final_logit_softcapping", None):
         logits = torch.tanh(logits / config.final_logit_softcapping) * config.final_logit_softcapping
     return logits
+
+
+def is_stream(model) -> bool:
+    """Whether `model` is held layer by layer (a `Checkpoint` or `Resident`) rather than a model."""
+    return isinstance(model, (Checkpoint, Resident))

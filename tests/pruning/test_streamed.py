@@ -14,6 +14,7 @@ from taylor_tune.sources.models import load_model_config
 from taylor_tune.sources.streaming import Checkpoint
 from tests.helpers import ARCHS, FAST_ARCHS, calibration_ids, tiny
 
+
 def same_importance(ours: dict, streamed: dict, counts) -> None:
     """Every group score and layer statistic of each snapshot equal to 1e-6 relative (a score near zero: to 1e-6 of
     its layer's largest)."""
