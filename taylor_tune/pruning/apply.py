@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from taylor_tune.errors import PlanError
@@ -146,14 +148,18 @@ def _stock_biases(model: nn.Module) -> None:
     """A Llama with output biases made stock, in place: a zero bias on every projection without one (the outputs do
     not change) and `attention_bias` / `mlp_bias` set."""
     for layer in decoder_layers(model):
-        for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
-                              (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
-            for name in names:
-                linear = getattr(parent, name)
-                if linear.bias is None:
-                    linear.bias = nn.Parameter(torch.zeros(linear.out_features, device=linear.weight.device,
-                                                           dtype=linear.weight.dtype))
+        _stock_layer_biases(layer)
     model.config.attention_bias = model.config.mlp_bias = True
+
+
+def _stock_layer_biases(layer: nn.Module) -> None:
+    for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                          (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
+        for name in names:
+            linear = getattr(parent, name)
+            if linear.bias is None:
+                linear.bias = nn.Parameter(torch.zeros(linear.out_features, device=linear.weight.device,
+                                                       dtype=linear.weight.dtype))
 
 
 def _stock_config_holds(config: dict) -> bool:
@@ -176,13 +182,47 @@ def fused_state_dict(model: nn.Module, fused: dict[str, tuple[str, ...]]) -> dic
     `gate_up_proj`."""
     state = model.state_dict()
     for index in range(len(decoder_layers(model))):
-        for path, parts in fused.items():
-            owner = path.split(".")[0]
-            for kind in ("weight", "bias"):
-                keys = [f"model.layers.{index}.{owner}.{part}.{kind}" for part in parts]
-                if keys[0] in state:
-                    state[f"model.layers.{index}.{path}.{kind}"] = torch.cat([state.pop(key) for key in keys])
+        _join_fused(state, f"model.layers.{index}.", fused)
     return state
+
+
+def _join_fused(state: dict[str, torch.Tensor], prefix: str, fused: dict[str, tuple[str, ...]]) -> None:
+    """One layer's parts (its names under `prefix`) joined into its fused projections, in `state`, in place."""
+    for path, parts in fused.items():
+        owner = path.split(".")[0]
+        for kind in ("weight", "bias"):
+            keys = [f"{prefix}{owner}.{part}.{kind}" for part in parts]
+            if keys[0] in state:
+                state[f"{prefix}{path}.{kind}"] = torch.cat([state.pop(key) for key in keys])
+
+
+@dataclass(frozen=True)
+class FolderKind:
+    """How a pruned model is written (the module's docstring): its per-layer shapes, stock or pruned folder, output
+    biases made stock (Llama), its family's fused projections joined again (stock folders only)."""
+
+    layout: list[dict[str, int]]
+    uniform: bool
+    stock_biases: bool
+    output_bias: bool
+    stock: dict
+    fused: dict
+
+
+def folder_kind(model: nn.Module) -> FolderKind:
+    """How the pruned `model` (its weights, or only its shapes on the meta device) is written."""
+    layout = layer_shapes(model)
+    uniform = all(shape == layout[0] for shape in layout)
+    output_bias = _output_bias(model)
+    stock_biases = output_bias and uniform and model.config.model_type == "llama"
+    if output_bias and not stock_biases:
+        uniform = False
+    stock = layout[0] | {"head_dim": head_dim(decoder_layers(model)[0].self_attn)}
+    if stock_biases:
+        stock |= {"attention_bias": True, "mlp_bias": True}
+    if uniform and not _stock_config_holds(json.loads(model.config.to_json_string()) | stock):
+        uniform = False  # written as the pruned folder, which loads in transformers all the same (remote code)
+    return FolderKind(layout, uniform, stock_biases, output_bias, stock, FAMILIES[model.config.model_type].fused)
 
 
 def save_pruned(model: nn.Module, directory: str | Path, tokenizer=None, *, source_model: str | None = None) -> Path:
@@ -192,34 +232,83 @@ def save_pruned(model: nn.Module, directory: str | Path, tokenizer=None, *, sour
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    layout = layer_shapes(model)
-    uniform = all(shape == layout[0] for shape in layout)
-    output_bias = _output_bias(model)
-    if output_bias and uniform and model.config.model_type == "llama":
+    kind = folder_kind(model)
+    if kind.stock_biases:
         _stock_biases(model)
-    elif output_bias:
-        uniform = False
-    stock = layout[0] | {"head_dim": head_dim(decoder_layers(model)[0].self_attn)}
-    if uniform and not _stock_config_holds(json.loads(model.config.to_json_string()) | stock):
-        uniform = False  # written as the pruned folder, which loads in transformers all the same (remote code)
-    fused = FAMILIES[model.config.model_type].fused
-    model.save_pretrained(directory, **({"state_dict": fused_state_dict(model, fused)} if uniform and fused else {}))
+    joined = kind.uniform and kind.fused
+    model.save_pretrained(directory, **({"state_dict": fused_state_dict(model, kind.fused)} if joined else {}))
+    return _finish(model, directory, kind, tokenizer, source_model)
+
+
+def _finish(model: nn.Module, directory: Path, kind: FolderKind, tokenizer, source_model: str | None) -> Path:
+    """config.json made the folder's kind, the manifest, the modeling file of a pruned folder, the tokenizer."""
     config = json.loads((directory / "config.json").read_text())
-    if uniform:  # a stock config: every layer has the shape its fields say
-        config |= stock
+    if kind.uniform:  # a stock config: every layer has the shape its fields say
+        config |= kind.stock
     else:
         cls = PRUNED_CLASSES[config["model_type"]].__name__
-        config |= {"pruned_layout": layout, "architectures": [cls],
+        config |= {"pruned_layout": kind.layout, "architectures": [cls],
                    "auto_map": {"AutoModelForCausalLM": f"{MODELING_FILE.removesuffix('.py')}.{cls}"}}
-        if output_bias:
+        if kind.output_bias:
             config["pruned_output_bias"] = True
-        if fused:  # the folder holds them split, as the pruned class builds them
-            config["pruned_fused"] = {path: list(parts) for path, parts in fused.items()}
+        if kind.fused:  # the folder holds them split, as the pruned class builds them
+            config["pruned_fused"] = {path: list(parts) for path, parts in kind.fused.items()}
         shutil.copyfile(pruned_modeling.__file__, directory / MODELING_FILE)
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    manifest = {"format": 2, "dtype": dtype, "source_model": source_model, "uniform": uniform, "layers": layout}
+    manifest = {"format": 2, "dtype": dtype, "source_model": source_model, "uniform": kind.uniform,
+                "layers": kind.layout}
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
     return directory
+
+
+def save_pruned_streamed(stream, plan: PrunePlan, directory: str | Path, tokenizer=None, *,
+                         source_model: str | None = None) -> Path:
+    """`save_pruned(apply_plan(model, plan), ...)` for a model held layer by layer (`sources.streaming.Checkpoint`):
+    the same folder, tensor for tensor, written one decoder layer at a time, each to a safetensors shard of its own,
+    so that no more than one layer's weights are ever loaded. The folder's kind and config come from the plan
+    applied to the model's shapes alone (on the meta device)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    shapes = apply_plan(stream.skeleton(), plan)
+    kind, norms = folder_kind(shapes), sliced_norms(shapes)
+    joined = kind.uniform and kind.fused
+    kept_layers = [i for i in range(stream.num_layers) if i not in set(plan.layers_removed)]
+    shards = [{k: v for k, v in stream.model.state_dict().items() if not k.startswith("model.layers.")}]
+    if getattr(shapes.config, "tie_word_embeddings", False):
+        shards[0].pop("lm_head.weight", None)  # tied: written once, as save_pretrained does
+    names = [f"model-{n + 1:05d}-of-{len(kept_layers) + 1:05d}.safetensors" for n in range(len(kept_layers) + 1)]
+    weight_map, total = {}, 0
+
+    def write(number: int, state: dict) -> None:
+        nonlocal total
+        state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+        save_file(state, directory / names[number], metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(state, names[number]))
+        total += sum(v.numel() * v.element_size() for v in state.values())
+
+    write(0, shards[0])
+    for number, index in enumerate(kept_layers, start=1):
+        layer = stream.layer(index)
+        groups, channels = attention_groups(layer.self_attn), layer.mlp.gate_proj.out_features
+        if plan.attn_removed[index] or plan.mlp_removed[index]:
+            shrink_layer(layer, kept(groups, plan.attn_removed[index]), kept(channels, plan.mlp_removed[index]), norms)
+        if kind.stock_biases:
+            _stock_layer_biases(layer)
+        prefix = f"model.layers.{number - 1}."
+        state = {prefix + k: v for k, v in layer.state_dict().items()}
+        if joined:
+            _join_fused(state, prefix, kind.fused)
+        write(number, state)
+        stream.release(index)
+    index_file = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index_file, indent=2) + "\n")
+    if kind.stock_biases:
+        shapes.config.attention_bias = shapes.config.mlp_bias = True
+    shapes.config.architectures = [type(shapes).__name__]
+    shapes.config.save_pretrained(directory)
+    if getattr(shapes, "generation_config", None) is not None and shapes.can_generate():
+        shapes.generation_config.save_pretrained(directory)
+    return _finish(shapes, directory, kind, tokenizer, source_model)

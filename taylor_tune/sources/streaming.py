@@ -94,10 +94,10 @@ class Checkpoint:
     """A model folder (safetensors) held layer by layer: `model` runs once `layer(i)` has put layer i in place;
     `release(i)` puts its meta shell back, so one layer's weights are alive at a time."""
 
-    def __init__(self, folder: str | Path, config, *, device: torch.device | str, dtype: torch.dtype):
+    def __init__(self, folder: str | Path, config, *, device: torch.device | str, dtype: torch.dtype, cls=None):
         self.folder, self.device, self.dtype = Path(folder), torch.device(device), dtype
-        with building(), no_init_weights(), torch.device("meta"):
-            self.model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        self.config, self.cls = config, cls  # cls: a pruned folder's class (`pruned_modeling`); None: the config's
+        self.model = self._built(config)
         self.shells = [copy.deepcopy(layer) for layer in self.model.model.layers]  # as the checkpoint holds them
         self.fused = FAMILIES[config.model_type].fused
         self.names = _shards(self.folder)
@@ -119,6 +119,19 @@ class Checkpoint:
     @property
     def num_layers(self) -> int:
         return len(self.shells)
+
+    def _built(self, config) -> nn.Module:
+        with building(), no_init_weights(), torch.device("meta"):
+            if self.cls is None:
+                return AutoModelForCausalLM.from_config(config, dtype=self.dtype)
+            return self.cls._from_config(config, dtype=self.dtype)
+
+    def skeleton(self) -> nn.Module:
+        """The model's modules and shapes alone, on the meta device, held as every model is (a fused family's
+        projections split): what a plan is applied to, to know the pruned model's shapes and config."""
+        model = self._built(copy.deepcopy(self.config))  # a plan cuts its config's per-layer lists: not this one's
+        self._split(model.model.layers)
+        return model
 
     def _read(self, name: str) -> torch.Tensor:
         file = self.names[name]
