@@ -175,17 +175,28 @@ MUTANTS = (
       ('("k_proj", "attn_k", shape["kv_heads"])', '("k_proj", "attn_k", shape["heads"])')),
     # issue 92: the layer-major gradient pass
     m("streamed-input-of-another-batch", "pruning/streamed.py", "a layer's kept input taken from the previous batch",
-      ("x = inputs[index][part].to(device)", "x = inputs[index][part - 1].to(device)")),
+      ("x = kept.get((index, part)).to(stream.device).requires_grad_(index > 0)",
+       "x = kept.get((index, max(part - 1, 0))).to(stream.device).requires_grad_(index > 0)")),
     m("streamed-snapshot-before-its-last-batch", "pruning/streamed.py",
       "a snapshot taken before its last micro-batch is accumulated",
       ("                for _, p in params:\n                    buffers[p].add_(p.grad)\n",
        "                if end in taken:\n"
        "                    taken[end].append(layer_snapshot(layer, params, buffers, end))\n"
        "                for _, p in params:\n                    buffers[p].add_(p.grad)\n"),
-      ("                if end in taken:\n"
-       "                    taken[end].append(layer_snapshot(layer, params, buffers, end))\n"
-       "            for _, p in params:",
-       "            for _, p in params:")),
+      ("                kept.drop((index, part))  # this layer's part is done with\n"
+       "                if end in taken:\n"
+       "                    taken[end].append(layer_snapshot(layer, params, buffers, end))\n",
+       "                kept.drop((index, part))  # this layer's part is done with\n")),
+    m("streaming-forward-of-another-call", "sources/streaming.py",
+      "the layer-major forward takes a call's input from the previous call",
+      ("x = kept.get((index, part)).to(stream.device)\n",
+       "x = kept.get((index, max(part - 1, 0))).to(stream.device)\n")),
+    m("streaming-head-before-norm", "sources/streaming.py", "the head's kept positions taken without the final norm",
+      ("logits = model.lm_head(normed if keep is None else normed[keep])",
+       "logits = model.lm_head(normed if keep is None else hidden[keep])")),
+    m("streamed-apply-layer-renumbered-wrong", "pruning/apply.py",
+      "a streamed pruned layer written under its old index after layers are removed",
+      ('prefix = f"model.layers.{number - 1}."', 'prefix = f"model.layers.{index}."')),
 )
 
 

@@ -199,13 +199,17 @@ def load_model(
 def stream_model(spec: str, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  trust_remote_code: bool = False) -> Checkpoint:
     """The model held one decoder layer at a time (`streaming.Checkpoint`): a folder of safetensors (a built-in
-    asset, a local folder, a converted GGUF); ModelLoadError for what has no such folder here (a tiny model built in
-    memory, a pruned folder, a hub id not downloaded)."""
+    asset, a local folder, a converted GGUF, a pruned folder); ModelLoadError for what has no such folder here (a
+    tiny model built in memory, a hub id)."""
     source, location = _source(spec)
-    if source != "folder":
-        kind = {"tiny": "is built in memory", "pruned": "is a pruned folder", "hub": "is a hub id"}[source]
+    if source in ("tiny", "hub"):
+        kind = {"tiny": "is built in memory", "hub": "is a hub id"}[source]
         raise ModelLoadError(f"model: {shown(spec)} {kind}; streaming reads a folder of safetensors weights")
     check_safetensors(Path(location), spec)
+    if source == "pruned":
+        config, cls, _ = _pruned_class(Path(location))
+        return Checkpoint(location, config, device=torch.device(device), dtype=dtype,
+                          cls=None if cls is AutoModelForCausalLM else cls)
     config = load_model_config(spec, trust_remote_code=trust_remote_code)
     return Checkpoint(location, config, device=torch.device(device), dtype=dtype)
 
@@ -256,13 +260,9 @@ def check_safetensors(folder: Path, spec: str) -> None:
                              "save_pretrained(..., safe_serialization=True) or convert it to safetensors")
 
 
-def load_pruned(
-    directory: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
-) -> torch.nn.Module:
-    """Rebuild a model saved by `pruning.apply.save_pruned`; logits equal the saved model's exactly (same dtype).
-
-    The folder's own copy of the modeling file is never run: the classes come from `pruned_modeling` here."""
-    directory = Path(directory)
+def _pruned_class(directory: Path) -> tuple[PretrainedConfig, type, torch.dtype]:
+    """A pruned folder's config, the class that builds it (its family's stock class when uniform, else the pruned
+    class of `pruned_modeling`) and the dtype it was saved in; ModelLoadError for what is not one."""
     try:
         manifest = json.loads((directory / PRUNED_MANIFEST).read_text())
         config = AutoConfig.from_pretrained(directory)
@@ -274,8 +274,18 @@ def load_pruned(
     if manifest.get("format") != 2 or not (uniform or hasattr(config, "pruned_layout")):
         raise ModelLoadError(f"model: {directory} is a pruned folder of an older format ({PRUNED_MANIFEST} format "
                              f"{manifest.get('format')}); prune the model again")
-    saved_dtype = getattr(torch, manifest["dtype"])
     cls = AutoModelForCausalLM if uniform else PRUNED_CLASSES[config.model_type]
+    return config, cls, getattr(torch, manifest["dtype"])
+
+
+def load_pruned(
+    directory: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+) -> torch.nn.Module:
+    """Rebuild a model saved by `pruning.apply.save_pruned`; logits equal the saved model's exactly (same dtype).
+
+    The folder's own copy of the modeling file is never run: the classes come from `pruned_modeling` here."""
+    directory = Path(directory)
+    config, cls, saved_dtype = _pruned_class(directory)
     check_safetensors(directory, str(directory))
     try:
         with building():

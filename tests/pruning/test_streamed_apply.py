@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 from taylor_tune.pruning.apply import apply_plan, save_pruned, save_pruned_streamed
 from taylor_tune.pruning.groups import describe_layout
 from taylor_tune.pruning.plan import PrunePlan
-from taylor_tune.sources.models import load_model, load_model_config
-from taylor_tune.sources.streaming import Checkpoint
+from taylor_tune.sources.models import load_model, load_model_config, stream_model
+from taylor_tune.sources.streaming import Checkpoint, final_hidden, head_logits
 from tests.helpers import ARCHS, FAST_ARCHS, tiny
 
 
@@ -70,3 +70,7 @@ def test_the_streamed_pruned_folder_is_the_in_memory_ones(arch, kind, tmp_path):
     with torch.no_grad():
         expected = load_model(str(tmp_path / "memory"))(input_ids=ids).logits
         assert torch.equal(load_model(str(tmp_path / "streamed"))(input_ids=ids).logits, expected)
+        # and the pruned folder held layer by layer in turn (what a streamed trial evaluates)
+        pruned = stream_model(str(tmp_path / "streamed"))
+        hidden = next(final_hidden(pruned, [{"input_ids": ids}]))
+        torch.testing.assert_close(head_logits(pruned.model, hidden), expected, rtol=1e-6, atol=1e-6)

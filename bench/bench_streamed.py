@@ -1,0 +1,170 @@
+"""Issue 92, must-show 3 (the 8B part): an 8B-shaped Llama (Llama-3-8B's config, random bf16 weights, written to
+disk one layer at a time) scored, pruned and evaluated streamed on this machine (2 cores, 24 GB, no GPU): the Taylor
+pass over 8 x 128 calibration tokens layer by layer from the folder, the plan, the pruned folder written shard by
+shard, and the pruned folder's perplexity on a few windows, streamed in turn. Each step's seconds and the process's
+peak memory: anonymous (what the process allocated) and file-backed (the memory-mapped safetensors pages the page
+cache holds for it, which the kernel can drop), read from /proc/self/status by a sampling thread. The in-memory pass of
+the same model goes to the preflight's memory check, which refuses it; its reason is recorded.
+
+Resumable: the model folder is built once (kept under the asset home's bench/), each step's result is appended to
+the JSON lines file as it ends, and a step already there is not run again.
+
+    python bench/bench_streamed.py --out bench/host/streamed_8b.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from taylor_tune.compat.transformers import building, no_init_weights
+from taylor_tune.evaluation.perplexity import perplexity, windows_of
+from taylor_tune.sources.assets import home
+from taylor_tune.sources.data import load_ppl_text
+from taylor_tune.sources.models import load_tokenizer
+
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+                 rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+
+class Peaks:
+    """The largest RssAnon and RssFile (KiB in /proc/self/status) seen since `reset`, sampled every 50 ms."""
+
+    def __init__(self):
+        self.anon = self.file = 0
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    @staticmethod
+    def now() -> tuple[int, int]:
+        fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+        return (int(fields["RssAnon"].split()[0]) * 1024, int(fields["RssFile"].split()[0]) * 1024)
+
+    def _run(self):
+        while not self._stop.wait(0.05):
+            anon, file = self.now()
+            self.anon, self.file = max(self.anon, anon), max(self.file, file)
+
+    def reset(self):
+        self.anon, self.file = self.now()
+
+
+def build(folder: Path, tokenizer_from: str) -> None:
+    """Llama-3-8B's shapes with N(0, 0.02) bf16 weights (norms at 1), one safetensors shard per layer."""
+    if (folder / "model.safetensors.index.json").is_file():
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    config = LlamaConfig(**LLAMA3_8B, dtype="bfloat16")
+    with building(), no_init_weights(), torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(0)
+    groups: dict[str, list[tuple[str, torch.Size]]] = {}
+    for name, p in model.state_dict().items():
+        key = ".".join(name.split(".")[:3]) if name.startswith("model.layers.") else "head"
+        groups.setdefault(key, []).append((name, p.shape))
+    weight_map = {}
+    for number, (key, tensors) in enumerate(groups.items()):
+        shard = f"model-{number:05d}.safetensors"
+        state = {name: (torch.ones(shape, dtype=torch.bfloat16) if len(shape) == 1 else
+                        (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)) for name, shape in tensors}
+        save_file(state, folder / shard, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(state, shard)
+        print(f"built {key}", flush=True)
+    config.save_pretrained(folder)
+    load_tokenizer(tokenizer_from).save_pretrained(folder)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="bench/host/streamed_8b.jsonl")
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--windows", type=int, default=4)
+    parser.add_argument("--sparsity", type=float, default=0.2)
+    args = parser.parse_args()
+    out = Path(args.out)
+    done = {json.loads(line)["step"] for line in out.read_text().splitlines()} if out.is_file() else set()
+    folder, pruned = home() / "bench" / "llama3-8b-random", home() / "bench" / "llama3-8b-random-pruned"
+    peaks = Peaks()
+    torch.set_num_threads(2)
+
+    def record(step: str, seconds: float, **extra) -> None:
+        row = {"step": step, "seconds": round(seconds, 1), "peak_anon_gib": round(peaks.anon / 2**30, 2),
+               "peak_file_gib": round(peaks.file / 2**30, 2), **extra,
+               "machine": f"{platform.node()} {platform.machine()}, {torch.get_num_threads()} threads",
+               "date": datetime.now(UTC).isoformat(timespec="seconds"), "torch": torch.__version__}
+        with out.open("a") as handle:
+            handle.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
+
+    if "build" not in done:
+        peaks.reset()
+        begin = time.perf_counter()
+        build(folder, "smollm2-135m")  # its ids (< 49,152) are all within Llama-3's vocabulary
+        record("build", time.perf_counter() - begin)
+    if "in_memory_preflight" not in done:
+        from taylor_tune.errors import ConfigError
+        from taylor_tune.sweep.experiment import Experiment
+        from taylor_tune.sweep.preflight import check_memory
+
+        experiment = Experiment(
+            name="eight-b", models=[str(folder)], search={"algorithm": "grid"},
+            search_space={"pruning_method": {"grid": ["taylor"]}, "taylor_seq_len": {"grid": [args.seq_len]},
+                          "taylor_num_samples": {"grid": [args.samples]}},
+            prune={"device": "cpu", "dtype": "bfloat16", "calibration": "wiki", "micro_batch_size": 4},
+            evaluation={"tasks": [], "ppl": "wiki", "ppl_window": args.seq_len}, resources={"cpu": 2, "gpu": 0})
+        try:
+            check_memory(experiment)
+            refusal = None
+        except ConfigError as error:
+            refusal = str(error)
+        record("in_memory_preflight", 0.0, refused=refusal)
+    from taylor_tune.pruning.groups import describe_layout
+    from taylor_tune.pruning.streamed import compute_importance_streamed
+    from taylor_tune.sources.models import stream_model
+
+    tokenizer = load_tokenizer(str(folder))
+    text = load_ppl_text("wiki")
+    if "score" not in done or "prune" not in done:
+        stream = stream_model(str(folder), dtype=torch.bfloat16)
+        layout = describe_layout(stream.skeleton())
+        ids = windows_of(tokenizer, text, args.seq_len, args.samples)
+        peaks.reset()
+        begin = time.perf_counter()
+        importance = compute_importance_streamed(stream, layout, ids, micro_batch_size=4)[args.samples]
+        if "score" not in done:
+            record("score", time.perf_counter() - begin, tokens=int(ids.numel()),
+                   layers=layout.num_layers, params=layout.total_params)
+        from taylor_tune.config import build_prune_config
+        from taylor_tune.pruning.apply import save_pruned_streamed
+        from taylor_tune.pruning.prune import make_plan
+
+        config = build_prune_config({"model": str(folder), "method": "taylor", "sparsity": args.sparsity,
+                                     "device": "cpu", "dtype": "bfloat16"})
+        peaks.reset()
+        begin = time.perf_counter()
+        plan = make_plan(config, importance.scores, layout)
+        save_pruned_streamed(stream, plan, pruned, tokenizer)
+        kept = sum(int(p.numel()) for p in stream_model(str(pruned)).skeleton().parameters())
+        record("prune", time.perf_counter() - begin, params_before=layout.total_params, params_after=kept)
+    if "perplexity" not in done:
+        peaks.reset()
+        begin = time.perf_counter()
+        result = perplexity(stream_model(str(pruned), dtype=torch.bfloat16), tokenizer, text, window=args.seq_len,
+                            batch_size=2, max_windows=args.windows)
+        record("perplexity", time.perf_counter() - begin, ppl=result["ppl"], windows=result["ppl_windows"])
+
+
+if __name__ == "__main__":
+    main()
