@@ -4,7 +4,8 @@ pass over 8 x 128 calibration tokens layer by layer from the folder, the plan, t
 shard, and the pruned folder's perplexity on a few windows, streamed in turn. Each step's seconds and the process's
 peak memory: anonymous (what the process allocated) and file-backed (the memory-mapped safetensors pages the page
 cache holds for it, which the kernel can drop), read from /proc/self/status by a sampling thread. The in-memory pass of
-the same model goes to the preflight's memory check, which refuses it; its reason is recorded.
+the same model goes to the preflight's memory check, which refuses it with `streaming: off` (its reason is recorded)
+and takes it with `streaming: auto` (the trial would stream).
 
 Resumable: the model folder is built once (kept under the asset home's bench/), each step's result is appended to
 the JSON lines file as it ends, and a step already there is not run again.
@@ -118,18 +119,21 @@ def main() -> None:
         from taylor_tune.sweep.experiment import Experiment
         from taylor_tune.sweep.preflight import check_memory
 
-        experiment = Experiment(
-            name="eight-b", models=[str(folder)], search={"algorithm": "grid"},
-            search_space={"pruning_method": {"grid": ["taylor"]}, "taylor_seq_len": {"grid": [args.seq_len]},
-                          "taylor_num_samples": {"grid": [args.samples]}},
-            prune={"device": "cpu", "dtype": "bfloat16", "calibration": "wiki", "micro_batch_size": 4},
-            evaluation={"tasks": [], "ppl": "wiki", "ppl_window": args.seq_len}, resources={"cpu": 2, "gpu": 0})
-        try:
-            check_memory(experiment)
-            refusal = None
-        except ConfigError as error:
-            refusal = str(error)
-        record("in_memory_preflight", 0.0, refused=refusal)
+        for streaming in ("off", "auto"):  # refused whole; taken streamed (auto decides from the same estimate)
+            experiment = Experiment(
+                name="eight-b", models=[str(folder)], search={"algorithm": "grid"},
+                search_space={"pruning_method": {"grid": ["taylor"]}, "taylor_seq_len": {"grid": [args.seq_len]},
+                              "taylor_num_samples": {"grid": [args.samples]}},
+                prune={"device": "cpu", "dtype": "bfloat16", "calibration": "wiki", "micro_batch_size": 4,
+                       "streaming": streaming},
+                evaluation={"tasks": [], "ppl": "wiki", "ppl_window": args.seq_len, "speed": None},
+                resources={"cpu": 2, "gpu": 0})
+            try:
+                check_memory(experiment)
+                refusal = None
+            except ConfigError as error:
+                refusal = str(error)
+            record("in_memory_preflight" if streaming == "off" else "streamed_preflight", 0.0, refused=refusal)
     from taylor_tune.pruning.groups import describe_layout
     from taylor_tune.pruning.streamed import compute_importance_streamed
     from taylor_tune.sources.models import stream_model

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 
 from taylor_tune.config import (
     EvalSpec,
+    Evaluation,
     PruneConfig,
     RecoverySpec,
     build_eval_spec,
@@ -141,8 +142,10 @@ def _run_prune(args: argparse.Namespace) -> int:
 
     from taylor_tune.pruning.artifacts import write_prune_artifacts  # torch: only once the arguments are valid
     from taylor_tune.pruning.prune import prune
+    from taylor_tune.sweep.stages.pruning import streams
 
-    result = prune(config)
+    streamed = streams(config, Evaluation(tasks=[], ppl=None, speed=None), spec)  # the model written as it streams
+    result = prune(config, pruned_folder=Path(args.output) / "model" if streamed else None)
     recovered = ""
     if spec is not None:
         from taylor_tune.recovery.train import recover_pruned  # torch and peft: only when recovering

@@ -30,6 +30,9 @@ METHOD_CRITERIA = {"taylor": CRITERIA, "layerwise": CRITERIA, "blockwise": CRITE
 BLOCKWISE_ATTENTION_RULES = ("closest_ratio", "measured_loss", "mlp_only", "min_loss")
 # blockwise's attention rule when none is asked for (BENCHMARKS.md, pruning quality, says why)
 DEFAULT_BLOCKWISE_ATTENTION = "measured_loss"  # BENCHMARKS.md: blockwise attention rules on the real models
+# what a streamed pruning scores by (pruning.streamed): the gradient pass, with the width methods' planners
+STREAMED_METHODS = ("taylor", "layerwise", "blockwise")
+STREAMED_CRITERIA = ("taylor", "taylor_sum")
 # DeciLM's MLP widths are multiples of this (its readers round ffn_mult's width up to it): the servable layout's align
 SERVABLE_TILE = 256
 
@@ -160,6 +163,13 @@ class PruneConfig(BaseModel):
         "each MLP width is aligned to 256 by importance (align, a multiple of 256; default 256); the export also needs "
         "a family with Llama's layers and no biases", json_schema_extra=searchable(),
     )
+    streaming: Literal["auto", "on", "off"] = Field(
+        "auto", description="hold the model one decoder layer at a time (its weights read from the checkpoint's "
+        "safetensors as each is needed): the gradient pass, the pruned folder and the evaluation go layer by layer, "
+        "so a model far larger than the trial's device is scored on it; the same scores and metrics to float "
+        "rounding. auto: stream where the memory estimate says the model with its gradient buffers does not fit the "
+        "trial's device (docs/pruning.md, Streaming)", json_schema_extra=searchable(),
+    )
     extreme_ratio_threshold: float | None = Field(
         None, gt=0.0, description="a layer pruned above this ratio counts as extreme; default 2 x sparsity"
     )
@@ -252,6 +262,26 @@ class PruneConfig(BaseModel):
             raise ValueError("servable: FLAP's compensation adds a bias to each pruned MLP, which DeciLM's layers "
                              "do not hold; set flap_compensation: false")
         return self
+
+    @model_validator(mode="after")
+    def _streaming_scope(self) -> PruneConfig:
+        problem = self.streaming_problem()
+        if self.streaming == "on" and problem:
+            raise ValueError(f"streaming: {problem}")
+        return self
+
+    def streaming_problem(self) -> str | None:
+        """Why this pruning cannot be streamed yet, or None: streaming scores by the gradient criteria of the width
+        methods, and plans without measuring a candidate's loss (which masks the whole loaded model)."""
+        if self.method not in STREAMED_METHODS or self.criterion not in STREAMED_CRITERIA:
+            return (f"{self.method} with criterion {self.criterion} is not streamed; streaming scores by "
+                    f"{' or '.join(STREAMED_CRITERIA)} with {', '.join(STREAMED_METHODS)}")
+        measured = ("the uniform layout" if self.uniform else "blockwise_attention measured_loss"
+                    if self.method == "blockwise" and self.blockwise_attention == "measured_loss" else
+                    "a depth_share" if self.depth_share else None)
+        if measured:
+            return f"{measured} measures plans on the whole loaded model, which streaming never holds"
+        return None
 
     @property
     def servable_align(self) -> int | None:

@@ -26,6 +26,7 @@ decoder layers run compiled for the pass (`evaluation.fused`): the same computat
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
@@ -37,7 +38,7 @@ from lm_eval.models.huggingface import HFLM
 from taylor_tune.compat.lm_eval import check
 from taylor_tune.evaluation.fused import compiled_layers
 from taylor_tune.progress import bar
-from taylor_tune.sources.streaming import final_hidden, head_logits, is_stream
+from taylor_tune.sources.streaming import CHUNK_TOKENS, final_hidden, head_logits, is_stream, passes
 
 
 @dataclass
@@ -362,11 +363,12 @@ class PrefixLM(_Scorer):
 
 class StreamedPrefixLM(PrefixLM):
     """PrefixLM over a model held layer by layer (`sources.streaming`): every batch of a call is planned and laid out
-    first, all of them go through each decoder layer in turn (each layer's weights reach the device once per call),
-    then each batch's kept positions go through the head and the same scoring. The same packs, batches, masks and
-    arithmetic as PrefixLM's, so the same log-likelihoods."""
+    first, then they go in passes of at most `chunk_tokens` tokens, each pass's batches through each decoder layer in
+    turn (each layer's weights reach the device once a pass), then each batch's kept positions through the head and
+    the same scoring. The same packs, batches, masks and arithmetic as PrefixLM's, so the same log-likelihoods."""
 
     stream = None  # the Checkpoint (or Resident) whose `model` this HFLM was made around
+    chunk_tokens = CHUNK_TOKENS  # tokens of one layer-major pass (`sources.streaming.passes`)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
         max_length = self.max_length
@@ -375,17 +377,18 @@ class StreamedPrefixLM(PrefixLM):
         packs = plan_packs([(context, continuation) for _, context, continuation in requests], max_length)
         auto = self.batch_size == "auto"
         batches = plan_batches(packs, None if auto else self.batch_size, budget=self._budget(packs) if auto else None)
-        prepared = [self._prepare(batch) for batch in batches]
-        placed = [self._on_device(batch) for batch in prepared]
         results: list[tuple[float, bool] | None] = [None] * len(requests)
+        prepared = [self._prepare(batch) for batch in batches]
         with torch.no_grad(), self._autocast():
-            finals = final_hidden(self.stream, [inputs for inputs, _, _ in placed])
-            for batch, (_, keep, scored), hidden in zip(prepared, placed, finals, strict=True):
-                sums, misses = self._score(batch, head_logits(self.stream.model, hidden, keep), scored).tolist()
-                for slot, index in enumerate(batch.requests):
-                    results[index] = answer = (sums[slot], misses[slot] == 0)
-                    if requests[index][0] is not None:
-                        self.cache_hook.add_partial("loglikelihood", requests[index][0], answer)
+            for run in passes(prepared, lambda batch: batch.inputs[0].numel(), self.chunk_tokens):
+                placed = [self._on_device(batch) for batch in run]  # one pass's inputs on the device at a time
+                finals = final_hidden(self.stream, [inputs for inputs, _, _ in placed], chunk_tokens=sys.maxsize)
+                for batch, (_, keep, scored), hidden in zip(run, placed, finals, strict=True):
+                    sums, misses = self._score(batch, head_logits(self.stream.model, hidden, keep), scored).tolist()
+                    for slot, index in enumerate(batch.requests):
+                        results[index] = answer = (sums[slot], misses[slot] == 0)
+                        if requests[index][0] is not None:
+                            self.cache_hook.add_partial("loglikelihood", requests[index][0], answer)
         return results
 
 

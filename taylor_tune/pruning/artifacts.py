@@ -35,5 +35,8 @@ def write_prune_artifacts(output: str | Path, config: PruneConfig, result: Prune
     metadata = {"method": config.method, "num_samples": str(config.num_samples), "seq_len": str(config.seq_len),
                 "seed": str(config.seed), "calibration": config.calibration, "model": config.model}
     save_file(importance_tensors(result), str(output / "importance.safetensors"), metadata=metadata)
-    save_pruned(result.model, output / "model", tokenizer=result.tokenizer, source_model=config.model)
+    if result.streamed:  # written layer by layer by the pruning itself
+        result.tokenizer.save_pretrained(result.pruned_folder)
+    else:
+        save_pruned(result.model, output / "model", tokenizer=result.tokenizer, source_model=config.model)
     return output

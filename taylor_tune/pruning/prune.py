@@ -9,6 +9,7 @@ module is pruning's public face: the sweep imports pruning through the names in 
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -23,7 +24,7 @@ from taylor_tune.errors import ConfigError
 from taylor_tune.jsonio import write_json
 from taylor_tune.pruning.activations import ActivationStats
 from taylor_tune.pruning.aligned import aligned_plan
-from taylor_tune.pruning.apply import apply_plan, layer_shapes
+from taylor_tune.pruning.apply import apply_plan, layer_shapes, save_pruned_streamed
 from taylor_tune.pruning.compensation import add_compensation, compensations
 from taylor_tune.pruning.depth import LayerSimilarity
 from taylor_tune.pruning.diagnostics import layer_analysis, pruning_diagnostics
@@ -45,6 +46,8 @@ from taylor_tune.sources.models import (
     load_tokenizer,
     resolve_device,
     resolve_dtype,
+    stream_model,
+    streamable,
 )
 
 __all__ = [
@@ -75,6 +78,8 @@ class Pruning:
     plan: PrunePlan | None = None
     diagnostics: dict = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    streamed: bool = False  # the model held one decoder layer at a time (`sources.streaming`)
+    pruned_folder: Path | None = None  # where a streamed pruning writes the pruned model, which is then read from it
 
     @property
     def calibration_ids(self) -> torch.Tensor | None:
@@ -166,11 +171,20 @@ def check_plan(config: PruneConfig, layout: ModelLayout) -> None:
     make_plan(config, scores, layout, loss=lambda candidate: 0.0, similarity=similarity)
 
 
-def start(config: PruneConfig, *, cache: ImportanceCache | None = None, sample_counts=()) -> Pruning:
-    """Checks against the model's config and its tokenizer, before anything heavy."""
+def start(config: PruneConfig, *, cache: ImportanceCache | None = None, sample_counts=(),
+          pruned_folder: Path | None = None) -> Pruning:
+    """Checks against the model's config and its tokenizer, before anything heavy. With `pruned_folder` the pruning
+    is streamed (`config.streaming` resolved by the caller, who knows the trial's memory): the model held one
+    layer at a time, the pruned model written there and read back from it layer by layer."""
     check_against_model(config)
+    if pruned_folder is not None:
+        problem = config.streaming_problem()
+        if problem:
+            raise ConfigError(f"streaming: {config.model} does not fit in memory, so it streams, but {problem}")
+        streamable(config.model, trust_remote_code=config.trust_remote_code)  # what cannot be streamed, refused now
     tokenizer = load_tokenizer(config.model, trust_remote_code=config.trust_remote_code)
-    return Pruning(config, tokenizer, Calibration(config, tokenizer), cache, tuple(sample_counts))
+    return Pruning(config, tokenizer, Calibration(config, tokenizer), cache, tuple(sample_counts),
+                   streamed=pruned_folder is not None, pruned_folder=pruned_folder)
 
 
 def load(pruning: Pruning) -> dict[str, float]:
@@ -182,9 +196,14 @@ def load(pruning: Pruning) -> dict[str, float]:
         timings["calibration_s"] = pruning.calibration.seconds
     begin = time.perf_counter()
     device = resolve_device(config.device)
-    pruning.model = load_model(config.model, device=device, dtype=resolve_dtype(config.dtype, device),
-                               trust_remote_code=config.trust_remote_code, seed=config.seed)
-    pruning.layout = describe_layout(pruning.model)
+    if pruning.streamed:  # the head now, each layer when it is needed
+        pruning.model = stream_model(config.model, device=device, dtype=resolve_dtype(config.dtype, device),
+                                     trust_remote_code=config.trust_remote_code)
+        pruning.layout = describe_layout(pruning.model.skeleton())
+    else:
+        pruning.model = load_model(config.model, device=device, dtype=resolve_dtype(config.dtype, device),
+                                   trust_remote_code=config.trust_remote_code, seed=config.seed)
+        pruning.layout = describe_layout(pruning.model)
     log.info("loaded %s: %d parameters, %d layers on %s", config.model, pruning.layout.total_params,
              pruning.layout.num_layers, device)
     return timings | {"load_s": time.perf_counter() - begin}
@@ -212,7 +231,13 @@ def apply(pruning: Pruning) -> dict[str, float]:
     begin, config, importance = time.perf_counter(), pruning.config, pruning.importance
     compensate = config.criterion == "flap" and config.flap_compensation and pruning.activations is not None
     deltas = compensations(pruning.model, pruning.plan, pruning.activations) if compensate else None
-    apply_plan(pruning.model, pruning.plan)
+    if pruning.streamed:  # written layer by layer, then held layer by layer from there
+        shutil.rmtree(pruning.pruned_folder, ignore_errors=True)  # a retried trial's half-written folder
+        save_pruned_streamed(pruning.model, pruning.plan, pruning.pruned_folder, source_model=config.model)
+        pruning.model = stream_model(str(pruning.pruned_folder), device=pruning.model.device,
+                                     dtype=pruning.model.dtype)
+    else:
+        apply_plan(pruning.model, pruning.plan)
     if deltas is not None:
         add_compensation(pruning.model, deltas, pruning.plan.layers_removed)
     pruning.diagnostics = pruning_diagnostics(
@@ -228,9 +253,11 @@ def apply(pruning: Pruning) -> dict[str, float]:
 STAGES = (load, score, plan, apply)
 
 
-def prune(config: PruneConfig, *, cache: ImportanceCache | None = None, sample_counts=()) -> Pruning:
-    """Run one pruning as `config` says; nothing is written to disk (see artifacts.write_prune_artifacts)."""
-    pruning = start(config, cache=cache, sample_counts=sample_counts)
+def prune(config: PruneConfig, *, cache: ImportanceCache | None = None, sample_counts=(),
+          pruned_folder: Path | None = None) -> Pruning:
+    """Run one pruning as `config` says; nothing is written to disk (see artifacts.write_prune_artifacts), but for
+    a streamed pruning's model, written to `pruned_folder` (`start`)."""
+    pruning = start(config, cache=cache, sample_counts=sample_counts, pruned_folder=pruned_folder)
     for stage in STAGES:
         pruning.timings |= stage(pruning)
     return pruning

@@ -34,8 +34,10 @@ from taylor_tune.pruning.importance_cache import ImportanceCache, stats_from_ten
 from taylor_tune.pruning.methods import METHODS, Scoring
 from taylor_tune.pruning.plan import GroupScores, ModelLayout
 from taylor_tune.pruning.similarity import layer_similarity
+from taylor_tune.pruning.streamed import compute_importance_streamed
 from taylor_tune.sources.calibration import load_calibration
 from taylor_tune.sources.data import resolve_text
+from taylor_tune.sources.streaming import is_stream
 
 
 def uses_gradients(config: PruneConfig) -> bool:
@@ -129,14 +131,20 @@ def gradient_importance(model, layout: ModelLayout, calibration: Calibration, *,
     config = calibration.config
     counts = sorted(set(sample_counts) | {config.num_samples})
 
+    streamed = is_stream(model)
+    # a model held layer by layer takes the pass layer-major (pruning.streamed): the same importance to rounding
+    compute_pass = compute_importance_streamed if streamed else compute_importance
+
     def compute() -> dict[int, Importance]:
         ids = calibration.ids(counts[-1])
-        return compute_importance(model, layout, ids, micro_batch_size=config.micro_batch_size, snapshots=counts)
+        return compute_pass(model, layout, ids, micro_batch_size=config.micro_batch_size, snapshots=counts)
 
     if cache is None:
         return compute()[config.num_samples]
-    parameter = next(model.parameters())
-    fields = importance_fields(config, dtype=parameter.dtype, device=parameter.device)
+    parameter = next((model.model if streamed else model).parameters())
+    # a streamed pass is keyed apart: it equals the in-memory pass to rounding, not bit for bit
+    fields = importance_fields(config, dtype=parameter.dtype, device=parameter.device) | (
+        {"streamed": True} if streamed else {})
     return cache.get_or_compute(fields, counts, compute, check=lambda imp: check_importance(imp, layout))[
         config.num_samples]
 

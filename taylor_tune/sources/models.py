@@ -199,19 +199,42 @@ def load_model(
 def stream_model(spec: str, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  trust_remote_code: bool = False) -> Checkpoint:
     """The model held one decoder layer at a time (`streaming.Checkpoint`): a folder of safetensors (a built-in
-    asset, a local folder, a converted GGUF, a pruned folder); ModelLoadError for what has no such folder here (a
-    tiny model built in memory, a hub id)."""
+    asset, a local folder, a converted GGUF, a pruned folder, a hub id's files, downloaded first where they are not
+    in the hub's cache); ModelLoadError for a tiny model built in memory."""
+    location, config, cls = streamable(spec, trust_remote_code=trust_remote_code, fetch=True)
+    return Checkpoint(location, config, device=torch.device(device), dtype=dtype, cls=cls)
+
+
+# what a hub model's streaming reads: its config, tokenizer and safetensors (never a pickled checkpoint)
+HUB_STREAMED = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
+
+
+def streamable(spec: str, *, trust_remote_code: bool = False,
+               fetch: bool = False) -> tuple[str, PretrainedConfig, type | None]:
+    """Where a model to stream is, its config and its class (None: its config's own), read without its weights;
+    ModelLoadError naming why it cannot be streamed. A hub id is fetched (its safetensors, config and tokenizer into
+    the hub's cache) only with `fetch`: a preflight checks, a trial downloads."""
     source, location = _source(spec)
-    if source in ("tiny", "hub"):
-        kind = {"tiny": "is built in memory", "hub": "is a hub id"}[source]
-        raise ModelLoadError(f"model: {shown(spec)} {kind}; streaming reads a folder of safetensors weights")
+    if source == "tiny":
+        raise ModelLoadError(f"model: {shown(spec)} is built in memory; streaming reads a folder of safetensors "
+                             "weights")
+    if source == "hub":
+        config = load_model_config(spec, trust_remote_code=trust_remote_code)
+        if not fetch:
+            return spec, config, None
+        from huggingface_hub import snapshot_download
+
+        try:
+            location = snapshot_download(spec, allow_patterns=HUB_STREAMED)
+        except Exception as error:  # network, authentication, a gated model: one line naming it
+            raise ModelLoadError(f"model: cannot fetch {spec!r} to stream it: {type(error).__name__}: "
+                                 f"{str(error).splitlines()[0] if str(error) else ''}") from None
+        source = "folder"
     check_safetensors(Path(location), spec)
     if source == "pruned":
         config, cls, _ = _pruned_class(Path(location))
-        return Checkpoint(location, config, device=torch.device(device), dtype=dtype,
-                          cls=None if cls is AutoModelForCausalLM else cls)
-    config = load_model_config(spec, trust_remote_code=trust_remote_code)
-    return Checkpoint(location, config, device=torch.device(device), dtype=dtype)
+        return location, config, None if cls is AutoModelForCausalLM else cls
+    return location, load_model_config(str(location), trust_remote_code=trust_remote_code), None
 
 
 @contextlib.contextmanager

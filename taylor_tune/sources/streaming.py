@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -101,8 +101,7 @@ class Checkpoint:
         self.shells = [copy.deepcopy(layer) for layer in self.model.model.layers]  # as the checkpoint holds them
         self.fused = FAMILIES[config.model_type].fused
         self.names = _shards(self.folder)
-        self._open: dict[Path, object] = {}
-        outside = {name: self._read(name) for name in self.names if not name.startswith(LAYERS)}
+        outside = self._read([name for name in self.names if not name.startswith(LAYERS)])
         tied = "lm_head.weight" not in outside and getattr(config, "tie_word_embeddings", False)
         missing, unexpected = self.model.load_state_dict(outside, strict=False, assign=True)
         missing = [k for k in missing if not k.startswith(LAYERS) and not (tied and k == "lm_head.weight")]
@@ -133,16 +132,24 @@ class Checkpoint:
         self._split(model.model.layers)
         return model
 
-    def _read(self, name: str) -> torch.Tensor:
-        file = self.names[name]
-        if file not in self._open:
-            self._open[file] = safe_open(file, framework="pt", device="cpu")
-        return self._open[file].get_tensor(name).to(device=self.device, dtype=self.dtype)
+    def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The tensors `names` on the device in the dtype, each file opened (memory-mapped) only while they are read:
+        a mapping kept open would hold every page read so far as this process's."""
+        files: dict[Path, list[str]] = {}
+        for name in names:
+            files.setdefault(self.names[name], []).append(name)
+        out = {}
+        for file, part in files.items():
+            with safe_open(file, framework="pt", device="cpu") as handle:
+                for name in part:
+                    out[name] = handle.get_tensor(name).to(device=self.device, dtype=self.dtype)
+        return out
 
     def layer(self, index: int) -> nn.Module:
         """Layer `index` with its weights read from the checkpoint onto the device, in place in `model`."""
         prefix = f"{LAYERS}{index}."
-        state = {name[len(prefix):]: self._read(name) for name in self.names if name.startswith(prefix)}
+        state = {name[len(prefix):]: tensor for name, tensor in
+                 self._read([name for name in self.names if name.startswith(prefix)]).items()}
         # a fused family's checkpoint holds the fused projections (as published) or their parts (as saved here)
         fused = set(state) == set(self.shells[index].state_dict())
         layer = copy.deepcopy(self.shells[index] if fused else self.empty[index])
@@ -155,6 +162,17 @@ class Checkpoint:
     def release(self, index: int) -> None:
         """Layer `index`'s weights dropped: its meta shell back in the model."""
         self.model.model.layers[index] = self.empty[index]
+
+    @property
+    def training(self) -> bool:
+        return self.model.training
+
+    def train(self, mode: bool = True) -> Checkpoint:
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> Checkpoint:
+        return self.train(False)
 
     def _split(self, layers) -> None:
         """A fused family's projections held as their parts (`pruned_modeling.split_fused`), as in every held model."""
@@ -255,15 +273,36 @@ def forward_layers(stream, inputs: list[dict], kept: Kept, *, keep_inputs: bool 
     return calls
 
 
-def final_hidden(stream, inputs: list[dict], scratch: Path | None = None) -> Iterator[torch.Tensor]:
-    """Each call's last decoder layer output on the device, in order, after a layer-major pass over all of them
-    (`forward_layers`: each layer's weights reach the device once for every call together)."""
-    kept = Kept(scratch)
-    forward_layers(stream, inputs, kept)
-    for part in range(len(inputs)):
-        hidden = kept.get((stream.num_layers, part)).to(stream.device)
-        kept.drop((stream.num_layers, part))
-        yield hidden
+# Tokens a layer-major pass carries at once: each layer's weights are read once per pass, and what the pass keeps
+# between layers (every call's hidden state, twice) grows with it: at 8,192 wide in bfloat16, 4 GiB on the host.
+CHUNK_TOKENS = 1 << 17
+
+
+def final_hidden(stream, inputs: list[dict], scratch: Path | None = None,
+                 chunk_tokens: int = CHUNK_TOKENS) -> Iterator[torch.Tensor]:
+    """Each call's last decoder layer output on the device, in order, from layer-major passes (`forward_layers`:
+    each layer's weights reach the device once for all the calls of a pass), the calls taken in passes of at most
+    `chunk_tokens` tokens (a call larger than that is a pass of its own)."""
+    for chunk in passes(inputs, lambda keywords: keywords["input_ids"].numel(), chunk_tokens):
+        kept = Kept(scratch)
+        forward_layers(stream, chunk, kept)
+        for part in range(len(chunk)):
+            hidden = kept.get((stream.num_layers, part)).to(stream.device)
+            kept.drop((stream.num_layers, part))
+            yield hidden
+
+
+def passes(items: list, tokens: Callable[[object], int], limit: int = CHUNK_TOKENS) -> list[list]:
+    """`items` in order, cut into runs of at most `limit` tokens each (`tokens` of an item; an item larger than the
+    limit is a run of its own): the calls of one layer-major pass."""
+    out, size = [], limit
+    for item in items:
+        if size + tokens(item) > limit:
+            out.append([])
+            size = 0
+        out[-1].append(item)
+        size += tokens(item)
+    return out
 
 
 def head_logits(model: nn.Module, hidden: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:

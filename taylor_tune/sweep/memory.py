@@ -173,6 +173,68 @@ def trial_peaks(shape: Shape, prune, evaluation, recovery_spec, dtype_bytes: int
     return peaks
 
 
+def streamed_importance(shape: Shape, num_samples: int, micro_batch_size: int, seq_len: int,
+                        dtype_bytes: int) -> StagePeak:
+    """The Taylor pass streamed (`pruning.streamed`): the head's weights, one decoder layer's weights, its gradient
+    and its float32 gradient sums, one micro-batch's backward through that layer alone, the loss's logits; and what
+    the pass keeps on the host between layers: every layer's input for every calibration row, the last layer's
+    output and the gradient flowing down (the `kept` part; on a GPU it is the host's, not the device's)."""
+    layer = shape.layer_params // shape.layers
+    one_layer = Shape(shape.params, shape.layer_params, shape.hidden, shape.intermediate, 1, shape.vocab,
+                      shape.kv_width, shape.q_width)
+    tokens = micro_batch_size * seq_len
+    return StagePeak("streamed importance pass", {
+        "head weights": (shape.params - shape.layer_params) * dtype_bytes,
+        "one layer": layer * (2 * dtype_bytes + 4),
+        "activations": backward_pass(one_layer, tokens, dtype_bytes),
+        "logits": logits(shape, tokens, dtype_bytes, 2),
+        "kept": num_samples * seq_len * shape.hidden * dtype_bytes * (shape.layers + 2),
+    }, f"num_samples {num_samples} x seq_len {seq_len} (kept between layers)")
+
+
+def streamed_forward(stage: str, shape: Shape, tokens: int, batch_tokens: int, dtype_bytes: int,
+                     levers: str) -> StagePeak:
+    """A forward streamed over `tokens` tokens in batches of `batch_tokens` (perplexity, the zero-shot passes): the
+    head's weights and one layer's, one batch's transients or its logits with their float32 loss, and every batch's
+    hidden state kept between layers (twice: a layer's input and its output)."""
+    weights = (shape.params - shape.layer_params + shape.layer_params // shape.layers) * dtype_bytes
+    activations = forward_pass(shape, batch_tokens, dtype_bytes)
+    head = batch_tokens * shape.vocab * (dtype_bytes + 6)
+    return StagePeak(stage, {"weights": weights, ("activations" if activations > head else "logits"):
+                             max(activations, head), "kept": 2 * tokens * shape.hidden * dtype_bytes}, levers)
+
+
+def streamed_peaks(shape: Shape, prune, evaluation, dtype_bytes: int) -> list[StagePeak]:
+    """`trial_peaks` of a streamed trial (gradient scoring, no speed stage, no recovery: the preflight refuses those
+    with streaming)."""
+    peaks = [streamed_importance(shape, prune.num_samples, min(prune.micro_batch_size, prune.num_samples),
+                                 prune.seq_len, dtype_bytes)]
+    if evaluation.ppl is not None:
+        windows = evaluation.ppl_max_windows or 0
+        peaks.append(streamed_forward("streamed perplexity", shape, windows * evaluation.ppl_window,
+                                      PPL_BATCH * evaluation.ppl_window, dtype_bytes,
+                                      f"evaluation.ppl_max_windows {windows} x ppl_window {evaluation.ppl_window}"))
+    return peaks
+
+
+def streams(prune, in_memory: list[StagePeak], allowed: int) -> bool:
+    """Whether a trial holds its model layer by layer: `prune.streaming` on, or auto where the model with its
+    gradient buffers (the weights and gradient sums of its in-memory peaks, `trial_peaks`) exceeds what it may use
+    and the pruning can be streamed (`PruneConfig.streaming_problem`). A peak made by a batch's activations is the
+    batch's to lower, not a reason to stream."""
+    if prune.streaming != "auto":
+        return prune.streaming == "on"
+    model = max((peak.parts.get("weights", 0) + peak.parts.get("gradient sums", 0) for peak in in_memory), default=0)
+    return model > allowed and prune.streaming_problem() is None
+
+
+def held_whole(evaluation, recovery_spec) -> str | None:
+    """The stage of a trial that holds its whole model, which a streamed trial cannot have; None if none."""
+    if evaluation.speed is not None:
+        return "evaluation.speed (the unpruned and the pruned model timed whole)"
+    return "recovery (LoRA trains the whole model)" if recovery_spec is not None else None
+
+
 def describe(peak: StagePeak) -> str:
     parts = ", ".join(f"{name} {size / GIB:.1f}" for name, size in peak.parts.items())
     return f"the {peak.stage} needs at least {peak.total / GIB:.1f} GiB ({parts})"

@@ -14,11 +14,11 @@ import os
 import torch
 
 from taylor_tune.config import check_schedule
-from taylor_tune.errors import CalibrationError, ConfigError, PlanError
+from taylor_tune.errors import CalibrationError, ConfigError, ModelLoadError, PlanError
 from taylor_tune.pruning.prune import check_plan, draw_calibration, draws_calibration, meta_layout, uses_gradients
 from taylor_tune.schema import DIMENSIONS
 from taylor_tune.sources.data import resolve_text
-from taylor_tune.sources.models import load_model_config, load_tokenizer
+from taylor_tune.sources.models import load_model_config, load_tokenizer, streamable
 from taylor_tune.sources.recovery_data import check_recovery_data
 from taylor_tune.sweep import memory
 from taylor_tune.sweep.experiment import Experiment
@@ -110,6 +110,25 @@ def check_recovery(experiment: Experiment) -> None:
                 raise ConfigError(f"{error} (recovery of {model})") from None
 
 
+def check_streaming(experiment: Experiment) -> None:
+    """Every point that streams by its setting (`streaming: on`) can: its model a folder of safetensors (not a tiny
+    model built in memory, not a hub id), and no stage that holds the whole model (the speed measurement, a
+    recovery). `auto` is decided per trial on its device; a trial that streams there is held to the same."""
+    for model in experiment.models:
+        for point in experiment.space_points():
+            prune = experiment.prune_config(model, point)
+            if prune.streaming != "on":
+                continue
+            try:
+                streamable(model, trust_remote_code=prune.trust_remote_code)
+            except ModelLoadError as error:
+                raise ConfigError(f"streaming: on, but {error}") from None
+            held = memory.held_whole(experiment.evaluation, experiment.recovery_spec(point))
+            if held:
+                raise ConfigError(f"streaming: on holds {model} one layer at a time, which {held} cannot be; drop "
+                                  "it or set streaming: off")
+
+
 def trial_memory(experiment: Experiment) -> tuple[int, int, str] | None:
     """(bytes one trial may use, its weights' bytes per value, what bounds it) on this machine; None where this
     machine cannot tell (a cluster's driver: the trials run on nodes it does not see). A CPU trial may use
@@ -152,7 +171,16 @@ def check_memory(experiment: Experiment) -> None:
             peaks = memory.trial_peaks(shape, prune, experiment.evaluation, experiment.recovery_spec(point),
                                        dtype_bytes, draws_calibration=draws_calibration(prune),
                                        uses_gradients=uses_gradients(prune))
+            streamed = memory.streams(prune, peaks, allowed)
+            if streamed:  # held one layer at a time: its own peaks, and no stage that holds the whole model
+                held = memory.held_whole(experiment.evaluation, experiment.recovery_spec(point))
+                if held:
+                    raise ConfigError(f"streaming: {model} does not fit {where} whole, so it streams, which {held} "
+                                      "cannot; drop it, or set streaming: off to be refused for its memory")
+                peaks = memory.streamed_peaks(shape, prune, experiment.evaluation, dtype_bytes)
             worst = max(peaks, key=lambda peak: peak.total, default=None)
             if worst is not None and worst.total > allowed:
+                hint = "" if streamed or prune.streaming == "off" else (
+                    f" (it cannot stream: {prune.streaming_problem()})" if prune.streaming_problem() else "")
                 raise ConfigError(f"memory: {prune.method} on {model}: {memory.describe(worst)} at its peak, more "
-                                  f"than {where}; lower {worst.levers}")
+                                  f"than {where}; lower {worst.levers}{hint}")

@@ -12,6 +12,7 @@ go to `trial_dir`. The importance comes from the sweep's shared cache when one i
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -73,12 +74,16 @@ def run_trial(trial: TrialConfig, trial_dir: str | Path, report: Callable[[dict]
                    report=report, leases=leases, copies=copies, store_stats=stats or StoreStats())
     if run.on_gpu:  # the peak the last report carries is this trial's, whatever ran before in this process
         torch.cuda.reset_peak_memory_stats()
-    for stage in trial_stages(trial):
-        metrics |= stage.run(run) or {}
-        if trial.cache_dir is not None:
-            metrics |= run.store_stats.metrics()
-        if stage.reports:
-            report(dict(metrics))
+    try:
+        for stage in trial_stages(trial):
+            metrics |= stage.run(run) or {}
+            if trial.cache_dir is not None:
+                metrics |= run.store_stats.metrics()
+            if stage.reports:
+                report(dict(metrics))
+    finally:  # a streamed trial's pruned model is the size of the model: not a record to keep
+        if run.scratch is not None:
+            shutil.rmtree(run.scratch, ignore_errors=True)
     metrics["stage"] = "done"
     return metrics
 

@@ -3,19 +3,69 @@ shared importance cache, and the pruning's record written to the trial's folder.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
+import torch
+
+from taylor_tune.errors import ConfigError
 from taylor_tune.pruning import prune as pruning
 from taylor_tune.pruning.prune import ImportanceCache
-from taylor_tune.sweep.stages.run import Stage, TrialRun
+from taylor_tune.sources.models import load_model_config, resolve_device, resolve_dtype
+from taylor_tune.sweep import memory
+from taylor_tune.sweep.preflight import memory_bytes
+from taylor_tune.sweep.stages.run import Stage, TrialConfig, TrialRun
 
 
 def start(run: TrialRun) -> dict:
-    """Checks against the model's config, the tokenizer, and the shared importance cache when the sweep has one."""
+    """Checks against the model's config, the tokenizer, and the shared importance cache when the sweep has one;
+    whether the trial streams its model (`streaming`: auto decided by the memory estimate against this trial's
+    device), its `streamed` column."""
     store = run.store("importance_cache")
     cache = None if store is None else ImportanceCache(store)
-    run.pruning = pruning.start(run.config, cache=cache, sample_counts=run.trial.sample_counts)
-    return {}
+    streamed = trial_streams(run.trial)
+    if streamed:  # outside the trial's folder, which Tune copies to the sweep's storage as it goes
+        run.scratch = Path(tempfile.mkdtemp(prefix="taylor-tune-streamed-", dir=os.environ.get(SCRATCH_VARIABLE)))
+    run.pruning = pruning.start(run.config, cache=cache, sample_counts=run.trial.sample_counts,
+                                pruned_folder=run.scratch / "model" if streamed else None)
+    return {"streamed": streamed}
+
+
+# where a streamed trial writes its pruned model (the size of the model, read back layer by layer, removed at the
+# trial's end): a folder of its own in this directory (default: the system's temporary directory)
+SCRATCH_VARIABLE = "TAYLOR_TUNE_SCRATCH"
+
+
+def trial_streams(trial: TrialConfig) -> bool:
+    """`streams` for this trial's pruning, evaluation and recovery."""
+    return streams(trial.prune, trial.evaluation, trial.recovery)
+
+
+def streams(config, evaluation, recovery) -> bool:
+    """`memory.streams` for a pruning on the device it runs on, against that device's whole memory (a GPU's, or this
+    machine's on CPU). A streamed pruning with a speed measurement or a recovery is refused: both hold the whole
+    model."""
+    if config.streaming == "off":
+        return False
+    if config.streaming == "auto":
+        device = resolve_device(config.device)
+        dtype_bytes = torch.finfo(resolve_dtype(config.dtype, device)).bits // 8
+        allowed = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else memory_bytes()
+        model_config = load_model_config(config.model, trust_remote_code=config.trust_remote_code)
+        layout = pruning.meta_layout(config.model, trust_remote_code=config.trust_remote_code)
+        shape = memory.Shape.of(model_config, layout.total_params, sum(layout.layer_params))
+        peaks = memory.trial_peaks(shape, config, evaluation, recovery, dtype_bytes,
+                                   draws_calibration=pruning.draws_calibration(config),
+                                   uses_gradients=pruning.uses_gradients(config))
+        if not memory.streams(config, peaks, allowed):
+            return False
+    held = memory.held_whole(evaluation, recovery)
+    if held:
+        raise ConfigError(f"streaming: {config.model} is held one layer at a time, which {held} cannot be; "
+                          "drop it or set streaming: off")
+    return True
 
 
 def of_pruning(step: Callable[[pruning.Pruning], dict]) -> Stage:

@@ -34,6 +34,8 @@ class TrialConfig(BaseModel):
         trial without them is what it was before they existed, and a finished trial of an older sweep is found
         finished)."""
         exclude: dict = {"recovery": True} if self.recovery is None else {}
+        if self.prune.streaming == "auto":  # the default, left out as before the setting existed
+            exclude["prune"] = {"streaming"}
         exclude["evaluation"] = ({"item_seed"} if self.evaluation.item_seed is None else set()) | (
             {"ppl_fidelities"} if self.evaluation.ppl_fidelities == (None,) else set())
         return json.loads(json.dumps(json_safe(self.model_dump(exclude=exclude))))
@@ -81,6 +83,7 @@ class TrialRun:
     leases: Leases | None = None  # who builds a shared entry (Ray's lease actor in a sweep)
     copies: Path | None = None  # this node's copies of entries read from object storage
     store_stats: StoreStats = field(default_factory=StoreStats)
+    scratch: Path | None = None  # a streamed trial's folder outside its own (its pruned model), removed at its end
 
     def store(self, folder: str) -> Store | None:
         """The sweep's shared folder `folder` (importance_cache, requests, paired_speed), in the sweep's storage

@@ -44,6 +44,7 @@ from taylor_tune.sweep.preflight import (
     check_memory,
     check_plans,
     check_recovery,
+    check_streaming,
     memory_bytes,
 )
 from taylor_tune.sweep.status import sweep_status  # noqa: F401 (where callers found it before)
@@ -81,6 +82,7 @@ def validate(experiment: Experiment) -> None:
     check_plans(experiment)
     check_calibration_sizes(experiment)
     check_recovery(experiment)
+    check_streaming(experiment)
     check_memory(experiment)
     gpu = experiment.resources.gpu
     local = not os.environ.get("RAY_ADDRESS")
