@@ -30,9 +30,6 @@ METHOD_CRITERIA = {"taylor": CRITERIA, "layerwise": CRITERIA, "blockwise": CRITE
 BLOCKWISE_ATTENTION_RULES = ("closest_ratio", "measured_loss", "mlp_only", "min_loss")
 # blockwise's attention rule when none is asked for (BENCHMARKS.md, pruning quality, says why)
 DEFAULT_BLOCKWISE_ATTENTION = "measured_loss"  # BENCHMARKS.md: blockwise attention rules on the real models
-# what a streamed pruning scores by (pruning.streamed): the gradient pass, with the width methods' planners
-STREAMED_METHODS = ("taylor", "layerwise", "blockwise")
-STREAMED_CRITERIA = ("taylor", "taylor_sum")
 # DeciLM's MLP widths are multiples of this (its readers round ffn_mult's width up to it): the servable layout's align
 SERVABLE_TILE = 256
 
@@ -271,16 +268,16 @@ class PruneConfig(BaseModel):
         return self
 
     def streaming_problem(self) -> str | None:
-        """Why this pruning cannot be streamed yet, or None: streaming scores by the gradient criteria of the width
-        methods, and plans without measuring a candidate's loss (which masks the whole loaded model)."""
-        if self.method not in STREAMED_METHODS or self.criterion not in STREAMED_CRITERIA:
-            return (f"{self.method} with criterion {self.criterion} is not streamed; streaming scores by "
-                    f"{' or '.join(STREAMED_CRITERIA)} with {', '.join(STREAMED_METHODS)}")
+        """Why this pruning cannot be streamed, or None: what measures a candidate plan's loss masks the whole loaded
+        model, and FLAP's compensation adds biases to it, neither of which a streamed pruning holds."""
         measured = ("the uniform layout" if self.uniform else "blockwise_attention measured_loss"
                     if self.method == "blockwise" and self.blockwise_attention == "measured_loss" else
-                    "a depth_share" if self.depth_share else None)
+                    "depth_criterion measured_loss" if (self.method == "depth" or self.depth_share)
+                    and self.depth_criterion == "measured_loss" else None)
         if measured:
             return f"{measured} measures plans on the whole loaded model, which streaming never holds"
+        if self.criterion == "flap" and self.flap_compensation:
+            return "FLAP's compensation adds biases to the loaded model; set flap_compensation: false"
         return None
 
     @property

@@ -21,14 +21,18 @@ The means are what FLAP's bias compensation adds back (pruning/compensation.py).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
-from taylor_tune.pruning.groups import attention_groups, decoder_layers
+from taylor_tune.pruning.groups import decoder_layers
+from taylor_tune.pruning.importance import sample_counts
 from taylor_tune.pruning.plan import GroupScores, ModelLayout
+from taylor_tune.pruning.streamed import spans
+from taylor_tune.sources.streaming import Kept, Resident, forward_layers, is_stream
 
 ACTIVATION_CRITERIA = ("wanda_sp", "flap")
 
@@ -84,22 +88,22 @@ class _Accumulator:
 
 
 @torch.no_grad()
-def activation_stats(model: nn.Module, ids: torch.Tensor, micro_batch_size: int = 8,
+def activation_stats(model, ids: torch.Tensor, micro_batch_size: int = 8,
                      snapshots: list[int] | None = None) -> dict[int, ActivationStats]:
     """The statistics at each row count in `snapshots` (default: all rows of `ids`, [rows, seq_len]), one forward
     pass: the first n rows are the n-sample draw (nested draws), as for the gradient pass. The model's mode is
-    restored."""
+    restored. A model held layer by layer (`sources.streaming`) is taken layer-major: the same micro-batches through
+    each layer in turn, so the same statistics."""
     total = ids.shape[0]
-    counts = sorted(set(snapshots or [total]))
-    if counts[0] <= 0 or counts[-1] > total:
-        raise ValueError(f"snapshots {counts} must lie in [1, {total}]")
+    counts = sample_counts(total, snapshots)
+    if is_stream(model):
+        return _streamed_stats(model, ids, counts, micro_batch_size)
     layers = decoder_layers(model)
     device = next(model.parameters()).device
     accumulators = [(_Accumulator(), _Accumulator()) for _ in layers]
     handles = []
     for layer, (attn, mlp) in zip(layers, accumulators):
-        handles.append(layer.self_attn.o_proj.register_forward_pre_hook(lambda m, args, a=attn: a.add(args[0])))
-        handles.append(layer.mlp.down_proj.register_forward_pre_hook(lambda m, args, a=mlp: a.add(args[0])))
+        handles += _hooked(layer, attn, mlp)
     was_training = model.training
     model.eval()
     results, done = {}, 0
@@ -116,6 +120,36 @@ def activation_stats(model: nn.Module, ids: torch.Tensor, micro_batch_size: int 
             handle.remove()
         model.train(was_training)
     return results
+
+
+def _hooked(layer: nn.Module, attn: _Accumulator, mlp: _Accumulator) -> list:
+    """Hooks adding the inputs of the layer's o_proj and down_proj to their accumulators."""
+    return [layer.self_attn.o_proj.register_forward_pre_hook(lambda m, args: attn.add(args[0])),
+            layer.mlp.down_proj.register_forward_pre_hook(lambda m, args: mlp.add(args[0]))]
+
+
+def _streamed_stats(stream, ids: torch.Tensor, counts: list[int], micro_batch_size: int) -> dict[int, ActivationStats]:
+    parts = spans(ids.shape[0], counts, micro_batch_size)
+    taken: dict[int, list[tuple[FeatureStats, FeatureStats]]] = {n: [] for n in counts}
+
+    @contextlib.contextmanager
+    def watch(index, layer):
+        attn, mlp = _Accumulator(), _Accumulator()
+        handles = _hooked(layer, attn, mlp)
+
+        def seen(part, x, y):
+            if parts[part][1] in taken:
+                taken[parts[part][1]].append((attn.stats(), mlp.stats()))
+
+        try:
+            yield seen
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    forward_layers(stream, [{"input_ids": ids[a:b].to(stream.device)} for a, b in parts], Kept(), watch=watch)
+    return {n: ActivationStats(attn=tuple(a for a, _ in per_layer), mlp=tuple(m for _, m in per_layer))
+            for n, per_layer in taken.items()}
 
 
 def check_stats(stats: ActivationStats, layout: ModelLayout) -> None:
@@ -148,21 +182,23 @@ def _group_mean(columns: np.ndarray, groups: int) -> np.ndarray:
     return columns.reshape(groups, -1).mean(axis=1)
 
 
-def activation_scores(model: nn.Module, layout: ModelLayout, stats: ActivationStats, criterion: str) -> GroupScores:
-    """The `criterion` (wanda_sp or flap) scores of every group, as the module docstring defines them."""
+def activation_scores(model, layout: ModelLayout, stats: ActivationStats, criterion: str) -> GroupScores:
+    """The `criterion` (wanda_sp or flap) scores of every group, as the module docstring defines them; `model` a
+    loaded one or one held layer by layer (`sources.streaming`: each layer's two output projections read alone)."""
     if criterion not in ACTIVATION_CRITERIA:
         raise ValueError(f"unknown activation criterion {criterion!r}; allowed: {', '.join(ACTIVATION_CRITERIA)}")
+    stream = model if is_stream(model) else Resident(model)
     attn_scores, mlp_scores = [], []
-    for layer, attn_stats, mlp_stats in zip(decoder_layers(model), stats.attn, stats.mlp):
-        o_proj, down_proj = layer.self_attn.o_proj, layer.mlp.down_proj
-        groups = attention_groups(layer.self_attn)
+    for layer, (attn_stats, mlp_stats) in enumerate(zip(stats.attn, stats.mlp)):
+        o_proj = stream.tensor(f"model.layers.{layer}.self_attn.o_proj.weight")
+        down_proj = stream.tensor(f"model.layers.{layer}.mlp.down_proj.weight")
         if criterion == "wanda_sp":
-            attn = _columns(o_proj.weight, 1) * np.sqrt(attn_stats.sq_norm)
-            mlp = _columns(down_proj.weight, 1) * np.sqrt(mlp_stats.sq_norm)
+            attn = _columns(o_proj, 1) * np.sqrt(attn_stats.sq_norm)
+            mlp = _columns(down_proj, 1) * np.sqrt(mlp_stats.sq_norm)
         else:
-            attn = _standardized((attn_stats.variance * _columns(o_proj.weight, 2)) ** 2)
-            mlp = _standardized(mlp_stats.variance * _columns(down_proj.weight, 2))
-        attn_scores.append(_group_mean(attn, groups))
+            attn = _standardized((attn_stats.variance * _columns(o_proj, 2)) ** 2)
+            mlp = _standardized(mlp_stats.variance * _columns(down_proj, 2))
+        attn_scores.append(_group_mean(attn, layout.attn_groups[layer]))
         mlp_scores.append(mlp)
     scores = GroupScores(attn=tuple(attn_scores), mlp=tuple(mlp_scores))
     scores.check_matches(layout)

@@ -20,8 +20,16 @@ import torch
 from torch import nn
 
 from taylor_tune.progress import bar
-from taylor_tune.pruning.groups import decoder_layers, prunable_parameters, reduce_layer, reduce_to_groups
+from taylor_tune.pruning.groups import (
+    decoder_layers,
+    layer_parameters,
+    prunable_parameters,
+    reduce_layer,
+    reduce_to_groups,
+    sliced_norms,
+)
 from taylor_tune.pruning.plan import GroupScores, ModelLayout
+from taylor_tune.sources.streaming import is_stream
 
 
 @dataclass(frozen=True)
@@ -84,9 +92,22 @@ def magnitude_scores(model: nn.Module, layout: ModelLayout, p: int = 2) -> Group
 
     Within one block every attention group has one size and every MLP channel another, so the division changes no
     ranking inside a block: LLM-Pruner's vector-wise L1/L2 importance (the group's Σ|w|^p, averaged over the
-    group's layers) orders each block's groups the same way."""
+    group's layers) orders each block's groups the same way. A model held layer by layer (`sources.streaming`) is
+    read one layer at a time."""
+    def value(name: str, w: torch.Tensor) -> torch.Tensor:
+        return w.float().abs().pow(p)
+
     with torch.no_grad():
-        attn, mlp = reduce_to_groups(model, lambda name, w: w.float().abs().pow(p))
+        if not is_stream(model):
+            attn, mlp = reduce_to_groups(model, value)
+            return _to_scores(attn, mlp, layout)
+        norms, attn, mlp = sliced_norms(model.model), [], []
+        for index in range(model.num_layers):
+            layer = model.layer(index)
+            a, m = reduce_layer(layer, layer_parameters(layer, norms), value)
+            attn.append(a)
+            mlp.append(m)
+            model.release(index)
     return _to_scores(attn, mlp, layout)
 
 

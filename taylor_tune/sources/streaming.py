@@ -10,6 +10,7 @@ what the page cache keeps of them.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from collections.abc import Callable, Iterator
@@ -46,6 +47,9 @@ class Resident:
 
     def release(self, index: int) -> None:
         """Nothing to drop: the layer lives in the model."""
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.model.get_parameter(name).detach()
 
 
 def _shards(folder: Path) -> dict[str, Path]:
@@ -144,6 +148,10 @@ class Checkpoint:
                 for name in part:
                     out[name] = handle.get_tensor(name).to(device=self.device, dtype=self.dtype)
         return out
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """One tensor of the checkpoint by its name, on the device in the dtype (a layer's projection, say)."""
+        return self._read([name])[name]
 
     def layer(self, index: int) -> nn.Module:
         """Layer `index` with its weights read from the checkpoint onto the device, in place in `model`."""
@@ -251,11 +259,14 @@ def hidden_of(output) -> torch.Tensor:
     return output[0] if isinstance(output, tuple) else output
 
 
-def forward_layers(stream, inputs: list[dict], kept: Kept, *, keep_inputs: bool = False) -> list[list[dict]]:
+def forward_layers(stream, inputs: list[dict], kept: Kept, *, keep_inputs: bool = False,
+                   watch=None) -> list[list[dict]]:
     """Every call's hidden state through every decoder layer, layer-major: each layer is brought in once, every
     call goes through it, it is released. `kept[(i, call)]` is layer i's input (i = number of layers: the last
     layer's output); with `keep_inputs` every layer's is kept (the gradient pass goes back through them), else only
-    the last one. Returns each call's keywords per layer. No gradients."""
+    the last one. `watch(index, layer)`, where given, is a context manager around a layer's calls that yields what
+    to call after each (with the call's number, the layer's input and its output) or None: how a forward-only scorer
+    reads a layer while it is in. Returns each call's keywords per layer. No gradients."""
     calls = []
     for part, keywords in enumerate(inputs):
         first, called = entry(stream.model, keywords)
@@ -264,11 +275,15 @@ def forward_layers(stream, inputs: list[dict], kept: Kept, *, keep_inputs: bool 
     with torch.no_grad():
         for index in range(stream.num_layers):
             layer = stream.layer(index)
-            for part in range(len(inputs)):
-                x = kept.get((index, part)).to(stream.device)
-                kept.put((index + 1, part), hidden_of(layer(x, **calls[part][index])))
-                if not keep_inputs:
-                    kept.drop((index, part))
+            with watch(index, layer) if watch is not None else contextlib.nullcontext() as seen:
+                for part in range(len(inputs)):
+                    x = kept.get((index, part)).to(stream.device)
+                    y = hidden_of(layer(x, **calls[part][index]))
+                    kept.put((index + 1, part), y)
+                    if seen is not None:
+                        seen(part, x, y)
+                    if not keep_inputs:
+                        kept.drop((index, part))
             stream.release(index)
     return calls
 

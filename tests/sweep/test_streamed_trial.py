@@ -60,8 +60,30 @@ def test_what_holds_the_whole_model_is_refused_with_streaming():
         trial_streams(a_trial("on", speed=speed))
     with pytest.raises(ValueError, match="streaming: blockwise_attention measured_loss"):
         PruneConfig(model="tiny-llama", method="blockwise", streaming="on")
-    with pytest.raises(ValueError, match="streaming: random with criterion taylor is not streamed"):
-        PruneConfig(model="tiny-llama", method="random", streaming="on")
+    with pytest.raises(ValueError, match="streaming: FLAP's compensation"):
+        PruneConfig(model="tiny-llama", method="taylor", criterion="flap", streaming="on")
+    with pytest.raises(ValueError, match="streaming: depth_criterion measured_loss"):
+        PruneConfig(model="tiny-llama", method="depth", depth_criterion="measured_loss", streaming="on")
+
+
+@pytest.mark.parametrize("prune", [
+    {"method": "magnitude"}, {"method": "random"}, {"method": "depth", "sparsity": 0.3},
+    {"method": "depth", "depth_criterion": "angular", "sparsity": 0.3}, {"method": "taylor", "criterion": "wanda_sp"},
+    {"method": "taylor", "criterion": "flap", "flap_compensation": False},
+    {"method": "layerwise", "depth_share": 0.5, "sparsity": 0.4}], ids=lambda p: "-".join(map(str, p.values())))
+def test_every_streamed_method_prunes_and_scores_as_in_memory(tmp_path, prune):
+    """Each scorer that streams (weights, activations, similarity, none) through a whole trial: the same plan and
+    accuracies as the in-memory trial."""
+    def trial(streaming):
+        base = a_trial(streaming)
+        return base.model_copy(update={"prune": base.prune.model_copy(update=prune)})
+
+    ours, theirs = run_trial(trial("on"), tmp_path / "on"), run_trial(trial("off"), tmp_path / "off")
+    removed = [json.loads((tmp_path / side / "pruning_summary.json").read_text())
+               for side in ("on", "off")]
+    assert (removed[0]["removed_groups"], removed[0]["layers_removed"]) == (removed[1]["removed_groups"],
+                                                                            removed[1]["layers_removed"])
+    assert ours["acc_mean"] == theirs["acc_mean"] and ours["ppl"] == pytest.approx(theirs["ppl"], rel=1e-5)
 
 
 def test_a_sweep_over_streaming_on_and_off_gives_one_plan_and_one_set_of_metrics(tmp_path, ray_head):
