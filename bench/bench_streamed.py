@@ -7,6 +7,13 @@ cache holds for it, which the kernel can drop), read from /proc/self/status by a
 the same model goes to the preflight's memory check, which refuses it with `streaming: off` (its reason is recorded)
 and takes it with `streaming: auto` (the trial would stream).
 
+With `--pair MODEL` instead (must-shows 3 and 4 on a real model): the Taylor pass in memory and streamed, interleaved,
+each run in a fresh process (its own peak), `--repeats` pairs: each side's seconds and peaks, the streamed over the
+in-memory time per pair with a bootstrap interval of the median ratio, and the streamed pass's peak beside the bound
+`sweep.memory.streamed_importance` states for it.
+
+    python bench/bench_streamed.py --pair qwen2.5-0.5b --out bench/host/streamed_pair_qwen.jsonl
+
 Resumable: the model folder is built once (kept under the asset home's bench/), each step's result is appended to
 the JSON lines file as it ends, and a step already there is not run again.
 
@@ -86,6 +93,78 @@ def build(folder: Path, tokenizer_from: str) -> None:
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
+def one_pass(model: str, side: str, samples: int, seq_len: int, micro_batch: int) -> dict:
+    """One Taylor pass over `samples` x `seq_len` wiki tokens in float32, in memory or streamed, in this process:
+    its load and pass seconds and the process's peaks."""
+    from taylor_tune.pruning.groups import describe_layout
+    from taylor_tune.pruning.importance import compute_importance
+    from taylor_tune.pruning.streamed import compute_importance_streamed
+    from taylor_tune.sources.models import load_model, stream_model
+
+    peaks = Peaks()
+    tokenizer = load_tokenizer(model)
+    ids = windows_of(tokenizer, load_ppl_text("wiki"), seq_len, samples)
+    peaks.reset()
+    begin = time.perf_counter()
+    held = load_model(model, dtype=torch.float32) if side == "memory" else stream_model(model, dtype=torch.float32)
+    layout = describe_layout(held if side == "memory" else held.skeleton())
+    loaded = time.perf_counter()
+    compute = compute_importance if side == "memory" else compute_importance_streamed
+    compute(held, layout, ids, micro_batch_size=micro_batch)
+    done = time.perf_counter()
+    time.sleep(0.1)  # one more sample of the peaks
+    return {"side": side, "load_s": loaded - begin, "pass_s": done - loaded, "peak_anon_gib": peaks.anon / 2**30,
+            "peak_file_gib": peaks.file / 2**30}
+
+
+def pair(args) -> None:
+    """The in-memory and the streamed pass, interleaved, each in a fresh process; then the summary row."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from taylor_tune.pruning.prune import meta_layout
+    from taylor_tune.sources.models import load_model_config
+    from taylor_tune.sweep import memory
+
+    out = Path(args.out)
+    rows = [json.loads(line) for line in out.read_text().splitlines()] if out.is_file() else []
+    for repeat in range(args.repeats):
+        for side in ("memory", "streamed") if repeat % 2 == 0 else ("streamed", "memory"):
+            if any(r.get("repeat") == repeat and r.get("side") == side for r in rows):
+                continue
+            proc = subprocess.run([sys.executable, __file__, "--one", side, "--pair", args.pair, "--samples",
+                                   str(args.samples), "--seq-len", str(args.seq_len)], capture_output=True,
+                                  text=True, check=True)
+            row = json.loads(proc.stdout.strip().splitlines()[-1]) | {"repeat": repeat}
+            rows.append(row)
+            with out.open("a") as handle:
+                handle.write(json.dumps(row) + "\n")
+            print(json.dumps(row), flush=True)
+    sides = {side: sorted((r for r in rows if r.get("side") == side), key=lambda r: r["repeat"])
+             for side in ("memory", "streamed")}
+    ratios = np.array([s["pass_s"] / m["pass_s"] for m, s in zip(sides["memory"], sides["streamed"], strict=True)])
+    rng = np.random.default_rng(0)
+    boot = [np.median(rng.choice(ratios, len(ratios))) for _ in range(10000)]
+    config, layout = load_model_config(args.pair), meta_layout(args.pair)
+    shape = memory.Shape.of(config, layout.total_params, sum(layout.layer_params))
+    bound = memory.streamed_importance(shape, args.samples, 4, args.seq_len, 4)
+    summary = {"summary": True, "model": args.pair, "tokens": args.samples * args.seq_len, "pairs": len(ratios),
+               "time_ratio_median": float(np.median(ratios)),
+               "time_ratio_95": [float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))],
+               "memory_peak_anon_gib": max(r["peak_anon_gib"] for r in sides["memory"]),
+               "streamed_peak_anon_gib": max(r["peak_anon_gib"] for r in sides["streamed"]),
+               "streamed_peak_file_gib": max(r["peak_file_gib"] for r in sides["streamed"]),
+               "streamed_bound_gib": bound.total / 2**30,
+               "bound_parts_gib": {k: round(v / 2**30, 3) for k, v in bound.parts.items()},
+               "machine": f"{platform.node()} {platform.machine()}, {torch.get_num_threads()} threads",
+               "date": datetime.now(UTC).isoformat(timespec="seconds"), "torch": torch.__version__}
+    with out.open("a") as handle:
+        handle.write(json.dumps(summary) + "\n")
+    print(json.dumps(summary), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="bench/host/streamed_8b.jsonl")
@@ -93,7 +172,17 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--sparsity", type=float, default=0.2)
+    parser.add_argument("--pair", help="a real model: the in-memory and the streamed pass side by side")
+    parser.add_argument("--one", choices=("memory", "streamed"), help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=6)
     args = parser.parse_args()
+    torch.set_num_threads(2)
+    if args.one:
+        print(json.dumps(one_pass(args.pair, args.one, args.samples, args.seq_len, 4)))
+        return
+    if args.pair:
+        pair(args)
+        return
     out = Path(args.out)
     done = {json.loads(line)["step"] for line in out.read_text().splitlines()} if out.is_file() else set()
     folder, pruned = home() / "bench" / "llama3-8b-random", home() / "bench" / "llama3-8b-random-pruned"

@@ -201,6 +201,10 @@ MUTANTS = (
     m("streamed-similarity-input-for-output", "pruning/similarity.py",
       "the streamed similarity reads the layer's input as its output",
       ("yield lambda part, x, y: record(index, x, y)", "yield lambda part, x, y: record(index, x, x)")),
+    m("streamed-measured-loss-unmasked", "pruning/measured.py",
+      "a streamed candidate plan's loss measured on the unmasked layers",
+      ("        _mask_layer(layer, self.plan.attn_removed[index], self.plan.mlp_removed[index], "
+       "sliced_norms(self.model))\n", "")),
     m("streamed-apply-layer-renumbered-wrong", "pruning/apply.py",
       "a streamed pruned layer written under its old index after layers are removed",
       ('prefix = f"model.layers.{number - 1}."', 'prefix = f"model.layers.{index}."')),

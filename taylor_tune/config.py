@@ -268,14 +268,8 @@ class PruneConfig(BaseModel):
         return self
 
     def streaming_problem(self) -> str | None:
-        """Why this pruning cannot be streamed, or None: what measures a candidate plan's loss masks the whole loaded
-        model, and FLAP's compensation adds biases to it, neither of which a streamed pruning holds."""
-        measured = ("the uniform layout" if self.uniform else "blockwise_attention measured_loss"
-                    if self.method == "blockwise" and self.blockwise_attention == "measured_loss" else
-                    "depth_criterion measured_loss" if (self.method == "depth" or self.depth_share)
-                    and self.depth_criterion == "measured_loss" else None)
-        if measured:
-            return f"{measured} measures plans on the whole loaded model, which streaming never holds"
+        """Why this pruning cannot be streamed, or None: FLAP's compensation adds biases to the loaded model, which a
+        streamed pruning never holds."""
         if self.criterion == "flap" and self.flap_compensation:
             return "FLAP's compensation adds biases to the loaded model; set flap_compensation: false"
         return None

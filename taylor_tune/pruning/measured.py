@@ -18,6 +18,7 @@ import torch
 
 from taylor_tune.pruning.groups import decoder_layers, head_dim, kept, q_per_kv, rows_of, sliced_norms
 from taylor_tune.pruning.plan import PrunePlan
+from taylor_tune.sources.streaming import final_hidden, head_logits, is_stream
 
 LOSS_SEQUENCES = 32  # calibration sequences per candidate: one forward each, at most G candidates per pruning
 
@@ -45,28 +46,39 @@ class _KeptRows(torch.nn.Module):
         return out
 
 
+def _mask_layer(layer: torch.nn.Module, attn_removed, mlp_removed, norm_rows: bool) -> tuple[list, list]:
+    """One decoder layer made to compute what its pruned self computes, in place: the removed groups' o_proj and
+    down_proj columns zeroed, a whole-projection norm over the kept rows. Returns what restores it: (linear, columns,
+    their values) and (attention, norm name, the norm)."""
+    saved, norms = [], []
+    attn = layer.self_attn
+    width = q_per_kv(attn) * head_dim(attn)
+    with torch.no_grad():
+        if attn_removed and norm_rows:
+            for name, proj, rows in (("q_norm", attn.q_proj, width), ("k_norm", attn.k_proj, head_dim(attn))):
+                norm = getattr(attn, name)
+                norms.append((attn, name, norm))
+                keep = rows_of(kept(proj.out_features // rows, attn_removed), rows).to(norm.weight.device)
+                setattr(attn, name, _KeptRows(norm, keep))
+        columns = ((layer.mlp.down_proj, list(mlp_removed)),
+                   (attn.o_proj, [g * width + i for g in attn_removed for i in range(width)]))
+        for linear, index in columns:
+            if index:
+                index = torch.tensor(index, device=linear.weight.device)
+                saved.append((linear, index, linear.weight[:, index].clone()))
+                linear.weight[:, index] = 0
+    return saved, norms
+
+
 @contextmanager
 def masked(model: torch.nn.Module, plan: PrunePlan):
     """Inside, `model` computes what the plan's pruned model computes (its whole layers removed skipped); its weights
     and layers are restored on exit."""
     saved, norms, layers, norm_rows = [], [], decoder_layers(model), sliced_norms(model)
-    with torch.no_grad():
-        for layer, attn_removed, mlp_removed in zip(layers, plan.attn_removed, plan.mlp_removed):
-            attn = layer.self_attn
-            width = q_per_kv(attn) * head_dim(attn)
-            if attn_removed and norm_rows:
-                for name, proj, rows in (("q_norm", attn.q_proj, width), ("k_norm", attn.k_proj, head_dim(attn))):
-                    norm = getattr(attn, name)
-                    norms.append((attn, name, norm))
-                    keep = rows_of(kept(proj.out_features // rows, attn_removed), rows).to(norm.weight.device)
-                    setattr(attn, name, _KeptRows(norm, keep))
-            columns = ((layer.mlp.down_proj, list(mlp_removed)),
-                       (attn.o_proj, [g * width + i for g in attn_removed for i in range(width)]))
-            for linear, index in columns:
-                if index:
-                    index = torch.tensor(index, device=linear.weight.device)
-                    saved.append((linear, index, linear.weight[:, index].clone()))
-                    linear.weight[:, index] = 0
+    for layer, attn_removed, mlp_removed in zip(layers, plan.attn_removed, plan.mlp_removed):
+        weights, replaced = _mask_layer(layer, attn_removed, mlp_removed, norm_rows)
+        saved += weights
+        norms += replaced
     skipped = {i: layers[i] for i in plan.layers_removed}
     for i in skipped:
         layers[i] = _Skipped()
@@ -82,24 +94,54 @@ def masked(model: torch.nn.Module, plan: PrunePlan):
             setattr(attn, name, norm)
 
 
+class _MaskedStream:
+    """A model held layer by layer (`sources.streaming.Checkpoint`) as a plan would prune it: each layer masked as it
+    is read (a fresh copy from the checkpoint, so nothing to restore), a removed layer skipped."""
+
+    def __init__(self, stream, plan: PrunePlan):
+        self.stream, self.plan = stream, plan
+        self.model, self.device, self.num_layers = stream.model, stream.device, stream.num_layers
+        self.scratch = stream.scratch
+
+    def layer(self, index: int) -> torch.nn.Module:
+        if index in self.plan.layers_removed:
+            return _Skipped()
+        layer = self.stream.layer(index)
+        _mask_layer(layer, self.plan.attn_removed[index], self.plan.mlp_removed[index], sliced_norms(self.model))
+        return layer
+
+    def release(self, index: int) -> None:
+        if index not in self.plan.layers_removed:
+            self.stream.release(index)
+
+
 @torch.no_grad()
-def calibration_loss(model: torch.nn.Module, ids: torch.Tensor, micro_batch_size: int) -> float:
-    """Mean next-token cross-entropy over the sequences `ids` (every predicted token weighs the same)."""
-    device = next(model.parameters()).device
+def calibration_loss(model, ids: torch.Tensor, micro_batch_size: int) -> float:
+    """Mean next-token cross-entropy over the sequences `ids` (every predicted token weighs the same); `model` a
+    loaded one, or one held layer by layer (`sources.streaming`), taken layer-major over the micro-batches."""
+    batches = ids.split(micro_batch_size)
+    if is_stream(model):
+        inputs = [{"input_ids": batch.to(model.device)} for batch in batches]
+        logits = (head_logits(model.model, hidden) for hidden in final_hidden(model, inputs))
+    else:
+        device = next(model.parameters()).device
+        logits = (model(input_ids=batch.to(device)).logits for batch in batches)
     total, tokens = 0.0, 0
-    for batch in ids.split(micro_batch_size):
-        batch = batch.to(device)
-        logits = model(input_ids=batch).logits[:, :-1].float()
-        total += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum"))
+    for batch, out in zip(batches, logits, strict=True):
+        batch, out = batch.to(out.device), out[:, :-1].float()
+        total += float(torch.nn.functional.cross_entropy(out.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum"))
         tokens += batch[:, 1:].numel()
     return total / tokens
 
 
-def plan_loss(model: torch.nn.Module, ids: Callable[[], torch.Tensor], micro_batch_size: int):
+def plan_loss(model, ids: Callable[[], torch.Tensor], micro_batch_size: int):
     """`PlanOptions.plan_loss` for this model: a candidate plan's calibration loss on the first LOSS_SEQUENCES of
-    `ids()`, called only when a planner measures (the calibration draw is not made otherwise)."""
+    `ids()`, called only when a planner measures (the calibration draw is not made otherwise). A model held layer
+    by layer is read once per candidate, each layer masked as it comes in."""
 
     def loss(plan: PrunePlan) -> float:
+        if is_stream(model):
+            return calibration_loss(_MaskedStream(model, plan), ids()[:LOSS_SEQUENCES], micro_batch_size)
         with masked(model, plan):
             return calibration_loss(model, ids()[:LOSS_SEQUENCES], micro_batch_size)
 

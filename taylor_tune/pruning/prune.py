@@ -80,6 +80,7 @@ class Pruning:
     timings: dict[str, float] = field(default_factory=dict)
     streamed: bool = False  # the model held one decoder layer at a time (`sources.streaming`)
     pruned_folder: Path | None = None  # where a streamed pruning writes the pruned model, which is then read from it
+    kept_folder: Path | None = None  # where a streamed pruning's passes keep their activations (None: the host)
 
     @property
     def calibration_ids(self) -> torch.Tensor | None:
@@ -172,10 +173,11 @@ def check_plan(config: PruneConfig, layout: ModelLayout) -> None:
 
 
 def start(config: PruneConfig, *, cache: ImportanceCache | None = None, sample_counts=(),
-          pruned_folder: Path | None = None) -> Pruning:
+          pruned_folder: Path | None = None, kept_folder: Path | None = None) -> Pruning:
     """Checks against the model's config and its tokenizer, before anything heavy. With `pruned_folder` the pruning
     is streamed (`config.streaming` resolved by the caller, who knows the trial's memory): the model held one
-    layer at a time, the pruned model written there and read back from it layer by layer."""
+    layer at a time, the pruned model written there and read back from it layer by layer; with `kept_folder` its
+    passes keep what they carry between layers in that folder instead of the host's memory."""
     check_against_model(config)
     if pruned_folder is not None:
         problem = config.streaming_problem()
@@ -184,7 +186,7 @@ def start(config: PruneConfig, *, cache: ImportanceCache | None = None, sample_c
         streamable(config.model, trust_remote_code=config.trust_remote_code)  # what cannot be streamed, refused now
     tokenizer = load_tokenizer(config.model, trust_remote_code=config.trust_remote_code)
     return Pruning(config, tokenizer, Calibration(config, tokenizer), cache, tuple(sample_counts),
-                   streamed=pruned_folder is not None, pruned_folder=pruned_folder)
+                   streamed=pruned_folder is not None, pruned_folder=pruned_folder, kept_folder=kept_folder)
 
 
 def load(pruning: Pruning) -> dict[str, float]:
@@ -199,6 +201,7 @@ def load(pruning: Pruning) -> dict[str, float]:
     if pruning.streamed:  # the head now, each layer when it is needed
         pruning.model = stream_model(config.model, device=device, dtype=resolve_dtype(config.dtype, device),
                                      trust_remote_code=config.trust_remote_code)
+        pruning.model.scratch = pruning.kept_folder
         pruning.layout = describe_layout(pruning.model.skeleton())
     else:
         pruning.model = load_model(config.model, device=device, dtype=resolve_dtype(config.dtype, device),
@@ -236,6 +239,7 @@ def apply(pruning: Pruning) -> dict[str, float]:
         save_pruned_streamed(pruning.model, pruning.plan, pruning.pruned_folder, source_model=config.model)
         pruning.model = stream_model(str(pruning.pruned_folder), device=pruning.model.device,
                                      dtype=pruning.model.dtype)
+        pruning.model.scratch = pruning.kept_folder
     else:
         apply_plan(pruning.model, pruning.plan)
     if deltas is not None:

@@ -51,7 +51,8 @@ def compute_importance_streamed(model: nn.Module | Resident | Checkpoint, layout
                                 scratch: Path | None = None) -> dict[int, Importance]:
     """`importance.compute_importance`, layer-major (the module's docstring): the same arguments and results. `model`
     is a loaded model or a stream of one's layers (`sources.streaming`); `scratch`: a folder for what the pass keeps
-    between layers, instead of the host's memory. A loaded model's requires_grad flags and mode are restored."""
+    between layers, instead of the host's memory (default: the stream's own `scratch`). A loaded model's
+    requires_grad flags and mode are restored."""
     stream = Resident(model) if isinstance(model, nn.Module) else model
     model = stream.model
     total = input_ids.shape[0]
@@ -60,7 +61,7 @@ def compute_importance_streamed(model: nn.Module | Resident | Checkpoint, layout
     flags = {p: p.requires_grad for p in model.parameters()}
     was_training = model.training
     taken: dict[int, list] = {n: [] for n in counts}
-    kept, last = Kept(scratch), stream.num_layers
+    kept, last = Kept(scratch or getattr(stream, "scratch", None)), stream.num_layers
     try:
         model.requires_grad_(False)
         model.eval()  # dropout off, as the in-memory pass

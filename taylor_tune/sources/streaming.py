@@ -101,6 +101,7 @@ class Checkpoint:
     def __init__(self, folder: str | Path, config, *, device: torch.device | str, dtype: torch.dtype, cls=None):
         self.folder, self.device, self.dtype = Path(folder), torch.device(device), dtype
         self.config, self.cls = config, cls  # cls: a pruned folder's class (`pruned_modeling`); None: the config's
+        self.scratch: Path | None = None  # where the passes keep what they carry between layers (None: the host)
         self.model = self._built(config)
         self.shells = [copy.deepcopy(layer) for layer in self.model.model.layers]  # as the checkpoint holds them
         self.fused = FAMILIES[config.model_type].fused
@@ -299,7 +300,7 @@ def final_hidden(stream, inputs: list[dict], scratch: Path | None = None,
     each layer's weights reach the device once for all the calls of a pass), the calls taken in passes of at most
     `chunk_tokens` tokens (a call larger than that is a pass of its own)."""
     for chunk in passes(inputs, lambda keywords: keywords["input_ids"].numel(), chunk_tokens):
-        kept = Kept(scratch)
+        kept = Kept(scratch or getattr(stream, "scratch", None))
         forward_layers(stream, chunk, kept)
         for part in range(len(chunk)):
             hidden = kept.get((stream.num_layers, part)).to(stream.device)
@@ -335,5 +336,6 @@ def head_logits(model: nn.Module, hidden: torch.Tensor, keep: torch.Tensor | Non
 
 
 def is_stream(model) -> bool:
-    """Whether `model` is held layer by layer (a `Checkpoint` or `Resident`) rather than a model."""
-    return isinstance(model, (Checkpoint, Resident))
+    """Whether `model` is held layer by layer (a `Checkpoint`, a `Resident`, or anything else with their face)
+    rather than a loaded model (a torch module)."""
+    return not isinstance(model, nn.Module)

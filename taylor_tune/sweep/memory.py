@@ -217,6 +217,23 @@ def streamed_peaks(shape: Shape, prune, evaluation, dtype_bytes: int) -> list[St
     return peaks
 
 
+def streamed_places(peak: StagePeak, on_gpu: bool, host_bytes: int) -> dict[str, int]:
+    """Where a streamed peak's parts live: what the passes keep between layers (`kept`) on the host, or on the
+    scratch disk where it is more than half the host's memory (as a trial decides); the rest on the device (on CPU
+    the device is the host)."""
+    kept = peak.parts.get("kept", 0)
+    rest = peak.total - kept
+    on_disk = kept > host_bytes // 2
+    if on_gpu:
+        return {"device": rest, ("scratch disk" if on_disk else "host"): kept}
+    return {"device": rest + (0 if on_disk else kept)} | ({"scratch disk": kept} if on_disk else {})
+
+
+def pruned_bytes(shape: Shape, prune, dtype_bytes: int) -> int:
+    """The pruned model a streamed trial writes to its scratch folder: the parameters its cut keeps."""
+    return int(shape.params * (1 - prune.sparsity) * dtype_bytes)
+
+
 def streams(prune, in_memory: list[StagePeak], allowed: int) -> bool:
     """Whether a trial holds its model layer by layer: `prune.streaming` on, or auto where the model with its
     gradient buffers (the weights and gradient sums of its in-memory peaks, `trial_peaks`) exceeds what it may use

@@ -10,6 +10,8 @@ calibration draw each model's tokenizer makes is drawn once.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import torch
 
@@ -110,6 +112,32 @@ def check_recovery(experiment: Experiment) -> None:
                 raise ConfigError(f"{error} (recovery of {model})") from None
 
 
+def _check_streamed(model: str, prune, shape, peaks, dtype_bytes: int, allowed: int, where: str, on_gpu: bool) -> None:
+    """A streamed point's peaks where their parts live (`memory.streamed_places`: the device, the host, the scratch
+    disk with the pruned model), each against what that place has; refused in one line naming the place."""
+    scratch = os.environ.get("TAYLOR_TUNE_SCRATCH") or tempfile.gettempdir()
+    try:
+        free = shutil.disk_usage(scratch).free
+    except OSError:
+        raise ConfigError(f"TAYLOR_TUNE_SCRATCH: {scratch} is not a folder a streamed trial can write to") from None
+    host = memory_bytes()
+    have = {"device": (allowed, where), "host": (host, f"this machine's {host / memory.GIB:.1f} GiB"),
+            "scratch disk": (free, f"the {free / memory.GIB:.1f} GiB free in {scratch} (TAYLOR_TUNE_SCRATCH)")}
+    for peak in peaks:
+        needs = memory.streamed_places(peak, on_gpu, host)
+        needs["scratch disk"] = needs.get("scratch disk", 0) + memory.pruned_bytes(shape, prune, dtype_bytes)
+        for place, need in needs.items():
+            bound, what = have[place]
+            if need <= bound:
+                continue
+            if place == "scratch disk":
+                raise ConfigError(f"memory: {prune.method} on {model}, streamed: its pruned model and what the "
+                                  f"{peak.stage} keeps need at least {need / memory.GIB:.1f} GiB on the scratch "
+                                  f"disk, more than {what}")
+            raise ConfigError(f"memory: {prune.method} on {model}, streamed: the {peak.stage} needs at least "
+                              f"{need / memory.GIB:.1f} GiB on the {place}, more than {what}; lower {peak.levers}")
+
+
 def check_streaming(experiment: Experiment) -> None:
     """Every point that streams by its setting (`streaming: on`) can: its model a folder of safetensors (not a tiny
     model built in memory, not a hub id), and no stage that holds the whole model (the speed measurement, a
@@ -129,16 +157,21 @@ def check_streaming(experiment: Experiment) -> None:
                                   "it or set streaming: off")
 
 
+def _on_gpu(experiment: Experiment) -> bool:
+    device = str(experiment.prune.get("device", "auto"))
+    return device.startswith("cuda") or (device == "auto" and experiment.resources.gpu != 0
+                                         and torch.cuda.is_available())
+
+
 def trial_memory(experiment: Experiment) -> tuple[int, int, str] | None:
     """(bytes one trial may use, its weights' bytes per value, what bounds it) on this machine; None where this
     machine cannot tell (a cluster's driver: the trials run on nodes it does not see). A CPU trial may use
     `resources.memory`, or else the machine's memory; a GPU trial its GPU's times its share (`resources.gpu`)."""
     if os.environ.get("RAY_ADDRESS"):
         return None
-    gpu, device = experiment.resources.gpu, str(experiment.prune.get("device", "auto"))
-    on_gpu = device.startswith("cuda") or (device == "auto" and gpu != 0 and torch.cuda.is_available())
+    gpu = experiment.resources.gpu
     dtype = str(experiment.prune.get("dtype", "auto"))
-    if on_gpu:
+    if _on_gpu(experiment):
         if not torch.cuda.is_available():
             return None
         share = 1.0 if gpu == "auto" else min(1.0, float(gpu))
@@ -178,6 +211,8 @@ def check_memory(experiment: Experiment) -> None:
                     raise ConfigError(f"streaming: {model} does not fit {where} whole, so it streams, which {held} "
                                       "cannot; drop it, or set streaming: off to be refused for its memory")
                 peaks = memory.streamed_peaks(shape, prune, experiment.evaluation, dtype_bytes)
+                _check_streamed(model, prune, shape, peaks, dtype_bytes, allowed, where, _on_gpu(experiment))
+                continue
             worst = max(peaks, key=lambda peak: peak.total, default=None)
             if worst is not None and worst.total > allowed:
                 hint = "" if streamed or prune.streaming == "off" else (

@@ -58,22 +58,24 @@ def test_what_holds_the_whole_model_is_refused_with_streaming():
                       repeats=1, warmup=0)
     with pytest.raises(ConfigError, match="evaluation.speed"):
         trial_streams(a_trial("on", speed=speed))
-    with pytest.raises(ValueError, match="streaming: blockwise_attention measured_loss"):
-        PruneConfig(model="tiny-llama", method="blockwise", streaming="on")
     with pytest.raises(ValueError, match="streaming: FLAP's compensation"):
         PruneConfig(model="tiny-llama", method="taylor", criterion="flap", streaming="on")
-    with pytest.raises(ValueError, match="streaming: depth_criterion measured_loss"):
-        PruneConfig(model="tiny-llama", method="depth", depth_criterion="measured_loss", streaming="on")
 
 
 @pytest.mark.parametrize("prune", [
     {"method": "magnitude"}, {"method": "random"}, {"method": "depth", "sparsity": 0.3},
     {"method": "depth", "depth_criterion": "angular", "sparsity": 0.3}, {"method": "taylor", "criterion": "wanda_sp"},
     {"method": "taylor", "criterion": "flap", "flap_compensation": False},
-    {"method": "layerwise", "depth_share": 0.5, "sparsity": 0.4}], ids=lambda p: "-".join(map(str, p.values())))
+    {"method": "layerwise", "depth_share": 0.5, "sparsity": 0.4},
+    {"method": "blockwise", "sparsity": 0.3, "blockwise_layer_start": 1, "blockwise_layer_end": 4},
+    {"method": "taylor", "uniform": True},
+    {"method": "depth", "depth_criterion": "measured_loss", "sparsity": 0.3}],
+    ids=lambda p: "-".join(map(str, p.values())))
 def test_every_streamed_method_prunes_and_scores_as_in_memory(tmp_path, prune):
-    """Each scorer that streams (weights, activations, similarity, none) through a whole trial: the same plan and
-    accuracies as the in-memory trial."""
+    """Each scorer that streams (weights, activations, similarity, none) and each plan measured on the calibration
+    loss (blockwise's attention rule, the uniform layout's attention count, depth's greedy removal: each candidate
+    one streamed read of the model, masked layer by layer) through a whole trial: the same plan and accuracies as
+    the in-memory trial."""
     def trial(streaming):
         base = a_trial(streaming)
         return base.model_copy(update={"prune": base.prune.model_copy(update=prune)})
@@ -115,3 +117,58 @@ def test_a_sweep_over_streaming_on_and_off_gives_one_plan_and_one_set_of_metrics
         assert on[name] == off[name], name
     assert on["ppl"] == pytest.approx(off["ppl"], rel=1e-5)
     assert sorted(p.name for p in folders["on"].iterdir()) == sorted(p.name for p in folders["off"].iterdir())
+
+
+def test_where_the_host_cannot_hold_the_kept_activations_they_go_to_the_scratch_folder(tmp_path, monkeypatch):
+    """A machine too small for what the gradient pass keeps between layers: the trial keeps it in its scratch folder
+    (`streamed_kept_on_disk`), files written and read there, the same plan and metrics; the folder removed after."""
+    from taylor_tune.sources import streaming
+    from taylor_tune.sweep.stages import pruning as stage
+
+    monkeypatch.setenv("TAYLOR_TUNE_SCRATCH", str(tmp_path / "scratch"))
+    (tmp_path / "scratch").mkdir()
+    monkeypatch.setattr(stage, "memory_bytes", lambda: 2**16)  # 64 KiB: any activation is too much
+    written = []
+    monkeypatch.setattr(streaming, "save_file", lambda tensors, path: written.append(path) or real(tensors, path))
+    real = __import__("safetensors.torch", fromlist=["save_file"]).save_file
+    ours = run_trial(a_trial("on"), tmp_path / "on")
+    theirs = run_trial(a_trial("off"), tmp_path / "off")
+    assert ours["streamed_kept_on_disk"] is True and written and all("kept" in str(p) for p in written)
+    assert ours["acc_mean"] == theirs["acc_mean"] and ours["ppl"] == pytest.approx(theirs["ppl"], rel=1e-5)
+    assert not any((tmp_path / "scratch").iterdir())
+
+
+def _streamed_experiment(tmp_path, **resources):
+    from taylor_tune.sweep.experiment import load_experiment
+    from tests.sweep_helpers import SMALL, write_experiment
+
+    return load_experiment(write_experiment(
+        tmp_path, "streamed", search_space={"taylor_seq_len": {"grid": [32]}, "taylor_num_samples": {"grid": [8]},
+                                            "pruning_method": {"grid": ["taylor"]}},
+        prune={**SMALL["prune"], "streaming": "on"}, evaluation={**SMALL["evaluation"], "speed": None},
+        resources={"cpu": 1, "gpu": 0, **resources}))
+
+
+def test_the_preflight_holds_a_streamed_point_to_its_own_peaks_naming_the_place_short(tmp_path, monkeypatch):
+    """A streamed point is checked against the streamed peaks where their parts live: refused in one line naming
+    the device (a reservation smaller than one layer's pass) or the scratch disk (no room for the pruned model);
+    taken where both have room. What holds the whole model is refused with streaming: on."""
+    import shutil
+    from collections import namedtuple
+
+    from taylor_tune.sweep import preflight
+
+    preflight.check_memory(_streamed_experiment(tmp_path, memory=1))  # fits: nothing raised
+    with pytest.raises(ConfigError, match=r"streamed: the streamed importance pass needs at least 0\.\d GiB on the "
+                                          r"device, more than the 0.001 GiB of resources.memory"):
+        preflight.check_memory(_streamed_experiment(tmp_path, memory=0.001))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**30, 2**30, 1000))
+    with pytest.raises(ConfigError, match=r"streamed: its pruned model and what the streamed importance pass keeps "
+                                          r"need at least 0\.\d+ GiB on the scratch disk, more than the 0.0 GiB free"):
+        preflight.check_memory(_streamed_experiment(tmp_path, memory=1))
+    speed = _streamed_experiment(tmp_path).model_copy(update={"evaluation": Evaluation(tasks="piqa")})
+    with pytest.raises(ConfigError, match="streaming: on holds tiny-llama one layer at a time, which evaluation.speed"):
+        preflight.check_streaming(speed)
+    with pytest.raises(ConfigError, match="streaming: on, but model: 'tiny-llama-random' is built in memory"):
+        preflight.check_streaming(_streamed_experiment(tmp_path).model_copy(update={"models": ["tiny-llama-random"]}))

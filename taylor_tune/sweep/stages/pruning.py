@@ -28,9 +28,23 @@ def start(run: TrialRun) -> dict:
     streamed = trial_streams(run.trial)
     if streamed:  # outside the trial's folder, which Tune copies to the sweep's storage as it goes
         run.scratch = Path(tempfile.mkdtemp(prefix="taylor-tune-streamed-", dir=os.environ.get(SCRATCH_VARIABLE)))
+    on_disk = streamed and keeps_on_disk(run.config)
     run.pruning = pruning.start(run.config, cache=cache, sample_counts=run.trial.sample_counts,
-                                pruned_folder=run.scratch / "model" if streamed else None)
-    return {"streamed": streamed}
+                                pruned_folder=run.scratch / "model" if streamed else None,
+                                kept_folder=run.scratch / "kept" if on_disk else None)
+    return {"streamed": streamed} | ({"streamed_kept_on_disk": True} if on_disk else {})
+
+
+def keeps_on_disk(config) -> bool:
+    """Whether a streamed pass's activations go to the scratch folder: what the gradient pass keeps between layers
+    (`memory.streamed_importance`'s `kept`) is more than half this machine's memory."""
+    model_config = load_model_config(config.model, trust_remote_code=config.trust_remote_code)
+    layout = pruning.meta_layout(config.model, trust_remote_code=config.trust_remote_code)
+    shape = memory.Shape.of(model_config, layout.total_params, sum(layout.layer_params))
+    dtype_bytes = torch.finfo(resolve_dtype(config.dtype, resolve_device(config.device))).bits // 8
+    kept = memory.streamed_importance(shape, config.num_samples, config.micro_batch_size, config.seq_len,
+                                      dtype_bytes).parts["kept"]
+    return kept > memory_bytes() // 2
 
 
 # where a streamed trial writes its pruned model (the size of the model, read back layer by layer, removed at the
