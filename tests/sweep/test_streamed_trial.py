@@ -64,6 +64,8 @@ def test_what_holds_the_whole_model_is_refused_with_streaming():
 
 @pytest.mark.parametrize("prune", [
     {"method": "magnitude"}, {"method": "random"}, {"method": "depth", "sparsity": 0.3},
+    {"method": "layerwise", "criterion": "taylor_sum"},
+    {"method": "depth", "depth_criterion": "taylor", "sparsity": 0.3},
     {"method": "depth", "depth_criterion": "angular", "sparsity": 0.3}, {"method": "taylor", "criterion": "wanda_sp"},
     {"method": "taylor", "criterion": "flap", "flap_compensation": False},
     {"method": "layerwise", "depth_share": 0.5, "sparsity": 0.4},
