@@ -202,10 +202,15 @@ def test_a_node_removed_while_it_holds_a_lease_loses_it_to_a_trial_on_another_no
         ray.get(holding, timeout=60)
     assert took["event"] == "computed" and took["value"] == f"built on {survivor.node_id}"
     log = ray.get(keep.state.remote())["log"]
+    # the survivor's lease: a takeover where the actor finds the holder's node dead, or a grant where the dying
+    # worker released it on its way out (the node's removal stops it with a signal, and its `finally` runs) before
+    # the survivor asked again; seen both ways under load. Either way the lost node's lease went to the survivor.
+    taken = log[1]["event"] if len(log) > 1 else None
+    assert taken in ("takeover", "granted"), log
     assert [(e["event"], e["node"]) for e in log] == [
-        ("granted", doomed.node_id), ("takeover", survivor.node_id), ("stored", survivor.node_id)]
+        ("granted", doomed.node_id), (taken, survivor.node_id), ("stored", survivor.node_id)]
     said = [(e["event"], e.get("node")) for e in events(folder)]
-    assert said == [("takeover", survivor.node_id), ("computed", survivor.node_id)]
+    assert said == [("takeover", survivor.node_id)] * (taken == "takeover") + [("computed", survivor.node_id)]
     # one whole entry, its checksum beside it, nothing else (no partial upload of the lost node's)
     import hashlib
 
