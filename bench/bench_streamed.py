@@ -14,6 +14,10 @@ in-memory time per pair with a bootstrap interval of the median ratio, and the s
 
     python bench/bench_streamed.py --pair qwen2.5-0.5b --out bench/host/streamed_pair_qwen.jsonl
 
+With `--random-shape SHAPE --device cuda` (issue 95's must-show 3, `bench/gpu_all.sh streamed`): a random model of
+that shape made on the device one layer at a time (`RandomLayers`, no folder), its streamed pass's seconds and peak
+device memory, and with `--compare` the in-memory pass of the same weights beside it and how far the two disagree.
+
 Resumable: the model folder is built once (kept under the asset home's bench/), each step's result is appended to
 the JSON lines file as it ends, and a step already there is not run again.
 
@@ -43,6 +47,122 @@ from taylor_tune.sources.models import load_tokenizer
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
                  rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+
+LLAMA3_70B = LLAMA3_8B | dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64)
+SHAPES = {"llama-3-8b": LLAMA3_8B, "llama-3-70b": LLAMA3_70B,
+          "tiny": LLAMA3_8B | dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=8,
+                                   num_key_value_heads=2, vocab_size=512)}
+
+
+class RandomLayers:
+    """A Llama of `config`'s shapes held as `sources.streaming.Checkpoint` holds a folder's, with no folder: its head
+    made on the device with N(0, 0.02) weights (norms at 1), each layer made on the device when asked for, seeded by
+    its index, so that the gradient pass's second read of a layer gives the first read's weights. A 70B's streamed
+    pass on one GPU without its 140 GB on disk (issue 95's must-show 3)."""
+
+    def __init__(self, config, device, dtype):
+        import copy
+
+        from taylor_tune.sources.streaming import _rebuilt_buffers
+
+        self.device, self.dtype, self.scratch, self._copy = torch.device(device), dtype, None, copy.deepcopy
+        with building(), no_init_weights(), torch.device("meta"):
+            self.model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        self.shells = list(self.model.model.layers)
+        self.num_layers = len(self.shells)
+        for name in ("embed_tokens", "norm"):
+            self.model.model.get_submodule(name).to_empty(device=self.device)
+        self.model.lm_head.to_empty(device=self.device)
+        self._fill([self.model.model.embed_tokens, self.model.model.norm, self.model.lm_head], seed=-1)
+        _rebuilt_buffers(self.model, self.device)
+        self.model.requires_grad_(False).eval()
+
+    def _fill(self, modules, seed: int) -> None:
+        generator = torch.Generator(device=self.device).manual_seed(seed + 1)
+        with torch.no_grad():
+            for module in modules:
+                for param in module.parameters():
+                    if param.dim() == 1:
+                        param.fill_(1.0)
+                    else:
+                        param.normal_(0.0, 0.02, generator=generator)
+
+    def layer(self, index: int):
+        layer = self._copy(self.shells[index]).to_empty(device=self.device)
+        self._fill([layer], seed=index)
+        layer.requires_grad_(False).eval()
+        self.model.model.layers[index] = layer
+        return layer
+
+    def release(self, index: int) -> None:
+        self.model.model.layers[index] = self.shells[index]
+
+
+def random_shape(args) -> None:
+    """The streamed Taylor pass of a random model of a named shape on `--device` (the in-memory pass beside it with
+    `--compare`: the same weights, every layer made at once), seconds and peak device memory; on CPU the peaks are
+    the process's anonymous memory."""
+    from taylor_tune.pruning.groups import describe_layout
+    from taylor_tune.pruning.importance import compute_importance
+    from taylor_tune.pruning.streamed import compute_importance_streamed
+
+    config = LlamaConfig(**SHAPES[args.random_shape], dtype=args.dtype)
+    dtype, device = getattr(torch, args.dtype), torch.device(args.device)
+    on_gpu = device.type == "cuda"
+    ids = torch.randint(0, min(49152, config.vocab_size), (args.samples, args.seq_len),
+                        generator=torch.Generator().manual_seed(0))
+    peaks = None if on_gpu else Peaks()
+
+    def peak() -> float:
+        return (torch.cuda.max_memory_allocated(device) if on_gpu else peaks.anon) / 2**30
+
+    def reset() -> None:
+        if on_gpu:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        else:
+            peaks.reset()
+
+    results, out = {}, Path(args.out)
+    for side in ("streamed", "memory") if args.compare else ("streamed",):
+        reset()
+        begin = time.perf_counter()
+        held = RandomLayers(config, device, dtype)
+        layout = describe_layout(_layout_model(config, dtype))
+        if side == "memory":  # every layer made at once: the loaded model the in-memory pass needs
+            for index in range(held.num_layers):
+                held.layer(index)
+        made = time.perf_counter()
+        scored = (compute_importance(held.model, layout, ids, micro_batch_size=args.micro_batch) if side == "memory"
+                  else compute_importance_streamed(held, layout, ids, micro_batch_size=args.micro_batch))
+        if on_gpu:
+            torch.cuda.synchronize(device)
+        done = time.perf_counter()
+        results[side] = scored[args.samples]
+        row = {"shape": args.random_shape, "side": side, "device": torch.cuda.get_device_name(device) if on_gpu else
+               f"{platform.node()} cpu", "dtype": args.dtype, "tokens": int(ids.numel()), "make_s": made - begin,
+               "pass_s": done - made, "peak_gib": peak(), "params": layout.total_params,
+               "date": datetime.now(UTC).isoformat(timespec="seconds"), "torch": torch.__version__}
+        del held, scored
+        with out.open("a") as handle:
+            handle.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
+    if args.compare:  # the two passes agree (the equality the tests hold on CPU, here on this device and dtype)
+        import numpy as np
+
+        a, b = results["memory"].scores, results["streamed"].scores
+        worst = max(float(np.max(np.abs(x - y)) / max(float(np.max(np.abs(x))), 1e-30))
+                    for x, y in zip((*a.attn, *a.mlp), (*b.attn, *b.mlp), strict=True))
+        with out.open("a") as handle:
+            handle.write(json.dumps({"shape": args.random_shape, "agree_max_rel": worst}) + "\n")
+        print(json.dumps({"agree_max_rel": worst}), flush=True)
+
+
+def _layout_model(config, dtype):
+    """The model's shapes on the meta device, for its layout."""
+    with building(), no_init_weights(), torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 class Peaks:
@@ -175,6 +295,12 @@ def main() -> None:
     parser.add_argument("--pair", help="a real model: the in-memory and the streamed pass side by side")
     parser.add_argument("--one", choices=("memory", "streamed"), help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--random-shape", choices=sorted(SHAPES), help="a random model of this shape, made on "
+                        "--device layer by layer (no folder): the streamed pass's seconds and peak")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--compare", action="store_true", help="with --random-shape: the in-memory pass beside it")
     args = parser.parse_args()
     torch.set_num_threads(2)
     if args.one:
@@ -182,6 +308,9 @@ def main() -> None:
         return
     if args.pair:
         pair(args)
+        return
+    if args.random_shape:
+        random_shape(args)
         return
     out = Path(args.out)
     done = {json.loads(line)["step"] for line in out.read_text().splitlines()} if out.is_file() else set()

@@ -16,9 +16,12 @@
 #                              # the later one profiled (device-busy share), and lm-eval's HFLM beside them, last
 #   bash bench/gpu_all.sh 83   # the fused tests; 128 x 512 trials in the layouts aligned to 64, free and uniform
 #                              # (each trial's zero-shot seconds and prefill speedup)
+# Issue 92's streamed pass (issue 95, must-show 3), one call with the wheels (no tokenizers, no data: random weights):
+#   bash bench/gpu_all.sh streamed   # 8B at 128 x 512, streamed against in memory (seconds, peak, agreement); then a
+#                                    # 70B-shaped model at 32 x 512, streamed, its layers made on the GPU one at a time
 # Each writes its results under $OUT as it goes (a call cut by its limit still returns what was done).
 set -uo pipefail
-step=${1:?usage: gpu_all.sh 1|2|83|84|recovery|tests|sweep}  # not "part": remote.sh loops over a variable of that name
+step=${1:?usage: gpu_all.sh 1|2|83|84|recovery|tests|sweep|streamed}  # not "part": remote.sh loops over a variable of that name
 source .device/remote.sh
 mkdir -p /tmp/tok && tar xzf .device/tokenizers.tgz -C /tmp/tok
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -52,5 +55,11 @@ tests)
 sweep)
   python3 bench/bench_gpu_sweep.py --tokenizers /tmp/tok --json "$OUT/gpu_sweep.json" 2>&1 | tail -60
   ;;
-*) echo "gpu_all.sh: step 1, 2, 83, 84, recovery, tests or sweep, not $step"; exit 2 ;;
+streamed)
+  python3 bench/bench_streamed.py --random-shape llama-3-8b --device cuda --samples 128 --seq-len 512 --compare \
+      --out "$OUT/streamed.jsonl" 2>&1 | tail -4
+  python3 bench/bench_streamed.py --random-shape llama-3-70b --device cuda --samples 32 --seq-len 512 \
+      --out "$OUT/streamed.jsonl" 2>&1 | tail -2
+  ;;
+*) echo "gpu_all.sh: step 1, 2, 83, 84, recovery, tests, sweep or streamed, not $step"; exit 2 ;;
 esac
