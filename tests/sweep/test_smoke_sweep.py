@@ -42,7 +42,8 @@ def test_status_while_the_sweep_runs_counts_its_running_trials(smoke):
             == status["total"]
             <= 36
         )
-        assert 0 <= status["running"] <= 2 and status["saved_s_ago"] < 30
+        # Tune saves its state on a period it lengthens while saving is slow: 30.9 s seen on a loaded CI machine
+        assert 0 <= status["running"] <= 2 and status["saved_s_ago"] < 60
     assert max(s["running"] for s in polls) >= 1
     assert [s["finished"] for s in polls] == sorted(s["finished"] for s in polls)  # never goes back
     final = sweep_status(str(smoke.path))

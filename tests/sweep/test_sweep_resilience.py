@@ -104,7 +104,15 @@ def test_a_trial_killed_after_its_final_report_is_not_recomputed_on_resume(tmp_p
     path, markers = tmp_path / "sweeps" / "idem", tmp_path / "paused"
     markers.mkdir()
     started = time.time()
-    interrupt_sweep(experiment, tmp_path / "first-run.log", lambda: any(markers.iterdir()), signal.SIGKILL, settle,
+    def held_and_logged() -> bool:
+        """A trial held after its final report, and the driver has written its earlier reports (on a loaded machine
+        it can lag the trial by seconds; seen: none yet at the kill)."""
+        held = [p.name for p in markers.iterdir()]
+        folder = trial_dirs(path).get(held[0]) if held else None
+        return folder is not None and (folder / "result.json").is_file() and \
+            '"pruned"' in (folder / "result.json").read_text(errors="replace")
+
+    interrupt_sweep(experiment, tmp_path / "first-run.log", held_and_logged, signal.SIGKILL, settle,
                     TAYLOR_TUNE_TEST_PAUSE=str(markers))  # a trial held after its final report
     (paused,) = [p.name for p in markers.iterdir()]
     assert paused not in terminated(path)  # Tune had not recorded it finished: a restore runs it again
