@@ -8,14 +8,13 @@ name means is decided in `sources.data`.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import torch
 
 from taylor_tune.config import PPL_BATCH
 from taylor_tune.errors import EvaluationError
 from taylor_tune.progress import bar
-from taylor_tune.sources.streaming import final_hidden, head_logits, is_stream
+from taylor_tune.sources.streaming import batch_logits, is_stream
 
 
 def check_window(window: int, model_config) -> None:
@@ -40,17 +39,6 @@ def curve_of(window_nll: list[float], window: int, batch_size: int) -> list[list
     return [[n, math.exp(math.fsum(window_nll[:n]) / (n * (window - 1)))] for n in ends]
 
 
-def _logits(model, batches: list[torch.Tensor]) -> Iterator[torch.Tensor]:
-    """Each batch's logits, in order: a loaded model's forward one batch at a time, or a model held layer by layer
-    (`sources.streaming`) taken layer-major over all the batches, then its head batch by batch."""
-    if not is_stream(model):
-        device = next(model.parameters()).device
-        yield from (model(input_ids=batch.to(device), use_cache=False).logits for batch in batches)
-        return
-    inputs = [{"input_ids": batch.to(model.device)} for batch in batches]
-    yield from (head_logits(model.model, hidden) for hidden in final_hidden(model, inputs))
-
-
 @torch.no_grad()
 def perplexity(
     model, tokenizer, text: str, *, window: int = 128, batch_size: int = PPL_BATCH, max_windows: int | None = None,
@@ -70,7 +58,7 @@ def perplexity(
     summed: list[float] = []  # each window's summed NLL (float64 over float32 token losses)
     batches = [windows[start : start + batch_size] for start in range(0, count, batch_size)]
     with bar(count * window, "perplexity", unit="tok", unit_scale=True) as progress:
-        for batch, logits in zip(batches, _logits(model, batches), strict=True):
+        for batch, logits in zip(batches, batch_logits(model, batches), strict=True):
             batch, logits = batch.to(logits.device), logits.float()
             nll = torch.nn.functional.cross_entropy(
                 logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="none"

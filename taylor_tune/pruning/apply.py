@@ -276,9 +276,9 @@ def save_pruned_streamed(stream, plan: PrunePlan, directory: str | Path, tokeniz
     kind, norms = folder_kind(shapes), sliced_norms(shapes)
     joined = kind.uniform and kind.fused
     kept_layers = [i for i in range(stream.num_layers) if i not in set(plan.layers_removed)]
-    shards = [{k: v for k, v in stream.model.state_dict().items() if not k.startswith("model.layers.")}]
+    head = {k: v for k, v in stream.model.state_dict().items() if not k.startswith("model.layers.")}
     if getattr(shapes.config, "tie_word_embeddings", False):
-        shards[0].pop("lm_head.weight", None)  # tied: written once, as save_pretrained does
+        head.pop("lm_head.weight", None)  # tied: written once, as save_pretrained does
     names = [f"model-{n + 1:05d}-of-{len(kept_layers) + 1:05d}.safetensors" for n in range(len(kept_layers) + 1)]
     weight_map, total = {}, 0
 
@@ -289,7 +289,7 @@ def save_pruned_streamed(stream, plan: PrunePlan, directory: str | Path, tokeniz
         weight_map.update(dict.fromkeys(state, names[number]))
         total += sum(v.numel() * v.element_size() for v in state.values())
 
-    write(0, shards[0])
+    write(0, head)
     for number, index in enumerate(kept_layers, start=1):
         layer = stream.layer(index)
         groups, channels = attention_groups(layer.self_attn), layer.mlp.gate_proj.out_features

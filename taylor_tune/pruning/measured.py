@@ -18,7 +18,7 @@ import torch
 
 from taylor_tune.pruning.groups import decoder_layers, head_dim, kept, q_per_kv, rows_of, sliced_norms
 from taylor_tune.pruning.plan import PrunePlan
-from taylor_tune.sources.streaming import final_hidden, head_logits, is_stream
+from taylor_tune.sources.streaming import batch_logits, is_stream
 
 LOSS_SEQUENCES = 32  # calibration sequences per candidate: one forward each, at most G candidates per pruning
 
@@ -120,14 +120,8 @@ def calibration_loss(model, ids: torch.Tensor, micro_batch_size: int) -> float:
     """Mean next-token cross-entropy over the sequences `ids` (every predicted token weighs the same); `model` a
     loaded one, or one held layer by layer (`sources.streaming`), taken layer-major over the micro-batches."""
     batches = ids.split(micro_batch_size)
-    if is_stream(model):
-        inputs = [{"input_ids": batch.to(model.device)} for batch in batches]
-        logits = (head_logits(model.model, hidden) for hidden in final_hidden(model, inputs))
-    else:
-        device = next(model.parameters()).device
-        logits = (model(input_ids=batch.to(device)).logits for batch in batches)
     total, tokens = 0.0, 0
-    for batch, out in zip(batches, logits, strict=True):
+    for batch, out in zip(batches, batch_logits(model, batches), strict=True):
         batch, out = batch.to(out.device), out[:, :-1].float()
         total += float(torch.nn.functional.cross_entropy(out.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum"))
         tokens += batch[:, 1:].numel()

@@ -321,6 +321,17 @@ def passes(items: list, tokens: Callable[[object], int], limit: int = CHUNK_TOKE
     return out
 
 
+def batch_logits(model, batches: list[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """Each batch of token ids' logits, in order: a loaded model's forward one batch at a time, or a model held layer
+    by layer taken layer-major over all the batches (`final_hidden`), then its head batch by batch."""
+    if not is_stream(model):
+        device = next(model.parameters()).device
+        yield from (model(input_ids=batch.to(device), use_cache=False).logits for batch in batches)
+        return
+    inputs = [{"input_ids": batch.to(model.device)} for batch in batches]
+    yield from (head_logits(model.model, hidden) for hidden in final_hidden(model, inputs))
+
+
 def head_logits(model: nn.Module, hidden: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
     """The model's logits from its last decoder layer's output, as its own forward computes them: the final norm,
     the positions `keep` selects (all by default; as transformers' boolean `logits_to_keep`), lm_head, the logit

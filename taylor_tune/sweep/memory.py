@@ -223,10 +223,15 @@ def streamed_places(peak: StagePeak, on_gpu: bool, host_bytes: int) -> dict[str,
     the device is the host)."""
     kept = peak.parts.get("kept", 0)
     rest = peak.total - kept
-    on_disk = kept > host_bytes // 2
+    on_disk = kept_on_disk(kept, host_bytes)
     if on_gpu:
         return {"device": rest, ("scratch disk" if on_disk else "host"): kept}
     return {"device": rest + (0 if on_disk else kept)} | ({"scratch disk": kept} if on_disk else {})
+
+
+def kept_on_disk(kept: int, host_bytes: int) -> bool:
+    """Whether what a streamed pass keeps between layers goes to the scratch disk: more than half the host's memory."""
+    return kept > host_bytes // 2
 
 
 def pruned_bytes(shape: Shape, prune, dtype_bytes: int) -> int:

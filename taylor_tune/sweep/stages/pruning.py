@@ -3,6 +3,7 @@ shared importance cache, and the pruning's record written to the trial's folder.
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 from collections.abc import Callable
@@ -36,15 +37,22 @@ def start(run: TrialRun) -> dict:
 
 
 def keeps_on_disk(config) -> bool:
-    """Whether a streamed pass's activations go to the scratch folder: what the gradient pass keeps between layers
-    (`memory.streamed_importance`'s `kept`) is more than half this machine's memory."""
-    model_config = load_model_config(config.model, trust_remote_code=config.trust_remote_code)
-    layout = pruning.meta_layout(config.model, trust_remote_code=config.trust_remote_code)
-    shape = memory.Shape.of(model_config, layout.total_params, sum(layout.layer_params))
-    dtype_bytes = torch.finfo(resolve_dtype(config.dtype, resolve_device(config.device))).bits // 8
+    """Whether a streamed pass's activations go to the scratch folder (`memory.kept_on_disk`): what the gradient
+    pass keeps between layers (`memory.streamed_importance`'s `kept`) against this machine's memory."""
+    shape, dtype_bytes = _shape_of(config.model, config.trust_remote_code, config.dtype, config.device)
     kept = memory.streamed_importance(shape, config.num_samples, config.micro_batch_size, config.seq_len,
                                       dtype_bytes).parts["kept"]
-    return kept > memory_bytes() // 2
+    return memory.kept_on_disk(kept, memory_bytes())
+
+
+@functools.lru_cache(maxsize=8)
+def _shape_of(model: str, trust_remote_code: bool, dtype: str, device: str) -> tuple[memory.Shape, int]:
+    """The memory estimate's view of a model (from its config and meta-device layout, no weights) and the bytes of
+    a value in the dtype the pruning resolves on its device; once per model and settings in a process."""
+    model_config = load_model_config(model, trust_remote_code=trust_remote_code)
+    layout = pruning.meta_layout(model, trust_remote_code=trust_remote_code)
+    dtype_bytes = torch.finfo(resolve_dtype(dtype, resolve_device(device))).bits // 8
+    return memory.Shape.of(model_config, layout.total_params, sum(layout.layer_params)), dtype_bytes
 
 
 # where a streamed trial writes its pruned model (the size of the model, read back layer by layer, removed at the
@@ -65,11 +73,8 @@ def streams(config, evaluation, recovery) -> bool:
         return False
     if config.streaming == "auto":
         device = resolve_device(config.device)
-        dtype_bytes = torch.finfo(resolve_dtype(config.dtype, device)).bits // 8
         allowed = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else memory_bytes()
-        model_config = load_model_config(config.model, trust_remote_code=config.trust_remote_code)
-        layout = pruning.meta_layout(config.model, trust_remote_code=config.trust_remote_code)
-        shape = memory.Shape.of(model_config, layout.total_params, sum(layout.layer_params))
+        shape, dtype_bytes = _shape_of(config.model, config.trust_remote_code, config.dtype, config.device)
         peaks = memory.trial_peaks(shape, config, evaluation, recovery, dtype_bytes,
                                    draws_calibration=pruning.draws_calibration(config),
                                    uses_gradients=pruning.uses_gradients(config))
