@@ -53,7 +53,7 @@ MUTANTS = (
     m("importance-l1-ignored", "pruning/importance.py", "magnitude scores always squared (criterion l1 ignored)",
       ("w.float().abs().pow(p)", "w.float().abs().pow(2)")),
     m("importance-grad-mean-unscaled", "pruning/importance.py", "gradient mean not divided by the sample count",
-      ("/ n / count)", "/ count)")),
+      ("/ n / count\n", "/ count\n")),
     # groups
     m("groups-attn-bias-left-out", "pruning/groups.py", "q/k/v biases left out of the prunable parameters",
       ('params.append((f"self_attn.{name}.bias", proj.bias))', "pass")),
@@ -132,8 +132,8 @@ MUTANTS = (
       ("/ len(columns)", "/ math.sqrt(len(columns))")),
     m("layout-servable-read-as-aligned", "reporting/stats.py",
       "a servable trial with a larger multiple of 256 named by its align, not as servable",
-      ("    if _set(servable):\n        return \"servable\"\n    if isinstance(align",
-       "    if isinstance(align")),
+      ("    if _set(servable):\n        return \"servable\"\n    if align is not None",
+       "    if align is not None")),
     # the Pareto front
     m("pareto-weak-dominance", "reporting/pareto.py", "a point equal in every objective counted as dominating",
       ("strictly = (better[:, None, :] > better[None, :, :]).any(axis=2)",
