@@ -26,7 +26,8 @@ from taylor_tune.sources.world import world_dir  # noqa: E402
 
 ARCHITECTURES = {"tiny-llama": "llama", "tiny-qwen2": "qwen2", "tiny-mistral": "mistral", "tiny-qwen3": "qwen3",
                  "tiny-granite": "granite", "tiny-olmo2": "olmo2", "tiny-gemma2": "gemma2",
-                 "tiny-gemma3": "gemma3_text", "tiny-phi3": "phi3"}
+                 "tiny-gemma3": "gemma3_text", "tiny-phi3": "phi3", "tiny-qwen3moe": "qwen3_moe",
+                 "tiny-mixtral": "mixtral", "tiny-olmoe": "olmoe", "tiny-granitemoe": "granitemoe"}
 # Small enough that pruning visibly costs accuracy; Llama-3-style GQA (4 query heads per key/value head).
 SHAPE = dict(hidden_size=96, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=2, head_dim=12, max_position_embeddings=512, rms_norm_eps=1e-5)
@@ -82,7 +83,12 @@ def main() -> None:
             f"{name}: {sum(p.numel() for p in model.parameters())} parameters, training {args.steps} steps", flush=True
         )
         start = time.perf_counter()
+        mixture = FAMILIES[arch].experts is not None
+        # a mixture trains with its router's load-balancing loss, as the released ones do, so that no expert is left
+        # unused; off again before saving, or every loss the pruning computes would carry it
+        model.config.output_router_logits = mixture
         losses = train_causal_lm(model, ids, steps=args.steps, seed=seed)
+        model.config.output_router_logits = False
         print(f"{name}: final loss {sum(losses[-20:]) / 20:.3f} after {time.perf_counter() - start:.0f}s", flush=True)
         target = args.out / "models" / name
         shutil.rmtree(target, ignore_errors=True)

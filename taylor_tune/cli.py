@@ -133,6 +133,8 @@ def _run_prune(args: argparse.Namespace) -> int:
     given = _given(args, RecoverySpec, "recovery")
     spec = None
     if args.recover or given or recovery is not None:
+        if config.recovery_problem():
+            raise ConfigError(f"--recover: {config.recovery_problem()}")
         try:
             spec = RecoverySpec(**(recovery or {}) | given)
         except ValidationError as error:
@@ -141,8 +143,11 @@ def _run_prune(args: argparse.Namespace) -> int:
         check_schedule(spec)
 
     from taylor_tune.pruning.artifacts import write_prune_artifacts  # torch: only once the arguments are valid
-    from taylor_tune.pruning.prune import prune
+    from taylor_tune.pruning.prune import check_against_model, check_plan, meta_layout, prune
     from taylor_tune.sweep.stages.pruning import streams
+
+    check_against_model(config)  # the plan, from the model's shapes alone: refused before any weight is read
+    check_plan(config, meta_layout(config.model, trust_remote_code=config.trust_remote_code))
 
     streamed = streams(config, Evaluation(tasks=[], ppl=None, speed=None), spec)  # the model written as it streams
     result = prune(config, pruned_folder=Path(args.output) / "model" if streamed else None)
@@ -159,9 +164,12 @@ def _run_prune(args: argparse.Namespace) -> int:
                      f"{done.loss_after:.4f}")
     out = write_prune_artifacts(args.output, config, result)
     d = result.diagnostics
+    sparse = [(before, kept) for before, kept in zip(d.get("experts_before", []), d.get("experts_kept", [])) if before]
+    target = f"{sparse[0][0] - sparse[0][1]} of {sparse[0][0]} experts from each sparse layer" if sparse else \
+        f"target {config.sparsity}"
     print(
         f"{config.method}: removed {d['params_count_before'] - d['params_count']} of {d['params_count_before']} "
-        f"parameters (pruning_ratio {d['pruning_ratio']:.4f}, target {config.sparsity}); "
+        f"parameters (pruning_ratio {d['pruning_ratio']:.4f}, {target}); "
         f"extreme layers {d['extreme_pruning_layers']}{recovered}; wrote {out} ({_folder_kind(out / 'model', config)})"
     )
     return 0

@@ -19,14 +19,21 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 from taylor_tune.errors import ConfigError, shown
 
 # The pruning methods (each a planner in pruning/methods/; a test checks the registry against this list).
-METHODS = ("taylor", "layerwise", "blockwise", "magnitude", "random", "depth")
+METHODS = ("taylor", "layerwise", "blockwise", "magnitude", "random", "depth", "experts")
 # depth: which whole layers go (pruning/depth.py)
 DEPTH_CRITERIA = ("block_influence", "angular", "taylor", "measured_loss", "last")
 CRITERIA = ("taylor", "taylor_sum", "l1", "l2", "wanda_sp", "flap")
 # The criteria each method ranks by. A criterion the method does not use is refused, never recorded as if it had been
 # used; the default (taylor) stands for "none asked" with magnitude (which then ranks by l2), random and depth.
 METHOD_CRITERIA = {"taylor": CRITERIA, "layerwise": CRITERIA, "blockwise": CRITERIA, "magnitude": ("l1", "l2"),
-                   "random": (), "depth": ()}
+                   "random": (), "depth": (), "experts": ()}
+# experts (a mixture of experts): how an expert is scored over the calibration tokens (pruning/experts.py)
+EXPERT_CRITERIA = ("frequency", "reap", "ean", "taylor")
+# the fields the experts method reads (left out of a dense pruning's record, which never uses them), and the dense
+# settings it does not read (refused when set, left out of its record)
+EXPERT_FIELDS = ("expert_sparsity", "expert_criterion")
+UNREAD_BY_EXPERTS = {"sparsity": "expert_sparsity", "depth_share": None, "uniform": None, "align": None,
+                     "servable": None}
 BLOCKWISE_ATTENTION_RULES = ("closest_ratio", "measured_loss", "mlp_only", "min_loss")
 # blockwise's attention rule when none is asked for (BENCHMARKS.md, pruning quality, says why)
 DEFAULT_BLOCKWISE_ATTENTION = "measured_loss"  # BENCHMARKS.md: blockwise attention rules on the real models
@@ -167,6 +174,16 @@ class PruneConfig(BaseModel):
         "rounding. auto: stream where the memory estimate says the model with its gradient buffers does not fit the "
         "trial's device (docs/pruning.md, Streaming)", json_schema_extra=searchable(),
     )
+    expert_sparsity: float = Field(
+        0.25, gt=0.0, lt=1.0, allow_inf_nan=False, description="experts (a mixture of experts): the share of each "
+        "sparse layer's experts removed, the same count in every layer (rounded to the nearest; at least the "
+        "experts a token is routed to stay), so that the model stays stock", json_schema_extra=searchable())
+    expert_criterion: Literal[EXPERT_CRITERIA] = Field(
+        "reap", description="experts: how each expert is ranked over the calibration tokens: frequency (how often "
+        "the router selects it), reap (REAP: the mean over the tokens routed to it of gate x the norm of its "
+        "output), ean (the mean norm of its output over the same tokens), taylor (group-normalized first-order "
+        "Taylor importance over its weights and its router row, from a gradient pass)",
+        json_schema_extra=searchable())
     extreme_ratio_threshold: float | None = Field(
         None, gt=0.0, description="a layer pruned above this ratio counts as extreme; default 2 x sparsity"
     )
@@ -261,6 +278,22 @@ class PruneConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _experts_fields(self) -> PruneConfig:
+        asked = self.model_fields_set
+        if self.method != "experts":
+            stray = [name for name in EXPERT_FIELDS if name in asked]
+            if stray:
+                raise ValueError(f"{stray[0]}: only the experts method (a mixture of experts) reads it, so it would "
+                                 f"be recorded without being used by {self.method}")
+            return self
+        for name, used in UNREAD_BY_EXPERTS.items():
+            if name in asked:
+                instead = f"; set {used}" if used else ""
+                raise ValueError(f"{name}: the experts method removes whole experts, the same count in every sparse "
+                                 f"layer, and reads no {name}{instead}")
+        return self
+
+    @model_validator(mode="after")
     def _streaming_scope(self) -> PruneConfig:
         problem = self.streaming_problem()
         if self.streaming == "on" and problem:
@@ -272,6 +305,15 @@ class PruneConfig(BaseModel):
         streamed pruning never holds."""
         if self.criterion == "flap" and self.flap_compensation:
             return "FLAP's compensation adds biases to the loaded model; set flap_compensation: false"
+        if self.method == "experts":
+            return "the experts method holds the whole mixture (its streamed pass is not built yet)"
+        return None
+
+    def recovery_problem(self) -> str | None:
+        """Why this pruning's model cannot be recovered, or None."""
+        if self.method == "experts":
+            return ("its LoRA adapters go on a dense model's projections; a mixture pruned by the experts method is "
+                    "not recovered yet")
         return None
 
     @property
@@ -280,8 +322,15 @@ class PruneConfig(BaseModel):
         return self.align or (SERVABLE_TILE if self.servable else None)
 
     @property
+    def target_sparsity(self) -> float:
+        """The share the method aims at: of the parameters (`sparsity`), or of each sparse layer's experts."""
+        return self.expert_sparsity if self.method == "experts" else self.sparsity
+
+    @property
     def extreme_threshold(self) -> float:
-        return self.extreme_ratio_threshold if self.extreme_ratio_threshold is not None else 2.0 * self.sparsity
+        if self.extreme_ratio_threshold is not None:
+            return self.extreme_ratio_threshold
+        return 2.0 * self.target_sparsity
 
     @property
     def layerwise_cap(self) -> float:

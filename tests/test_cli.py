@@ -105,7 +105,7 @@ BEFORE_LOADING = [
     (["--sparsity", "0"], "sparsity: Input should be greater than 0"),
     (
         ["--method", "pruneall"],
-        "method: unknown method 'pruneall'; allowed: blockwise, depth, layerwise, magnitude, random, taylor",
+        "method: unknown method 'pruneall'; allowed: blockwise, depth, experts, layerwise, magnitude, random, taylor",
     ),
     (["--seq-len", "1"], "seq_len: Input should be greater than 1"),
     (["--seq-len", "4096"], "seq_len: 4096 exceeds the model's maximum context of 512 tokens"),
@@ -118,6 +118,20 @@ BEFORE_LOADING = [
     (["--calibration", "SMALL"], "calibration: SMALL"),
     (["--blockwise-layer-start", "3", "--blockwise-layer-end", "2"], "blockwise_layer_end (2) must be greater"),
     (["--device", "tpu"], "device: unknown device 'tpu'"),
+    # issue 93: the experts method and the mixtures of experts go together, each setting with its own method
+    (["--method", "experts"], "method: experts removes a mixture's experts, and this model is dense"),
+    (["--model", "tiny-qwen3moe"], "method: taylor prunes dense layers, and this model is a mixture of experts: use "
+                                   "experts (tiny-qwen3moe is qwen3_moe)"),
+    (["--expert-sparsity", "0.5"], "expert_sparsity: only the experts method (a mixture of experts) reads it"),
+    (["--model", "tiny-qwen3moe", "--method", "experts", "--sparsity", "0.3"],
+     "sparsity: the experts method removes whole experts, the same count in every sparse layer, and reads no "
+     "sparsity; set expert_sparsity"),
+    (["--model", "tiny-qwen3moe", "--method", "experts", "--expert-criterion", "gate"],
+     "expert_criterion: Input should be 'frequency', 'reap', 'ean' or 'taylor'"),
+    (["--model", "tiny-qwen3moe", "--method", "experts", "--streaming", "on"],
+     "streaming: the experts method holds the whole mixture"),
+    (["--model", "tiny-qwen3moe", "--method", "experts", "--recover"],
+     "--recover: its LoRA adapters go on a dense model's projections"),
 ]
 
 
@@ -141,6 +155,13 @@ def test_bad_input_is_one_line_before_any_weight_loads(
 def test_a_plan_that_would_empty_a_block_is_refused(capsys, tmp_path):
     code, _, err = run(capsys, *BASE, "--method", "blockwise", "--sparsity", "0.9", "--output", str(tmp_path / "o"))
     assert code == 2 and "emptying a block" in err and err.count("\n") == 1
+
+
+def test_an_expert_share_that_would_leave_fewer_experts_than_the_top_k_is_refused(capsys, tmp_path):
+    code, _, err = run(capsys, "prune", "--model", "tiny-qwen3moe", "--method", "experts", "--expert-sparsity", "0.9",
+                       "--output", str(tmp_path / "o"))
+    assert code == 2 and err.count("\n") == 1
+    assert "expert_sparsity: 0.9 removes 7 of 8 experts, leaving fewer than the 2 each token is routed to" in err
 
 
 def test_the_installed_command_exits_2_without_a_traceback(tmp_path):

@@ -48,7 +48,27 @@ def settings_read(prune: dict) -> dict:
         unread |= {"depth_criterion", "depth_share"}
     if not prune.get("uniform"):
         unread.add("uniform_multiple")
+    if method == "experts":  # the dense criterion is the width methods'
+        unread |= {"criterion", "flap_compensation"}
     return {k: v for k, v in prune.items() if k not in unread and v is not None}
+
+
+def experts_section(experts: list[list[int]] | None) -> list[str]:
+    """The card's table of the experts each sparse layer kept (their indices in the unpruned model), for a mixture
+    pruned by the experts method."""
+    if not experts:
+        return []
+    rows = [f"| {layer} | {', '.join(map(str, kept))} |" for layer, kept in enumerate(experts) if kept]
+    return ["## Experts kept", "", "Each sparse layer's experts that stay, by their index in the unpruned model (the "
+            "router's rows and the experts' weights of the others are removed; a layer not listed is dense):", "",
+            "| layer | experts kept |", "|---|---|", *rows, ""]
+
+
+def title(prune: dict) -> str:
+    if prune["method"] == "experts":
+        return (f"experts by {prune['expert_criterion']}, {prune['expert_sparsity']:g} of each sparse layer's experts "
+                "removed")
+    return f"{prune['method']} at {prune['sparsity']:g} sparsity"
 
 
 def trial_place(folder: str) -> str:
@@ -82,9 +102,10 @@ def metrics_table(row: dict) -> list[str]:
             low, high = row.get(f"{key}_low"), row.get(f"{key}_high")
             lines.append(f"| {key} (against the unpruned model, timed interleaved) | {_number(row[key], 3)} | "
                          f"{'–' if low is None or high is None else f'{low:.3f} – {high:.3f}'} |")
-    for key in ("params_count", "pruning_ratio", "recovery_heldout_loss"):
-        if row.get(key) is not None:
-            lines.append(f"| {key} | {plain(row[key], True) if key == 'params_count' else _number(row[key])} | – |")
+    for key in ("params_count", "active_params_count", "pruning_ratio", "recovery_heldout_loss"):
+        if row.get(key) is not None and row.get(key) == row.get(key):  # a dense trial's active count: NaN
+            count = key.endswith("params_count")
+            lines.append(f"| {key} | {plain(row[key], True) if count else _number(row[key])} | – |")
     return lines
 
 
@@ -119,11 +140,12 @@ def layout_said(layout: str, prune: dict) -> str:
 
 
 def model_card(chosen: Chosen, record: dict, checks: dict, *, layout: str, command: str,
-               gguf: dict | None = None, converter: str | None = None) -> str:
+               gguf: dict | None = None, converter: str | None = None, experts: list[list[int]] | None = None) -> str:
     """README.md of the exported folder. `record`: the trial's config.json; `checks`: what the rebuild reproduced
     (name -> (reported, rebuilt)); `layout`: how the folder loads ("uniform", "free" or "decilm"); `gguf`: what `--gguf`
     wrote (to_gguf.write_gguf's record with its check), if asked; `converter`: why llama.cpp's converter refuses a
-    DeciLM folder, if it does (`to_decilm.converter_problem`)."""
+    DeciLM folder, if it does (`to_decilm.converter_problem`); `experts`: a mixture's kept experts per layer (empty
+    for a dense layer)."""
     prune, recovery = record["prune"], record.get("recovery")
     front = {"library_name": "transformers", "pipeline_tag": "text-generation",
              "tags": ["taylor-tune", "pruned", "structured-pruning", prune["method"],
@@ -140,11 +162,12 @@ def model_card(chosen: Chosen, record: dict, checks: dict, *, layout: str, comma
                "the pruned classes of taylor_tune (or trust_remote_code=True with the folder's own modeling file)")
     return "\n".join([
         "---", yaml.safe_dump(front, sort_keys=False).rstrip(), "---", "",
-        f"# {prune['model']}, pruned by taylor_tune: {prune['method']} at {prune['sparsity']:g} sparsity"
+        f"# {prune['model']}, pruned by taylor_tune: {title(prune)}"
         + (", recovered with LoRA" if recovery else ""), "",
         f"Structured pruning with group-normalized first-order Taylor importance (or the baseline named below), "
         f"chosen by a taylor_tune sweep as {chosen.why}. Layout: {layout_said(layout, prune)}.", "",
         "## Configuration", "", "| setting | value |", "|---|---|", *settings, *recovered, "",
+        *experts_section(experts),
         "## Measured in the sweep", "",
         f"Trial `{chosen.trial_id}` of model `{chosen.model}`; ranked by {chosen.objective.metric} "
         f"({'lower' if chosen.objective.ascending else 'higher'} is better).", "",

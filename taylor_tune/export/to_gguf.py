@@ -49,7 +49,7 @@ from torch import nn
 from taylor_tune.export.choose import ExportError
 from taylor_tune.pruning.groups import decoder_layers, head_dim
 from taylor_tune.recovery.losses import token_losses
-from taylor_tune.sources.families import FAMILIES
+from taylor_tune.sources.families import DENSE, FAMILIES
 
 FILE_TYPES = ("f16", "f32")
 
@@ -238,9 +238,10 @@ def written_as(model_type: str, layout: str) -> str | None:
 
 
 def gguf_table() -> str:
-    """The README's table of what `export --gguf` writes, one row per family (`written_as`)."""
+    """The README's table of what `export --gguf` writes, one row per dense family (`written_as`; a mixture's
+    layouts are its expert counts, and no mixture is written as GGUF yet)."""
     rows = ["| family | " + " | ".join(GGUF_LAYOUTS) + " |", "|---|" + "---|" * len(GGUF_LAYOUTS)]
-    for model_type in FAMILIES:
+    for model_type in DENSE:
         cells = [f"`{arch}`" if (arch := written_as(model_type, layout)) else "refused" for layout in GGUF_LAYOUTS]
         rows.append(f"| `{model_type}` | " + " | ".join(cells) + " |")
     return "\n".join(rows) + "\n"

@@ -127,8 +127,12 @@ def _write(sweep: str, chosen, output: Path, command: str, gguf: str | None, tru
             written = {"file": path.name} | write_gguf(rebuilt.model, rebuilt.tokenizer, path, file_type=gguf,
                                                        name=f"{rebuilt.trial.prune.model} pruned ({chosen.trial_id})")
             written["check"] = check_gguf(path, rebuilt.model, rebuilt.tokenizer, gguf)
+        pruning = rebuilt.run.pruning
+        experts = None if not pruning.plan.experts_removed else [
+            [e for e in range(count) if e not in removed]
+            for count, removed in zip(pruning.layout.experts, pruning.plan.experts_removed)]
         (folder / "README.md").write_text(model_card(chosen, record, rebuilt.checks, layout=layout, command=command,
-                                                     gguf=written, converter=converter))
+                                                     gguf=written, converter=converter, experts=experts))
         write_json(folder / "export.json", {"sweep": str(sweep), "trial_id": chosen.trial_id,
                                             "trial_folder": chosen.folder, "why": chosen.why, "layout": layout,
                                             "checks": rebuilt.checks, "gguf": written, "config": record,

@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from taylor_tune.errors import PlanError
+from taylor_tune.pruning.experts import remove_experts
 from taylor_tune.pruning.groups import (
     attention_groups,
     decoder_layers,
@@ -37,6 +38,7 @@ from taylor_tune.pruning.groups import (
     q_per_kv,
     rows_of,
     sliced_norms,
+    sparse_blocks,
 )
 from taylor_tune.pruning.plan import PrunePlan
 from taylor_tune.sources import pruned_modeling
@@ -113,7 +115,10 @@ def remove_layers(model: nn.Module, removed: tuple[int, ...]) -> nn.Module:
 
 
 def apply_plan(model: nn.Module, plan: PrunePlan) -> nn.Module:
-    """Physically remove the plan's groups, then its whole layers, from `model` (in place) and return it."""
+    """Physically remove the plan's groups, then its whole layers, from `model` (in place) and return it; a
+    mixture's plan, its experts (`experts.remove_experts`)."""
+    if plan.experts_removed:
+        return remove_experts(model, plan.experts_removed)
     norms = sliced_norms(model)
     for layer, attn_removed, mlp_removed in zip(decoder_layers(model), plan.attn_removed, plan.mlp_removed):
         groups, channels = attention_groups(layer.self_attn), layer.mlp.gate_proj.out_features
@@ -125,13 +130,15 @@ def apply_plan(model: nn.Module, plan: PrunePlan) -> nn.Module:
 
 
 def layer_shapes(model: nn.Module) -> list[dict[str, int]]:
+    """Each layer's heads and MLP width; a mixture's sparse layer, its experts' count in place of the width."""
+    sparse = sparse_blocks(model)
     return [
         {
             "num_attention_heads": layer.self_attn.q_proj.out_features // head_dim(layer.self_attn),
             "num_key_value_heads": attention_groups(layer.self_attn),
-            "intermediate_size": layer.mlp.gate_proj.out_features,
-        }
-        for layer in decoder_layers(model)
+        } | ({"num_experts": sparse[i].experts.gate_up_proj.shape[0]} if i in sparse
+             else {"intermediate_size": layer.mlp.gate_proj.out_features})
+        for i, layer in enumerate(decoder_layers(model))
     ]
 
 
@@ -210,8 +217,11 @@ class FolderKind:
 
 
 def folder_kind(model: nn.Module) -> FolderKind:
-    """How the pruned `model` (its weights, or only its shapes on the meta device) is written."""
+    """How the pruned `model` (its weights, or only its shapes on the meta device) is written. A mixture of experts is
+    stock (`remove_experts` keeps one count of experts, which its config already says)."""
     layout = layer_shapes(model)
+    if sparse_blocks(model):
+        return FolderKind(layout, True, False, False, {}, {})
     uniform = all(shape == layout[0] for shape in layout)
     output_bias = _output_bias(model)
     stock_biases = output_bias and uniform and model.config.model_type == "llama"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -23,6 +24,10 @@ def importance_tensors(result: PruneResult) -> dict[str, torch.Tensor]:
             tensors[f"layers.{layer}.mlp_scores"] = torch.from_numpy(m.copy())
         tensors["layer_grad_mean"] = torch.from_numpy(result.importance.grad_mean.copy())
         tensors["layer_grad_norm"] = torch.from_numpy(result.importance.grad_norm.copy())
+    if result.plan is not None and result.plan.experts_removed:  # a mixture: each sparse layer's expert scores
+        for layer, scores in enumerate(result.scores):
+            if len(scores):
+                tensors[f"layers.{layer}.expert_scores"] = torch.from_numpy(np.asarray(scores, dtype=np.float64))
     if result.calibration_ids is not None:
         tensors["calibration_input_ids"] = result.calibration_ids.contiguous()
     return tensors

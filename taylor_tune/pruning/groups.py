@@ -85,6 +85,29 @@ def layer_parameters(layer: nn.Module, norms: bool) -> list[tuple[str, nn.Parame
     return params
 
 
+def experts_of(model: nn.Module):
+    """The model's family's `Experts` (sources.families), None for a dense model."""
+    family = FAMILIES.get(getattr(model.config, "model_type", ""))
+    return None if family is None else family.experts
+
+
+def sparse_blocks(model: nn.Module) -> dict[int, nn.Module]:
+    """{layer index: its sparse block} of a mixture of experts (the layers whose block holds experts: Qwen3-MoE's
+    `mlp_only_layers` are dense); empty for a dense model."""
+    moe = experts_of(model)
+    if moe is None:
+        return {}
+    blocks = {i: getattr(layer, moe.block, None) for i, layer in enumerate(decoder_layers(model))}
+    return {i: block for i, block in blocks.items() if hasattr(block, "experts")}
+
+
+def expert_parameters(block: nn.Module, router: str) -> list[tuple[str, nn.Parameter]]:
+    """A sparse block's parameters that belong to its experts, expert e being index e of each (its router row, its
+    gate/up rows and its down projection): what expert pruning removes and what its Taylor score sums."""
+    return [("router", getattr(block, router).weight), ("gate_up_proj", block.experts.gate_up_proj),
+            ("down_proj", block.experts.down_proj)]
+
+
 def count_parameters(model: nn.Module) -> int:
     """Distinct parameters (tied weights counted once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
@@ -101,15 +124,26 @@ def describe_layout(model: nn.Module) -> ModelLayout:
     kv_bias = d * sum(getattr(first.self_attn, n).bias is not None for n in ("k_proj", "v_proj"))
     norms = (rep * d + d) if sliced_norms(model) else 0
     attn_group_params = (2 * rep * d + 2 * d) * hidden + q_bias + kv_bias + norms
-    mlp_bias = sum(getattr(first.mlp, n).bias is not None for n in MLP_ROWS)
+    sparse = sparse_blocks(model)
+    dense = [layer.mlp for i, layer in enumerate(layers) if i not in sparse]
+    mlp_bias = sum(getattr(dense[0], n).bias is not None for n in MLP_ROWS) if dense else 0
     mlp_channel_params = 3 * hidden + mlp_bias
+    experts = {}
+    if sparse:
+        moe = experts_of(model)
+        block = next(iter(sparse.values()))
+        experts = dict(experts=tuple(len(getattr(sparse[i], moe.router).weight) if i in sparse else 0
+                                     for i in range(len(layers))),
+                       expert_params=sum(p[0].numel() for _, p in expert_parameters(block, moe.router)),
+                       top_k=model.config.num_experts_per_tok)
     return ModelLayout(
         attn_groups=tuple(attention_groups(l.self_attn) for l in layers),
-        mlp_channels=tuple(l.mlp.gate_proj.out_features for l in layers),
+        mlp_channels=tuple(0 if i in sparse else l.mlp.gate_proj.out_features for i, l in enumerate(layers)),
         attn_group_params=attn_group_params,
         mlp_channel_params=mlp_channel_params,
         layer_params=tuple(count_parameters(l) for l in layers),
         total_params=count_parameters(model),
+        **experts,
     )
 
 

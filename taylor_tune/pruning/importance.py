@@ -13,6 +13,7 @@ Group score (docs/specification.md §1) = Σ_{params in group} |w · ḡ| / (par
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -158,22 +159,7 @@ def compute_importance(
     counts = sample_counts(total, snapshots)
     device = next(model.parameters()).device
     grouped = [p for params in prunable_parameters(model) for _, p in params]
-    buffers = {p: torch.zeros_like(p, dtype=torch.float32) for p in grouped}
-
-    def accumulate(param: torch.Tensor) -> None:
-        buffers[param].add_(param.grad)
-        param.grad = None
-
-    flags = {p: p.requires_grad for p in model.parameters()}
-    was_training = model.training
-    hooks = []
-    try:
-        for p in model.parameters():
-            p.requires_grad_(False)
-        for p in grouped:
-            p.requires_grad_(True)
-            hooks.append(p.register_post_accumulate_grad_hook(accumulate))
-        model.eval()  # dropout off: the gradient of the model as it will be used
+    with gradient_sums(model, grouped) as buffers:
         results, done = {}, 0
         with bar(total * input_ids.shape[1], "importance", unit="tok", unit_scale=True) as progress:
             for boundary in counts:
@@ -185,6 +171,29 @@ def compute_importance(
                     progress.update(batch.numel())
                 results[boundary] = _snapshot(model, layout, buffers, boundary)
         return results
+
+
+@contextmanager
+def gradient_sums(model: nn.Module, params: list[nn.Parameter]):
+    """Within it, only `params` take gradients, each added at once into a float32 buffer (yielded: {parameter:
+    buffer}) by a post-accumulate-grad hook that frees its `.grad`, and the model is in eval mode (dropout off: the
+    gradient of the model as it will be used). The model's requires_grad flags and mode are restored afterwards."""
+    buffers = {p: torch.zeros_like(p, dtype=torch.float32) for p in params}
+
+    def accumulate(param: torch.Tensor) -> None:
+        buffers[param].add_(param.grad)
+        param.grad = None
+
+    flags = {p: p.requires_grad for p in model.parameters()}
+    was_training, hooks = model.training, []
+    try:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for p in params:
+            p.requires_grad_(True)
+            hooks.append(p.register_post_accumulate_grad_hook(accumulate))
+        model.eval()
+        yield buffers
     finally:
         for hook in hooks:
             hook.remove()

@@ -27,10 +27,20 @@ class ModelLayout:
     mlp_channel_params: int  # parameters in one MLP channel
     layer_params: tuple[int, ...]  # all parameters of each decoder layer, norms included
     total_params: int  # the whole model: embeddings, lm_head, norms, layers
+    # a mixture of experts: each layer's experts (0 for a dense layer), one expert's parameters (its weights and its
+    # router row), and how many experts a token is routed to; a dense model has none
+    experts: tuple[int, ...] = ()
+    expert_params: int = 0
+    top_k: int = 0
 
     @property
     def num_layers(self) -> int:
         return len(self.attn_groups)
+
+    @property
+    def active_params(self) -> int:
+        """The parameters one token computes with: all but the experts it is not routed to."""
+        return self.total_params - sum(max(0, e - self.top_k) for e in self.experts) * self.expert_params
 
     def group_params(self, kind: str) -> int:
         return self.attn_group_params if kind == "attn" else self.mlp_channel_params
@@ -59,13 +69,25 @@ class PrunePlan:
     attn_removed: tuple[tuple[int, ...], ...]
     mlp_removed: tuple[tuple[int, ...], ...]
     layers_removed: tuple[int, ...] = ()
+    experts_removed: tuple[tuple[int, ...], ...] = ()  # per layer, a mixture's experts that go (none: no experts)
 
     def layer_params_removed(self, layout: ModelLayout) -> list[int]:
+        experts = self.experts_removed or ((),) * layout.num_layers
         return [
             layout.layer_params[layer] if layer in self.layers_removed
-            else len(a) * layout.attn_group_params + len(m) * layout.mlp_channel_params
-            for layer, (a, m) in enumerate(zip(self.attn_removed, self.mlp_removed))
+            else len(a) * layout.attn_group_params + len(m) * layout.mlp_channel_params + len(e) * layout.expert_params
+            for layer, (a, m, e) in enumerate(zip(self.attn_removed, self.mlp_removed, experts))
         ]
+
+    def active_params_after(self, layout: ModelLayout) -> int:
+        """`ModelLayout.active_params` of the pruned model: its experts' count less the removed, a token's top-k
+        the same."""
+        removed = sum(self.layer_params_removed(layout))
+        if not layout.experts:
+            return layout.total_params - removed
+        experts = self.experts_removed or ((),) * layout.num_layers
+        idle = sum(max(0, e - len(r) - layout.top_k) for e, r in zip(layout.experts, experts))
+        return layout.total_params - removed - idle * layout.expert_params
 
     def params_removed(self, layout: ModelLayout) -> int:
         return sum(self.layer_params_removed(layout))
@@ -88,10 +110,25 @@ class PrunePlan:
             ):
                 if len(set(removed)) != len(removed) or any(not 0 <= i < size for i in removed):
                     raise PlanError(f"layer {layer}: {kind} indices must be unique and in [0, {size})")
-                if len(removed) >= size:
+                if len(removed) >= size and (size or removed):
                     raise PlanError(
                         f"layer {layer}: the plan would empty the {kind} block ({len(removed)} of {size} groups)"
                     )
+        self._validate_experts(layout)
+
+    def _validate_experts(self, layout: ModelLayout) -> None:
+        """A mixture keeps at least its top-k experts in every sparse layer (a token is routed to that many)."""
+        if not self.experts_removed:
+            return
+        if len(self.experts_removed) != layout.num_layers or not layout.experts:
+            raise PlanError(f"plan removes experts of {len(self.experts_removed)} layers, the model has "
+                            f"{len(layout.experts)} layers of experts")
+        for layer, (removed, size) in enumerate(zip(self.experts_removed, layout.experts)):
+            if len(set(removed)) != len(removed) or any(not 0 <= i < size for i in removed):
+                raise PlanError(f"layer {layer}: expert indices must be unique and in [0, {size})")
+            if removed and size - len(removed) < layout.top_k:
+                raise PlanError(f"layer {layer}: the plan keeps {size - len(removed)} of {size} experts, fewer than "
+                                f"the {layout.top_k} each token is routed to")
 
 
 def target_params(layout: ModelLayout, sparsity: float) -> float:

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from taylor_tune.compat.transformers import building
 from taylor_tune.config import PruneConfig
-from taylor_tune.errors import ConfigError
+from taylor_tune.errors import ConfigError, PlanError
 from taylor_tune.jsonio import write_json
 from taylor_tune.pruning.activations import ActivationStats
 from taylor_tune.pruning.aligned import aligned_plan
@@ -32,13 +32,14 @@ from taylor_tune.pruning.groups import describe_layout
 from taylor_tune.pruning.importance import Importance
 from taylor_tune.pruning.importance_cache import ImportanceCache
 from taylor_tune.pruning.measured import plan_loss
-from taylor_tune.pruning.methods import METHODS, PlanOptions, Scoring
+from taylor_tune.pruning.methods import METHODS, WIDTH_METHODS, PlanOptions, Scoring
 from taylor_tune.pruning.methods.random import drawn_scores
 from taylor_tune.pruning.mixed import kept_scores, mixed_plan, reindexed
 from taylor_tune.pruning.plan import GroupScores, ModelLayout, PrunePlan
 from taylor_tune.pruning.scoring import Calibration, draw_calibration, draws_calibration, score_groups, uses_gradients
 from taylor_tune.pruning.uniform import uniform_plan
 from taylor_tune.sources.data import check_calibration
+from taylor_tune.sources.families import FAMILIES
 from taylor_tune.sources.models import (
     held_split,
     load_model,
@@ -51,9 +52,9 @@ from taylor_tune.sources.models import (
 )
 
 __all__ = [
-    "STAGES", "ImportanceCache", "Pruning", "PruneResult", "apply", "check_plan", "draw_calibration",
-    "draws_calibration", "layer_shapes", "load", "meta_layout", "meta_model", "plan", "prune", "score", "start",
-    "summary_dict", "uses_gradients", "write_summary",
+    "STAGES", "ImportanceCache", "Pruning", "PruneResult", "apply", "check_against_model", "check_plan",
+    "draw_calibration", "draws_calibration", "layer_shapes", "load", "meta_layout", "meta_model", "plan", "prune",
+    "score", "start", "summary_dict", "uses_gradients", "write_summary",
 ]
 
 log = logging.getLogger(__name__)
@@ -98,11 +99,23 @@ def check_against_model(config: PruneConfig) -> None:
     limit = getattr(model_config, "max_position_embeddings", None)
     if limit is not None and config.seq_len > limit:
         raise ConfigError(f"seq_len: {config.seq_len} exceeds the model's maximum context of {limit} tokens")
+    problem = family_problem(config.method, FAMILIES[model_config.model_type].experts is not None)
+    if problem:
+        raise ConfigError(f"method: {problem} ({config.model} is {model_config.model_type})")
     layers = model_config.num_hidden_layers
     for name in ("blockwise_layer_start", "blockwise_layer_end"):
         value = getattr(config, name)
         if value is not None and value > layers:
             raise ConfigError(f"{name}: {value} is beyond the model's {layers} layers")
+
+
+def family_problem(method: str, mixture: bool) -> str | None:
+    """Why `method` does not prune a model of this kind (a mixture of experts or dense), or None."""
+    if method == "experts" and not mixture:
+        return f"experts removes a mixture's experts, and this model is dense: use {', '.join(WIDTH_METHODS)} or depth"
+    if mixture and method != "experts":
+        return f"{method} prunes dense layers, and this model is a mixture of experts: use experts"
+    return None
 
 
 def make_plan(config: PruneConfig, scores: GroupScores | None, layout: ModelLayout, loss=None,
@@ -163,12 +176,17 @@ def meta_layout(model: str, *, trust_remote_code: bool = False) -> ModelLayout:
 
 def check_plan(config: PruneConfig, layout: ModelLayout) -> None:
     """PlanError if no plan of `config` exists on `layout` whatever the scores (planned from equal scores, a
-    measured loss of 0; for depth, equal hidden states)."""
+    measured loss of 0; for depth, equal hidden states); first, a method that does not prune this kind of model."""
+    problem = family_problem(config.method, bool(layout.experts))
+    if problem:
+        raise PlanError(problem)
     scores = GroupScores(attn=tuple(np.ones(g) for g in layout.attn_groups),
                          mlp=tuple(np.ones(c) for c in layout.mlp_channels))
     similarity = LayerSimilarity(np.ones(layout.num_layers), np.ones((layout.num_layers + 1, 1, 1)))
     if METHODS[config.method].scored_by is Scoring.LAYERS and not uses_gradients(config):  # depth's taylor: groups
         scores = similarity
+    if METHODS[config.method].scored_by is Scoring.EXPERTS:
+        scores = tuple(np.ones(count) for count in layout.experts)
     make_plan(config, scores, layout, loss=lambda candidate: 0.0, similarity=similarity)
 
 
@@ -245,7 +263,7 @@ def apply(pruning: Pruning) -> dict[str, float]:
     if deltas is not None:
         add_compensation(pruning.model, deltas, pruning.plan.layers_removed)
     pruning.diagnostics = pruning_diagnostics(
-        pruning.layout, pruning.plan, sparsity=config.sparsity, extreme_threshold=config.extreme_threshold,
+        pruning.layout, pruning.plan, sparsity=config.target_sparsity, extreme_threshold=config.extreme_threshold,
         grad_mean=None if importance is None else importance.grad_mean,
         grad_norm=None if importance is None else importance.grad_norm,
     )
@@ -276,12 +294,13 @@ def summary_dict(config: PruneConfig, result: Pruning) -> dict:
         "layers_removed": list(result.plan.layers_removed),
         "removed_groups": [
             {"layer": i, "attention_groups": list(a), "mlp_channels": list(m)}
+            | ({"experts": list(result.plan.experts_removed[i])} if result.plan.experts_removed else {})
             for i, (a, m) in enumerate(zip(result.plan.attn_removed, result.plan.mlp_removed))
         ],
         "group_params": {
             "attention_group": result.layout.attn_group_params,
             "mlp_channel": result.layout.mlp_channel_params,
-        },
+        } | ({"expert": result.layout.expert_params} if result.layout.experts else {}),
         "timings_s": result.timings,
     }
 
@@ -289,6 +308,8 @@ def summary_dict(config: PruneConfig, result: Pruning) -> dict:
 # A trial's columns of its pruning (docs/specification.md §3): what was removed and the gradient statistics' spread
 SUMMARY_COLUMNS = ("params_count", "params_count_before", "pruning_ratio", "extreme_pruning_layers", "grad_mean_ratio",
                    "grad_norm_ratio", "grad_mean_range", "grad_norm_range")
+# a mixture's besides: the parameters a token computes with, before and after
+MIXTURE_COLUMNS = ("active_params_count", "active_params_count_before")
 
 
 def write_summary(pruning: Pruning, folder: Path) -> dict:
@@ -297,5 +318,5 @@ def write_summary(pruning: Pruning, folder: Path) -> dict:
     summary, layers = summary_dict(pruning.config, pruning), layer_analysis(pruning.diagnostics)
     write_json(folder / "pruning_summary.json", summary)
     write_json(folder / "layer_analysis.json", layers)
-    columns = {k: pruning.diagnostics[k] for k in SUMMARY_COLUMNS}
+    columns = {k: pruning.diagnostics[k] for k in SUMMARY_COLUMNS + MIXTURE_COLUMNS if k in pruning.diagnostics}
     return columns | ({} if pruning.importance_cache is None else {"importance_cache": pruning.importance_cache})

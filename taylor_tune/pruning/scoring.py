@@ -22,6 +22,7 @@ from taylor_tune.pruning.activations import (
     check_stats,
 )
 from taylor_tune.pruning.depth import LayerSimilarity
+from taylor_tune.pruning.experts import ExpertScores, expert_scores
 from taylor_tune.pruning.importance import (
     GRADIENT_CRITERIA,
     Importance,
@@ -43,6 +44,8 @@ from taylor_tune.sources.streaming import is_stream
 def uses_gradients(config: PruneConfig) -> bool:
     if METHODS[config.method].scored_by is Scoring.LAYERS:  # depth: its taylor criterion, from the same pass
         return config.depth_criterion == "taylor"
+    if METHODS[config.method].scored_by is Scoring.EXPERTS:  # a gradient pass of its own (pruning/experts.py)
+        return config.expert_criterion == "taylor"
     return METHODS[config.method].scored_by is Scoring.CRITERION and config.criterion in GRADIENT_CRITERIA
 
 
@@ -55,7 +58,8 @@ def draws_calibration(config: PruneConfig) -> bool:
     """Whether a pruning reads calibration text: gradient or activation scores, or a plan chosen by measured loss."""
     measured = config.uniform or (config.method == "blockwise" and config.blockwise_attention == "measured_loss") \
         or (cuts_layers(config) and config.depth_criterion == "measured_loss")
-    return uses_gradients(config) or measured or uses_hidden_states(config) or uses_activations(config)
+    return uses_gradients(config) or measured or uses_hidden_states(config) or uses_activations(config) \
+        or METHODS[config.method].scored_by is Scoring.EXPERTS
 
 
 def cuts_layers(config: PruneConfig) -> bool:
@@ -102,7 +106,7 @@ class Scored:
     """What the planner ranks (None: the method draws its own), the gradient importance behind it (None without a
     gradient pass), what the shared cache did (None without one) and the seconds spent, calibration apart."""
 
-    scores: GroupScores | LayerSimilarity | None  # LayerSimilarity: depth's
+    scores: GroupScores | LayerSimilarity | ExpertScores | None  # LayerSimilarity: depth's; ExpertScores: experts'
     importance: Importance | None = None
     similarity: LayerSimilarity | None = None  # a mixed cut's layers (block_influence, angular)
     activations: ActivationStats | None = None  # wanda_sp's and flap's (flap's compensation reads their means)
@@ -174,7 +178,9 @@ def score_groups(model, layout: ModelLayout, calibration: Calibration, *, cache:
     config = calibration.config
     start, drawn_before = time.perf_counter(), calibration.seconds
     importance, event, activations = None, None, None
-    if uses_activations(config):
+    if METHODS[config.method].scored_by is Scoring.EXPERTS:  # each trial's own pass, never cached
+        scores = expert_scores(model, calibration.ids(), config.expert_criterion, config.micro_batch_size)
+    elif uses_activations(config):
         activations = activation_statistics(model, layout, calibration, cache=cache, sample_counts=sample_counts)
         scores = activation_scores(model, layout, activations, config.criterion)
         event = None if cache is None else cache.last_event

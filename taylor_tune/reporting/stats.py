@@ -168,12 +168,18 @@ def best_trial(df: pd.DataFrame, objective: Objective = ACCURACY) -> pd.Series |
 
 def method_labels(df: pd.DataFrame) -> pd.Series:
     """Each trial's method as the comparison names it: pruning_method, with `+criterion` where the method ranks by a
-    criterion other than taylor (taylor+flap, layerwise+wanda_sp, blockwise+l1)."""
-    if "criterion" not in df:
-        return df["pruning_method"]
-    criterion = df["criterion"].astype(object)
-    other = df["pruning_method"].isin(CRITERION_METHODS) & criterion.notna() & (criterion != "taylor")
-    return df["pruning_method"].where(~other, df["pruning_method"].astype(str) + "+" + criterion.astype(str))
+    criterion other than taylor (taylor+flap, layerwise+wanda_sp, blockwise+l1), and the experts method always with
+    its expert criterion (experts+reap, experts+frequency), so that the criteria compare apart."""
+    labels = df["pruning_method"]
+    if "criterion" in df:
+        criterion = df["criterion"].astype(object)
+        other = df["pruning_method"].isin(CRITERION_METHODS) & criterion.notna() & (criterion != "taylor")
+        labels = labels.where(~other, df["pruning_method"].astype(str) + "+" + criterion.astype(str))
+    if "expert_criterion" in df:
+        criterion = df["expert_criterion"].astype(object)
+        experts = (df["pruning_method"] == "experts") & criterion.notna()
+        labels = labels.where(~experts, "experts+" + criterion.astype(str))
+    return labels
 
 
 def method_comparison(df: pd.DataFrame, objective: Objective = ACCURACY) -> dict:
@@ -203,7 +209,7 @@ def paired_levels(df: pd.DataFrame, column: str, best_level, outcomes: dict, z: 
     best), stderr, separated (|difference| > z stderr). None where no level pairs."""
     if df.empty or not outcomes:
         return None
-    varied = {column} if labels is None else {column, "pruning_method", "criterion"}  # a label spans those
+    varied = {column} if labels is None else {column, "pruning_method", "criterion", "expert_criterion"}  # a label's
     labels = df[column] if labels is None else labels
     keys = [c for c in (*searched(df), "seed") if c in df and c not in varied]
     key = df[keys].map(repr).agg("|".join, axis=1) if keys else pd.Series("", index=df.index)  # None, NaN too
@@ -617,9 +623,10 @@ def _set(value) -> bool:  # a bool column iterates as numpy bools; a missing val
 def layout_name(method, uniform=None, align=None, servable=None) -> str:
     """What shapes a trial's layers have: `depth` (whole layers removed, every kept one stock), `uniform` (one
     width for all), `servable` (DeciLM's: MLP widths multiples of 256, attention kept), `align N` (each width a
-    multiple of N) or `free` (each layer the widths its importance earns). A missing setting is its default."""
-    if method == "depth":
-        return "depth"
+    multiple of N), `free` (each layer the widths its importance earns), or `experts` (a mixture with the same
+    count of experts removed from every sparse layer: stock). A missing setting is its default."""
+    if method in ("depth", "experts"):
+        return method
     if _set(uniform):
         return "uniform"
     if _set(servable):
@@ -645,7 +652,8 @@ def speed_quality(df: pd.DataFrame) -> pd.DataFrame | None:
     measured its speed."""
     if "decode_speedup" not in df or df["decode_speedup"].isna().all():
         return None
-    columns = [c for c in ("trial_id", "pruning_method", "sparsity", "taylor_seq_len", "taylor_num_samples",
+    experts = ("expert_sparsity", "expert_criterion") if (df.get("pruning_method") == "experts").any() else ()
+    columns = [c for c in ("trial_id", "pruning_method", "sparsity", *experts, "taylor_seq_len", "taylor_num_samples",
                            "acc_mean", "ppl", *SPEED_METRICS, "decode_speedup_low", "decode_speedup_high") if c in df]
     table = df[columns].copy()
     table.insert(table.columns.get_loc("pruning_method") + 1 if "pruning_method" in table else 0, "layout",

@@ -56,8 +56,9 @@ def best_config_dict(m: ModelReport) -> dict:
 
 def method_comparison_dict(m: ModelReport) -> dict:
     table = m.methods["table"]
-    best_per_method = {
-        method: stats.best_trial(group, m.objective) for method, group in m.valid.groupby("pruning_method")
+    best_per_method = {  # by the comparison's own names (taylor+flap, experts+reap)
+        method: stats.best_trial(group, m.objective)
+        for method, group in m.valid.groupby(stats.method_labels(m.valid))
     }
     return {
         "model": m.model,

@@ -24,9 +24,11 @@ from taylor_tune.sources.assets import MODEL_ASSETS, asset_dir, require
 TINY_MODELS = {"tiny-llama-random": "llama", "tiny-qwen2-random": "qwen2", "tiny-mistral-random": "mistral",
                "tiny-qwen3-random": "qwen3", "tiny-granite-random": "granite",
                "tiny-olmo2-random": "olmo2", "tiny-gemma2-random": "gemma2",
-               "tiny-gemma3-random": "gemma3_text", "tiny-phi3-random": "phi3"}
+               "tiny-gemma3-random": "gemma3_text", "tiny-phi3-random": "phi3",
+               "tiny-qwen3moe-random": "qwen3_moe", "tiny-mixtral-random": "mixtral", "tiny-olmoe-random": "olmoe",
+               "tiny-granitemoe-random": "granitemoe"}
 TRAINED_MODELS = ("tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-qwen3", "tiny-granite", "tiny-olmo2", "tiny-gemma2",
-                  "tiny-gemma3", "tiny-phi3")
+                  "tiny-gemma3", "tiny-phi3", "tiny-qwen3moe", "tiny-mixtral", "tiny-olmoe", "tiny-granitemoe")
 PRUNED_MANIFEST = "pruned_layout.json"
 
 # The text of each world: what `calibration: auto` and `ppl: auto` mean for a model of that world.

@@ -89,7 +89,7 @@ def tiny_config(name: str) -> PretrainedConfig:
     family = FAMILIES[TINY_MODELS[name]]
     return AutoConfig.for_model(
         family.model_type, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id, tie_word_embeddings=False, **_TINY_SHAPE, **family.tiny,
+        pad_token_id=tok.pad_token_id, tie_word_embeddings=False, **(_TINY_SHAPE | family.tiny),
     )
 
 

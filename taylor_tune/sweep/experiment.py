@@ -30,6 +30,7 @@ from pydantic import (
 )
 
 from taylor_tune.config import (
+    EXPERT_FIELDS,
     Evaluation,
     PruneConfig,
     RecoverySpec,
@@ -117,8 +118,10 @@ class SearchSpaceRules(BaseModel):
             try:  # alone: the field's own type and range; combinations are the experiment's check
                 if name in cls.recovery_dimensions:
                     cls.recovery_class.model_validate({cls.recovery_dimensions[name]: value}, strict=True)
-                else:
-                    cls.prune_class.model_validate({"model": "tiny-llama", cls.dimensions[name]: value}, strict=True)
+                else:  # an expert setting beside the one method that reads it
+                    field = cls.dimensions[name]
+                    alone = {"method": "experts"} if field in EXPERT_FIELDS else {}
+                    cls.prune_class.model_validate({"model": "tiny-llama", **alone, field: value}, strict=True)
             except ValidationError as error:
                 raise ValueError(f"{error.errors()[0]['msg'].removeprefix('Value error, ')} (got {shown(value)})") \
                     from None

@@ -42,7 +42,11 @@ class Shape:
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        return cls(total_params, layer_params, config.hidden_size, config.intermediate_size,
+        # a mixture computes each token with its top-k experts: k x an expert's width (Qwen3-MoE's experts are
+        # `moe_intermediate_size` wide beside its dense layers' `intermediate_size`; Mixtral's are the latter)
+        routed = getattr(config, "num_experts_per_tok", None) or 0
+        width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        return cls(total_params, layer_params, config.hidden_size, max(config.intermediate_size, routed * width),
                    config.num_hidden_layers, config.vocab_size, kv_heads * head_dim, heads * head_dim)
 
     def projections(self) -> dict[str, tuple[int, int]]:
@@ -149,7 +153,13 @@ def kept_share(shape: Shape, prune) -> float:
     multiple), each channel a row of gate and up and a column of down."""
     align = None if prune.uniform else prune.servable_align
     rounded = shape.layers * (align // 2) * 3 * shape.hidden if align else 0
-    return max(0.0, 1 - prune.sparsity - rounded / shape.params)
+    return max(0.0, _kept(prune) - rounded / shape.params)
+
+
+def _kept(prune) -> float:
+    """1 - sparsity; the experts method's target is a share of the experts, not of the parameters: the whole
+    model bounds what it keeps."""
+    return 1.0 if prune.method == "experts" else 1 - prune.sparsity
 
 
 def trial_peaks(shape: Shape, prune, evaluation, recovery_spec, dtype_bytes: int, *,
@@ -167,9 +177,9 @@ def trial_peaks(shape: Shape, prune, evaluation, recovery_spec, dtype_bytes: int
         peaks.append(perplexity(shape, evaluation.ppl_window, dtype_bytes))
     if evaluation.speed is not None:
         peaks.append(speed(shape, evaluation.speed.prefill_batch, evaluation.speed.prefill_len, dtype_bytes,
-                           1 - prune.sparsity))
+                           _kept(prune)))
     if recovery_spec is not None:
-        peaks.append(recovery(shape, recovery_spec, dtype_bytes, 1 - prune.sparsity))
+        peaks.append(recovery(shape, recovery_spec, dtype_bytes, _kept(prune)))
     return peaks
 
 

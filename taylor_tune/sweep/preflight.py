@@ -95,7 +95,12 @@ def check_recovery(experiment: Experiment) -> None:
     if experiment.recovery is None:
         return
     trust = bool(experiment.prune.get("trust_remote_code"))
-    specs = {spec.model_dump_json(): spec for spec in map(experiment.recovery_spec, experiment.space_points())}
+    points = experiment.space_points()
+    for point in points:
+        problem = experiment.prune_config(experiment.models[0], point).recovery_problem()
+        if problem:
+            raise ConfigError(f"recovery: {problem}; remove the recovery block")
+    specs = {spec.model_dump_json(): spec for spec in map(experiment.recovery_spec, points)}
     for spec in specs.values():
         check_schedule(spec)
     for model in experiment.models:

@@ -617,7 +617,7 @@ def test_the_readmes_gguf_table_is_what_the_writer_does_for_each_family_and_layo
     above). Before, the table promised every layout for Qwen2 while a uniform head cut made a file llama.cpp
     refused."""
     from taylor_tune.pruning.apply import apply_plan
-    from taylor_tune.sources.families import FAMILIES
+    from taylor_tune.sources.families import DENSE
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert to_gguf.gguf_table() in readme
@@ -629,7 +629,7 @@ def test_the_readmes_gguf_table_is_what_the_writer_does_for_each_family_and_layo
             "qwen2": plain("tiny-qwen2-random", head_dim=4), "qwen3": qwen3_with_a_real_tokenizer,
             "granite": granite_with_a_real_tokenizer, "olmo2": olmo2_with_a_real_tokenizer,
             "phi3": phi3_with_a_real_tokenizer}
-    assert set(made) | {"gemma2", "gemma3_text"} == set(FAMILIES)
+    assert set(made) | {"gemma2", "gemma3_text"} == set(DENSE)
     plans = {"free": PrunePlan("hand", ((0,), (1,), (), ()), ((0,), (1, 2), (3,), ())),
              "uniform, heads cut": PrunePlan("hand", ((1,),) * 4, ((0, 5),) * 4),
              "uniform, MLP only": PrunePlan("hand", ((),) * 4, ((0, 5),) * 4),

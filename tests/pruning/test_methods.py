@@ -409,8 +409,11 @@ def test_the_planners_options_are_the_configs_settings():
                          criterion="taylor_sum", seed=7, depth_criterion="angular", servable=True)
     loss = lambda plan: 0.0  # noqa: E731
     options = PlanOptions.of(config, plan_loss=loss)
-    fields = {f.name for f in dataclasses.fields(PlanOptions)} - {"layerwise_max_ratio", "plan_loss", "attention"}
+    fields = {f.name for f in dataclasses.fields(PlanOptions)} - {"layerwise_max_ratio", "plan_loss", "attention",
+                                                                   "expert_sparsity"}
     assert {name: getattr(options, name) for name in fields} == {name: getattr(config, name) for name in fields}
+    experts = PruneConfig(model="tiny-qwen3moe", method="experts", expert_sparsity=0.6)  # the experts method's own
+    assert PlanOptions.of(experts).expert_sparsity == 0.6
     assert options.layerwise_max_ratio == config.layerwise_cap and options.plan_loss is loss
     assert options.attention is False and PlanOptions.of(PruneConfig(model="tiny-llama")).attention is True
     defaults = PruneConfig(model="tiny-llama")

@@ -10,17 +10,19 @@ import torch
 from taylor_tune.pruning.apply import apply_plan, save_pruned
 from taylor_tune.pruning.plan import PrunePlan
 from taylor_tune.sources.data import TINY_MODELS
-from taylor_tune.sources.families import FAMILIES
+from taylor_tune.sources.families import DENSE, FAMILIES, MIXTURES
 from taylor_tune.sources.models import SUPPORTED_ARCHITECTURES, load_model_config, load_pruned, tiny_config
 from taylor_tune.sources.pruned_modeling import PRUNED_CLASSES
 from tests.helpers import ARCHS, tiny
 
 
 def test_the_supported_families_are_those_declared_and_each_has_a_tiny_model_and_its_pruned_class():
-    assert SUPPORTED_ARCHITECTURES == tuple(FAMILIES)
-    assert {TINY_MODELS[name] for name in ARCHS} == set(FAMILIES)  # every family under the arch-wide oracles
-    for family in FAMILIES.values():
-        assert PRUNED_CLASSES[family.model_type].__name__ == family.pruned_class
+    assert SUPPORTED_ARCHITECTURES == tuple(FAMILIES) == DENSE + MIXTURES
+    assert {TINY_MODELS[name] for name in ARCHS} == set(DENSE)  # every dense family under the arch-wide oracles
+    for model_type in DENSE:
+        assert PRUNED_CLASSES[model_type].__name__ == FAMILIES[model_type].pruned_class
+    for model_type in MIXTURES:  # no free layout: the experts method keeps a mixture stock (tests/pruning/test_experts)
+        assert FAMILIES[model_type].pruned_class is None and model_type not in PRUNED_CLASSES
     for name, model_type in TINY_MODELS.items():
         config = tiny_config(name)
         assert config.model_type == model_type and all(getattr(config, k) == v for k, v in FAMILIES[model_type]
@@ -66,7 +68,7 @@ def assert_reloads(folder, stock: bool, cls: str, ids, expected) -> None:
         torch.testing.assert_close(reloaded(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "deepseek_v3"])  # shared experts; group-limited routing
 def test_an_unsupported_family_is_refused_in_one_line_naming_the_supported_ones(model_type, tmp_path):
     from transformers import AutoConfig
 

@@ -5,12 +5,12 @@ Planners take (scores, layout, options) and return a PrunePlan; they never touch
 two equal.
 """
 
-from taylor_tune.pruning.methods import blockwise, depth, layerwise, magnitude, random, taylor
+from taylor_tune.pruning.methods import blockwise, depth, experts, layerwise, magnitude, random, taylor
 from taylor_tune.pruning.methods._base import Method, Planner, PlanOptions, Scoring, plan_global
 
 METHODS: dict[str, Method] = {m.METHOD.name: m.METHOD for m in (taylor, layerwise, blockwise, magnitude, random,
-                                                                  depth)}
-# The methods that remove groups within layers (all but depth, which removes whole layers)
-WIDTH_METHODS = tuple(name for name, m in METHODS.items() if m.scored_by is not Scoring.LAYERS)
+                                                                  depth, experts)}
+# The methods that remove groups within layers (all but depth, which removes whole layers, and experts)
+WIDTH_METHODS = tuple(name for name, m in METHODS.items() if m.scored_by not in (Scoring.LAYERS, Scoring.EXPERTS))
 
 __all__ = ["METHODS", "WIDTH_METHODS", "Method", "PlanOptions", "Planner", "Scoring", "plan_global"]

@@ -25,6 +25,7 @@ class PlanOptions:
     seed: int
     depth_criterion: str = "block_influence"
     attention: bool = True  # whether attention groups may go (the servable layout keeps them: MLP channels only)
+    expert_sparsity: float = 0.0  # experts: the share of each sparse layer's experts that goes
     # the calibration loss of the model pruned by a candidate plan (blockwise_attention measured_loss); the caller
     # that holds the model provides it, so that planners stay pure
     plan_loss: Callable[[PrunePlan], float] | None = field(default=None, compare=False)
@@ -34,7 +35,8 @@ class PlanOptions:
         return cls(sparsity=config.sparsity, layerwise_max_ratio=config.layerwise_cap,
                    blockwise_layer_start=config.blockwise_layer_start, blockwise_layer_end=config.blockwise_layer_end,
                    blockwise_attention=config.blockwise_attention, criterion=config.criterion, seed=config.seed,
-                   depth_criterion=config.depth_criterion, attention=not config.servable, plan_loss=plan_loss)
+                   depth_criterion=config.depth_criterion, attention=not config.servable,
+                   expert_sparsity=config.expert_sparsity, plan_loss=plan_loss)
 
 
 def kinds(options: PlanOptions) -> tuple[str, ...]:
@@ -52,6 +54,7 @@ class Scoring(enum.Enum):
     WEIGHTS = "weights"  # weight magnitude whatever the criterion
     NONE = "none"  # nothing: the planner draws its own
     LAYERS = "layers"  # whole layers (depth): the hidden states of a forward pass, or nothing for depth's `last`
+    EXPERTS = "experts"  # a mixture's experts: their routing over the calibration tokens, or a gradient pass
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,18 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts family's sparse block (`Family.experts`): the decoder layer's attribute that holds it, the
+    block's router (a `weight` of one row per expert), and the config field that counts the experts of a layer. The
+    experts themselves are transformers' `experts` module of the block: `gate_up_proj` [experts, 2 x width, hidden]
+    and `down_proj` [experts, hidden, width], whatever the checkpoint's own names (transformers converts them)."""
+
+    block: str = "mlp"
+    router: str = "gate"
+    count: str = "num_experts"
+
+
+@dataclass(frozen=True)
 class Family:
     """A decoder family taylor_tune prunes (transformers' `model_type`) and the traits that matter for it.
 
@@ -36,10 +48,13 @@ class Family:
       path in a decoder layer, with the parts their rows hold, in order. A loaded model holds each as its parts
       (`pruned_modeling.split_fused`): groups, every method, LoRA and the memory estimate then see Llama's
       projections; a stock folder is written fused again (`pruning.apply.save_pruned`);
-    - `gguf_fused`: the GGUF tensor each fused projection is written as (llama.cpp's `attn_qkv`, `ffn_up`)."""
+    - `gguf_fused`: the GGUF tensor each fused projection is written as (llama.cpp's `attn_qkv`, `ffn_up`);
+    - `experts`: a mixture of experts (`Experts`): its layers' MLP is a router over experts, pruned by removing
+      experts (the `experts` method) and saved as a stock model with fewer experts; the width and depth methods are
+      the dense families' (None), and such a family has no free layout (`pruned_class` None)."""
 
     model_type: str
-    pruned_class: str
+    pruned_class: str | None
     gguf: str | None
     gguf_free: bool = True
     tiny: dict = field(default_factory=dict)
@@ -52,3 +67,4 @@ class Family:
     ffn_norms: dict[str, str] = field(default_factory=lambda: {"post_attention_layernorm": "ffn_norm"})
     fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
     gguf_fused: dict[str, str] = field(default_factory=dict)
+    experts: Experts | None = None

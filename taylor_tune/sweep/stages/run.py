@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from taylor_tune.config import Evaluation, PruneConfig, RecoverySpec, recovery_of
+from taylor_tune.config import EXPERT_FIELDS, UNREAD_BY_EXPERTS, Evaluation, PruneConfig, RecoverySpec, recovery_of
 from taylor_tune.evaluation.evaluate import Evaluator, PerplexityResult, ZeroShotResult
 from taylor_tune.jsonio import json_safe
 from taylor_tune.pruning.prune import Pruning
@@ -34,8 +34,11 @@ class TrialConfig(BaseModel):
         trial without them is what it was before they existed, and a finished trial of an older sweep is found
         finished)."""
         exclude: dict = {"recovery": True} if self.recovery is None else {}
-        if self.prune.streaming == "auto":  # the default, left out as before the setting existed
-            exclude["prune"] = {"streaming"}
+        # defaults left out as before the settings existed (streaming auto, the experts method's own fields), and the
+        # dense settings the experts method does not read
+        experts = self.prune.method == "experts"
+        exclude["prune"] = ({"streaming"} if self.prune.streaming == "auto" else set()) | (
+            set(UNREAD_BY_EXPERTS) if experts else set(EXPERT_FIELDS))
         exclude["evaluation"] = ({"item_seed"} if self.evaluation.item_seed is None else set()) | (
             {"ppl_fidelities"} if self.evaluation.ppl_fidelities == (None,) else set())
         return json.loads(json.dumps(json_safe(self.model_dump(exclude=exclude))))
