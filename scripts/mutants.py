@@ -208,6 +208,16 @@ MUTANTS = (
     m("streamed-apply-layer-renumbered-wrong", "pruning/apply.py",
       "a streamed pruned layer written under its old index after layers are removed",
       ('prefix = f"model.layers.{number - 1}."', 'prefix = f"model.layers.{index}."')),
+    # issue 93: the experts method
+    m("experts-router-row-kept", "pruning/experts.py", "a removed expert's router row kept",
+      ("router.weight = nn.Parameter(router.weight.detach().index_select(0, keep), router.weight.requires_grad)",
+       "router.weight = nn.Parameter(router.weight.detach(), router.weight.requires_grad)")),
+    m("experts-indices-shifted-by-one", "pruning/experts.py", "the kept experts' indices shifted by one on removal",
+      ("keep = kept(len(router.weight), removed[layer]).to(router.weight.device)",
+       "keep = ((kept(len(router.weight), removed[layer]) + 1) % len(router.weight)).to(router.weight.device)")),
+    m("experts-reap-over-all-tokens", "pruning/experts.py",
+      "REAP averaged over every calibration token, not the tokens routed to the expert",
+      ('"reap": self.gated_norm[layer] / routed', '"reap": self.gated_norm[layer] / max(self.tokens, 1)')),
 )
 
 
