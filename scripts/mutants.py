@@ -218,6 +218,15 @@ MUTANTS = (
     m("experts-reap-over-all-tokens", "pruning/experts.py",
       "REAP averaged over every calibration token, not the tokens routed to the expert",
       ('"reap": self.gated_norm[layer] / routed', '"reap": self.gated_norm[layer] / max(self.tokens, 1)')),
+    m("gguf-experts-gate-up-swapped", "export/to_gguf.py", "a mixture's expert gate and up halves written swapped",
+      ('yield f"{block}.ffn_gate_exps.weight", experts.gate_up_proj[:, :width]',
+       'yield f"{block}.ffn_gate_exps.weight", experts.gate_up_proj[:, width:]'),
+      ('yield f"{block}.ffn_up_exps.weight", experts.gate_up_proj[:, width:]',
+       'yield f"{block}.ffn_up_exps.weight", experts.gate_up_proj[:, :width]')),
+    m("gguf-renormalisation-lost", "export/to_gguf.py",
+      "the model's top-k renormalisation lost: taken to be what llama.cpp's graph computes",
+      ("renormalised = field if isinstance(field, bool) else bool(getattr(config, field))",
+       "renormalised = moe.gguf_renormalised")),
 )
 
 

@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from taylor_tune.export.choose import ExportError
-from taylor_tune.pruning.groups import decoder_layers, head_dim
+from taylor_tune.pruning.groups import decoder_layers, head_dim, sparse_blocks
 from taylor_tune.recovery.losses import token_losses
 from taylor_tune.sources.families import DENSE, FAMILIES
 
@@ -82,7 +82,7 @@ GGML_F32 = 0  # ggml_type's GGML_TYPE_F32
 STOCK_ARCH = {t: f.gguf for t, f in FAMILIES.items() if f.gguf}  # model_type -> llama.cpp's architecture
 # llama.cpp's architectures whose RoPE rotates consecutive pairs (LLAMA_ROPE_TYPE_NORM), where HF's rotates halves:
 # their q and k rows are permuted as the converter does. The others (qwen2, qwen3, olmo2: NeoX) take HF's order.
-PAIRED_ROPE = ("llama", "deci", "granite")
+PAIRED_ROPE = ("llama", "deci", "granite", "granitemoe")
 
 
 class GGUFError(ExportError):
@@ -114,18 +114,24 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, *, file_type: str 
     if scaling not in ("default", "llama3") or (scaling == "llama3" and config.model_type != "llama"):
         raise GGUFError(f"--gguf: RoPE scaling {scaling!r} is not written as GGUF yet (plain RoPE, and Llama 3.1's "
                         "llama3 scaling on Llama, are)")
-    layers = decoder_layers(model)
-    shapes = [_shape(layer) for layer in layers]
+    layers, sparse = decoder_layers(model), sparse_blocks(model)
+    if sparse:
+        _check_mixture(config, len(layers), sorted(sparse))
+    shapes = [_shape(layer, sparse.get(index)) for index, layer in enumerate(layers)]
     size = head_dim(layers[0].self_attn)
-    biased = any(layer.self_attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None for layer in layers)
+    biased = any(layer.self_attn.o_proj.bias is not None or (
+        index not in sparse and layer.mlp.down_proj.bias is not None) for index, layer in enumerate(layers))
     uniform = all(shape == shapes[0] for shape in shapes)
-    whole = all(layer.self_attn.q_proj.out_features == config.hidden_size for layer in layers)
+    kv_whole = FAMILIES[config.model_type].gguf_whole_kv
+    whole = all(layer.self_attn.q_proj.out_features == config.hidden_size
+                and (not kv_whole or layer.self_attn.k_proj.out_features == config.hidden_size) for layer in layers)
     arch = architecture(config.model_type, uniform=uniform, biased=biased, whole_attention=whole)
     if arch == "deci" and not FAMILIES[config.model_type].gguf_free:
         if uniform and not biased:  # the attention alone keeps it from its own architecture
+            kv = ", or fewer key/value heads than query heads" if kv_whole else ""
             raise GGUFError(f"--gguf: llama.cpp's {STOCK_ARCH[config.model_type]} sizes attention from the hidden "
                             f"size (q is hidden x hidden), so a {config.model_type} model with attention heads pruned "
-                            "(or heads x head_dim other than the hidden size) is not written as GGUF; depth and "
+                            f"(or heads x head_dim other than the hidden size{kv}) is not written as GGUF; depth and "
                             "MLP-only cuts are")
         what = "whose layers differ in width" if not uniform else "with output biases (FLAP's compensation)"
         raise GGUFError(f"--gguf: a {config.model_type} model {what} is not written as GGUF (llama.cpp reads "
@@ -150,6 +156,10 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, *, file_type: str 
     writer.add_rope_dimension_count(int(size * rope.get("partial_rotary_factor", 1.0)))  # Phi-4-mini's 3/4
     writer.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if sparse:  # every layer's experts (`_check_mixture`), each `ff` wide, as llama.cpp's converter writes them
+        writer.add_expert_count(shapes[0]["experts"])
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(shapes[0]["ff"])
     writer.add_vocab_size(config.vocab_size)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if file_type == "f16" else gguf.LlamaFileType.ALL_F32)
     _add_vocab(writer, vocab)
@@ -162,7 +172,7 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, *, file_type: str 
     tensors = _tensors(model, layers, shapes, permute, config.tie_word_embeddings, FAMILIES[config.model_type])
     for tensor_name, tensor in [*extra.items(), *tensors]:
         data = tensor.detach().to("cpu", torch.float32)
-        data = data.to(torch.float16) if file_type == "f16" and data.ndim == 2 else data  # vectors stay f32
+        data = data.to(torch.float16) if file_type == "f16" and data.ndim >= 2 else data  # vectors stay f32
         writer.add_tensor(tensor_name, data.numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -259,10 +269,31 @@ def llama3_rope_factors(config, size: int) -> torch.Tensor:
     return (plain / scaled.float()).to(torch.float32)
 
 
-def _shape(layer: nn.Module) -> dict[str, int]:
+def _shape(layer: nn.Module, sparse: nn.Module | None = None) -> dict[str, int]:
+    """A layer's heads and feed-forward width; with its sparse block (a mixture's), its experts and their width."""
     attn, size = layer.self_attn, head_dim(layer.self_attn)
-    return {"heads": attn.q_proj.out_features // size, "kv_heads": attn.k_proj.out_features // size,
-            "ff": layer.mlp.gate_proj.out_features}
+    heads = {"heads": attn.q_proj.out_features // size, "kv_heads": attn.k_proj.out_features // size}
+    if sparse is None:
+        return heads | {"ff": layer.mlp.gate_proj.out_features}
+    experts, width, _ = sparse.experts.gate_up_proj.shape
+    return heads | {"ff": width // 2, "experts": experts}
+
+
+def _check_mixture(config, layers: int, sparse: list[int]) -> None:
+    """A mixture is written where llama.cpp's graph for its family computes what it does: experts in every layer,
+    and a token's top-k gates renormalised as that graph does (`Experts.gguf_renormalised`). GGUFError otherwise."""
+    moe, arch = FAMILIES[config.model_type].experts, STOCK_ARCH[config.model_type]
+    if len(sparse) != layers:
+        dense = [i for i in range(layers) if i not in sparse]
+        raise GGUFError(f"--gguf: llama.cpp's {arch} has experts in every layer, and layers {dense} of this "
+                        f"{config.model_type} model are dense (mlp_only_layers, decoder_sparse_step); it is not "
+                        "written as GGUF")
+    field = moe.renormalised
+    renormalised = field if isinstance(field, bool) else bool(getattr(config, field))
+    if renormalised != moe.gguf_renormalised:
+        does = "renormalises" if moe.gguf_renormalised else "does not renormalise"
+        raise GGUFError(f"--gguf: llama.cpp's {arch} {does} a token's top-k gates, and this model's {field} is "
+                        f"{renormalised}; it is not written as GGUF")
 
 
 def _rope_permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -275,12 +306,13 @@ def _rope_permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
 
 def _tensors(model, layers, shapes, permute: bool, tied: bool, family):
     norm = (lambda t: t + family.norm_offset) if family.norm_offset else (lambda t: t)
+    sparse = sparse_blocks(model)
     yield "token_embd.weight", model.get_input_embeddings().weight
     yield "output_norm.weight", norm(model.model.norm.weight)
     if not tied:
         yield "output.weight", model.get_output_embeddings().weight
     for index, (layer, shape) in enumerate(zip(layers, shapes)):
-        block, attn, mlp = f"blk.{index}", layer.self_attn, layer.mlp
+        block, attn, mlp = f"blk.{index}", layer.self_attn, getattr(layer, "mlp", None)  # Granite-MoE's: none
         if shape["heads"]:
             for ours, theirs in family.attn_norms.items():
                 yield f"{block}.{theirs}.weight", norm(getattr(layer, ours).weight)
@@ -300,7 +332,15 @@ def _tensors(model, layers, shapes, permute: bool, tied: bool, family):
             yield f"{block}.attn_output.weight", attn.o_proj.weight
             if attn.o_proj.bias is not None:
                 yield f"{block}.attn_output.bias", attn.o_proj.bias
-        if shape["ff"]:
+        if index in sparse:  # the router's rows, and the experts' gate, up and down stacked [experts, out, in]
+            for ours, theirs in family.ffn_norms.items():
+                yield f"{block}.{theirs}.weight", norm(getattr(layer, ours).weight)
+            experts, width = sparse[index].experts, shape["ff"]
+            yield f"{block}.ffn_gate_inp.weight", getattr(sparse[index], family.experts.router).weight
+            yield f"{block}.ffn_gate_exps.weight", experts.gate_up_proj[:, :width]
+            yield f"{block}.ffn_up_exps.weight", experts.gate_up_proj[:, width:]
+            yield f"{block}.ffn_down_exps.weight", experts.down_proj
+        elif shape["ff"]:
             for ours, theirs in family.ffn_norms.items():
                 yield f"{block}.{theirs}.weight", norm(getattr(layer, ours).weight)
             fused = "mlp.gate_up_proj" in family.gguf_fused

@@ -15,6 +15,11 @@ class Experts:
     block: str = "mlp"
     router: str = "gate"
     count: str = "num_experts"
+    # whether a token's top-k gates sum to one: always (True), or as the named config field says (Qwen3-MoE's and
+    # OLMoE's `norm_topk_prob`); and whether the graph of llama.cpp's architecture for the family renormalises them
+    # (its qwen3moe, llama and granitemoe do, its olmoe does not): a model whose routing differs is not written
+    renormalised: bool | str = True
+    gguf_renormalised: bool = True
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,8 @@ class Family:
       to f16 and reads an f16 table (ggml-cpu's GGML_GELU_FP16), so Gemma's f32 files are ~1e-4 to 1e-3 nats off;
     - `gguf_whole_attention`: llama.cpp's graph for `gguf` sizes the attention from the hidden size (OLMo-2's:
       q is n_embd x n_embd, head size n_embd / n_head), so a model with heads pruned, or whose heads x head_dim is
-      not its hidden size, is refused there in one line (depth and MLP cuts are written);
+      not its hidden size, is refused there in one line (depth and MLP cuts are written); `gguf_whole_kv`: k and v
+      too (OLMoE's, whose k_norm is hidden-wide), so grouped-query attention is refused there as well;
     - `attn_norms` / `ffn_norms`: each decoder layer's norms that go with its attention (its MLP), by module name,
       with their GGUF names: where the norms sit differs by family (Llama's before each block, OLMo-2's after);
     - `fused`: projections that hold several of Llama's in one matrix (Phi-3's `qkv_proj`, `gate_up_proj`), by their
@@ -61,6 +67,7 @@ class Family:
     head_norm: str | None = None
     scalars: dict[str, str] = field(default_factory=dict)
     gguf_whole_attention: bool = False
+    gguf_whole_kv: bool = False
     norm_offset: float = 0.0
     gguf_f32_tolerance: dict | None = None
     attn_norms: dict[str, str] = field(default_factory=lambda: {"input_layernorm": "attn_norm"})
