@@ -248,11 +248,17 @@ def written_as(model_type: str, layout: str) -> str | None:
 
 
 def gguf_table() -> str:
-    """The README's table of what `export --gguf` writes, one row per dense family (`written_as`; a mixture's
-    layouts are its expert counts, and no mixture is written as GGUF yet)."""
-    rows = ["| family | " + " | ".join(GGUF_LAYOUTS) + " |", "|---|" + "---|" * len(GGUF_LAYOUTS)]
-    for model_type in DENSE:
-        cells = [f"`{arch}`" if (arch := written_as(model_type, layout)) else "refused" for layout in GGUF_LAYOUTS]
+    """The README's table of what `export --gguf` writes, one row per family: a dense family's layouts
+    (`written_as`), a mixture's experts removed (the experts method: its family's architecture, `_check_mixture`'s
+    conditions aside)."""
+    rows = ["| family | " + " | ".join(GGUF_LAYOUTS) + " | experts removed |",
+            "|---|" + "---|" * (len(GGUF_LAYOUTS) + 1)]
+    for model_type, family in FAMILIES.items():
+        if model_type in DENSE:
+            cells = [f"`{arch}`" if (arch := written_as(model_type, layout)) else "refused" for layout in GGUF_LAYOUTS]
+            cells.append("–")
+        else:
+            cells = ["–"] * len(GGUF_LAYOUTS) + [f"`{family.gguf}`" if family.gguf else "refused"]
         rows.append(f"| `{model_type}` | " + " | ".join(cells) + " |")
     return "\n".join(rows) + "\n"
 

@@ -187,3 +187,22 @@ def test_the_kept_share_is_a_lower_bound_of_what_an_aligned_plan_keeps():
             below_target += kept < 1 - sparsity
     assert below_target
     assert memory.kept_share(shape, PruneConfig(model="tiny-llama-random", sparsity=0.3)) == pytest.approx(0.7)
+
+
+def test_a_mixtures_tokens_are_sized_by_their_routed_experts_and_an_experts_point_is_bounded(tmp_path):
+    """Issue 93: a token of a mixture computes with its top-k experts, so the estimate's MLP width is k x an
+    expert's (Mixtral's `intermediate_size`, Qwen3-MoE's `moe_intermediate_size`, or its dense layers' where wider);
+    the experts method's Taylor pass is bounded as the dense one is."""
+    from taylor_tune.sources.models import load_model_config
+
+    mixtral, qwen = load_model_config("tiny-mixtral"), load_model_config("tiny-qwen3moe")
+    assert memory.Shape.of(mixtral, 1, 1).intermediate == 2 * mixtral.intermediate_size
+    assert memory.Shape.of(qwen, 1, 1).intermediate == max(qwen.intermediate_size, 2 * qwen.moe_intermediate_size)
+    experiment = write_experiment(
+        tmp_path, "moe", models=["tiny-mixtral"], resources={"cpu": 1, "gpu": 0, "memory": 0.25},
+        search_space={"taylor_seq_len": {"grid": [256]}, "taylor_num_samples": {"grid": [64]},
+                      "pruning_method": {"grid": ["experts"]}, "expert_criterion": {"grid": ["taylor"]}},
+        prune={"calibration": "world", "device": "cpu", "dtype": "float32", "micro_batch_size": 64})
+    with pytest.raises(ConfigError) as refused:
+        check_memory(load_experiment(experiment))
+    assert str(refused.value).startswith("memory: experts on tiny-mixtral: the importance pass needs at least 0.")

@@ -14,7 +14,7 @@ import yaml
 from taylor_tune.reporting import build_report
 from taylor_tune.sources.data import TINY_MODELS, TRAINED_MODELS
 from taylor_tune.sources.families import MIXTURES
-from tests.sweep_helpers import REPO, analysis_rows, run_sweep_to_end, trial_dirs
+from tests.sweep_helpers import REPO, analysis_rows, run_sweep_to_end, trial_dirs, write_experiment
 
 CRITERIA = {"experts+frequency", "experts+reap", "experts+ean", "experts+taylor"}
 
@@ -28,6 +28,31 @@ def test_the_moe_experiments_name_a_trained_model_of_every_mixture_and_every_cri
     assert grid["expert_sparsity"]["grid"] == [0.25, 0.5]
     real = yaml.safe_load((REPO / "experiments" / "moe_grid.yaml").read_text())
     assert real["search_space"] == "search_spaces/moe_grid.yaml" and "sparsity" not in real["prune"]
+
+
+def moe_experiment(tmp_path, method: str = "experts", **changes):
+    from taylor_tune.sweep.experiment import load_experiment
+
+    space = {"taylor_seq_len": {"grid": [32]}, "taylor_num_samples": {"grid": [8]},
+             "pruning_method": {"grid": [method]}}
+    return load_experiment(write_experiment(tmp_path, "moe", models=["tiny-qwen3moe"], search_space=space,
+                                            prune={"calibration": "world", "device": "cpu", "dtype": "float32"},
+                                            **changes))
+
+
+def test_what_a_mixture_cannot_take_is_refused_before_ray_starts(tmp_path):
+    from taylor_tune.errors import ConfigError
+    from taylor_tune.sweep.preflight import check_plans, check_recovery
+
+    with pytest.raises(ConfigError) as refused:
+        check_plans(moe_experiment(tmp_path, "taylor"))
+    assert str(refused.value) == ("prune: taylor on tiny-qwen3moe cannot be planned with these settings: taylor "
+                                  "prunes dense layers, and this model is a mixture of experts: use experts")
+    with pytest.raises(ConfigError) as refused:
+        check_recovery(moe_experiment(tmp_path, recovery={"steps": 2}))
+    assert str(refused.value).startswith("recovery: its LoRA adapters go on a dense model's projections; a mixture "
+                                         "pruned by the experts method is not recovered yet")
+    check_plans(moe_experiment(tmp_path))  # the experts method plans
 
 
 @pytest.mark.slow  # a Ray sweep of 32 trials (~30 s on 2 cores)
