@@ -106,12 +106,14 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, *, file_type: str 
     if config.model_type not in STOCK_ARCH:
         raise GGUFError(f"--gguf: a {config.model_type} model is not written as GGUF yet "
                         f"({', '.join(STOCK_ARCH)} are); export it without --gguf")
+    family = FAMILIES[config.model_type]
     rope = dict(getattr(config, "rope_parameters", None) or {})
-    if config.model_type == "gemma3_text":  # one RoPE per layer type: the file's is the global layers'
-        _check_gemma(config, rope)
-        rope = rope["full_attention"]
+    window = family.gguf_window
+    if window is not None and window.rope_of:  # one RoPE per layer type: the file's is that type's
+        _check_window(config, rope)
+        rope = rope[window.rope_of]
     scaling = rope.get("rope_type", "default")
-    if scaling not in ("default", "llama3") or (scaling == "llama3" and config.model_type != "llama"):
+    if scaling not in family.gguf_rope_scalings:
         raise GGUFError(f"--gguf: RoPE scaling {scaling!r} is not written as GGUF yet (plain RoPE, and Llama 3.1's "
                         "llama3 scaling on Llama, are)")
     layers, sparse = decoder_layers(model), sparse_blocks(model)
@@ -137,8 +139,8 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, *, file_type: str 
         raise GGUFError(f"--gguf: a {config.model_type} model {what} is not written as GGUF (llama.cpp reads "
                         "per-layer widths and those biases only as deci, which has no head norms or multipliers); "
                         "prune it with uniform: true" + ("" if not uniform else " and a method without compensation"))
-    if config.model_type == "gemma2":
-        _check_gemma(config, rope)
+    if window is not None and not window.rope_of:
+        _check_window(config, rope)
     vocab = _vocab(tokenizer, config.vocab_size)
 
     path = Path(path)
@@ -190,33 +192,31 @@ def _name(name: str, tokens: list[str]) -> str:
     return name if "<|end|>" in tokens else re.sub(r"(?i)phi-?3", "Phi 3", name)
 
 
-def _check_gemma(config, rope: dict) -> None:
-    """What llama.cpp's gemma2 and gemma3 graphs compute (its src/llama-model.cpp): attention scaled by
-    1/sqrt(head_dim) (but for their 27B); the sliding window on every even layer (gemma2) or on five layers of every
-    six (gemma3, whose sliding layers rotate with base 10000); gemma2 always soft-capped (its defaults, 50 and 30,
-    where the file names none) and its output the token embeddings; gemma3 never capped. A Gemma that differs is
-    refused rather than written to compute something else."""
-    gemma2 = config.model_type == "gemma2"
-    arch, period = ("gemma2", 2) if gemma2 else ("gemma3", 6)
+def _check_window(config, rope: dict) -> None:
+    """A family with sliding-window layers is written where llama.cpp's graph for it computes what the model does
+    (`Family.gguf_window`, `Window`): GGUFError naming the first thing that differs."""
+    window, arch = FAMILIES[config.model_type].gguf_window, STOCK_ARCH[config.model_type]
+    period = window.period
     pattern = ["sliding_attention" if i % period < period - 1 else "full_attention"
                for i in range(config.num_hidden_layers)]
     capped = config.attn_logit_softcapping is not None and config.final_logit_softcapping is not None
     uncapped = config.attn_logit_softcapping is None and config.final_logit_softcapping is None
-    local = rope.get("sliding_attention", {}) if not gemma2 else {}
-    if gemma2 and not capped:
-        why = "a soft-cap is off, and llama.cpp's gemma2 caps with its defaults (50, 30) when the file names none"
-    elif not gemma2 and not uncapped:
-        why = "it is soft-capped, and llama.cpp's gemma3 caps nothing"
-    elif gemma2 and not config.tie_word_embeddings:
-        why = "its output is not tied to its token embeddings, which llama.cpp's gemma2 reads as the output"
+    local = rope.get("sliding_attention", {}) if window.rope_of else {}
+    if window.capped and not capped:
+        why = f"a soft-cap is off, and llama.cpp's {arch} caps with its defaults (50, 30) when the file names none"
+    elif not window.capped and not uncapped:
+        why = f"it is soft-capped, and llama.cpp's {arch} caps nothing"
+    elif window.tied_output and not config.tie_word_embeddings:
+        why = f"its output is not tied to its token embeddings, which llama.cpp's {arch} reads as the output"
     elif config.query_pre_attn_scalar != config.head_dim:
         why = (f"its attention is scaled by query_pre_attn_scalar {config.query_pre_attn_scalar}, llama.cpp's {arch} "
                f"by the head size {config.head_dim}")
     elif list(config.layer_types) != pattern:
         why = (f"its sliding-window layers are not llama.cpp's {arch} pattern (the global layer every {period}th "
                f"from the start): remove layers {period} at a time from the end")
-    elif not gemma2 and (local.get("rope_theta") != 10000.0 or local.get("rope_type", "default") != "default"):
-        why = "its sliding layers' RoPE is not llama.cpp's gemma3 (plain, base 10000)"
+    elif window.sliding_rope_base is not None and (local.get("rope_theta") != window.sliding_rope_base
+                                                   or local.get("rope_type", "default") != "default"):
+        why = f"its sliding layers' RoPE is not llama.cpp's {arch} (plain, base {window.sliding_rope_base:g})"
     else:
         return
     raise GGUFError(f"--gguf: this {config.model_type} model is not written as GGUF: {why}")
@@ -226,8 +226,8 @@ def architecture(model_type: str, *, uniform: bool, biased: bool, whole_attentio
     """llama.cpp's architecture for a model (module docstring): its own where its layers share one shape, its graph
     takes its biases and its loader takes its attention's width (`Family.gguf_whole_attention`: q hidden x hidden),
     `deci` otherwise (whose family has Llama's graph, `Family.gguf_free`, or refused)."""
-    own = uniform and not (biased and model_type != "llama") and (
-        whole_attention or not FAMILIES[model_type].gguf_whole_attention)
+    family = FAMILIES[model_type]
+    own = uniform and not (biased and not family.all_biases) and (whole_attention or not family.gguf_whole_attention)
     return STOCK_ARCH[model_type] if own else "deci"
 
 
@@ -239,7 +239,7 @@ GGUF_LAYOUTS = {"free": (False, False), "uniform, heads cut": (True, False), "un
 def written_as(model_type: str, layout: str) -> str | None:
     """The llama.cpp architecture `export --gguf` writes a model of this family and layout (`GGUF_LAYOUTS`) as, None
     where it refuses: derived from the family's declaration, so that the README's table (`gguf_table`) cannot promise
-    what the writer refuses. Gemma's own checks (`_check_gemma`) come on top, from each model's config."""
+    what the writer refuses. Gemma's own checks (`_check_window`) come on top, from each model's config."""
     family, (uniform, whole) = FAMILIES[model_type], GGUF_LAYOUTS[layout]
     if family.gguf is None:
         return None

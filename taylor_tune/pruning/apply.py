@@ -145,8 +145,9 @@ def layer_shapes(model: nn.Module) -> list[dict[str, int]]:
 def _output_bias(model: nn.Module) -> bool:
     """Whether an o_proj or down_proj has a bias that the model's stock class would not build."""
     config = model.config
-    stock = {"o_proj": getattr(config, "attention_bias", False) and config.model_type == "llama",
-             "down_proj": getattr(config, "mlp_bias", False) and config.model_type == "llama"}
+    every = FAMILIES[config.model_type].all_biases  # Llama's: the config can say every projection has one
+    stock = {"o_proj": getattr(config, "attention_bias", False) and every,
+             "down_proj": getattr(config, "mlp_bias", False) and every}
     return any(layer.self_attn.o_proj.bias is not None and not stock["o_proj"]
                or layer.mlp.down_proj.bias is not None and not stock["down_proj"] for layer in decoder_layers(model))
 
@@ -224,7 +225,7 @@ def folder_kind(model: nn.Module) -> FolderKind:
         return FolderKind(layout, True, False, False, {}, {})
     uniform = all(shape == layout[0] for shape in layout)
     output_bias = _output_bias(model)
-    stock_biases = output_bias and uniform and model.config.model_type == "llama"
+    stock_biases = output_bias and uniform and FAMILIES[model.config.model_type].all_biases
     if output_bias and not stock_biases:
         uniform = False
     stock = layout[0] | {"head_dim": head_dim(decoder_layers(model)[0].self_attn)}

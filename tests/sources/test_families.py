@@ -459,3 +459,19 @@ def test_a_llama32_shape_meets_the_oracles(layout, tmp_path):
     assert_reloads(folder, layout == "uniform", "LlamaForCausalLM", tokens, expected)
     reloaded = load_pruned(folder)
     assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
+
+
+def test_no_code_outside_the_family_declarations_branches_on_a_model_type():
+    """Issue 94, must-show 3 (its first half): what differs by family is declared in `sources.families` (a trait, a
+    `Window`, `Experts`) and read from there; no module elsewhere asks which family a model is."""
+    import re
+    from pathlib import Path
+
+    import taylor_tune
+
+    root = Path(taylor_tune.__file__).parent
+    found = [f"{path.relative_to(root)}:{number}" for path in sorted(root.rglob("*.py"))
+             if "families" not in path.relative_to(root).parts
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if re.search(r"model_type\s*(==|!=)|model_type\s+(not\s+)?in\s+\(", line)]
+    assert found == []

@@ -18,7 +18,7 @@ from taylor_tune.sources.families import (
     qwen3,
     qwen3_moe,
 )
-from taylor_tune.sources.families.base import Experts, Family
+from taylor_tune.sources.families.base import Experts, Family, Window
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY,
                                                          granite.FAMILY, olmo2.FAMILY, gemma2.FAMILY,
@@ -28,4 +28,4 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (llama.FAMILY, mistral.F
 DENSE = tuple(t for t, f in FAMILIES.items() if f.experts is None)
 MIXTURES = tuple(t for t, f in FAMILIES.items() if f.experts is not None)
 
-__all__ = ["DENSE", "FAMILIES", "MIXTURES", "Experts", "Family"]
+__all__ = ["DENSE", "FAMILIES", "MIXTURES", "Experts", "Family", "Window"]

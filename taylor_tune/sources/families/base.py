@@ -23,6 +23,22 @@ class Experts:
 
 
 @dataclass(frozen=True)
+class Window:
+    """What llama.cpp's graph for a family with sliding-window layers (Gemma's, its src/llama-model.cpp) hard-codes,
+    so that a model which differs is refused rather than written to compute something else (`Family.gguf_window`):
+    the global layer every `period`th from the start, the others sliding; soft-capped always (`capped`: with its
+    defaults, 50 and 30, where the file names none) or never; the output read from the token embeddings
+    (`tied_output`); with one RoPE per layer type, the type whose RoPE the file holds (`rope_of`) and the sliding
+    layers' plain RoPE base it assumes (`sliding_rope_base`). Attention is scaled by 1/sqrt(head_dim) in all."""
+
+    period: int
+    capped: bool
+    tied_output: bool
+    rope_of: str | None = None
+    sliding_rope_base: float | None = None
+
+
+@dataclass(frozen=True)
 class Family:
     """A decoder family taylor_tune prunes (transformers' `model_type`) and the traits that matter for it.
 
@@ -55,6 +71,10 @@ class Family:
       (`pruned_modeling.split_fused`): groups, every method, LoRA and the memory estimate then see Llama's
       projections; a stock folder is written fused again (`pruning.apply.save_pruned`);
     - `gguf_fused`: the GGUF tensor each fused projection is written as (llama.cpp's `attn_qkv`, `ffn_up`);
+    - `all_biases`: its config's `attention_bias` / `mlp_bias` put a bias on every projection (Llama's), which its
+      stock class builds and llama.cpp's graph for it reads: output biases (FLAP's compensation) stay stock there;
+    - `gguf_rope_scalings`: the RoPE scalings written as GGUF (Llama 3.1's `llama3` on Llama, as `rope_freqs`);
+    - `gguf_window`: what llama.cpp's graph hard-codes of its sliding-window layers (`Window`), None without them;
     - `experts`: a mixture of experts (`Experts`): its layers' MLP is a router over experts, pruned by removing
       experts (the `experts` method) and saved as a stock model with fewer experts; the width and depth methods are
       the dense families' (None), and such a family has no free layout (`pruned_class` None)."""
@@ -75,3 +95,6 @@ class Family:
     fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
     gguf_fused: dict[str, str] = field(default_factory=dict)
     experts: Experts | None = None
+    all_biases: bool = False
+    gguf_rope_scalings: tuple[str, ...] = ("default",)
+    gguf_window: Window | None = None

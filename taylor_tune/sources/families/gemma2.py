@@ -8,7 +8,7 @@ layouts, where llama.cpp can compute what the model does: its graph reads the ou
 embeddings only), scales attention by 1/sqrt(head_dim) (`query_pre_attn_scalar` = head_dim only) and puts the
 sliding window on every even layer (the window types as they alternate); anything else is refused in one line."""
 
-from taylor_tune.sources.families.base import Family
+from taylor_tune.sources.families.base import Family, Window
 
 FAMILY = Family(
     "gemma2", pruned_class="PrunedGemma2ForCausalLM", gguf="gemma2", gguf_free=False, norm_offset=1.0,
@@ -21,4 +21,5 @@ FAMILY = Family(
               layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]),
     attn_norms={"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm"},
     ffn_norms={"pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"},
+    gguf_window=Window(period=2, capped=True, tied_output=True),
 )

@@ -7,7 +7,7 @@ does: it hard-codes the window pattern (five sliding layers, then a global one) 
 10000), and scales attention by 1/sqrt(head_dim); a pruned Gemma 3 that left that pattern (most depth cuts) is refused
 in one line."""
 
-from taylor_tune.sources.families.base import Family
+from taylor_tune.sources.families.base import Family, Window
 
 FAMILY = Family(
     "gemma3_text", pruned_class="PrunedGemma3ForCausalLM", gguf="gemma3", gguf_free=False, head_norm="shared",
@@ -17,4 +17,5 @@ FAMILY = Family(
               layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]),
     attn_norms={"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm"},
     ffn_norms={"pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"},
+    gguf_window=Window(period=6, capped=False, tied_output=False, rope_of="full_attention", sliding_rope_base=10000.0),
 )
