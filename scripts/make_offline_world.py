@@ -22,12 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from scripts.world.generate import write_world_data  # noqa: E402
 from scripts.world.train import train_causal_lm, train_tokenizer  # noqa: E402
+from taylor_tune.sources.families import FAMILIES  # noqa: E402
 from taylor_tune.sources.world import world_dir  # noqa: E402
 
-ARCHITECTURES = {"tiny-llama": "llama", "tiny-qwen2": "qwen2", "tiny-mistral": "mistral", "tiny-qwen3": "qwen3",
-                 "tiny-granite": "granite", "tiny-olmo2": "olmo2", "tiny-gemma2": "gemma2",
-                 "tiny-gemma3": "gemma3_text", "tiny-phi3": "phi3", "tiny-qwen3moe": "qwen3_moe",
-                 "tiny-mixtral": "mixtral", "tiny-olmoe": "olmoe", "tiny-granitemoe": "granitemoe"}
+ARCHITECTURES = {family.tiny_name: model_type for model_type, family in FAMILIES.items()}  # seeded in this order
 # Small enough that pruning visibly costs accuracy; Llama-3-style GQA (4 query heads per key/value head).
 SHAPE = dict(hidden_size=96, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=2, head_dim=12, max_position_embeddings=512, rms_norm_eps=1e-5)
@@ -63,8 +61,6 @@ def main() -> None:
     print(f"tokenizer: {len(tokenizer)} tokens; corpus: {ids.numel()} tokens")
 
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from taylor_tune.sources.families import FAMILIES
 
     for seed, (name, arch) in enumerate(ARCHITECTURES.items()):
         if name not in args.models:

@@ -6,11 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from taylor_tune.sources.families import DENSE, FAMILIES  # pure declarations: no torch
+
 if TYPE_CHECKING:
     import torch
 
-ARCHS = ["tiny-llama-random", "tiny-qwen2-random", "tiny-mistral-random", "tiny-qwen3-random", "tiny-granite-random",
-         "tiny-olmo2-random", "tiny-gemma2-random", "tiny-gemma3-random", "tiny-phi3-random"]
+ARCHS = [f"{FAMILIES[model_type].tiny_name}-random" for model_type in DENSE]
 # The arch-wide tests (the `arch` fixture) run on these in the fast tier and on every family in `make test`; each
 # family's own trait tests (tests/sources/test_families.py) and the diagonal of the arch x method grids run in both.
 FAST_ARCHS = ARCHS[:4]

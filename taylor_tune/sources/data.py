@@ -18,17 +18,12 @@ from taylor_tune.config import BUILTIN_TEXTS, CALIBRATION_DATASETS, PPL_DATASETS
 from taylor_tune.errors import CalibrationError, ConfigError, EvaluationError
 from taylor_tune.sources import world
 from taylor_tune.sources.assets import MODEL_ASSETS, asset_dir, require
+from taylor_tune.sources.families import FAMILIES
 
 # The built-in models (here, not in `models`, which needs torch): random-init ones by architecture, and the ones
 # trained on the synthetic world. A pruned folder holds PRUNED_MANIFEST beside its HF files.
-TINY_MODELS = {"tiny-llama-random": "llama", "tiny-qwen2-random": "qwen2", "tiny-mistral-random": "mistral",
-               "tiny-qwen3-random": "qwen3", "tiny-granite-random": "granite",
-               "tiny-olmo2-random": "olmo2", "tiny-gemma2-random": "gemma2",
-               "tiny-gemma3-random": "gemma3_text", "tiny-phi3-random": "phi3",
-               "tiny-qwen3moe-random": "qwen3_moe", "tiny-mixtral-random": "mixtral", "tiny-olmoe-random": "olmoe",
-               "tiny-granitemoe-random": "granitemoe"}
-TRAINED_MODELS = ("tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-qwen3", "tiny-granite", "tiny-olmo2", "tiny-gemma2",
-                  "tiny-gemma3", "tiny-phi3", "tiny-qwen3moe", "tiny-mixtral", "tiny-olmoe", "tiny-granitemoe")
+TINY_MODELS = {f"{family.tiny_name}-random": model_type for model_type, family in FAMILIES.items()}
+TRAINED_MODELS = tuple(family.tiny_name for family in FAMILIES.values())
 PRUNED_MANIFEST = "pruned_layout.json"
 
 # The text of each world: what `calibration: auto` and `ppl: auto` mean for a model of that world.

@@ -75,6 +75,7 @@ class Family:
       stock class builds and llama.cpp's graph for it reads: output biases (FLAP's compensation) stay stock there;
     - `gguf_rope_scalings`: the RoPE scalings written as GGUF (Llama 3.1's `llama3` on Llama, as `rope_freqs`);
     - `gguf_window`: what llama.cpp's graph hard-codes of its sliding-window layers (`Window`), None without them;
+    - `short`: the built-in tiny models' name for the family where not its `model_type` (`tiny_name`);
     - `experts`: a mixture of experts (`Experts`): its layers' MLP is a router over experts, pruned by removing
       experts (the `experts` method) and saved as a stock model with fewer experts; the width and depth methods are
       the dense families' (None), and such a family has no free layout (`pruned_class` None)."""
@@ -98,3 +99,9 @@ class Family:
     all_biases: bool = False
     gguf_rope_scalings: tuple[str, ...] = ("default",)
     gguf_window: Window | None = None
+    short: str | None = None  # the built-in models' name for it where not its model_type (`gemma3` for gemma3_text)
+
+    @property
+    def tiny_name(self) -> str:
+        """Its built-in model trained on the offline world (`tiny-<name>`); `-random` is its random one."""
+        return f"tiny-{self.short or self.model_type}"
