@@ -55,6 +55,29 @@ TASK_DATA = ("auto", "hub", "real", "world")
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
 
+def layout_name(method, uniform=None, align=None, servable=None) -> str:
+    """What "layout" means everywhere (the report's tables and plots, the export and its model card): what shapes a
+    pruned model's layers have, from its settings. `depth` (whole layers removed, every kept one stock), `experts`
+    (a mixture with the same count of experts removed from every sparse layer: stock), `uniform` (one width for
+    all), `servable` (DeciLM's: MLP widths multiples of 256, attention kept), `align N` (each width a multiple of N)
+    or `free` (each layer the widths its importance earns). A missing setting (None, NaN: a table's empty cell) is
+    its default. How a folder of that layout loads is its format (the export's: stock, pruned or decilm)."""
+    if method in ("depth", "experts"):
+        return method
+    if _set(uniform):
+        return "uniform"
+    if _set(servable):
+        return "servable"
+    if align is not None and align == align:  # NaN: a table's empty cell
+        return f"align {int(align)}"
+    return "free"
+
+
+def _set(value) -> bool:
+    """A setting switched on: True (a table's column iterates as numpy bools); a missing one is NaN or None."""
+    return type(value).__name__ in ("bool", "bool_") and bool(value)
+
+
 def searchable(dimension: str | None = None) -> dict:
     """A field a sweep's search space may vary: its `json_schema_extra`, naming the dimension (default: the field's
     own name). The search space's dimensions, their validation and the report's columns derive from these marks

@@ -125,24 +125,28 @@ def gguf_section(gguf: dict | None) -> list[str]:
 
 
 def layout_said(layout: str, prune: dict) -> str:
-    """The card's words for the folder's layout: a free layout says whether its widths are aligned (`align`), and
-    where they are not, what that costs in llama.cpp and which setting avoids it."""
-    if layout != "free":
-        return layout
-    if prune.get("servable"):
+    """The card's words for the model's layout (`config.layout_name`): a free layout says that its widths are not
+    aligned, what that costs in llama.cpp and which setting avoids it; an aligned or servable one, its multiple."""
+    if layout == "servable":
         return (f"servable: every layer's attention kept and every MLP width a multiple of "
                 f"{prune.get('align') or SERVABLE_TILE}, the shapes DeciLM's per-layer format holds (`servable: true`; "
                 "`export --format decilm` writes it for vLLM, TensorRT-LLM and SGLang)")
-    if prune.get("align"):
-        return f"free, every kept width a multiple of {prune['align']} (`align: {prune['align']}`)"
-    return ("free, each layer's widths as its importance earned them, not aligned: llama.cpp prefills such widths "
-            "slower than aligned ones (`align: 64` keeps the quality at the uniform layout's speed, BENCHMARKS.md)")
+    if layout.startswith("align "):
+        multiple = layout.removeprefix("align ")
+        return f"free, every kept width a multiple of {multiple} (`align: {multiple}`)"
+    if layout == "free":
+        return ("free, each layer's widths as its importance earned them, not aligned: llama.cpp prefills such widths "
+                "slower than aligned ones (`align: 64` keeps the quality at the uniform layout's speed, BENCHMARKS.md)")
+    if layout == "experts":
+        return "experts: the same count of experts removed from every sparse layer, every layer stock otherwise"
+    return layout
 
 
-def model_card(chosen: Chosen, record: dict, checks: dict, *, layout: str, command: str,
+def model_card(chosen: Chosen, record: dict, checks: dict, *, layout: str, folder_format: str, command: str,
                gguf: dict | None = None, converter: str | None = None, experts: list[list[int]] | None = None) -> str:
     """README.md of the exported folder. `record`: the trial's config.json; `checks`: what the rebuild reproduced
-    (name -> (reported, rebuilt)); `layout`: how the folder loads ("uniform", "free" or "decilm"); `gguf`: what `--gguf`
+    (name -> (reported, rebuilt)); `layout`: its layers' shapes (`config.layout_name`); `folder_format`: how the folder
+    loads ("stock": transformers' own classes, "pruned": taylor_tune's pruned classes, "decilm"); `gguf`: what `--gguf`
     wrote (to_gguf.write_gguf's record with its check), if asked; `converter`: why llama.cpp's converter refuses a
     DeciLM folder, if it does (`to_decilm.converter_problem`); `experts`: a mixture's kept experts per layer (empty
     for a dense layer)."""
@@ -155,9 +159,9 @@ def model_card(chosen: Chosen, record: dict, checks: dict, *, layout: str, comma
     settings = [f"| {k} | {plain(v)} |" for k, v in settings_read(prune).items()]
     recovered = [f"| recovery.{k} | {v} |" for k, v in (recovery or {}).items() if v is not None]
     loading = ("AutoModelForCausalLM.from_pretrained(folder)  # stock classes: every layer has one shape"
-               if layout == "uniform" else
+               if folder_format == "stock" else
                "# DeciLMForCausalLM (block_configs): vllm serve folder, or llama.cpp's convert_hf_to_gguf.py folder"
-               if layout == "decilm" else
+               if folder_format == "decilm" else
                "from taylor_tune.sources.models import load_pruned\nmodel = load_pruned(folder)  # per-layer widths: "
                "the pruned classes of taylor_tune (or trust_remote_code=True with the folder's own modeling file)")
     return "\n".join([
@@ -178,7 +182,7 @@ def model_card(chosen: Chosen, record: dict, checks: dict, *, layout: str, comma
         "## Where it came from", "", f"- sweep trial folder: `{trial_place(chosen.folder)}`",
         f"- made again by: `{command}`", "",
         "## Loading", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        "tokenizer = AutoTokenizer.from_pretrained(folder)", *(["model = " + loading] if layout == "uniform"
+        "tokenizer = AutoTokenizer.from_pretrained(folder)", *(["model = " + loading] if folder_format == "stock"
                                                                else loading.splitlines()), "```", "",
         *([f"Not for llama.cpp's converter: {converter}.", ""] if converter else []),
         *gguf_section(gguf),

@@ -11,6 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from taylor_tune.config import layout_name
 from taylor_tune.export.card import model_card
 from taylor_tune.export.choose import ExportError, choose
 from taylor_tune.export.rebuild import rebuild
@@ -114,12 +115,14 @@ def _write(sweep: str, chosen, output: Path, command: str, gguf: str | None, tru
         rebuilt = rebuild(chosen, Path(scratch) / "work", trust_remote_code=trust_remote_code)
         converter = None
         if format == "decilm":
-            folder, layout = write_decilm(rebuilt.model, rebuilt.tokenizer, Path(scratch) / "model"), "decilm"
+            folder, folder_format = write_decilm(rebuilt.model, rebuilt.tokenizer, Path(scratch) / "model"), "decilm"
             converter = converter_problem(folder)
         else:
             folder = save_pruned(rebuilt.model, Path(scratch) / "model", rebuilt.tokenizer,
                                  source_model=rebuilt.trial.prune.model)
-            layout = "uniform" if json.loads((folder / PRUNED_MANIFEST).read_text())["uniform"] else "free"
+            folder_format = "stock" if json.loads((folder / PRUNED_MANIFEST).read_text())["uniform"] else "pruned"
+        prune = rebuilt.trial.prune
+        layout = layout_name(prune.method, prune.uniform, prune.align, prune.servable)
         record = rebuilt.trial.record()
         written = None
         if gguf is not None:
@@ -131,10 +134,12 @@ def _write(sweep: str, chosen, output: Path, command: str, gguf: str | None, tru
         experts = None if not pruning.plan.experts_removed else [
             [e for e in range(count) if e not in removed]
             for count, removed in zip(pruning.layout.experts, pruning.plan.experts_removed)]
-        (folder / "README.md").write_text(model_card(chosen, record, rebuilt.checks, layout=layout, command=command,
-                                                     gguf=written, converter=converter, experts=experts))
+        (folder / "README.md").write_text(model_card(chosen, record, rebuilt.checks, layout=layout,
+                                                     folder_format=folder_format, command=command, gguf=written,
+                                                     converter=converter, experts=experts))
         write_json(folder / "export.json", {"sweep": str(sweep), "trial_id": chosen.trial_id,
                                             "trial_folder": chosen.folder, "why": chosen.why, "layout": layout,
+                                            "format": folder_format,
                                             "checks": rebuilt.checks, "gguf": written, "config": record,
                                             "command": command, "llama_cpp_converter": converter})
         _normal_modes(folder)

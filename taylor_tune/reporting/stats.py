@@ -28,6 +28,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from taylor_tune.config import layout_name
 from taylor_tune.reporting.paired import mcnemar, paired_difference, paired_log_ppl, shared
 from taylor_tune.schema import (
     BEFORE_RECOVERY,
@@ -614,26 +615,6 @@ def plain(value):
     return value
 
 
-
-
-def _set(value) -> bool:  # a bool column iterates as numpy bools; a missing value is NaN or None
-    return isinstance(value, (bool, np.bool_)) and bool(value)
-
-
-def layout_name(method, uniform=None, align=None, servable=None) -> str:
-    """What shapes a trial's layers have: `depth` (whole layers removed, every kept one stock), `uniform` (one
-    width for all), `servable` (DeciLM's: MLP widths multiples of 256, attention kept), `align N` (each width a
-    multiple of N), `free` (each layer the widths its importance earns), or `experts` (a mixture with the same
-    count of experts removed from every sparse layer: stock). A missing setting is its default."""
-    if method in ("depth", "experts"):
-        return method
-    if _set(uniform):
-        return "uniform"
-    if _set(servable):
-        return "servable"
-    if align is not None and pd.notna(align):
-        return f"align {int(align)}"
-    return "free"
 
 
 def layout_names(df: pd.DataFrame) -> list[str]:

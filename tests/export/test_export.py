@@ -107,15 +107,16 @@ def test_an_export_loads_as_the_trials_model_and_gives_its_perplexity(sweep, tmp
     assert front["library_name"] == "transformers" and "taylor-tune" in front["tags"]
     assert f"Trial `{trial_id}`" in card and f"{sweep[name]['acc_mean']:.4f}" in card
     record = json.loads((out / "export.json").read_text())
-    layout = "free" if name == "free" else "uniform"
-    assert record["layout"] == layout and record["trial_id"] == trial_id
+    # its layers' shapes (one word for them everywhere: config.layout_name), and how the folder loads
+    assert record["layout"] == name and record["trial_id"] == trial_id
+    assert record["format"] == ("pruned" if name == "free" else "stock")
     config = trial_config(*TRIALS[name], cache=None).prune
     reference = prune(config).model
     loaded = load_model(str(out))
     assert torch.allclose(logits(loaded, IDS), logits(reference, IDS), rtol=0, atol=1e-5)
     ppl = Evaluator(loaded, load_tokenizer(str(out)), EVALUATION.spec(None), model_name="tiny-llama").perplexity().ppl
     assert ppl == pytest.approx(sweep[name]["ppl"], rel=1e-6)
-    if layout == "uniform":
+    if record["format"] == "stock":
         stock = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=False)
         assert torch.allclose(logits(stock, IDS), logits(reference, IDS), rtol=0, atol=1e-5)
     else:
@@ -335,9 +336,9 @@ def test_the_card_says_whether_a_free_layouts_widths_are_aligned(sweep, tmp_path
     card = (export(str(sweep["path"]), tmp_path / "free", trial=sweep["ids"]["free"]) / "README.md").read_text()
     assert "Layout: free, each layer's widths as its importance earned them, not aligned" in card
     assert "`align: 64`" in card
-    assert layout_said("free", {"align": 128}) == "free, every kept width a multiple of 128 (`align: 128`)"
-    assert layout_said("uniform", {"align": None}) == "uniform" and layout_said("decilm", {}) == "decilm"
-    assert layout_said("free", {"servable": True, "align": None}).startswith(
+    assert layout_said("align 128", {"align": 128}) == "free, every kept width a multiple of 128 (`align: 128`)"
+    assert layout_said("uniform", {"align": None}) == "uniform" and layout_said("depth", {}) == "depth"
+    assert layout_said("servable", {"servable": True, "align": None}).startswith(
         "servable: every layer's attention kept and every MLP width a multiple of 256")
 
 
@@ -419,7 +420,8 @@ def test_export_as_decilm_writes_block_configs_a_reader_rebuilds_the_model_from(
     rebuilt.load_state_dict(load_file(tmp_path / "out" / "model.safetensors"))
     reference = prune(trial_config(*TRIALS["depth"], cache=None).prune).model
     assert torch.allclose(logits(rebuilt, IDS), logits(reference, IDS), rtol=0, atol=1e-5)
-    assert json.loads((tmp_path / "out" / "export.json").read_text())["layout"] == "decilm"
+    written = json.loads((tmp_path / "out" / "export.json").read_text())
+    assert written["format"] == "decilm" and written["layout"] == "depth"
 
     run = cli(sweep["path"], "--trial", sweep["ids"]["free"], "--format", "decilm", "--output", tmp_path / "free")
     assert run.returncode == 2 and "Traceback" not in run.stderr and len(run.stderr.strip().splitlines()) == 1

@@ -17,7 +17,8 @@ from taylor_tune.pruning.apply import remove_layers, save_pruned
 from taylor_tune.pruning.depth import LayerSimilarity, choose_layers, layers_to_remove
 from taylor_tune.pruning.plan import ModelLayout
 from taylor_tune.pruning.similarity import layer_similarity
-from taylor_tune.sources.data import TRAINED_MODELS
+from taylor_tune.sources.data import TINY_MODELS, TRAINED_MODELS
+from taylor_tune.sources.families import DENSE
 from tests.helpers import calibration_ids, tiny
 
 TRAINED = ["tiny-llama", "tiny-qwen2", "tiny-mistral"]
@@ -62,7 +63,8 @@ def test_block_influence_and_angular_distance_equal_the_model_s_hidden_states(na
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=() if name in TRAINED else pytest.mark.slow)
-                                  for name in TRAINED_MODELS])  # every family's trained tiny model
+                                  for name in TRAINED_MODELS
+                                  if TINY_MODELS[f"{name}-random"] in DENSE])  # every dense family's trained model
 @pytest.mark.parametrize("removed", [(1,), (1, 2)])
 def test_the_depth_pruned_model_is_the_original_with_those_layers_skipped_and_reloads_stock(name, removed, tmp_path):
     pruned, skipped = tiny(name), tiny(name)
