@@ -67,6 +67,13 @@ def run_sweep_to_end(experiment: Path, *extra: str, cluster: str | None = None) 
     return proc
 
 
+def shipped_sweep_rows(name: str, storage: Path, cluster: str) -> tuple[Path, list[dict]]:
+    """experiments/<name>.yaml run to its end into `storage` on `cluster`: its folder and its trials' rows
+    (`analysis_rows`)."""
+    run_sweep_to_end(REPO / "experiments" / f"{name}.yaml", "--storage", str(storage), cluster=cluster)
+    return storage / name, analysis_rows(storage / name)
+
+
 def trial_dirs(experiment_dir: Path) -> dict[str, Path]:
     """trial id -> folder, for every trial Tune made. A trial that started in the instant before a SIGKILL, before
     the saved state knew of it, gets a second folder (a new timestamp) when it runs again: the finished one wins."""

@@ -124,11 +124,11 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, *, file_type: str 
     biased = any(layer.self_attn.o_proj.bias is not None or (
         index not in sparse and layer.mlp.down_proj.bias is not None) for index, layer in enumerate(layers))
     uniform = all(shape == shapes[0] for shape in shapes)
-    kv_whole = FAMILIES[config.model_type].gguf_whole_kv
+    kv_whole = family.gguf_whole_kv
     whole = all(layer.self_attn.q_proj.out_features == config.hidden_size
                 and (not kv_whole or layer.self_attn.k_proj.out_features == config.hidden_size) for layer in layers)
     arch = architecture(config.model_type, uniform=uniform, biased=biased, whole_attention=whole)
-    if arch == "deci" and not FAMILIES[config.model_type].gguf_free:
+    if arch == "deci" and not family.gguf_free:
         if uniform and not biased:  # the attention alone keeps it from its own architecture
             kv = ", or fewer key/value heads than query heads" if kv_whole else ""
             raise GGUFError(f"--gguf: llama.cpp's {STOCK_ARCH[config.model_type]} sizes attention from the hidden "
@@ -166,12 +166,12 @@ def write_gguf(model: nn.Module, tokenizer, path: str | Path, *, file_type: str 
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if file_type == "f16" else gguf.LlamaFileType.ALL_F32)
     _add_vocab(writer, vocab)
     if arch != "deci":  # Granite's multipliers (`Family.scalars`), under the keys llama.cpp's converter writes
-        for field_name, key in FAMILIES[config.model_type].scalars.items():
+        for field_name, key in family.scalars.items():
             getattr(writer, f"add_{key}")(getattr(config, field_name))
 
     permute = arch in PAIRED_ROPE
     extra = {"rope_freqs.weight": llama3_rope_factors(config, size)} if scaling == "llama3" else {}
-    tensors = _tensors(model, layers, shapes, permute, config.tie_word_embeddings, FAMILIES[config.model_type])
+    tensors = _tensors(model, layers, shapes, permute, config.tie_word_embeddings, family)
     for tensor_name, tensor in [*extra.items(), *tensors]:
         data = tensor.detach().to("cpu", torch.float32)
         data = data.to(torch.float16) if file_type == "f16" and data.ndim >= 2 else data  # vectors stay f32

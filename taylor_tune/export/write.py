@@ -131,9 +131,7 @@ def _write(sweep: str, chosen, output: Path, command: str, gguf: str | None, tru
                                                        name=f"{rebuilt.trial.prune.model} pruned ({chosen.trial_id})")
             written["check"] = check_gguf(path, rebuilt.model, rebuilt.tokenizer, gguf)
         pruning = rebuilt.run.pruning
-        experts = None if not pruning.plan.experts_removed else [
-            [e for e in range(count) if e not in removed]
-            for count, removed in zip(pruning.layout.experts, pruning.plan.experts_removed)]
+        experts = pruning.plan.experts_kept(pruning.layout) if pruning.plan.experts_removed else None
         (folder / "README.md").write_text(model_card(chosen, record, rebuilt.checks, layout=layout,
                                                      folder_format=folder_format, command=command, gguf=written,
                                                      converter=converter, experts=experts))

@@ -63,9 +63,8 @@ def pruning_diagnostics(
         "layer_grad_norm": None if grad_norm is None else [float(x) for x in grad_norm],
     }
     if layout.experts:  # a mixture: its experts per layer (0 for a dense one) and what a token computes with
-        removed_experts = plan.experts_removed or ((),) * layout.num_layers
         result |= {"experts_before": list(layout.experts),
-                   "experts_kept": [e - len(r) for e, r in zip(layout.experts, removed_experts)],
+                   "experts_kept": [len(kept) for kept in plan.experts_kept(layout)],
                    "active_params_count_before": layout.active_params,
                    "active_params_count": plan.active_params_after(layout)}
     result |= spread(grad_mean, "grad_mean", notes) | spread(grad_norm, "grad_norm", notes)

@@ -25,7 +25,7 @@ from torch import nn
 
 from taylor_tune.errors import PlanError
 from taylor_tune.progress import bar
-from taylor_tune.pruning.groups import expert_parameters, experts_of, kept, sparse_blocks
+from taylor_tune.pruning.groups import decoder_layers, expert_parameters, experts_of, kept, sparse_blocks
 from taylor_tune.pruning.importance import gradient_sums
 
 ExpertScores = tuple  # per decoder layer, one score per expert (an empty array for a dense layer); higher matters more
@@ -95,7 +95,7 @@ def expert_taylor(model: nn.Module, input_ids: torch.Tensor, micro_batch_size: i
     loss over the calibration rows, accumulated micro-batch by micro-batch in fp32 buffers (as `importance`'s
     pass: each `.grad` freed as soon as it is added)."""
     blocks, moe = sparse_blocks(model), experts_of(model)
-    params = {i: [p for _, p in expert_parameters(block, moe.router)] for i, block in blocks.items()}
+    params = {i: expert_parameters(block, moe.router) for i, block in blocks.items()}
     device, total = next(model.parameters()).device, input_ids.shape[0]
     with gradient_sums(model, [p for ps in params.values() for p in ps]) as buffers, \
             bar(input_ids.numel(), "importance", unit="tok", unit_scale=True) as progress:
@@ -109,14 +109,14 @@ def expert_taylor(model: nn.Module, input_ids: torch.Tensor, micro_batch_size: i
         for layer, ps in params.items():
             sums = sum((p.float() * buffers[p]).abs_().div_(total).reshape(len(p), -1).sum(dim=1) for p in ps)
             scores[layer] = (sums / sum(p[0].numel() for p in ps)).double().cpu().numpy()
-    return tuple(scores.get(i, np.zeros(0)) for i in range(len(model.model.layers)))
+    return tuple(scores.get(i, np.zeros(0)) for i in range(len(decoder_layers(model))))
 
 
 def expert_scores(model: nn.Module, input_ids: torch.Tensor, criterion: str, micro_batch_size: int = 8) -> ExpertScores:
     """The experts' scores by `criterion` (`config.EXPERT_CRITERIA`) over the calibration rows."""
     if criterion == "taylor":
         return expert_taylor(model, input_ids, micro_batch_size)
-    return routing(model, input_ids, micro_batch_size).scores(criterion, len(model.model.layers))
+    return routing(model, input_ids, micro_batch_size).scores(criterion, len(decoder_layers(model)))
 
 
 def remove_experts(model: nn.Module, removed: tuple[tuple[int, ...], ...]) -> nn.Module:

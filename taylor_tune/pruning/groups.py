@@ -101,11 +101,10 @@ def sparse_blocks(model: nn.Module) -> dict[int, nn.Module]:
     return {i: block for i, block in blocks.items() if hasattr(block, "experts")}
 
 
-def expert_parameters(block: nn.Module, router: str) -> list[tuple[str, nn.Parameter]]:
+def expert_parameters(block: nn.Module, router: str) -> list[nn.Parameter]:
     """A sparse block's parameters that belong to its experts, expert e being index e of each (its router row, its
     gate/up rows and its down projection): what expert pruning removes and what its Taylor score sums."""
-    return [("router", getattr(block, router).weight), ("gate_up_proj", block.experts.gate_up_proj),
-            ("down_proj", block.experts.down_proj)]
+    return [getattr(block, router).weight, block.experts.gate_up_proj, block.experts.down_proj]
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -134,7 +133,7 @@ def describe_layout(model: nn.Module) -> ModelLayout:
         block = next(iter(sparse.values()))
         experts = dict(experts=tuple(len(getattr(sparse[i], moe.router).weight) if i in sparse else 0
                                      for i in range(len(layers))),
-                       expert_params=sum(p[0].numel() for _, p in expert_parameters(block, moe.router)),
+                       expert_params=sum(p[0].numel() for p in expert_parameters(block, moe.router)),
                        top_k=model.config.num_experts_per_tok)
     return ModelLayout(
         attn_groups=tuple(attention_groups(l.self_attn) for l in layers),

@@ -71,8 +71,17 @@ class PrunePlan:
     layers_removed: tuple[int, ...] = ()
     experts_removed: tuple[tuple[int, ...], ...] = ()  # per layer, a mixture's experts that go (none: no experts)
 
+    def experts_gone(self, layout: ModelLayout) -> tuple[tuple[int, ...], ...]:
+        """The experts each layer loses, a layer without experts (or a plan that removes none) losing none."""
+        return self.experts_removed or ((),) * layout.num_layers
+
+    def experts_kept(self, layout: ModelLayout) -> list[list[int]]:
+        """The experts each layer keeps, by their index in the unpruned model (none for a dense layer)."""
+        return [[e for e in range(count) if e not in gone]
+                for count, gone in zip(layout.experts, self.experts_gone(layout))]
+
     def layer_params_removed(self, layout: ModelLayout) -> list[int]:
-        experts = self.experts_removed or ((),) * layout.num_layers
+        experts = self.experts_gone(layout)
         return [
             layout.layer_params[layer] if layer in self.layers_removed
             else len(a) * layout.attn_group_params + len(m) * layout.mlp_channel_params + len(e) * layout.expert_params
@@ -85,8 +94,7 @@ class PrunePlan:
         removed = sum(self.layer_params_removed(layout))
         if not layout.experts:
             return layout.total_params - removed
-        experts = self.experts_removed or ((),) * layout.num_layers
-        idle = sum(max(0, e - len(r) - layout.top_k) for e, r in zip(layout.experts, experts))
+        idle = sum(max(0, len(kept) - layout.top_k) for kept in self.experts_kept(layout))
         return layout.total_params - removed - idle * layout.expert_params
 
     def params_removed(self, layout: ModelLayout) -> int:

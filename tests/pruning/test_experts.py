@@ -155,7 +155,7 @@ def test_expert_taylor_equals_one_autograd_gradient_of_the_mean_loss(model_type,
     got = expert_scores(model, tokens, "taylor", micro_batch_size=2)
     moe = FAMILIES[model_type].experts
     blocks = sparse_blocks(model)
-    params = {i: [p for _, p in expert_parameters(block, moe.router)] for i, block in blocks.items()}
+    params = {i: expert_parameters(block, moe.router) for i, block in blocks.items()}
     flat = [p for ps in params.values() for p in ps]
     loss = model(input_ids=tokens, labels=tokens).loss  # every row at once: the mean loss
     grads = dict(zip(map(id, flat), torch.autograd.grad(loss, flat)))

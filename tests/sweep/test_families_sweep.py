@@ -9,7 +9,7 @@ import yaml
 from taylor_tune.reporting import build_report
 from taylor_tune.sources.data import TINY_MODELS, TRAINED_MODELS
 from taylor_tune.sources.families import DENSE
-from tests.sweep_helpers import REPO, analysis_rows, run_sweep_to_end
+from tests.sweep_helpers import REPO, shipped_sweep_rows
 
 # the dense families' trained models (the mixtures' are swept by experiments/moe_grid.yaml)
 DENSE_TRAINED = {name for name in TRAINED_MODELS if TINY_MODELS[f"{name}-random"] in DENSE}
@@ -24,9 +24,8 @@ def test_the_families_experiment_names_a_trained_model_of_every_family():
 
 @pytest.mark.slow  # a Ray sweep of 18 trials
 def test_every_family_is_swept_through_ray_and_ranked_apart(tmp_path, ray_head):
-    run_sweep_to_end(REPO / "experiments" / "families.yaml", "--storage", str(tmp_path), cluster=ray_head)
-    path = tmp_path / "families"
-    rows = pd.DataFrame(analysis_rows(path))
+    path, rows = shipped_sweep_rows("families", tmp_path, ray_head)
+    rows = pd.DataFrame(rows)
     assert len(rows) == 18 and rows["acc_mean"].notna().all() and (rows["ppl"] > 1).all()
     report = build_report(path)
     assert set(report.models) == DENSE_TRAINED

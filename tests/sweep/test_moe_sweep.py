@@ -14,7 +14,7 @@ import yaml
 from taylor_tune.reporting import build_report
 from taylor_tune.sources.data import TINY_MODELS, TRAINED_MODELS
 from taylor_tune.sources.families import MIXTURES
-from tests.sweep_helpers import REPO, analysis_rows, run_sweep_to_end, trial_dirs, write_experiment
+from tests.sweep_helpers import REPO, shipped_sweep_rows, trial_dirs, write_experiment
 
 CRITERIA = {"experts+frequency", "experts+reap", "experts+ean", "experts+taylor"}
 
@@ -57,9 +57,8 @@ def test_what_a_mixture_cannot_take_is_refused_before_ray_starts(tmp_path):
 
 @pytest.mark.slow  # a Ray sweep of 32 trials (~30 s on 2 cores)
 def test_the_moe_experiment_runs_through_ray_and_the_report_ranks_the_criteria_per_model(tmp_path, ray_head):
-    run_sweep_to_end(REPO / "experiments" / "moe_tiny.yaml", "--storage", str(tmp_path), cluster=ray_head)
-    path = tmp_path / "moe_tiny"
-    rows = pd.DataFrame(analysis_rows(path))
+    path, rows = shipped_sweep_rows("moe_tiny", tmp_path, ray_head)
+    rows = pd.DataFrame(rows)
     assert len(rows) == 32 and rows["acc_mean"].notna().all() and (rows["ppl"] > 1).all()
     folders = trial_dirs(path)
     for _, row in rows.iterrows():
