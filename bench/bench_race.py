@@ -47,10 +47,10 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from taylor_tune.config import Evaluation  # noqa: E402
 from taylor_tune.jsonio import write_json  # noqa: E402
+from taylor_tune.paired import paired_difference  # noqa: E402
 from taylor_tune.pruning.activations import ACTIVATION_CRITERIA  # noqa: E402
-from taylor_tune.reporting.frame import read_outcomes  # noqa: E402
-from taylor_tune.reporting.paired import paired_difference  # noqa: E402
-from taylor_tune.storage import Store
+from taylor_tune.storage.cache import Store
+from taylor_tune.storage.folder import read_outcomes  # noqa: E402
 from taylor_tune.sweep.racing import Blocks, Race, race_seed  # noqa: E402
 from taylor_tune.sweep.tune.scheduler import PASS, FidelityASHA, item_scores  # noqa: E402
 from taylor_tune.sweep.tune.search import PerModelSearcher  # noqa: E402

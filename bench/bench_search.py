@@ -40,7 +40,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from taylor_tune.jsonio import write_json  # noqa: E402
-from taylor_tune.storage import Store
+from taylor_tune.storage.cache import Store
 from taylor_tune.sweep.tune.scheduler import PASS, FidelityASHA  # noqa: E402
 from taylor_tune.sweep.tune.search import PerModelSearcher  # noqa: E402
 

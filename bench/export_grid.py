@@ -15,7 +15,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from taylor_tune.storage import Store
+from taylor_tune.storage.cache import Store
 
 KEEP = ("params.json", "result.json", "config.json", "evaluation.json", "layer_analysis.json")
 KEEP_PATTERNS = ("outcomes_*.parquet", "ppl_windows*.parquet")

@@ -24,10 +24,11 @@ import numpy as np
 import pandas as pd
 
 from taylor_tune.jsonio import write_json
-from taylor_tune.reporting.frame import read_outcomes, read_ppl_windows, scored_items
-from taylor_tune.reporting.paired import mcnemar, paired_bootstrap, paired_difference, paired_log_ppl
+from taylor_tune.paired import mcnemar, paired_bootstrap, paired_difference, paired_log_ppl
+from taylor_tune.reporting.frame import scored_items
 from taylor_tune.reporting.stats import Z95, acc_mean_stderr
 from taylor_tune.schema import task_key, zero_shot_stage
+from taylor_tune.storage.folder import read_outcomes, read_ppl_windows
 
 
 def configurations(data: dict, model: str, folder: Path) -> dict[str, dict]:

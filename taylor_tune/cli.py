@@ -294,8 +294,8 @@ def _run_sweep(args: argparse.Namespace) -> int:
 
     experiment = load_experiment(args.experiment, storage_path=args.storage, name=args.name)
     # Ray: once the file is valid
-    from taylor_tune.sweep.folder import storage_full
-    from taylor_tune.sweep.status import sweep_status
+    from taylor_tune.reporting.status import sweep_status
+    from taylor_tune.storage.location import storage_full
     from taylor_tune.sweep.tune.console import error_summary, trial_name
     from taylor_tune.sweep.tune.driver import experiment_path, run_sweep
 
@@ -325,7 +325,7 @@ def _run_sweep(args: argparse.Namespace) -> int:
 
 
 def _run_status(args: argparse.Namespace) -> int:
-    from taylor_tune.sweep.status import sweep_status  # pandas, pyarrow: only for this command
+    from taylor_tune.reporting.status import sweep_status  # pandas, pyarrow: only for this command
 
     status = sweep_status(args.path)
     # the counts are the driver's last saved state: a running sweep saves it every second, so an old one
@@ -453,9 +453,12 @@ def _run_export(args: argparse.Namespace) -> int:
                  constraints=tuple(args.constraint), gguf=args.gguf, trust_remote_code=args.trust_remote_code,
                  format=args.format)
     print(f"wrote {out} (model card: {Path(out) / 'README.md'})")
-    said = json.loads((Path(out) / "export.json").read_text()).get("llama_cpp_converter")
-    if said:
-        print(f"note: not for llama.cpp's converter: {said}")
+    record = json.loads((Path(out) / "export.json").read_text())
+    check = (record.get("gguf") or {}).get("check") or {}
+    if check.get("checked") is False:
+        print(f"note: {record['gguf']['file']} is written unchecked: {check.get('why')}")
+    if record.get("llama_cpp_converter"):
+        print(f"note: not for llama.cpp's converter: {record['llama_cpp_converter']}")
     return 0
 
 

@@ -38,5 +38,10 @@ class ReportError(TaylorTuneError):
     """A report's input cannot be read (no such experiment, unknown model)."""
 
 
+class StorageError(TaylorTuneError):
+    """A sweep's storage (a folder or a URI) cannot be opened, listed, read or written, or holds what a sweep must
+    not resume from (another program's state, a damaged one, one that anyone could have written)."""
+
+
 class AssetError(TaylorTuneError):
     """A real-world asset is missing, fails its hash check or cannot be downloaded; the message says what to run."""

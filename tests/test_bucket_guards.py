@@ -1,7 +1,8 @@
 """Issue 91, case 1: the guards a resume passes hold in a bucket as on a disk. A Tune experiment taylor_tune did not
 write, a searcher state cut short and a damaged experiment state, each laid in `s3://` (a real S3 server on loopback,
 `tests/s3_helpers.py`): one line and exit 2 before anything is unpickled, where the pickle ran, or a traceback was
-followed by exit 0 and a finished trial was lost from the state. A real sweep's finished trial survives it all."""
+followed by exit 0 and a finished trial was lost from the state. A real sweep's finished trial survives it all.
+Issue 94, must-show 2: the world-writable pickle's guard too, where a bucket lets anyone write."""
 
 import json
 import pickle
@@ -108,7 +109,7 @@ def test_a_searcher_state_cut_short_in_a_bucket_is_named_in_one_line(aws, capsys
 
 
 def test_a_damaged_state_in_a_bucket_is_refused_over_an_intact_one_and_set_aside_where_none_is(aws, capsys, tmp_path):
-    from taylor_tune.sweep.folder import has_state, set_aside_damaged_state
+    from taylor_tune.storage.folder import has_state, set_aside_damaged_state
 
     lay(aws, "states/exp", {"tuner.pkl": b"\x80\x05N.", "taylor_tune_experiment.json": b"{}",
                             "experiment_state-2026-01-01_00-00-00.json": STATE.encode(),
@@ -126,6 +127,44 @@ def test_a_damaged_state_in_a_bucket_is_refused_over_an_intact_one_and_set_aside
                                               ".damaged"]
     lay(aws, "whole/exp", {"experiment_state-2026-01-02_00-00-00.json": STATE.encode()})
     assert has_state(f"s3://{BUCKET}/whole/exp") and set_aside_damaged_state(f"s3://{BUCKET}/whole/exp") == []
+
+
+def test_a_bucket_anyone_may_write_is_refused_before_its_state_is_unpickled(tmp_path_factory, tmp_path, capsys,
+                                                                           monkeypatch):
+    """On a disk a pickle every user can write is refused (tests/test_user_errors.py); a bucket has no owner per
+    object, and its counterpart is a bucket whose policy lets a client without credentials write. A taylor_tune
+    sweep's folder laid there, its tuner.pkl a planted pickle: the sweep is refused in one line, exit 2, before the
+    pickle runs, the probe it wrote anonymously removed; TAYLOR_TUNE_TRUST_EXPERIMENT=1 opts in. The same folder in a
+    bucket closed to anonymous writes passes the guard (the other tests of this module resume through it)."""
+    from taylor_tune.errors import StorageError
+    from taylor_tune.storage.folder import check_resume_trust
+
+    marker = tmp_path / "unpickled"
+    with seaweedfs(tmp_path_factory.mktemp("open-seaweedfs"), anyone_writes=True) as server:
+        for key, value in server["env"].items():
+            monkeypatch.setenv(key, value)
+        lay(server, "open/exp", {"tuner.pkl": pickle.dumps(Planted(marker)), "taylor_tune_experiment.json": b"{}",
+                                 "experiment_state-2026-01-01_00-00-00.json": STATE.encode()})
+        before = listing(server, "open")
+        code, err = sweep_in_process(capsys, tmp_path, f"s3://{BUCKET}/open")
+        one_line(code, err, f"s3://{BUCKET}/open/exp can be written by anyone (a client without credentials wrote a "
+                 "probe there), and resuming the sweep would unpickle its state")
+        assert not marker.exists() and listing(server, "open") == before  # nothing unpickled, the probe removed
+        with pytest.raises(StorageError, match="can be written by anyone"):
+            check_resume_trust(f"s3://{BUCKET}/open/exp")
+        monkeypatch.setenv("TAYLOR_TUNE_TRUST_EXPERIMENT", "1")
+        check_resume_trust(f"s3://{BUCKET}/open/exp")
+        monkeypatch.delenv("TAYLOR_TUNE_TRUST_EXPERIMENT")
+        assert listing(server, "open") == before
+
+
+def test_a_closed_bucket_passes_the_trust_guard_with_its_state_in_place(aws):
+    from taylor_tune.storage.folder import check_resume_trust
+
+    lay(aws, "closed/exp", {"tuner.pkl": b"\x80\x05N.", "taylor_tune_experiment.json": b"{}"})
+    before = listing(aws, "closed")
+    check_resume_trust(f"s3://{BUCKET}/closed/exp")  # the writer's own bucket, no anonymous writes: no refusal
+    assert listing(aws, "closed") == before  # and the anonymous probe, refused, left nothing
 
 
 def test_a_real_sweeps_finished_trial_survives_its_state_cut_short_in_the_bucket(aws, tmp_path):

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from taylor_tune.config import Evaluation, PruneConfig, SpeedSpec
 from taylor_tune.jsonio import entry_text
 from taylor_tune.pruning.importance_cache import CHECKSUM, tensors_sha256
-from taylor_tune.storage import Store, built_json, json_name
+from taylor_tune.storage.cache import Store, built_json, json_name
 from taylor_tune.sweep.trial import TrialConfig, run_trial
 
 pytestmark = pytest.mark.slow

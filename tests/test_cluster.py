@@ -106,7 +106,7 @@ def listing(path: str) -> list[str]:
 
 
 def events(folder: str) -> list[dict]:
-    from taylor_tune.storage import Store
+    from taylor_tune.storage.cache import Store
 
     return Store(folder).events()
 
@@ -121,7 +121,7 @@ def build_task():
 
         import ray as ray_
 
-        from taylor_tune.storage import Store
+        from taylor_tune.storage.cache import Store
         from taylor_tune.sweep.tune.leases import RayLeases
 
         node = ray_.get_runtime_context().get_node_id()

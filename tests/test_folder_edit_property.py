@@ -27,7 +27,7 @@ def sweep(tmp_path_factory, ray_head):
     its best trial exported once: the numbers every edited copy is held to."""
     from taylor_tune.export import export
     from taylor_tune.reporting import load_trials
-    from taylor_tune.sweep.status import sweep_status
+    from taylor_tune.reporting.status import sweep_status
 
     root = tmp_path_factory.mktemp("property")
     experiment = write_experiment(
@@ -147,7 +147,7 @@ def test_after_any_one_edit_status_report_and_export_give_the_same_numbers_or_na
                                                                                            data):
     from taylor_tune.export import export
     from taylor_tune.reporting import build_report, load_trials
-    from taylor_tune.sweep.status import sweep_status
+    from taylor_tune.reporting.status import sweep_status
 
     work = tmp_path_factory.mktemp("edit")
     copy = work / "edited"

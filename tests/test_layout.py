@@ -1,13 +1,14 @@
 """The package's layout: one subpackage per stage, imports one way (docs/specification.md, "Layout").
 
-export -> sweep -> pruning, recovery, evaluation, reporting -> sources -> the root modules; pruning, recovery and
-evaluation do not import each other; reporting imports the root modules only; the root modules import no stage (cli
-aside). The sweep reaches pruning through its stage module only: `taylor_tune.pruning.prune`, and of it only the
-names in its `__all__` (the stage functions and what they return), so that the trial composes pruning's stages
-instead of reaching into them. `config`, `schema` and
-`reporting` import neither torch nor ray, not even through the modules they import. A module imports the project's
-own modules at its top, unless a comment on the line (or the one above) says why not.
-The imports are read with `ast`, so nothing is imported to check them.
+export -> sweep -> pruning, recovery, evaluation -> sources, storage -> the root modules; reporting -> storage;
+pruning, recovery and evaluation do not import each other; the sweep does not import reporting (export does, to choose
+a trial); storage and reporting import no stage but storage; the root modules import no stage (cli aside). Only
+storage tells a URI from a folder (`test_only_storage_tells_a_uri_from_a_folder`). The sweep reaches pruning through
+its stage module only: `taylor_tune.pruning.prune`, and of it only the names in its `__all__` (the stage functions and
+what they return), so that the trial composes pruning's stages instead of reaching into them. `config`, `schema`,
+`storage` and `reporting` import neither torch nor ray, not even through the modules they import. A module imports the
+project's own modules at its top, unless a comment on the line (or the one above) says why not. The imports are read
+with `ast`, so nothing is imported to check them.
 """
 
 import ast
@@ -18,24 +19,25 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "taylor_tune"
-STAGES = ("sources", "pruning", "recovery", "evaluation", "sweep", "reporting", "export")
-# what each room may import besides itself ("root": config, schema, errors, jsonio, progress, compat)
+STAGES = ("storage", "sources", "pruning", "recovery", "evaluation", "sweep", "reporting", "export")
+# what each room may import besides itself ("root": config, schema, errors, jsonio, paired, progress, compat)
 ALLOWED = {
     "root": {"root"},
+    "storage": {"root"},  # where a sweep's files live: a folder or a bucket, and the shared caches
     "sources": {"root"},
-    "pruning": {"sources", "root"},
+    "pruning": {"storage", "sources", "root"},  # the importance cache
     "recovery": {"sources", "root"},  # beside pruning: its own held-out loss (issue 63, build 3)
-    "evaluation": {"sources", "root"},
-    "reporting": {"root"},
-    "sweep": {"pruning", "recovery", "evaluation", "reporting", "sources", "root"},
+    "evaluation": {"storage", "sources", "root"},  # the built requests' cache
+    "reporting": {"storage", "root"},
+    "sweep": {"pruning", "recovery", "evaluation", "storage", "sources", "root"},
     # a trial's stages again (the sweep's), its pruned folder written (pruning's apply), the trial chosen (reporting),
     # a GGUF checked by recovery's own next-token losses
-    "export": {"sweep", "pruning", "recovery", "reporting", "sources", "root"},
+    "export": {"sweep", "pruning", "recovery", "reporting", "storage", "sources", "root"},
     "cli": {*STAGES, "root"},
 }
 STAGE_MODULE = "taylor_tune.pruning.prune"  # the one pruning module the sweep may import
 HEAVY = ("torch", "ray")  # what the instant parts (validation, statistics) must never load
-LIGHT = ("taylor_tune.config", "taylor_tune.schema", "taylor_tune.reporting")
+LIGHT = ("taylor_tune.config", "taylor_tune.schema", "taylor_tune.storage", "taylor_tune.reporting")
 
 
 def module_name(path: Path, package: Path) -> str:
@@ -166,13 +168,38 @@ def test_the_package_keeps_its_layout():
 def test_every_module_sits_in_a_stage_or_is_a_named_root_module():
     root = {p.stem for p in PACKAGE.glob("*.py")} | {p.name for p in PACKAGE.iterdir() if p.is_dir()}
     assert root - {"__pycache__"} == {"__init__", "__main__", "cli", "config", "schema", "errors", "jsonio",
-                                      "storage", "progress", "compat", "data", *STAGES}
+                                      "paired", "progress", "compat", "data", *STAGES}
+
+
+def uri_tests(package: Path = PACKAGE) -> list[str]:
+    """Every line outside `storage` that tells a URI from a folder by its `://` (the storage room's one question)."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path.relative_to(package).parts[0] in ("storage", "data"):
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if '"://" in' in line or '"://" not in' in line or "startswith(\"s3://" in line:
+                found.append(f"{path.relative_to(package)}:{number}: {line.strip()}")
+    return found
+
+
+def test_only_storage_tells_a_uri_from_a_folder(tmp_path):
+    assert uri_tests() == []
+    package = tmp_path / "taylor_tune"  # and the check can fail: a planted test of a location's scheme is found
+    shutil.copytree(PACKAGE, package, ignore=shutil.ignore_patterns("data", "__pycache__"))
+    (package / "export" / "write.py").write_text((package / "export" / "write.py").read_text()
+                                                 + '\n\ndef f(path):\n    return "://" in path\n')
+    assert uri_tests(package) == ['export/write.py:' + str(len((package / "export" / "write.py").read_text()
+                                                                .splitlines())) + ': return "://" in path']
 
 
 @pytest.mark.parametrize("where, planted, expected", [
     ("sources/data.py", "from taylor_tune.sweep.trial import run_trial\n", "sources may not import sweep"),
     ("pruning/plan.py", "from taylor_tune.evaluation import perplexity\n", "pruning may not import evaluation"),
     ("reporting/stats.py", "from taylor_tune.sources.data import world_of\n", "reporting may not import sources"),
+    ("sweep/race_state.py", "from taylor_tune.reporting import frame\n", "sweep may not import reporting"),
+    ("storage/folder.py", "from taylor_tune.sweep import folder\n", "storage may not import sweep"),
+    ("storage/cache.py", "import torch\n", "taylor_tune.storage must not load torch"),
     ("schema.py", "from taylor_tune.pruning import plan\n", "root may not import pruning"),
     ("config.py", "import torch\n", "taylor_tune.config must not load torch"),
     ("reporting/latex.py", "import ray.tune\n", "taylor_tune.reporting must not load ray"),

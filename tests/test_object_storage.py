@@ -69,7 +69,7 @@ def test_storage_that_cannot_hold_the_sweep_is_refused_in_one_line_before_ray(s3
 
 
 def test_a_bucket_that_takes_the_sweep_passes_the_check_and_leaves_nothing(s3, monkeypatch):
-    from taylor_tune.sweep.folder import check_object_storage
+    from taylor_tune.storage.location import check_object_storage
 
     for key, value in s3["env"].items():
         monkeypatch.setenv(key, value)
@@ -84,7 +84,7 @@ def test_one_sweep_on_local_storage_and_on_s3_gives_the_same_trials_report_and_e
     rebuilt export; no folder named after the URI (`s3:`) anywhere, in the repository or Ray's trial folders."""
     import json
 
-    from taylor_tune.storage import Store
+    from taylor_tune.storage.cache import Store
     from tests.sweep_helpers import RAY_TEMP, kill_ray_started_after
 
     for key, value in s3["env"].items():  # this process reads the bucket too: the server on loopback, never AWS

@@ -12,9 +12,9 @@ import logging
 import pytest
 from pyarrow import fs
 
-from taylor_tune import storage
 from taylor_tune.jsonio import entry_text, read_entry
-from taylor_tune.storage import Store, built_json, counters, is_transient, json_name
+from taylor_tune.storage import cache as storage
+from taylor_tune.storage.cache import Store, built_json, counters, is_transient, json_name
 
 
 class Flaky:

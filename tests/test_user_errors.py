@@ -95,8 +95,8 @@ def test_report_refuses_a_folder_that_is_no_experiment_and_an_output_that_is_a_f
 
 def test_a_sweep_does_not_resume_from_a_folder_other_users_can_write(capsys, tmp_path, monkeypatch):
     """Resuming unpickles Ray's state: a folder (or state file) others can write is refused unless the user opts in."""
-    from taylor_tune.errors import ConfigError
-    from taylor_tune.sweep.folder import check_resume_trust
+    from taylor_tune.errors import StorageError
+    from taylor_tune.storage.folder import check_resume_trust
 
     folder = tmp_path / "sweeps" / "exp"
     folder.mkdir(parents=True)
@@ -107,7 +107,7 @@ def test_a_sweep_does_not_resume_from_a_folder_other_users_can_write(capsys, tmp
     (folder / "tuner.pkl").chmod(0o664)
     check_resume_trust(str(folder))  # group-writable: every file of a user whose umask is 002
     (folder / "tuner.pkl").chmod(0o666)
-    with pytest.raises(ConfigError, match="tuner.pkl is writable by every user"):
+    with pytest.raises(StorageError, match="tuner.pkl is writable by every user"):
         check_resume_trust(str(folder))
     code, _, err = run(capsys, "sweep", experiment(tmp_path))  # refused before Ray starts
     one_line(code, err, "is writable by every user, and resuming the sweep would unpickle its state")
@@ -215,12 +215,12 @@ def test_one_driver_per_experiment_folder(capsys, tmp_path):
     import subprocess
     import sys
 
-    from taylor_tune.errors import ConfigError
-    from taylor_tune.sweep.lock import LOCK, driver_lock
+    from taylor_tune.errors import StorageError
+    from taylor_tune.storage.lock import LOCK, driver_lock
 
     folder = tmp_path / "sweeps" / "exp"
     with driver_lock(str(folder)):
-        with pytest.raises(ConfigError, match="another driver"), driver_lock(str(folder)):
+        with pytest.raises(StorageError, match="another driver"), driver_lock(str(folder)):
             pass
         held = json.loads((folder / LOCK).read_text())
         assert held == {"pid": os.getpid(), "host": socket.gethostname()}
@@ -233,7 +233,7 @@ def test_one_driver_per_experiment_folder(capsys, tmp_path):
     with driver_lock(str(folder)):  # a driver killed without releasing it: taken over
         assert json.loads((folder / LOCK).read_text())["pid"] == os.getpid()
     (folder / LOCK).write_text(json.dumps({"pid": 1, "host": "another-node"}))
-    with pytest.raises(ConfigError, match="another driver .pid 1 on another-node. holds"), driver_lock(str(folder)):
+    with pytest.raises(StorageError, match="another driver .pid 1 on another-node. holds"), driver_lock(str(folder)):
         pass
 
 

@@ -39,7 +39,7 @@ from taylor_tune.compat.lm_eval import (
 )
 from taylor_tune.evaluation.answers import AnswerKey, verified, worker_keys
 from taylor_tune.jsonio import digest, read_entry
-from taylor_tune.storage import Store, built_json, json_name
+from taylor_tune.storage.cache import Store, built_json, json_name
 
 ROW_TYPES = (int, int, str, int, str, str, list, list)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import posixpath
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import torch
 from pydantic import ValidationError
 
 from taylor_tune.export.choose import Chosen, ExportError
-from taylor_tune.reporting.frame import open_filesystem
+from taylor_tune.storage.folder import trial_file
 from taylor_tune.sweep.folder import flat
 from taylor_tune.sweep.stages import evaluation, recovery
 from taylor_tune.sweep.stages.pruning import pruning_stages
@@ -45,19 +44,6 @@ class Rebuilt:
     @property
     def tokenizer(self):
         return self.run.pruning.tokenizer
-
-
-def trial_file(folder: str | Path, name: str) -> tuple[str, str]:
-    """(where, text) of a file of the trial's folder: a local path or a URI (s3://...), read through pyarrow as the
-    report reads the sweep; OSError when it cannot be read."""
-    filesystem, root = open_filesystem(str(folder))
-    path = posixpath.join(root, name)
-    where = f"{str(folder).rstrip('/')}/{name}"
-    try:
-        with filesystem.open_input_stream(path) as stream:
-            return where, stream.read().decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise ValueError(f"not UTF-8 ({error.reason})") from None
 
 
 def _read(folder: str | Path, name: str, parse, unreadable: str, invalid: str) -> TrialConfig:

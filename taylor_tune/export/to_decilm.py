@@ -22,10 +22,10 @@ from torch import nn
 from taylor_tune.config import SERVABLE_TILE
 from taylor_tune.export import configuration_decilm
 from taylor_tune.export.choose import Chosen, ExportError
-from taylor_tune.export.rebuild import trial_file
 from taylor_tune.pruning.groups import decoder_layers, head_dim
 from taylor_tune.pruning.prune import meta_model
 from taylor_tune.sources.families import FAMILIES
+from taylor_tune.storage.folder import trial_file
 
 FFN_TILE = SERVABLE_TILE
 CONFIG_FILE = "configuration_decilm.py"  # the folder's configuration class (`configuration_decilm`), for AutoConfig

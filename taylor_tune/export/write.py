@@ -20,6 +20,7 @@ from taylor_tune.export.to_gguf import check_file_type, check_gguf, gguf_name, w
 from taylor_tune.jsonio import write_json
 from taylor_tune.pruning.apply import save_pruned
 from taylor_tune.sources.data import PRUNED_MANIFEST
+from taylor_tune.storage.location import shown
 
 
 def check_output(output: Path, sweep: str) -> None:
@@ -58,8 +59,8 @@ def export(sweep: str, output: str | Path, *, model: str | None = None, trial: s
     chosen = choose(sweep, model=model, trial=trial, rank=rank, constraints=tuple(constraints))
     if format == "decilm":
         check_trial(chosen, trust_remote_code=trust_remote_code)
-    command = (f"taylor-tune export {public_path(sweep)} --model {chosen.model} --trial {chosen.trial_id} "
-               f"--output {public_path(output)}"
+    command = (f"taylor-tune export {shown(sweep)} --model {chosen.model} --trial {chosen.trial_id} "
+               f"--output {shown(output)}"
                + (f" --gguf {gguf}" if gguf else "") + (f" --format {format}" if format != "hf" else ""))
     output.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -71,17 +72,6 @@ def export(sweep: str, output: str | Path, *, model: str | None = None, trial: s
         raise ExportError(f"--output {output}: no space left on its disk ({free:.1f} MB free); nothing written: free "
                           "space there or choose another folder") from None
     return output
-
-
-def public_path(path: str | Path) -> str:
-    """A path as a card made to be published shows it: relative to the current folder where it lies inside it, else
-    its last two parts (the machine's folders above them are nobody else's business); a URI as given."""
-    if "://" in str(path):
-        return str(path)
-    absolute = Path(path).absolute()
-    if absolute.is_relative_to(Path.cwd()):
-        return str(absolute.relative_to(Path.cwd())) or "."
-    return str(Path(*absolute.parts[-2:]))
 
 
 def _normal_modes(folder: Path) -> None:

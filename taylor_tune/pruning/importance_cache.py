@@ -30,7 +30,7 @@ from taylor_tune.jsonio import digest
 from taylor_tune.pruning.activations import ActivationStats, FeatureStats
 from taylor_tune.pruning.importance import Importance
 from taylor_tune.pruning.plan import GroupScores
-from taylor_tune.storage import FileLeases, Store, counters
+from taylor_tune.storage.cache import FileLeases, Store, counters
 
 log = logging.getLogger(__name__)
 

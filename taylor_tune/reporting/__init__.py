@@ -1,5 +1,6 @@
 """Reporting: Tune results -> tidy trial table (frame) -> statistics (stats, pareto) -> a Report (build) -> text
-and Markdown (render) -> report files (write). Imports neither torch nor ray.
+and Markdown (render) -> report files (write); a running sweep's progress (status). Imports neither torch nor ray,
+and nothing imports it but the export (which chooses a trial by it) and the CLI.
 
 The same functions serve a notebook and `taylor-tune report`:
 
@@ -12,19 +13,11 @@ constraints is `build_report(path, constraints=["decode_speedup>=1.3"])`, or on 
 `best_under(table.valid, [parse_constraint("decode_speedup>=1.3")], table.objective)`.
 """
 
-import importlib
+from taylor_tune.reporting.build import Report, build_report
+from taylor_tune.reporting.frame import TrialTable, consolidate, load_trials, read_experiment
+from taylor_tune.reporting.pareto import Constraint, best_under, pareto_front, parse_constraint
+from taylor_tune.reporting.render import render_markdown, render_text
+from taylor_tune.reporting.write import write_report
 
-# Each name is imported from its module when first asked for (PEP 562): a module that needs one part of reporting
-# (every trial's worker reads `reporting.paired` through racing) does not import the rest (scipy's stats, the
-# report's build), ~0.9 s of every Ray worker's start.
-_WHERE = {"Report": "build", "build_report": "build", "TrialTable": "frame", "consolidate": "frame",
-          "load_trials": "frame", "read_experiment": "frame", "Constraint": "pareto", "best_under": "pareto",
-          "pareto_front": "pareto", "parse_constraint": "pareto", "render_markdown": "render",
-          "render_text": "render", "write_report": "write"}
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+__all__ = ["Constraint", "Report", "TrialTable", "best_under", "build_report", "consolidate", "load_trials",
+           "pareto_front", "parse_constraint", "read_experiment", "render_markdown", "render_text", "write_report"]

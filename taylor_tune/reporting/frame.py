@@ -20,14 +20,13 @@ import pandas as pd
 from taylor_tune.compat import CompatError
 from taylor_tune.compat.tune_state import saved_trials
 from taylor_tune.errors import ReportError
-from taylor_tune.jsonio import json_safe, linked_part, read_own
+from taylor_tune.jsonio import json_safe
 from taylor_tune.reporting.stats import ACCURACY, Objective
 from taylor_tune.schema import (
     CONFIG_COLUMNS,
     DIMENSIONS,
     EXPERIMENT_RECORD,
     LEGACY_RACE_FILE,
-    OUTCOME_COLUMNS,
     PPL_WINDOWS_FILE,
     RACE_FILE,
     SPEED_METRICS,
@@ -37,7 +36,16 @@ from taylor_tune.schema import (
     task_key,
     zero_shot_stage,
 )
-from taylor_tune.storage import storage_problem
+from taylor_tune.storage.folder import (
+    experiment_entries,
+    read_outcomes,
+    read_ppl_windows,
+    read_reports,
+    read_text,
+    trial_dirs,
+    trial_id_of,
+)
+from taylor_tune.storage.location import as_given
 
 GRAD_COLUMNS = ("grad_mean_ratio", "grad_norm_ratio", "grad_mean_range", "grad_norm_range")
 SPEC_COLUMNS = ("output_dir", "ppl", "acc_mean", "params_count", "pruning_ratio", *GRAD_COLUMNS,
@@ -118,39 +126,6 @@ class TrialTable:
 # ---------------------------------------------------------------- reading a folder
 
 
-def open_filesystem(location: str, filesystem=None):
-    """(pyarrow filesystem, path inside it) for a local path or a URI."""
-    from pyarrow import fs
-
-    if filesystem is not None:
-        return filesystem, location
-    if "://" in location:
-        try:
-            return fs.FileSystem.from_uri(location)
-        except Exception as error:  # pyarrow raises ArrowInvalid / OSError for unknown schemes or bad URIs
-            raise ReportError(f"{location}: cannot open ({type(error).__name__}: {error})") from None
-    return fs.LocalFileSystem(), str(Path(location).resolve())
-
-
-def read_text(filesystem, path: str, root: str | None = None) -> str | None:
-    """A sweep's file as text, None where it is missing or unreadable. Every file read from a sweep comes through
-    here: on a local disk only a regular file of its own (`jsonio.read_own`: no symbolic link, no file with other
-    hard links) and, with `root` (the sweep's folder), none reached through a linked folder below it. What it reads
-    goes into reports that are made to be shared: a link would copy someone else's file into them."""
-    from pyarrow import fs
-
-    if isinstance(filesystem, fs.LocalFileSystem):
-        if root is not None and linked_part(root, path) is not None:
-            return None
-        data = read_own(path)
-        return None if data is None else data.decode("utf-8", errors="replace")
-    try:
-        with filesystem.open_input_stream(path) as stream:
-            return stream.read().decode("utf-8", errors="replace")
-    except (FileNotFoundError, OSError):
-        return None
-
-
 def _last_failure(error_text: str) -> str:
     """The last line of the last failure in Tune's error.txt: the exception and its message."""
     block = error_text.rsplit("Failure # ", 1)[-1]
@@ -164,25 +139,6 @@ def _final_fidelity(config: dict) -> int | None:
     if not fidelities:
         return None
     return fidelities[-1] or 0
-
-
-def trial_id_of(folder_name: str) -> str:
-    """The trial id in a trial folder's name (Tune names it `<trainable>_<trial id>_<index>_<params>_<date>`)."""
-    return "_".join(folder_name.split("_")[2:4]) or folder_name
-
-
-def read_reports(filesystem, trial_dir: str) -> tuple[str | None, list, int]:
-    """A trial's result.json: its text (None when missing), every line that parses, and how many did not (a driver
-    killed mid-write leaves a truncated last line)."""
-    text = read_text(filesystem, posixpath.join(trial_dir, "result.json"))
-    reports, broken = [], 0
-    for line in (text or "").splitlines():
-        if line.strip():
-            try:
-                reports.append(json.loads(line))
-            except json.JSONDecodeError:
-                broken += 1
-    return text, reports, broken
 
 
 def read_trial(filesystem, trial_dir: str) -> dict:
@@ -274,78 +230,25 @@ def disagreement(filesystem, trial_dir: str, last: dict, params: dict) -> str | 
     return None
 
 
-def _read_columns(trial_dir: str, name: str, columns: tuple[str, ...], index, filesystem) -> pd.DataFrame | None:
-    """Plain columns of a parquet file in a trial's folder (nothing is unpickled), indexed by `index`; None when the
-    trial did not write it."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    from pyarrow import fs
-
-    filesystem, root = open_filesystem(str(trial_dir), filesystem)
-    path = posixpath.join(root, name)
-    try:
-        if isinstance(filesystem, fs.LocalFileSystem):  # a file of the trial's own, as `read_text` reads one
-            data = read_own(path)
-            if data is None:
-                return None
-            table = pq.read_table(pa.BufferReader(data), columns=list(columns))
-        else:
-            with filesystem.open_input_file(path) as handle:
-                table = pq.read_table(handle, columns=list(columns))
-    except (FileNotFoundError, OSError):
-        return None
-    return pd.DataFrame({column: table.column(column).to_numpy() for column in columns}).set_index(index)
-
-
-def read_outcomes(trial_dir: str, stage: str, filesystem=None) -> pd.DataFrame | None:
-    """A trial's per-item outcomes of one zero-shot pass (`schema.outcomes_file`), indexed by (task, doc_id), columns
-    acc and acc_norm (NaN where the task has none); None when the trial did not write them (it stopped before that
-    pass, or ran before they were kept)."""
-    return _read_columns(trial_dir, outcomes_file(stage), OUTCOME_COLUMNS, ["task", "doc_id"], filesystem)
-
-
-def read_ppl_windows(trial_dir: str, filesystem=None) -> pd.DataFrame | None:
-    """A trial's perplexity windows (`schema.PPL_WINDOWS_FILE`): each window's summed NLL and predicted tokens,
-    indexed by window; None when the trial did not write them."""
-    return _read_columns(trial_dir, PPL_WINDOWS_FILE, ("window", "nll", "tokens"), "window", filesystem)
-
-
 def read_experiment(location: str, filesystem=None) -> pd.DataFrame:
     """Every trial folder of a Tune experiment -> raw rows (not yet judged valid)."""
-    from pyarrow import fs as pafs
-
     given = filesystem
-    filesystem, root = open_filesystem(str(location), filesystem)
-    try:
-        if not isinstance(filesystem, pafs.LocalFileSystem):  # a listing first: a GET's error names its cause (a
-            filesystem.get_file_info(pafs.FileSelector(root, allow_not_found=True))  # HEAD's has no body to say it)
-        info = filesystem.get_file_info(root)
-        entries = filesystem.get_file_info(pafs.FileSelector(root, recursive=False)) \
-            if info.type == pafs.FileType.Directory else []
-    except OSError as error:  # an object store's: its endpoint down, its credentials refused, access denied
-        said = (str(error).strip() or type(error).__name__).splitlines()[0][:200]
-        raise ReportError(f"{location}: {storage_problem(error)} ({said})") from None
-    if info.type != pafs.FileType.Directory:
-        raise ReportError(f"{location}: no such experiment folder")
-    local = isinstance(filesystem, pafs.LocalFileSystem)  # a linked trial folder is another's, never read as ours
-    trial_dirs = sorted(e.path for e in entries if e.type == pafs.FileType.Directory
-                        and not (local and Path(e.path).is_symlink())
-                        and filesystem.get_file_info(posixpath.join(e.path, "params.json")).type == pafs.FileType.File)
-    if not trial_dirs and not any(e.base_name.startswith("experiment_state-") for e in entries):
+    filesystem, root, entries = experiment_entries(str(location), filesystem)
+    found = trial_dirs(filesystem, entries)
+    if not found and not any(e.base_name.startswith("experiment_state-") for e in entries):
         raise ReportError(f"{location}: not a Tune experiment folder (no trial folders, no experiment_state-*.json)")
-    if not trial_dirs:  # a sweep that has started and has no trial yet, or a state that is not Tune's at all
+    if not found:  # a sweep that has started and has no trial yet, or a state that is not Tune's at all
         try:
             saved_trials(filesystem, root)
         except (ValueError, UnicodeDecodeError, CompatError) as error:
             raise ReportError(f"{location}: not a readable Tune experiment ({error})") from None
-    rows = pd.DataFrame([read_trial(filesystem, d) for d in trial_dirs])
+    rows = pd.DataFrame([read_trial(filesystem, d) for d in found])
     _check_objective(rows, read_text(filesystem, posixpath.join(root, EXPERIMENT_RECORD)))
     raced = _race_lines(filesystem, root)
     if raced and len(rows):
         rows["race"] = [raced.get(trial_id) for trial_id in rows["trial_id"]]
-    if "://" in str(location) and given is None and len(rows):  # keep the scheme: s3://bucket/... not bucket/...
-        scheme = str(location).split("://", 1)[0]
-        rows["output_dir"] = [f"{scheme}://{d}" for d in rows["output_dir"]]
+    if given is None and len(rows):  # named as the user names the sweep: s3://bucket/..., not bucket/...
+        rows["output_dir"] = [as_given(location, d) for d in rows["output_dir"]]
     return rows
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from taylor_tune.reporting.paired import paired_difference, paired_log_ppl
+from taylor_tune.paired import paired_difference, paired_log_ppl
 from taylor_tune.reporting.stats import Z95, Objective, multiplicative, searched
 from taylor_tune.schema import before_recovery_key
 

@@ -11,7 +11,7 @@ Uncertainty: lm-eval gives each task's accuracy a standard error; acc_mean's is 
 (tasks are disjoint item sets, so their errors are independent). Two trials differ beyond their uncertainty
 when the difference exceeds z * sqrt(se_a^2 + se_b^2), z = 1.96 by default. Both trials answer the same
 items, so this independent-errors bound is conservative: where both kept their items' outcomes, the lead of the best
-is judged paired instead (`reporting.paired`: the task-stratified standard error of the per-item differences).
+is judged paired instead (`taylor_tune.paired`: the task-stratified standard error of the per-item differences).
 A single task's interval is Wilson's over its item count (`acc_<task>_n`) where the trials record it.
 
 Ranking follows the sweep's `Objective` (its `metric` and `mode`, acc_mean / max unless the experiment said
@@ -29,7 +29,7 @@ import pandas as pd
 from scipy import stats
 
 from taylor_tune.config import layout_name
-from taylor_tune.reporting.paired import mcnemar, paired_difference, paired_log_ppl, shared
+from taylor_tune.paired import mcnemar, paired_difference, paired_log_ppl, shared
 from taylor_tune.schema import (
     BEFORE_RECOVERY,
     CONFIG_COLUMNS,

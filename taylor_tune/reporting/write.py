@@ -14,9 +14,11 @@ from taylor_tune.errors import ReportError
 from taylor_tune.jsonio import write_json
 from taylor_tune.reporting import latex, plots, stats
 from taylor_tune.reporting.build import ModelReport, Report
-from taylor_tune.reporting.frame import ARTIFACTS, open_filesystem, read_text
+from taylor_tune.reporting.frame import ARTIFACTS
 from taylor_tune.reporting.render import render_markdown, render_text
 from taylor_tune.schema import CONFIG_COLUMNS
+from taylor_tune.storage.folder import leaves, read_text
+from taylor_tune.storage.location import open_location
 
 
 def folder_name(model: str) -> str:
@@ -86,12 +88,6 @@ def method_comparison_dict(m: ModelReport) -> dict:
     }
 
 
-def _leaves(trial_dir: Path, name: str) -> bool:
-    """Whether a local trial folder's file is a symbolic link to somewhere outside the folder."""
-    path = trial_dir / name
-    return path.is_symlink() and not path.resolve().is_relative_to(trial_dir.resolve())
-
-
 def _refuse_links(out: Path) -> None:
     """Writing into a folder that holds symbolic links would write through them, to wherever they point."""
     for path in (out, *out.rglob("*")) if out.is_dir() else (out,):
@@ -107,9 +103,9 @@ def _copy_artifacts(report_dir: Path, m: ModelReport, written: list[Path], files
     trial_dir = m.best.get("output_dir")
     texts, leaving = {}, []
     if isinstance(trial_dir, str):
-        filesystem, root = open_filesystem(trial_dir, filesystem)
+        filesystem, root = open_location(trial_dir, filesystem)
         texts = {name: read_text(filesystem, f"{root.rstrip('/')}/{name}") for name in ARTIFACTS}
-        leaving = [name for name in ARTIFACTS if _leaves(Path(root), name)] if "://" not in trial_dir else []
+        leaving = [name for name in ARTIFACTS if leaves(filesystem, root, name)]
         texts |= dict.fromkeys(leaving)  # a link out of the trial folder is not the trial's: never copied
     (folder / "artifacts").mkdir(parents=True, exist_ok=True)
     missing = [name for name, text in texts.items() if text is None] if texts else list(ARTIFACTS)

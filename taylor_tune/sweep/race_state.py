@@ -21,8 +21,8 @@ import posixpath
 import pandas as pd
 
 from taylor_tune.jsonio import digest
-from taylor_tune.reporting.frame import read_outcomes, read_ppl_windows, read_reports, read_text
 from taylor_tune.schema import LEGACY_RACE_FILE, PPL_WINDOWS_FILE, RACE_FILE, RACE_OBJECTIVES, outcomes_file, task_key
+from taylor_tune.storage.folder import read_outcomes, read_ppl_windows, read_reports, read_text
 
 # every field of a trial's entry that a resumed race reads, and its type
 ENTRY_FIELDS = {"model": str, "block": int, "stage": str, "folder": str, "metrics": dict, "items": int,

@@ -8,7 +8,7 @@ sample of the task, unlike lm-eval's `limit` (the first documents in the file's 
 block have scored the same items, so their comparison is paired.
 
 Decisions. After each block a trial is compared with the incumbent on the items both have scored, with the paired
-machinery of the report (`reporting.paired`: acc_mean's task-stratified paired difference, or log perplexity paired by
+machinery of the report (`taylor_tune.paired`: acc_mean's task-stratified paired difference, or log perplexity paired by
 window). The incumbent is the best trial among those that have scored the most items (ties: the smaller trial id). A
 trial other than the incumbent stops when it is worse at one-sided level `alpha`: its difference from the incumbent is
 below zero by more than z_(1-alpha) standard errors (a zero standard error separates any nonzero difference, as in the
@@ -26,7 +26,7 @@ from statistics import NormalDist
 import numpy as np
 import pandas as pd
 
-from taylor_tune.reporting.paired import PairedDifference, paired_difference, paired_log_ppl
+from taylor_tune.paired import PairedDifference, paired_difference, paired_log_ppl
 from taylor_tune.schema import RACE_OBJECTIVES
 
 

@@ -21,7 +21,7 @@ import torch
 from taylor_tune import schema
 from taylor_tune.config import PruneConfig, RecoverySpec, dimensions
 from taylor_tune.jsonio import write_json
-from taylor_tune.storage import Leases, StoreStats
+from taylor_tune.storage.cache import Leases, StoreStats
 from taylor_tune.sweep.stages import evaluation, recovery, speed
 from taylor_tune.sweep.stages.pruning import pruning_stages
 from taylor_tune.sweep.stages.run import Stage, TrialConfig, TrialRun

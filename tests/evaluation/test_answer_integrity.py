@@ -19,7 +19,7 @@ from taylor_tune.evaluation.answers import AnswerKey, worker_keys
 from taylor_tune.evaluation.requests import PassRequests, RequestCache, pass_fields
 from taylor_tune.jsonio import entry_text, read_entry
 from taylor_tune.sources.models import load_model, load_tokenizer
-from taylor_tune.storage import json_name
+from taylor_tune.storage.cache import json_name
 from tests.evaluation.test_answers import Answering, same_outcomes
 
 pytestmark = pytest.mark.slow  # an lm-eval pass per example

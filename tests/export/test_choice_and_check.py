@@ -12,8 +12,8 @@ from taylor_tune.config import Evaluation, PruneConfig
 from taylor_tune.export.choose import Chosen, choose
 from taylor_tune.export.rebuild import rebuild
 from taylor_tune.jsonio import json_safe
-from taylor_tune.reporting.frame import read_ppl_windows
 from taylor_tune.reporting.stats import Objective
+from taylor_tune.storage.folder import read_ppl_windows
 from taylor_tune.sweep.trial import TrialConfig, run_trial
 from tests.export.test_export import tune_folder
 from tests.report_helpers import synthetic_trials, write_tune_folder

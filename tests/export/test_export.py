@@ -394,6 +394,25 @@ def test_export_with_gguf_writes_a_file_llama_cpp_reads_as_the_exported_model(sw
     assert gap.max() < 1e-4
 
 
+def test_without_llama_cpp_the_gguf_is_written_unchecked_and_the_export_says_so(sweep, tmp_path, capsys, monkeypatch):
+    """`make demo` installs no llama-cpp-python (it builds from source: the tests' set-up has it): the export writes
+    the GGUF all the same, records that it is unchecked and why, and says so in one note line."""
+    import sys
+
+    from taylor_tune.cli import main
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` raises ImportError, as where it is absent
+    code = main(["export", str(sweep["path"]), "--trial", sweep["ids"]["free"], "--gguf", "f32",
+                 "--output", str(tmp_path / "out")])
+    said = capsys.readouterr().out
+    assert code == 0, said
+    record = json.loads((tmp_path / "out" / "export.json").read_text())
+    assert record["gguf"]["check"] == {"checked": False,
+                                       "why": "llama-cpp-python is not installed (pip install 'taylor-tune[gguf]')"}
+    assert (tmp_path / "out" / "model.f32.gguf").stat().st_size > 0
+    assert "note: model.f32.gguf is written unchecked: llama-cpp-python is not installed" in said, said
+
+
 def test_export_as_decilm_writes_block_configs_a_reader_rebuilds_the_model_from(sweep, tmp_path):
     """`--format decilm` on the depth trial (every width kept: servable): `block_configs` per kept layer, read here as
     DeciLM's readers read them (query heads / n_heads_in_group, ceil256(int(2 * ffn_mult * hidden / 3))), into a

@@ -32,7 +32,7 @@ from taylor_tune.pruning.importance_cache import (
     tensors_sha256,
 )
 from taylor_tune.pruning.plan import GroupScores
-from taylor_tune.storage import Store
+from taylor_tune.storage.cache import Store
 from tests.sweep_helpers import REPO, wait_for
 
 
@@ -276,7 +276,7 @@ def test_an_entry_written_between_the_look_and_the_lock_is_read_not_computed_aga
     """Another trial finishes (its entry written, its lock let go) in the instant between this trial's look for the
     entry and its taking the lock: this trial reads that entry and computes nothing. (Found as a flaky failure of the
     test above under load: the other trial's write landed in that window and this one computed again.)"""
-    from taylor_tune import storage
+    from taylor_tune.storage import cache as storage
 
     root = tmp_path / "cache"
     ImportanceCache(root).get_or_compute(FIELDS, [8], Compute({8: importance(8, 3)}))

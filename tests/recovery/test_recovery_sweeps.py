@@ -8,7 +8,7 @@ import signal
 import pytest
 
 from taylor_tune.reporting import build_report, load_trials
-from taylor_tune.storage import Store
+from taylor_tune.storage.cache import Store
 from tests.recovery.test_recovery_search import asha_reference
 from tests.sweep.test_sweep_resilience import interrupt_sweep
 from tests.sweep_helpers import analysis_rows, run_sweep_to_end, trial_dirs, write_experiment

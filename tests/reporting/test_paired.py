@@ -10,8 +10,8 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from taylor_tune.reporting import paired
-from taylor_tune.reporting.paired import mcnemar, paired_bootstrap, paired_difference, shared
+from taylor_tune import paired
+from taylor_tune.paired import mcnemar, paired_bootstrap, paired_difference, shared
 
 SIZES = {"arc_easy": 300, "boolq": 900, "piqa": 120}  # unequal: an item-weighted mean differs from a task-weighted one
 

@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from taylor_tune.errors import ConfigError
-from taylor_tune.sweep.status import sweep_status
+from taylor_tune.reporting.status import sweep_status
 from tests.sweep_helpers import (
     REPO,
     env,

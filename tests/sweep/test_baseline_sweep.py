@@ -6,7 +6,7 @@ statistics computed once and read by the other baseline, and the report's method
 import pytest
 
 from taylor_tune.reporting import build_report
-from taylor_tune.storage import Store
+from taylor_tune.storage.cache import Store
 from tests.sweep_helpers import analysis_rows, run_sweep_to_end, write_experiment
 from tests.test_refused_before_work import experiment, nothing_started, one_line, run
 

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from taylor_tune.reporting import build_report, load_trials
-from taylor_tune.sweep.status import sweep_status
+from taylor_tune.reporting.status import sweep_status
 from tests.sweep_helpers import (
     SMALL,
     analysis_rows,

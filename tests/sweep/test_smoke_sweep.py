@@ -13,8 +13,8 @@ import pytest
 
 from taylor_tune.reporting import load_trials
 from taylor_tune.reporting.stats import best_trial
-from taylor_tune.storage import Store
-from taylor_tune.sweep.status import sweep_status
+from taylor_tune.reporting.status import sweep_status
+from taylor_tune.storage.cache import Store
 from tests.sweep_helpers import (
     REPO,
     analysis_rows,

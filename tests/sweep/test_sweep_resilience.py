@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from taylor_tune.reporting import build_report, load_trials
-from taylor_tune.storage import Store
+from taylor_tune.storage.cache import Store
 from tests.sweep_helpers import (
     REPO,
     analysis_rows,

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from taylor_tune.config import Evaluation, PruneConfig
-from taylor_tune.storage import Store
+from taylor_tune.storage.cache import Store
 from taylor_tune.sweep.trial import TrialConfig, run_trial
 
 
@@ -184,7 +184,7 @@ def test_a_trials_stored_outcomes_average_to_its_reported_accuracies_exactly(tmp
     """Issue 64, must-show 1 (tiny models): every zero-shot pass writes each item's outcome; read back (as the report
     reads them) and averaged per task in the task's metric, they are the reported acc_<task>, and their mean of task
     means acc_mean. Both fidelities' files, the first a subset of the second's items."""
-    from taylor_tune.reporting.frame import read_outcomes
+    from taylor_tune.storage.folder import read_outcomes
 
     evaluation = Evaluation(tasks="piqa,arc_easy,boolq", task_data="world", ppl=None, metrics={"piqa": "acc_norm"},
                             fidelities=[3, 7], speed=None)
@@ -224,7 +224,7 @@ def test_a_real_trials_stored_outcomes_give_its_reported_accuracies_and_ppl_exac
 
     import pyarrow.parquet as pq
 
-    from taylor_tune.reporting.frame import read_outcomes
+    from taylor_tune.storage.folder import read_outcomes
 
     evaluation = Evaluation(tasks="all", task_data="real", ppl="wiki", ppl_window=128, ppl_max_windows=4,
                             fidelities=[8], speed=None)
@@ -248,7 +248,7 @@ def test_a_trials_passes_score_the_models_seeded_items_and_a_stored_trial_withou
     existed (its evaluation lacks the field) scores lm-eval's first N documents and records what it recorded then."""
     import numpy as np
 
-    from taylor_tune.reporting.frame import read_outcomes
+    from taylor_tune.storage.folder import read_outcomes
     from taylor_tune.sweep.racing import race_seed
     from taylor_tune.sweep.tune.trainable import trial_config
 

@@ -301,7 +301,7 @@ def test_perplexity_passes_score_the_models_seeded_windows_once_each_and_end_at_
     of the model's seeded order (racing.Blocks, as a race's blocks), each later one only the windows it adds; the
     last reports the perplexity of every window, as one pass over the text does, and leaves every window's NLL."""
     from taylor_tune.evaluation.evaluate import Evaluator
-    from taylor_tune.reporting.frame import read_ppl_windows
+    from taylor_tune.storage.folder import read_ppl_windows
     from taylor_tune.sweep.racing import Blocks, race_seed
 
     scored, perplexity = [], Evaluator.perplexity

@@ -16,7 +16,7 @@ from taylor_tune.evaluation.evaluate import Evaluator, PerplexityResult, ZeroSho
 from taylor_tune.jsonio import json_safe
 from taylor_tune.pruning.prune import Pruning
 from taylor_tune.schema import DIMENSIONS
-from taylor_tune.storage import Leases, Store, StoreStats
+from taylor_tune.storage.cache import Leases, Store, StoreStats
 from taylor_tune.sweep.racing import Blocks
 
 

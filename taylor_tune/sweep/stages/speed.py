@@ -13,7 +13,7 @@ import torch
 from taylor_tune.evaluation.speed import checked_paired, measure_paired
 from taylor_tune.pruning.prune import layer_shapes
 from taylor_tune.sources.models import load_model
-from taylor_tune.storage import built_json
+from taylor_tune.storage.cache import built_json
 from taylor_tune.sweep.lock import timing_lock
 from taylor_tune.sweep.stages.run import TrialRun
 

@@ -18,7 +18,7 @@ from typing import TextIO
 from ray.tune import Callback
 
 from taylor_tune.schema import SEARCHABLE
-from taylor_tune.sweep.folder import storage_full
+from taylor_tune.storage.location import storage_full
 
 # how the console names the paper's three dimensions; any other searched one goes by its own name
 _SHORT = {"taylor_seq_len": "seq_len", "taylor_num_samples": "samples"}
@@ -60,7 +60,7 @@ def error_summary(text: str | None) -> str:
 
 class FullStorage(Callback):
     """Watches a local storage during the sweep (at most every `every_s`, at Tune's steps). Once it is full
-    (`folder.storage_full`), the sweep is ended as Ctrl-C ends it, once: Tune saves what it can and returns, the
+    (`location.storage_full`), the sweep is ended as Ctrl-C ends it, once: Tune saves what it can and returns, the
     trials not finished stay pending for the rerun, and no pending trial is started only to fail on the same disk."""
 
     def __init__(self, storage_path: str, *, every_s: float = 1.0, clock=time.monotonic,

@@ -16,7 +16,6 @@ import os
 import signal
 import threading
 from collections.abc import Callable
-from pathlib import Path
 
 import ray
 import torch
@@ -25,20 +24,11 @@ from ray import tune
 from taylor_tune.compat.ray import init_local, on_loopback
 from taylor_tune.errors import ConfigError
 from taylor_tune.schema import zero_shot_stage
+from taylor_tune.storage.folder import check_resumable, experiment_folder, has_state, set_aside_damaged_state
+from taylor_tune.storage.location import check_storage, joined
+from taylor_tune.storage.lock import driver_lock
 from taylor_tune.sweep.experiment import Experiment, check_models, check_sources
-from taylor_tune.sweep.folder import (
-    check_experiment_folder,
-    check_ours,
-    check_pickles_whole,
-    check_race_state,
-    check_resume_trust,
-    check_state_intact,
-    check_storage,
-    check_unchanged,
-    has_state,
-    set_aside_damaged_state,
-)
-from taylor_tune.sweep.lock import driver_lock
+from taylor_tune.sweep.folder import check_race_state, check_unchanged
 from taylor_tune.sweep.preflight import (
     check_calibration_sizes,
     check_memory,
@@ -47,7 +37,6 @@ from taylor_tune.sweep.preflight import (
     check_streaming,
     memory_bytes,
 )
-from taylor_tune.sweep.status import sweep_status  # noqa: F401 (where callers found it before)
 from taylor_tune.sweep.tune.console import ConsoleCallback, FullStorage, quiet_when_full
 from taylor_tune.sweep.tune.leases import start_leases
 from taylor_tune.sweep.tune.metrics import SweepMetricsCallback
@@ -59,24 +48,17 @@ from taylor_tune.sweep.tune.trainable import sweep_trainable
 
 
 def experiment_path(experiment: Experiment) -> str:
-    storage = experiment.storage_path
-    return (
-        f"{storage.rstrip('/')}/{experiment.name}"
-        if "://" in storage
-        else str(Path(storage).resolve() / experiment.name)
-    )
+    """The experiment's folder, `<storage_path>/<name>`, as its guards, its lock and Tune name it."""
+    return experiment_folder(experiment.storage_path, experiment.name)
 
 
 def validate(experiment: Experiment) -> None:
     """Every check that needs no Ray: storage, models, every point's plan and calibration draw, and resources that
     this machine cannot give (local runs)."""
     check_storage(experiment.storage_path)
-    check_experiment_folder(experiment)
-    check_ours(experiment_path(experiment))
-    check_resume_trust(experiment_path(experiment))
-    check_pickles_whole(experiment_path(experiment))
-    check_state_intact(experiment_path(experiment))
-    check_race_state(experiment_path(experiment))
+    folder = experiment_path(experiment)
+    check_resumable(folder)
+    check_race_state(folder)
     check_sources(experiment)
     check_models(experiment)
     check_plans(experiment)
@@ -161,9 +143,10 @@ def run_sweep(experiment: Experiment, *, verbose: bool = False, interrupted: Cal
     interrupt came during the start that the code it hit swallowed (an extension module's initialisation prints it
     as "Exception ignored" and goes on); asked just before Tune takes over, which then stops instead of running."""
     validate(experiment)
-    with driver_lock(experiment_path(experiment)):
-        check_unchanged(experiment, experiment_path(experiment))
-        set_aside_damaged_state(experiment_path(experiment))
+    folder = experiment_path(experiment)
+    with driver_lock(folder):
+        check_unchanged(experiment, folder)
+        set_aside_damaged_state(folder)
         return _fit(experiment, verbose, interrupted or (lambda: False))
 
 
@@ -219,7 +202,7 @@ def _fit(experiment: Experiment, verbose: bool, interrupted: Callable[[], bool])
             ),
             run_config=tune.RunConfig(
                 name=experiment.name,
-                storage_path=str(Path(path).parent) if "://" not in path else experiment.storage_path,
+                storage_path=joined(experiment.storage_path),
                 failure_config=tune.FailureConfig(max_failures=experiment.max_failures),
                 verbose=1 if verbose else 0,
                 sync_config=tune.SyncConfig(sync_artifacts=True),  # the trial's artifacts reach storage from any node

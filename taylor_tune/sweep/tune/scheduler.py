@@ -38,8 +38,9 @@ from ray.tune.schedulers import AsyncHyperBandScheduler, FIFOScheduler, TrialSch
 
 from taylor_tune.config import Evaluation
 from taylor_tune.jsonio import write_whole
-from taylor_tune.reporting.frame import open_filesystem, read_outcomes, read_ppl_windows
 from taylor_tune.schema import RACE_FILE, is_recovery_stage
+from taylor_tune.storage.folder import read_outcomes, read_ppl_windows
+from taylor_tune.storage.location import open_location
 from taylor_tune.sweep.race_state import RaceStateError, compared, item_scores, items_digest, read_race
 from taylor_tune.sweep.racing import Decision, Race
 
@@ -99,7 +100,7 @@ class RaceScheduler(FIFOScheduler):
         self.loaded = False
 
     def _filesystem(self):
-        return open_filesystem(self.location)
+        return open_location(self.location)
 
     def _load(self) -> None:
         """After a resume: the races as their saved state left them, each trial's compared items read again from

@@ -18,7 +18,7 @@ from ray import tune
 from taylor_tune.compat.ray import trial_storage
 from taylor_tune.jsonio import write_whole
 from taylor_tune.schema import PPL_WINDOWS_FILE, outcomes_file, zero_shot_stage
-from taylor_tune.storage import StoreStats, retried
+from taylor_tune.storage.cache import StoreStats, retried
 from taylor_tune.sweep.trial import FINISHED_ARTIFACTS, TrialConfig, completed_metrics, run_trial
 from taylor_tune.sweep.tune.leases import RayLeases
 from taylor_tune.sweep.tune.metrics import TrialMetrics

@@ -10,14 +10,16 @@ import pandas as pd
 from taylor_tune.compat.tune_state import saved_trials
 from taylor_tune.errors import ConfigError
 from taylor_tune.reporting import stats
-from taylor_tune.reporting.frame import open_filesystem, read_reports, same_value, trial_id_of
+from taylor_tune.reporting.frame import same_value
 from taylor_tune.schema import CONFIG_COLUMNS, zero_shot_stage
+from taylor_tune.storage.folder import read_reports, trial_folders
+from taylor_tune.storage.location import open_location
 
 
 def sweep_status(path: str) -> dict:
     """Trial counts by state and the best trial so far per model by the sweep's metric, from the saved experiment
     state."""
-    filesystem, root = open_filesystem(path)
+    filesystem, root = open_location(path)
     # a running driver rewrites the state file every second, not atomically: a read can catch it half written
     for attempt in range(3):
         try:
@@ -75,17 +77,6 @@ def sweep_status(path: str) -> dict:
 
 # what status reads of a trial's last result, besides its configuration and the sweep's metric
 STATUS_KEYS = ("stage", "acc_mean", "ppl", "decode_speedup", "memory_ratio")
-
-
-def trial_folders(filesystem, root: str) -> dict[str, str]:
-    """trial id -> its folder under the experiment (Tune names it `<trainable>_<trial id>_<index>_...`)."""
-    from pyarrow import fs
-
-    found = {}
-    for info in filesystem.get_file_info(fs.FileSelector(root, recursive=False)):
-        if info.type == fs.FileType.Directory and info.base_name.startswith("sweep_trainable_"):
-            found.setdefault(trial_id_of(info.base_name), info.path)
-    return found
 
 
 def _differs(filesystem, folder: str | None, result: dict, metric: str | None) -> list[str]:

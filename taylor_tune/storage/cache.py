@@ -31,6 +31,7 @@ from typing import Protocol, TypeVar
 from pyarrow import fs
 
 from taylor_tune.jsonio import digest, entry_text, read_entry, write_bytes, write_whole
+from taylor_tune.storage.location import open_location
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -46,36 +47,6 @@ def is_transient(error: BaseException) -> bool:
     return isinstance(error, (TimeoutError, ConnectionError)) or (
         isinstance(error, OSError) and not isinstance(error, FileNotFoundError)
         and any(word in str(error).lower() for word in TRANSIENT))
-
-
-# What an object store's error says, and what it means for the user (pyarrow's AWS errors carry the SDK's code)
-_STORAGE_ERRORS = (
-    (("NETWORK_CONNECTION", "Could not connect", "Couldn't connect", "curlCode", "timed out", "Timeout",
-      "Could not resolve"), "its endpoint cannot be reached"),
-    (("NO_SUCH_BUCKET", "NoSuchBucket", "bucket does not exist"), "its bucket does not exist"),
-    (("INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH", "InvalidAccessKeyId", "SignatureDoesNotMatch",
-      "EXPIRED_TOKEN", "ExpiredToken", "No credentials", "MISSING_AUTHENTICATION_TOKEN"),
-     "its credentials are refused"),
-    (("ACCESS_DENIED", "AccessDenied", "Forbidden", "403"), "access is denied"),
-)
-
-
-def storage_problem(error: Exception) -> str:
-    """What an object store's error means for the user, in a few words (its endpoint cannot be reached, ...)."""
-    text = str(error)
-    for needles, meaning in _STORAGE_ERRORS:
-        if any(needle in text for needle in needles):
-            return meaning
-    return "it cannot be used"
-
-
-def open_storage(location: str | Path) -> tuple[fs.FileSystem, str]:
-    """(filesystem, path in it) of a local folder or a URI (credentials and endpoint from the environment, as Ray
-    Tune opens its own storage)."""
-    location = str(location)
-    if "://" in location:
-        return fs.FileSystem.from_uri(location)
-    return fs.LocalFileSystem(), str(Path(location).absolute())
 
 
 def retried(operation: Callable[[], T], stats: StoreStats, where: str, *, retries: int = 5,
@@ -183,7 +154,7 @@ class Store:
                  stats: StoreStats | None = None, heartbeat_s: float = 5.0, retries: int = 5,
                  backoff_s: float = 0.2, filesystem: fs.FileSystem | None = None):
         """`location`: a folder or a URI; with `filesystem`, a path in it."""
-        self.filesystem, self.base = open_storage(location) if filesystem is None else (filesystem, str(location))
+        self.filesystem, self.base = open_location(location, filesystem)
         self.local = isinstance(self.filesystem, fs.LocalFileSystem)
         self.location = str(location)
         # without a lease service a local folder coordinates by lock files; object storage needs Ray's leases
