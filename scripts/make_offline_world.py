@@ -25,7 +25,7 @@ from scripts.world.train import train_causal_lm, train_tokenizer  # noqa: E402
 from taylor_tune.sources.families import FAMILIES  # noqa: E402
 from taylor_tune.sources.world import world_dir  # noqa: E402
 
-ARCHITECTURES = {family.tiny_name: model_type for model_type, family in FAMILIES.items()}  # seeded in this order
+ARCHITECTURES = {family.tiny_name: model_type for model_type, family in FAMILIES.items()}  # seeded by world_seed
 DEFAULT_STEPS = 600
 # Granite-MoE with the tiny multipliers learns slower: at 600 steps its loss was 0.634 and it beat chance on 4 of the
 # seven tasks (tests/evaluation/test_evaluation.py asks 5); at 1,200, 0.456
@@ -67,9 +67,10 @@ def main() -> None:
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    for seed, (name, arch) in enumerate(ARCHITECTURES.items()):
+    for name, arch in ARCHITECTURES.items():
         if name not in args.models:
             continue
+        seed = FAMILIES[arch].world_seed
         # each family's traits as its tiny random model has them (sources.families), on the world's shape, and
         # where the random one's values are chosen only to show in a test, the released models' (TRAINED_TRAITS)
         extra = {"sliding_window": None} if arch == "mistral" else dict(FAMILIES[arch].tiny)

@@ -44,7 +44,8 @@ from taylor_tune.pruning.plan import PrunePlan
 from taylor_tune.sources import pruned_modeling
 from taylor_tune.sources.data import PRUNED_MANIFEST as MANIFEST
 from taylor_tune.sources.families import FAMILIES
-from taylor_tune.sources.pruned_modeling import PRUNED_CLASSES, set_layer_shape
+from taylor_tune.sources.models import pruned_class_of
+from taylor_tune.sources.pruned_modeling import set_layer_shape
 
 MODELING_FILE = "modeling_taylor_tune_pruned.py"
 
@@ -257,7 +258,7 @@ def _finish(model: nn.Module, directory: Path, kind: FolderKind, tokenizer, sour
     if kind.uniform:  # a stock config: every layer has the shape its fields say
         config |= kind.stock
     else:
-        cls = PRUNED_CLASSES[config["model_type"]].__name__
+        cls = pruned_class_of(config["model_type"]).__name__
         config |= {"pruned_layout": kind.layout, "architectures": [cls],
                    "auto_map": {"AutoModelForCausalLM": f"{MODELING_FILE.removesuffix('.py')}.{cls}"}}
         if kind.output_bias:

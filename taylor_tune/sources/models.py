@@ -23,7 +23,15 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers import (
+    CONFIG_MAPPING,
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
 from taylor_tune.compat.transformers import building
 from taylor_tune.errors import ModelLoadError, shown
@@ -32,7 +40,7 @@ from taylor_tune.sources.assets import require as require_asset
 from taylor_tune.sources.data import PRUNED_MANIFEST, TINY_MODELS, TRAINED_MODELS
 from taylor_tune.sources.families import FAMILIES
 from taylor_tune.sources.gguf import convert_gguf
-from taylor_tune.sources.pruned_modeling import PRUNED_CLASSES, split_fused
+from taylor_tune.sources.pruned_modeling import pruned_class, split_fused
 from taylor_tune.sources.streaming import Checkpoint
 from taylor_tune.sources.world import model_dir
 
@@ -283,6 +291,13 @@ def check_safetensors(folder: Path, spec: str) -> None:
                              "save_pretrained(..., safe_serialization=True) or convert it to safetensors")
 
 
+def pruned_class_of(model_type: str) -> type:
+    """The class that loads a free-layout folder of a dense family: its stock causal-LM class (transformers' own
+    mapping, which also holds a class registered with `AutoModelForCausalLM.register`) with each layer shrunk to
+    the folder's layout (`pruned_modeling.pruned_class`)."""
+    return pruned_class(MODEL_FOR_CAUSAL_LM_MAPPING[CONFIG_MAPPING[model_type]])
+
+
 def _pruned_class(directory: Path) -> tuple[PretrainedConfig, type, torch.dtype]:
     """A pruned folder's config, the class that builds it (its family's stock class when uniform, else the pruned
     class of `pruned_modeling`) and the dtype it was saved in; ModelLoadError for what is not one."""
@@ -297,7 +312,7 @@ def _pruned_class(directory: Path) -> tuple[PretrainedConfig, type, torch.dtype]
     if manifest.get("format") != 2 or not (uniform or hasattr(config, "pruned_layout")):
         raise ModelLoadError(f"model: {directory} is a pruned folder of an older format ({PRUNED_MANIFEST} format "
                              f"{manifest.get('format')}); prune the model again")
-    cls = AutoModelForCausalLM if uniform else PRUNED_CLASSES[config.model_type]
+    cls = AutoModelForCausalLM if uniform else pruned_class_of(config.model_type)
     return config, cls, getattr(torch, manifest["dtype"])
 
 

@@ -1,8 +1,12 @@
-"""Pruned models (every family of `sources.families`) whose layers differ in size, loadable by plain transformers.
+"""Pruned models (every dense family of `sources.families`) whose layers differ in size, loadable by plain
+transformers.
 
 A HF config has one head count and one MLP width for every layer; a pruned model has its own per layer. This
 file builds the stock model from the config and shrinks each layer's projections to `config.pruned_layout`
-(one {num_attention_heads, num_key_value_heads, intermediate_size} per layer) before the weights load.
+(one {num_attention_heads, num_key_value_heads, intermediate_size} per layer) before the weights load. The pruned
+class of a family is made from its stock class (`pruned_class`): `Pruned<X>ForCausalLM` is `PrunedModel` over
+transformers' `<X>ForCausalLM`, made when first asked for (a module `__getattr__`), so that a new family needs no
+class here.
 
 It travels inside every pruned folder as `modeling_taylor_tune_pruned.py`, named by the config's `auto_map`, so
     AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
@@ -14,18 +18,8 @@ loads pruned folders through this module directly (`models.load_pruned`): no cod
 from __future__ import annotations
 
 import torch
+import transformers
 from torch import nn
-from transformers import (
-    Gemma2ForCausalLM,
-    Gemma3ForCausalLM,
-    GraniteForCausalLM,
-    LlamaForCausalLM,
-    MistralForCausalLM,
-    Olmo2ForCausalLM,
-    Phi3ForCausalLM,
-    Qwen2ForCausalLM,
-    Qwen3ForCausalLM,
-)
 from transformers.models.phi3 import modeling_phi3
 
 
@@ -109,17 +103,21 @@ def _empty_like(linear: nn.Linear, out_features: int | None = None, in_features:
                      bias=bias or linear.bias is not None, device=linear.weight.device, dtype=linear.weight.dtype)
 
 
-def shrink_to_layout(model: nn.Module, layout: list[dict], output_bias: bool = False, sliced_norms: bool = False
-                     ) -> None:
+def shrink_to_layout(model: nn.Module, layout: list[dict], output_bias: bool = False) -> None:
     """Replace each layer's projections by empty ones of the pruned sizes (the weights are loaded afterwards).
-    `output_bias` (config.pruned_output_bias): o_proj and down_proj carry a bias (FLAP's compensation).
-    `sliced_norms`: q_norm / k_norm span the whole projections (OLMo-2) and shrink with them."""
+    `output_bias` (config.pruned_output_bias): o_proj and down_proj carry a bias (FLAP's compensation). A q_norm /
+    k_norm as wide as its whole projection (OLMo-2's) shrinks with it; one as wide as a head (Qwen3's, shared by
+    every head) is kept as it is."""
     layers = model.model.layers
     if len(layout) != len(layers):
         raise ValueError(f"pruned_layout lists {len(layout)} layers, the config has {len(layers)}")
     for layer, shape in zip(layers, layout):
         attn, mlp = layer.self_attn, layer.mlp
         q_rows, kv_rows = shape["num_attention_heads"] * attn.head_dim, shape["num_key_value_heads"] * attn.head_dim
+        # a norm as wide as its whole projection (OLMo-2's) shrinks with it; one a head wide (Qwen3's) is every head's
+        sliced = {norm: rows for norm, proj, rows in ((getattr(attn, "q_norm", None), attn.q_proj, q_rows),
+                                                     (getattr(attn, "k_norm", None), attn.k_proj, kv_rows))
+                  if norm is not None and norm.weight.shape[0] == proj.out_features != attn.head_dim}
         attn.q_proj = _empty_like(attn.q_proj, out_features=q_rows)
         attn.k_proj = _empty_like(attn.k_proj, out_features=kv_rows)
         attn.v_proj = _empty_like(attn.v_proj, out_features=kv_rows)
@@ -127,68 +125,36 @@ def shrink_to_layout(model: nn.Module, layout: list[dict], output_bias: bool = F
         mlp.gate_proj = _empty_like(mlp.gate_proj, out_features=shape["intermediate_size"])
         mlp.up_proj = _empty_like(mlp.up_proj, out_features=shape["intermediate_size"])
         mlp.down_proj = _empty_like(mlp.down_proj, in_features=shape["intermediate_size"], bias=output_bias)
-        if sliced_norms:
-            for norm, rows in ((attn.q_norm, q_rows), (attn.k_norm, kv_rows)):
-                norm.weight = nn.Parameter(norm.weight.new_empty(rows))
+        for norm, rows in sliced.items():
+            norm.weight = nn.Parameter(norm.weight.new_empty(rows))
         set_layer_shape(layer, shape["num_attention_heads"], shape["num_key_value_heads"], shape["intermediate_size"])
 
 
-class PrunedLlamaForCausalLM(LlamaForCausalLM):
+class PrunedModel:
+    """Over a family's stock class (`pruned_class`): the stock model built from the config, its fused projections
+    held split (`config.pruned_fused`, Phi-3's) and each layer shrunk to `config.pruned_layout`."""
+
     def __init__(self, config):
         super().__init__(config)
+        if getattr(config, "pruned_fused", None):
+            split_fused(self, config.pruned_fused)
         shrink_to_layout(self, config.pruned_layout, getattr(config, "pruned_output_bias", False))
 
 
-class PrunedQwen2ForCausalLM(Qwen2ForCausalLM):
-    def __init__(self, config):
-        super().__init__(config)
-        shrink_to_layout(self, config.pruned_layout, getattr(config, "pruned_output_bias", False))
+def pruned_class(stock: type) -> type:
+    """`Pruned<stock's name>`: the stock causal-LM class with its layers shrunk to the folder's layout; one class per
+    stock class (kept in this module under its name, which a pruned folder's `auto_map` names)."""
+    name = f"Pruned{stock.__name__}"
+    made = globals().get(name)
+    if made is None or stock not in made.__mro__:
+        made = type(name, (PrunedModel, stock), {"__module__": __name__})
+        globals()[name] = made
+    return made
 
 
-class PrunedMistralForCausalLM(MistralForCausalLM):
-    def __init__(self, config):
-        super().__init__(config)
-        shrink_to_layout(self, config.pruned_layout, getattr(config, "pruned_output_bias", False))
-
-
-class PrunedQwen3ForCausalLM(Qwen3ForCausalLM):  # q_norm / k_norm act per head over head_dim: kept as they are
-    def __init__(self, config):
-        super().__init__(config)
-        shrink_to_layout(self, config.pruned_layout, getattr(config, "pruned_output_bias", False))
-
-
-class PrunedGraniteForCausalLM(GraniteForCausalLM):  # its multipliers come with the config
-    def __init__(self, config):
-        super().__init__(config)
-        shrink_to_layout(self, config.pruned_layout, getattr(config, "pruned_output_bias", False))
-
-
-class PrunedOlmo2ForCausalLM(Olmo2ForCausalLM):  # q_norm / k_norm span the projections: shrunk with them
-    def __init__(self, config):
-        super().__init__(config)
-        shrink_to_layout(self, config.pruned_layout, getattr(config, "pruned_output_bias", False), sliced_norms=True)
-
-
-class PrunedGemma2ForCausalLM(Gemma2ForCausalLM):  # head_dim, scalar, caps and windows come with the config
-    def __init__(self, config):
-        super().__init__(config)
-        shrink_to_layout(self, config.pruned_layout, getattr(config, "pruned_output_bias", False))
-
-
-class PrunedGemma3ForCausalLM(Gemma3ForCausalLM):  # its per-head q_norm / k_norm are shared: kept as they are
-    def __init__(self, config):
-        super().__init__(config)
-        shrink_to_layout(self, config.pruned_layout, getattr(config, "pruned_output_bias", False))
-
-
-class PrunedPhi3ForCausalLM(Phi3ForCausalLM):  # its fused projections held split (config.pruned_fused)
-    def __init__(self, config):
-        super().__init__(config)
-        split_fused(self, config.pruned_fused)
-        shrink_to_layout(self, config.pruned_layout, getattr(config, "pruned_output_bias", False))
-
-
-PRUNED_CLASSES = {"llama": PrunedLlamaForCausalLM, "qwen2": PrunedQwen2ForCausalLM, "mistral": PrunedMistralForCausalLM,
-                  "qwen3": PrunedQwen3ForCausalLM, "granite": PrunedGraniteForCausalLM,
-                  "olmo2": PrunedOlmo2ForCausalLM, "gemma2": PrunedGemma2ForCausalLM,
-                  "gemma3_text": PrunedGemma3ForCausalLM, "phi3": PrunedPhi3ForCausalLM}
+def __getattr__(name: str) -> type:
+    """`Pruned<X>ForCausalLM` for transformers' `<X>ForCausalLM` (how a pruned folder's `auto_map` finds it)."""
+    stock = getattr(transformers, name.removeprefix("Pruned"), None) if name.startswith("Pruned") else None
+    if not isinstance(stock, type):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return pruned_class(stock)

@@ -4,6 +4,8 @@ one line naming the supported ones. The oracles every family meets (importance a
 masked in every width method, stock reload, LoRA merged equal to the adapters) run on `tiny-qwen3-random` through
 `tests.helpers.ARCHS` and tests/recovery."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -11,22 +13,53 @@ from taylor_tune.pruning.apply import apply_plan, save_pruned
 from taylor_tune.pruning.plan import PrunePlan
 from taylor_tune.sources.data import TINY_MODELS
 from taylor_tune.sources.families import DENSE, FAMILIES, MIXTURES
-from taylor_tune.sources.models import SUPPORTED_ARCHITECTURES, load_model_config, load_pruned, tiny_config
-from taylor_tune.sources.pruned_modeling import PRUNED_CLASSES
+from taylor_tune.sources.models import (
+    SUPPORTED_ARCHITECTURES,
+    load_model_config,
+    load_pruned,
+    pruned_class_of,
+    tiny_config,
+)
 from tests.helpers import ARCHS, tiny
 
 
 def test_the_supported_families_are_those_declared_and_each_has_a_tiny_model_and_its_pruned_class():
+    from transformers import AutoModelForCausalLM
+
+    from taylor_tune.sources import pruned_modeling
+
     assert SUPPORTED_ARCHITECTURES == tuple(FAMILIES) == DENSE + MIXTURES
     assert {TINY_MODELS[name] for name in ARCHS} == set(DENSE)  # every dense family under the arch-wide oracles
-    for model_type in DENSE:
-        assert PRUNED_CLASSES[model_type].__name__ == FAMILIES[model_type].pruned_class
-    for model_type in MIXTURES:  # no free layout: the experts method keeps a mixture stock (tests/pruning/test_experts)
-        assert FAMILIES[model_type].pruned_class is None and model_type not in PRUNED_CLASSES
+    for model_type in DENSE:  # the pruned class made from the stock one, and found by its name as a folder's auto_map
+        stock = type(AutoModelForCausalLM.from_config(tiny_config(f"{FAMILIES[model_type].tiny_name}-random")))
+        made = pruned_class_of(model_type)
+        assert made.__name__ == f"Pruned{stock.__name__}" and issubclass(made, stock)
+        assert getattr(pruned_modeling, made.__name__) is made and pruned_class_of(model_type) is made
     for name, model_type in TINY_MODELS.items():
         config = tiny_config(name)
         assert config.model_type == model_type and all(getattr(config, k) == v for k, v in FAMILIES[model_type]
                                                         .tiny.items())
+
+
+def test_the_families_are_every_module_that_declares_one_in_the_order_of_their_world_seeds(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from taylor_tune.sources import families
+
+    modules = {p.stem for p in Path(families.__file__).parent.glob("*.py")} - {"__init__", "base"}
+    assert len(FAMILIES) == len(modules)
+    seeds = [family.world_seed for family in FAMILIES.values()]
+    assert seeds == list(range(len(FAMILIES)))  # distinct, none missing: the world script seeds each model by it
+    assert list(FAMILIES)[:3] == ["llama", "qwen2", "mistral"]  # the first families the fast tier runs
+    # a module without a FAMILY (a helper) is no family, and one with a FAMILY is, wherever its name sorts
+    package = tmp_path / "families"
+    shutil.copytree(Path(families.__file__).parent, package, ignore=shutil.ignore_patterns("__pycache__"))
+    (package / "aaa_helper.py").write_text("WIDTH = 3\n")
+    (package / "aab_new.py").write_text('from taylor_tune.sources.families.base import Family\n\n'
+                                        'FAMILY = Family("aab_new", world_seed=99, gguf=None)\n')
+    monkeypatch.setattr(families, "__path__", [str(package)])
+    found = families.declared()
+    assert list(found)[:-1] == list(FAMILIES) and list(found)[-1] == "aab_new"
 
 
 def test_the_tiny_qwen3_keeps_its_traits():

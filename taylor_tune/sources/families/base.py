@@ -42,7 +42,6 @@ class Window:
 class Family:
     """A decoder family taylor_tune prunes (transformers' `model_type`) and the traits that matter for it.
 
-    - `pruned_class`: the class of `sources.pruned_modeling` that loads a free-layout folder of this family;
     - `gguf`: llama.cpp's architecture for the uniform and depth layouts, None where `export --gguf` refuses;
     - `gguf_free`: whether the free layout (layers of different widths) is written as llama.cpp's `deci`, whose
       graph is Llama's; a family whose layers hold more than Llama's (Qwen3's head norms) is refused there, naming
@@ -75,13 +74,17 @@ class Family:
       stock class builds and llama.cpp's graph for it reads: output biases (FLAP's compensation) stay stock there;
     - `gguf_rope_scalings`: the RoPE scalings written as GGUF (Llama 3.1's `llama3` on Llama, as `rope_freqs`);
     - `gguf_window`: what llama.cpp's graph hard-codes of its sliding-window layers (`Window`), None without them;
+    - `world_seed`: the seed its built-in tiny model was trained with (scripts/make_offline_world.py); it also orders
+      `FAMILIES` (a new family takes the next);
     - `short`: the built-in tiny models' name for the family where not its `model_type` (`tiny_name`);
     - `experts`: a mixture of experts (`Experts`): its layers' MLP is a router over experts, pruned by removing
       experts (the `experts` method) and saved as a stock model with fewer experts; the width and depth methods are
-      the dense families' (None), and such a family has no free layout (`pruned_class` None)."""
+      the dense families' (None), and such a family has no free layout.
+
+    A dense family's free-layout folder loads through the pruned class made from its stock class
+    (`models.pruned_class_of`, `pruned_modeling.pruned_class`): nothing to declare for it."""
 
     model_type: str
-    pruned_class: str | None
     gguf: str | None
     gguf_free: bool = True
     tiny: dict = field(default_factory=dict)
@@ -99,6 +102,7 @@ class Family:
     all_biases: bool = False
     gguf_rope_scalings: tuple[str, ...] = ("default",)
     gguf_window: Window | None = None
+    world_seed: int | None = None
     short: str | None = None  # the built-in models' name for it where not its model_type (`gemma3` for gemma3_text)
 
     @property

@@ -11,7 +11,7 @@ sliding window on every even layer (the window types as they alternate); anythin
 from taylor_tune.sources.families.base import Family, Window
 
 FAMILY = Family(
-    "gemma2", pruned_class="PrunedGemma2ForCausalLM", gguf="gemma2", gguf_free=False, norm_offset=1.0,
+    "gemma2", world_seed=6, gguf="gemma2", gguf_free=False, norm_offset=1.0,
     gguf_f32_tolerance={"mean": 1e-3, "max": 1e-2},  # llama.cpp's GELU through an f16 table (Family)
     scalars={"attn_logit_softcapping": "attn_logit_softcapping", "final_logit_softcapping": "final_logit_softcapping",
              "sliding_window": "sliding_window"},

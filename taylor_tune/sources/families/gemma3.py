@@ -10,7 +10,7 @@ in one line."""
 from taylor_tune.sources.families.base import Family, Window
 
 FAMILY = Family(
-    "gemma3_text", pruned_class="PrunedGemma3ForCausalLM", gguf="gemma3", gguf_free=False, head_norm="shared",
+    "gemma3_text", world_seed=7, gguf="gemma3", gguf_free=False, head_norm="shared",
     short="gemma3",
     norm_offset=1.0, scalars={"sliding_window": "sliding_window"},
     gguf_f32_tolerance={"mean": 1e-3, "max": 1e-2},  # llama.cpp's GELU through an f16 table (Family)

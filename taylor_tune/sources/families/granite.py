@@ -8,7 +8,7 @@ the free layout is refused (`deci` has none of the four)."""
 from taylor_tune.sources.families.base import Family
 
 FAMILY = Family(
-    "granite", pruned_class="PrunedGraniteForCausalLM", gguf="granite", gguf_free=False,
+    "granite", world_seed=4, gguf="granite", gguf_free=False,
     # away from 1 and from 1/sqrt(head_dim), so that a pruned config that lost one of them computes other logits
     tiny=dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.25, logits_scaling=8.0),
     scalars={"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",

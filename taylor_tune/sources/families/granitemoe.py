@@ -7,7 +7,7 @@ from taylor_tune.sources.families import granite
 from taylor_tune.sources.families.base import Experts, Family
 
 FAMILY = Family(
-    "granitemoe", pruned_class=None, gguf="granitemoe", gguf_free=False,
+    "granitemoe", world_seed=12, gguf="granitemoe", gguf_free=False,
     tiny=dict(granite.FAMILY.tiny, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2),
     scalars=granite.FAMILY.scalars,
     experts=Experts(block="block_sparse_moe", router="router", count="num_local_experts"),

@@ -4,5 +4,5 @@ scaling written as llama.cpp's `rope_freqs`."""
 
 from taylor_tune.sources.families.base import Family
 
-FAMILY = Family("llama", pruned_class="PrunedLlamaForCausalLM", gguf="llama", all_biases=True,
+FAMILY = Family("llama", world_seed=0, gguf="llama", all_biases=True,
                 gguf_rope_scalings=("default", "llama3"))

@@ -3,4 +3,4 @@ attention at the lengths evaluated)."""
 
 from taylor_tune.sources.families.base import Family
 
-FAMILY = Family("mistral", pruned_class="PrunedMistralForCausalLM", gguf="llama", tiny={"sliding_window": None})
+FAMILY = Family("mistral", world_seed=2, gguf="llama", tiny={"sliding_window": None})

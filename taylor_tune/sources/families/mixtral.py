@@ -5,7 +5,7 @@ as `llama` with experts."""
 from taylor_tune.sources.families.base import Experts, Family
 
 FAMILY = Family(
-    "mixtral", pruned_class=None, gguf="llama", gguf_free=False,
+    "mixtral", world_seed=10, gguf="llama", gguf_free=False,
     tiny=dict(intermediate_size=64, num_local_experts=8, num_experts_per_tok=2, sliding_window=None),
     experts=Experts(block="mlp", router="gate", count="num_local_experts"),
 )

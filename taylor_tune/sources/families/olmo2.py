@@ -12,7 +12,7 @@ refused too (`deci` has neither norm)."""
 from taylor_tune.sources.families.base import Family
 
 FAMILY = Family(
-    "olmo2", pruned_class="PrunedOlmo2ForCausalLM", gguf="olmo2", gguf_free=False, head_norm="sliced",
+    "olmo2", world_seed=5, gguf="olmo2", gguf_free=False, head_norm="sliced",
     gguf_whole_attention=True,
     attn_norms={"post_attention_layernorm": "post_attention_norm"},
     ffn_norms={"post_feedforward_layernorm": "post_ffw_norm"},

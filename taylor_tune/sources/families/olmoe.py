@@ -7,7 +7,7 @@ hidden size (no grouped-query attention, as in the release)."""
 from taylor_tune.sources.families.base import Experts, Family
 
 FAMILY = Family(
-    "olmoe", pruned_class=None, gguf="olmoe", gguf_free=False, head_norm="sliced", gguf_whole_attention=True,
+    "olmoe", world_seed=11, gguf="olmoe", gguf_free=False, head_norm="sliced", gguf_whole_attention=True,
     gguf_whole_kv=True,
     # its q_norm spans hidden_size: heads x head_dim must be the hidden size (8 x 8 = 64 in the tiny shape)
     tiny=dict(intermediate_size=64, num_attention_heads=8, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False),

@@ -11,7 +11,7 @@ as is the free layout (`deci` has no fused projections or partial RoPE)."""
 from taylor_tune.sources.families.base import Family
 
 FAMILY = Family(
-    "phi3", pruned_class="PrunedPhi3ForCausalLM", gguf="phi3", gguf_free=False, gguf_whole_attention=True,
+    "phi3", world_seed=8, gguf="phi3", gguf_free=False, gguf_whole_attention=True,
     fused={"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj")},
     gguf_fused={"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
     # Phi-4-mini's partial RoPE; no sliding window (llama.cpp's phi3 computes without one)

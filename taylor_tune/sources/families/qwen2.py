@@ -3,4 +3,4 @@ sizes q as hidden x hidden: a uniform cut of attention heads is written as deci,
 
 from taylor_tune.sources.families.base import Family
 
-FAMILY = Family("qwen2", pruned_class="PrunedQwen2ForCausalLM", gguf="qwen2", gguf_whole_attention=True)
+FAMILY = Family("qwen2", world_seed=1, gguf="qwen2", gguf_whole_attention=True)

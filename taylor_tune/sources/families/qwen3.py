@@ -6,4 +6,4 @@ the free layout is refused (`deci`, the per-layer architecture, has no head norm
 
 from taylor_tune.sources.families.base import Family
 
-FAMILY = Family("qwen3", pruned_class="PrunedQwen3ForCausalLM", gguf="qwen3", gguf_free=False, head_norm="shared")
+FAMILY = Family("qwen3", world_seed=3, gguf="qwen3", gguf_free=False, head_norm="shared")

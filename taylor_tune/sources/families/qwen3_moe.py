@@ -9,7 +9,7 @@ released models' settings); others are refused in one line."""
 from taylor_tune.sources.families.base import Experts, Family
 
 FAMILY = Family(
-    "qwen3_moe", pruned_class=None, gguf="qwen3moe", gguf_free=False, head_norm="shared", short="qwen3moe",
+    "qwen3_moe", world_seed=9, gguf="qwen3moe", gguf_free=False, head_norm="shared", short="qwen3moe",
     tiny=dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
               decoder_sparse_step=1, mlp_only_layers=[2]),
     experts=Experts(block="mlp", router="gate", count="num_experts", renormalised="norm_topk_prob"),

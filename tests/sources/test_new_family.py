@@ -1,0 +1,88 @@
+"""Issue 94, must-show 3: a family is its declaration. A throwaway family, Llama under another model type
+(`renamedllama`, registered with transformers as a new release's type would be), is added to a copy of the
+repository as one module of `sources/families/` and nothing else; its tiny model is trained by the world script
+(scripts/make_offline_world.py --models tiny-renamedllama); then every arch-wide test of the copy runs for it: each
+test parametrized by a family's tiny model (tests.helpers.ARCHS, the trained dense models), selected by its id, and
+each is one that Llama has too. Every one passes: the registries, the pruned class, the GGUF writer, the methods and
+the streamed passes all read the declaration."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.sweep_helpers import REPO
+
+pytestmark = pytest.mark.slow  # a copy of the repository, a tiny model trained, a pytest run over it
+
+FAMILY = '''"""A throwaway family for tests/sources/test_new_family.py: Llama under another model type, registered with
+transformers as a new release's type would be."""
+
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from taylor_tune.sources.families.base import Family
+
+
+class RenamedLlamaConfig(LlamaConfig):
+    model_type = "renamedllama"
+
+
+class RenamedLlamaForCausalLM(LlamaForCausalLM):
+    config_class = RenamedLlamaConfig
+
+
+AutoConfig.register("renamedllama", RenamedLlamaConfig)
+AutoModelForCausalLM.register(RenamedLlamaConfig, RenamedLlamaForCausalLM)
+transformers.RenamedLlamaForCausalLM = RenamedLlamaForCausalLM  # where a release's class is found by its name
+
+FAMILY = Family("renamedllama", world_seed=13, gguf="llama", all_biases=True, gguf_rope_scalings=("default", "llama3"))
+'''
+
+
+def copy_repo(into: Path) -> Path:
+    """The repository's tracked and untracked-but-not-ignored files, as they are in the working tree."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        if (REPO / name).is_file():
+            (into / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, into / name)
+    return into
+
+
+def run(root: Path, *args: str, timeout: float = 1500) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, *args], cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def of_family(ids: set[str], name: str) -> set[str]:
+    """The ids parametrized by one of `name`'s tiny models (its random one or its trained one)."""
+    return {i for i in ids if "[" in i and re.search(rf"\btiny-{name}(-random)?\b", i.split("[", 1)[1])}
+
+
+def test_a_new_family_is_one_module_and_passes_every_arch_wide_test(tmp_path):
+    root = copy_repo(tmp_path / "repo")
+    (root / "taylor_tune" / "sources" / "families" / "renamedllama.py").write_text(FAMILY)
+    world = run(root, "scripts/make_offline_world.py", "--models", "tiny-renamedllama")
+    assert world.returncode == 0, world.stdout[-3000:] + world.stderr[-3000:]
+    assert (root / "taylor_tune" / "data" / "world" / "models" / "tiny-renamedllama" / "config.json").is_file()
+
+    listing = run(root, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "not gpu", "tests",
+                  timeout=600)
+    assert listing.returncode == 0, listing.stdout[-3000:] + listing.stderr[-3000:]
+    ids = {line for line in listing.stdout.splitlines() if "::" in line}
+    ours, llamas = of_family(ids, "renamedllama"), of_family(ids, "llama")
+    assert len(ours) >= 30, sorted(ours)  # 36 when written: an empty selection would pass vacuously
+    assert {i.replace("renamedllama", "llama") for i in ours} <= llamas  # each one Llama has too
+
+    proc = run(root, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", "tests", "-k", "renamedllama",
+               "--timeout", "1500")
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-2000:]
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
+    passed = int(re.search(r"(\d+) passed", summary).group(1))
+    assert passed == len(ours) and "failed" not in summary and "error" not in summary, summary
