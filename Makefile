@@ -38,8 +38,9 @@ $(DEV_STAMP): $(STAMP)
 fetch: setup
 	$(VENV)/bin/taylor-tune fetch all
 
-# The main job: a sweep of SmolLM2-135M on the real offline world through Ray Tune (6 trials, CPU, ~6 min after
-# the downloads; running it again resumes or just reports), then its status and its report (runs/reports/real_demo).
+# The main job: a sweep of SmolLM2-135M on the real offline world through Ray Tune (6 trials, CPU, ~4 min after the
+# set-up and the downloads; running it again resumes or just reports), then its status, its report
+# (runs/reports/real_demo) and its best configuration exported (runs/export/real_demo).
 demo: setup
 	$(VENV)/bin/taylor-tune fetch smollm2-135m real wiki
 	$(VENV)/bin/taylor-tune sweep experiments/real_demo.yaml

@@ -309,7 +309,7 @@ def test_a_killed_driver_resumes_from_the_bucket_alone_without_rerunning_finishe
     """Must-show 3, the driver: a raced sweep on s3 whose driver is SIGKILLed after some trials finished; resumed
     with a fresh Ray temp folder and from another working directory (nothing local carried over): the finished trials
     are not run again (their results untouched) and every decision the race had made stands."""
-    from taylor_tune.schema import RACE_FILE
+    from taylor_tune.storage.names import RACE_FILE
     from tests.sweep.test_race_sweep import ALPHA, TASKS
 
     storage = f"s3://{BUCKET}/killed"

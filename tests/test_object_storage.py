@@ -140,7 +140,7 @@ def test_one_sweep_on_local_storage_and_on_s3_gives_the_same_trials_report_and_e
 def test_a_second_driver_on_one_s3_experiment_is_refused_and_a_stopped_ones_lease_is_taken_over(s3, tmp_path,
                                                                                                  monkeypatch):
     """Issue 81, build 3 and must-show 4: on object storage no lock file can be made exclusively, so a driver holds a
-    lease object in the experiment (`sweep.lock.storage_lease`), renewed while it runs. A second driver on the same
+    lease object in the experiment (`storage.lock.storage_lease`), renewed while it runs. A second driver on the same
     `s3://` experiment is refused in one line naming the holder, before Ray starts; a lease its holder stopped
     renewing (or whose process on this host is gone) is taken over; a driver's own lease is removed at its end."""
     import json
@@ -148,7 +148,7 @@ def test_a_second_driver_on_one_s3_experiment_is_refused_and_a_stopped_ones_leas
 
     from pyarrow import fs
 
-    from taylor_tune.sweep import lock
+    from taylor_tune.storage import lock
 
     for key, value in s3["env"].items():
         monkeypatch.setenv(key, value)
@@ -178,9 +178,9 @@ def test_a_second_driver_on_one_s3_experiment_is_refused_and_a_stopped_ones_leas
     with lock.driver_lock(folder):
         pass
     plant(renewed=time.time())  # live, on another host
-    from taylor_tune.errors import ConfigError
+    from taylor_tune.errors import StorageError
 
-    with pytest.raises(ConfigError, match=r"another driver \(pid 1 on elsewhere\) holds this sweep's lease"):
+    with pytest.raises(StorageError, match=r"another driver \(pid 1 on elsewhere\) holds this sweep's lease"):
         with lock.driver_lock(folder):
             pass
 
@@ -253,7 +253,7 @@ def test_a_raced_sweep_on_s3_decides_as_on_a_local_folder(s3, tmp_path, monkeypa
 
             from pyarrow import fs
 
-            from taylor_tune.schema import RACE_FILE
+            from taylor_tune.storage.names import RACE_FILE
 
             filesystem, root = fs.FileSystem.from_uri(f"{storage}/race")
             with filesystem.open_input_stream(f"{root}/{RACE_FILE}") as stream:

@@ -135,3 +135,14 @@ def test_each_event_is_an_object_of_its_own_and_an_older_sweeps_log_is_read_too(
     events = store.events()
     assert [(e["event"], e["key"]) for e in events] == [("computed", "old"), ("computed", "k"), ("hit", "k")]
     assert counters(events) == {"computed": 2, "hits": 1, "takeovers": 0}
+
+
+def test_a_sweep_pickled_before_storage_had_its_room_resumes_with_its_storage_check():
+    """Tune pickles a sweep's callbacks into tuner.pkl, and the console's watch of a full disk names its check by
+    where it was defined: `taylor_tune.sweep.folder.storage_full` before the storage room. A resume of such a sweep
+    unpickles that name (here the bytes such a pickle holds for it)."""
+    import pickle
+
+    from taylor_tune.storage.location import storage_full
+
+    assert pickle.loads(b"ctaylor_tune.sweep.folder\nstorage_full\n.") is storage_full

@@ -27,7 +27,7 @@ import pandas as pd
 
 from taylor_tune.compat.lm_eval import answered_metrics, gold_index
 from taylor_tune.jsonio import checked_bytes, checked_payload
-from taylor_tune.schema import OUTCOME_COLUMNS
+from taylor_tune.storage.names import OUTCOME_COLUMNS
 
 PART = "answer key"
 KEPT = 64  # keys a worker keeps in memory (a race's blocks each have their own)

@@ -26,6 +26,7 @@ from taylor_tune.evaluation.scorer import make_lm
 from taylor_tune.evaluation.zero_shot import task_results, zero_shot
 from taylor_tune.jsonio import write_bytes
 from taylor_tune.sources.data import load_ppl_text, resolve_task_data, resolve_text
+from taylor_tune.storage import names
 
 
 def _write_parquet(frame: pd.DataFrame, path: Path) -> Path:
@@ -62,10 +63,10 @@ class PerplexityResult:
         return list(range(len(self.window_nll))) if self.window_ids is None else list(self.window_ids)
 
     def write_outcomes(self, folder: Path) -> Path:
-        """Each window's summed NLL and its predicted tokens as `schema.PPL_WINDOWS_FILE` in `folder` (parquet),
+        """Each window's summed NLL and its predicted tokens as `names.PPL_WINDOWS_FILE` in `folder` (parquet),
         written whole or not at all."""
         frame = pd.DataFrame({"window": self.ids(), "nll": self.window_nll, "tokens": self.window - 1})
-        return _write_parquet(frame, Path(folder) / schema.PPL_WINDOWS_FILE)
+        return _write_parquet(frame, Path(folder) / names.PPL_WINDOWS_FILE)
 
     def metrics(self) -> dict:
         return {"ppl": self.ppl, "ppl_window": self.window, "ppl_windows": self.windows, "ppl_tokens": self.tokens,
@@ -93,9 +94,9 @@ class ZeroShotResult:
         return sum(e["score"] for e in self.tasks.values()) / len(self.tasks)
 
     def write_outcomes(self, folder: Path) -> Path:
-        """Every item's outcome as `schema.outcomes_file(stage)` in `folder` (parquet: plain columns, nothing pickled),
+        """Every item's outcome as `names.outcomes_file(stage)` in `folder` (parquet: plain columns, nothing pickled),
         written whole or not at all."""
-        return _write_parquet(self.outcomes, Path(folder) / schema.outcomes_file(self.stage))
+        return _write_parquet(self.outcomes, Path(folder) / names.outcomes_file(self.stage))
 
     def metrics(self) -> dict:
         out: dict = {}

@@ -55,14 +55,14 @@ def tokenizer_digest(lm) -> str:
 
 
 class RequestCache:
-    """Entries of JSON rows in a store (`storage.Store`: the sweep's storage), each built once across all trials."""
+    """Entries of JSON rows in a store (`storage.cache.Store`: the sweep's storage), each built once by all trials."""
 
     def __init__(self, store: Store | str | Path):
         self.store = store if isinstance(store, Store) else Store(store)
 
     def get_or_build(self, fields: dict, build: Callable[[], list], read: Callable[[list], object]):
         """(read(rows), built): the rows stored under `fields`; on a miss, or when `read` cannot take the stored rows
-        (a damaged entry), `build()`'s rows, stored first (`storage.built_json`)."""
+        (a damaged entry), `build()`'s rows, stored first (`storage.cache.built_json`)."""
         return built_json(self.store, fields, build, read, part="rows")
 
     @staticmethod

@@ -33,8 +33,8 @@ from taylor_tune.config import EvalSpec
 from taylor_tune.errors import EvaluationError
 from taylor_tune.evaluation.answers import AnswerKey
 from taylor_tune.evaluation.requests import PassRequests
-from taylor_tune.schema import OUTCOME_COLUMNS
 from taylor_tune.sources.data import task_file
+from taylor_tune.storage.names import OUTCOME_COLUMNS
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ def task_results(outcomes: pd.DataFrame, spec: EvalSpec) -> dict[str, dict]:
 
 def item_outcomes(samples: dict[str, list[dict]]) -> pd.DataFrame:
     """Each item's outcome from lm-eval's logged samples, {task: samples}: task, doc_id, acc and acc_norm (NaN where
-    the task has no acc_norm), in the order of `schema.OUTCOME_COLUMNS`."""
+    the task has no acc_norm), in the order of `names.OUTCOME_COLUMNS`."""
     rows = [(task, sample["doc_id"], float(sample["acc"]), float(sample.get("acc_norm", math.nan)))
             for task, task_samples in samples.items() for sample in task_samples]
     frame = pd.DataFrame(rows, columns=list(OUTCOME_COLUMNS))

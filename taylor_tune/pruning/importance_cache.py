@@ -1,5 +1,5 @@
 """A cache of importance passes, shared by every trial of a sweep, on every node, in the sweep's storage
-(`storage.Store`: a local folder or object storage).
+(`storage.cache.Store`: a local folder or object storage).
 
 Key: the fields the caller gives (the trial: model, resolved calibration text, seq_len, seed, the dtype and device
 type the model was loaded in, micro-batch size) and every sample count the entry holds. One entry holds the scores at
@@ -120,8 +120,8 @@ def stats_from_tensors(tensors: dict[str, torch.Tensor], counts: list[int]) -> d
 class ImportanceCache:
     def __init__(self, root: Store | str | Path, *, poll_s: float = 0.2, heartbeat_s: float = 5.0,
                  stale_s: float = 60.0):
-        """`root`: a store (`storage.Store`, with its leases and copies), or a local folder, coordinated by lock
-        files (`storage.FileLeases`: polled every `poll_s`, taken over when not refreshed for `stale_s`)."""
+        """`root`: a store (`storage.cache.Store`, with its leases and copies), or a local folder, coordinated by lock
+        files (`storage.cache.FileLeases`: polled every `poll_s`, taken over when not refreshed for `stale_s`)."""
         self.store = root if isinstance(root, Store) else Store(
             root, leases=FileLeases(poll_s=poll_s, stale_s=stale_s), heartbeat_s=heartbeat_s)
         self.last_event: str | None = None  # what this object's latest call did: "hit" or "computed"

@@ -25,19 +25,15 @@ from taylor_tune.reporting.stats import ACCURACY, Objective
 from taylor_tune.schema import (
     CONFIG_COLUMNS,
     DIMENSIONS,
-    EXPERIMENT_RECORD,
-    LEGACY_RACE_FILE,
-    PPL_WINDOWS_FILE,
-    RACE_FILE,
     SPEED_METRICS,
     is_recovery_stage,
-    outcomes_file,
     task_columns,
     task_key,
     zero_shot_stage,
 )
 from taylor_tune.storage.folder import (
     experiment_entries,
+    race_file,
     read_outcomes,
     read_ppl_windows,
     read_reports,
@@ -46,6 +42,7 @@ from taylor_tune.storage.folder import (
     trial_id_of,
 )
 from taylor_tune.storage.location import as_given
+from taylor_tune.storage.names import EXPERIMENT_RECORD, PPL_WINDOWS_FILE, outcomes_file
 
 GRAD_COLUMNS = ("grad_mean_ratio", "grad_norm_ratio", "grad_mean_range", "grad_norm_range")
 SPEC_COLUMNS = ("output_dir", "ppl", "acc_mean", "params_count", "pruning_ratio", *GRAD_COLUMNS,
@@ -273,9 +270,8 @@ def _check_objective(rows: pd.DataFrame, record_text: str | None) -> None:
 def _race_lines(filesystem, root: str) -> dict[str, str]:
     """A racing sweep's word on each trial it stopped (the race's state, the scheduler's: trial id -> why), {}
     otherwise. An older version kept the state at the top of the folder (LEGACY_RACE_FILE)."""
-    text = read_text(filesystem, posixpath.join(root, RACE_FILE), root)
-    if text is None:
-        text = read_text(filesystem, posixpath.join(root, LEGACY_RACE_FILE), root)
+    path = race_file(filesystem, root)
+    text = None if path is None else read_text(filesystem, path, root)
     try:
         trials = json.loads(text).get("trials", {}) if text else {}
     except (ValueError, AttributeError):

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import posixpath
+from collections.abc import Iterator
 from fnmatch import fnmatch
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from pyarrow import fs
 
 from taylor_tune.errors import StorageError
 from taylor_tune.jsonio import linked_part, read_own, write_whole
-from taylor_tune.schema import EXPERIMENT_RECORD, OUTCOME_COLUMNS, PPL_WINDOWS_FILE, outcomes_file
+from taylor_tune.storage.cache import StoreStats, retried
 from taylor_tune.storage.location import (
     anyone_may_write,
     first_line,
@@ -28,6 +29,14 @@ from taylor_tune.storage.location import (
     local_folder,
     open_location,
     unreachable,
+)
+from taylor_tune.storage.names import (
+    EXPERIMENT_RECORD,
+    LEGACY_RACE_FILE,
+    OUTCOME_COLUMNS,
+    PPL_WINDOWS_FILE,
+    RACE_FILE,
+    outcomes_file,
 )
 
 log = logging.getLogger(__name__)
@@ -119,14 +128,14 @@ def read_columns(trial_dir: str, name: str, columns: tuple[str, ...], index, fil
 
 
 def read_outcomes(trial_dir: str, stage: str, filesystem=None) -> pd.DataFrame | None:
-    """A trial's per-item outcomes of one zero-shot pass (`schema.outcomes_file`), indexed by (task, doc_id), columns
+    """A trial's per-item outcomes of one zero-shot pass (`names.outcomes_file`), indexed by (task, doc_id), columns
     acc and acc_norm (NaN where the task has none); None when the trial did not write them (it stopped before that
     pass, or ran before they were kept)."""
     return read_columns(trial_dir, outcomes_file(stage), OUTCOME_COLUMNS, ["task", "doc_id"], filesystem)
 
 
 def read_ppl_windows(trial_dir: str, filesystem=None) -> pd.DataFrame | None:
-    """A trial's perplexity windows (`schema.PPL_WINDOWS_FILE`): each window's summed NLL and predicted tokens,
+    """A trial's perplexity windows (`names.PPL_WINDOWS_FILE`): each window's summed NLL and predicted tokens,
     indexed by window; None when the trial did not write them."""
     return read_columns(trial_dir, PPL_WINDOWS_FILE, ("window", "nll", "tokens"), "window", filesystem)
 
@@ -141,6 +150,70 @@ def trial_file(folder: str, name: str) -> tuple[str, str]:
             return where, stream.read().decode("utf-8")
     except UnicodeDecodeError as error:
         raise ValueError(f"not UTF-8 ({error.reason})") from None
+
+
+# ---------------------------------------------------------------- the race's state
+
+
+def race_file(filesystem, root: str) -> str | None:
+    """A racing sweep's state file under the experiment folder `root` (`names.RACE_FILE`; an older version kept it
+    at the top, `LEGACY_RACE_FILE`), None for a sweep that never raced."""
+    for name in (RACE_FILE, LEGACY_RACE_FILE):
+        path = posixpath.join(root, name)
+        if filesystem.get_file_info(path).type == fs.FileType.File:
+            return path
+    return None
+
+
+def write_race(filesystem, root: str, data: bytes) -> None:
+    """The race's state written whole at `names.RACE_FILE`, never through a link planted below the sweep folder."""
+    write_whole(filesystem, posixpath.join(root, RACE_FILE), data, root)
+
+
+# ---------------------------------------------------------------- a running trial's files in storage
+
+
+def upload(filesystem, path: str, data: bytes, stats: StoreStats) -> None:
+    """A file of a trial into its folder in storage, whole and never through a link planted there
+    (`jsonio.write_whole`: the storage may be a folder others can write); transient errors retried and counted."""
+    retried(lambda: write_whole(filesystem, path, data), stats, path)
+
+
+def copy_out(filesystem, folder: str, names, into: Path) -> bool:
+    """The files `names` of a folder in storage, copied into the local folder `into`; False where one is missing
+    or cannot be read."""
+    try:
+        for name in names:
+            fs.copy_files(f"{folder}/{name}", str(into / name), source_filesystem=filesystem)
+    except (OSError, FileNotFoundError):
+        return False
+    return True
+
+
+def sibling_folders_holding(filesystem, folder: str, name: str, wanted) -> Iterator[str]:
+    """The other folders beside `folder` (the experiment's other trials) whose JSON file `name` holds `wanted`."""
+    for info in filesystem.get_file_info(fs.FileSelector(posixpath.dirname(folder))):
+        if info.type != fs.FileType.Directory or info.path == folder:
+            continue
+        try:
+            with filesystem.open_input_stream(f"{info.path}/{name}") as stream:
+                same = json.loads(stream.read()) == wanted
+        except (OSError, ValueError, UnicodeDecodeError):  # not a trial folder, or one without that file yet
+            continue
+        if same:
+            yield info.path
+
+
+def restore(filesystem, path: str, local: Path) -> bool:
+    """A file in storage copied to `local` where it exists there; False where it does not or cannot be read."""
+    try:
+        if filesystem.get_file_info(path).type != fs.FileType.File:
+            return False
+        local.parent.mkdir(parents=True, exist_ok=True)
+        fs.copy_files(path, str(local), source_filesystem=filesystem)
+    except OSError:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------- the folder's listing

@@ -8,9 +8,10 @@ import json
 
 from taylor_tune.config import Evaluation
 from taylor_tune.errors import ConfigError
-from taylor_tune.schema import EXPERIMENT_RECORD, RACE_FILE
 from taylor_tune.storage.folder import linked, read_record, write_record
 from taylor_tune.storage.location import open_location
+from taylor_tune.storage.location import storage_full as storage_full  # where a resumed sweep's pickles name it
+from taylor_tune.storage.names import EXPERIMENT_RECORD, RACE_FILE
 from taylor_tune.sweep.experiment import Experiment, Resources, Search
 from taylor_tune.sweep.race_state import RaceStateError, check_race
 

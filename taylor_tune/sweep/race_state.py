@@ -1,4 +1,4 @@
-"""A racing sweep's saved state (`schema.RACE_FILE`): written whole, read back and checked before a resumed race
+"""A racing sweep's saved state (`names.RACE_FILE`): written whole, read back and checked before a resumed race
 decides anything with it. No Ray: the driver checks it before Ray starts, the resumed scheduler reads it.
 
 Where it lives: Tune's restore copies every `.json` and `.pkl` at the top of the experiment folder into the driver's
@@ -21,8 +21,9 @@ import posixpath
 import pandas as pd
 
 from taylor_tune.jsonio import digest
-from taylor_tune.schema import LEGACY_RACE_FILE, PPL_WINDOWS_FILE, RACE_FILE, RACE_OBJECTIVES, outcomes_file, task_key
-from taylor_tune.storage.folder import read_outcomes, read_ppl_windows, read_reports, read_text
+from taylor_tune.schema import RACE_OBJECTIVES, task_key
+from taylor_tune.storage.folder import race_file, read_outcomes, read_ppl_windows, read_reports, read_text
+from taylor_tune.storage.names import PPL_WINDOWS_FILE, outcomes_file
 
 # every field of a trial's entry that a resumed race reads, and its type
 ENTRY_FIELDS = {"model": str, "block": int, "stage": str, "folder": str, "metrics": dict, "items": int,
@@ -34,21 +35,10 @@ class RaceStateError(ValueError):
     """The race's saved state, or a file it rests on, is not what the race recorded; the message names the file."""
 
 
-def race_file(root: str, filesystem) -> str | None:
-    """The race's state file under the experiment folder `root`, or None for a sweep that never raced."""
-    from pyarrow import fs
-
-    for name in (RACE_FILE, LEGACY_RACE_FILE):
-        path = posixpath.join(root, name)
-        if filesystem.get_file_info(path).type == fs.FileType.File:
-            return path
-    return None
-
-
 def read_race(filesystem, root: str) -> dict | None:
     """The race's saved state, its shape checked (RaceStateError naming the file and the first wrong field); None
     when the sweep has none."""
-    path = race_file(root, filesystem)
+    path = race_file(filesystem, root)
     if path is None:
         return None
     text = read_text(filesystem, path, root)

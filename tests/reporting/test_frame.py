@@ -292,7 +292,7 @@ def test_items_are_read_from_the_folder_given_not_from_where_the_trial_ran(tmp_p
     without a word. Now the items come from the folder the report is given."""
     import shutil
 
-    from taylor_tune.schema import outcomes_file
+    from taylor_tune.storage.names import outcomes_file
 
     original = tmp_path / "original" / "exp"
     for index, right in enumerate((8, 5)):

@@ -13,7 +13,8 @@ import pandas as pd
 import pytest
 from ray.tune.schedulers import TrialScheduler
 
-from taylor_tune.schema import PPL_WINDOWS_FILE, RACE_FILE, outcomes_file, zero_shot_stage
+from taylor_tune.schema import zero_shot_stage
+from taylor_tune.storage.names import PPL_WINDOWS_FILE, RACE_FILE, outcomes_file
 from taylor_tune.sweep.racing import Blocks, race_seed
 from taylor_tune.sweep.tune.scheduler import RaceScheduler
 from tests.sweep.test_racing import TASKS, reference, scores, worse_copy

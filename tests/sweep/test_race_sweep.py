@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 
 from taylor_tune.reporting import load_trials
-from taylor_tune.schema import RACE_FILE
 from taylor_tune.storage.folder import read_outcomes, read_ppl_windows
+from taylor_tune.storage.names import RACE_FILE
 from tests.sweep_helpers import analysis_rows, run_sweep_to_end, write_experiment
 
 pytestmark = pytest.mark.slow  # a Ray sweep

@@ -2,7 +2,7 @@
 
 The driver starts the actor on its own node (`start_leases`), so it lives as long as the sweep and is not lost with
 a worker node; each trial finds it by the sweep's cache folder (`RayLeases.of_sweep`) and implements
-`storage.Leases` with it. Rules:
+`storage.cache.Leases` with it. Rules:
 - an entry has at most one holder; the others wait on the actor and are told as soon as it is stored;
 - a holder renews its lease while it builds; one whose node has died (Ray's node table) or that has not renewed
   for `lapse_s` loses it, and the next trial to ask takes over;
@@ -119,7 +119,7 @@ def start_leases(cache_dir: str, lapse_s: float = LAPSE_S):
 
 
 class RayLeases:
-    """`storage.Leases` of one trial, through the sweep's lease actor."""
+    """`storage.cache.Leases` of one trial, through the sweep's lease actor."""
 
     def __init__(self, actor, wait_s: float = WAIT_S):
         self.actor, self.wait_s = actor, wait_s

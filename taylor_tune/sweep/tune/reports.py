@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pyarrow import fs
 from ray.air.constants import EXPR_RESULT_FILE
 from ray.tune import Callback
+
+from taylor_tune.storage.folder import restore
 
 
 class KeptReports(Callback):
@@ -22,11 +23,4 @@ class KeptReports(Callback):
         local = Path(trial.local_path, EXPR_RESULT_FILE)
         if trial.checkpoint or local.exists():  # Tune restores it itself, or this driver has it already
             return
-        filesystem, remote = trial.storage.storage_filesystem, f"{trial.storage.trial_fs_path}/{EXPR_RESULT_FILE}"
-        try:
-            if filesystem.get_file_info(remote).type != fs.FileType.File:
-                return
-            local.parent.mkdir(parents=True, exist_ok=True)
-            fs.copy_files(remote, str(local), source_filesystem=filesystem)
-        except OSError:  # the storage's own error reaches the trial's upload too; the reports are a record only
-            return
+        restore(trial.storage.storage_filesystem, f"{trial.storage.trial_fs_path}/{EXPR_RESULT_FILE}", local)

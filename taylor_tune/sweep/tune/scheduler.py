@@ -21,7 +21,7 @@ model's `racing.Race`, which says whether it goes on: a one-sided paired test ag
 share, at `search.alpha`. A Ray Tune `TrialScheduler` rather than Optuna's WilcoxonPruner: the sweep's searcher is
 its own per-model TPE or Tune's grid (neither is Tune's OptunaSearch, and that one never asks Optuna whether to
 prune), the test is the report's task-stratified paired difference, not Wilcoxon's on items of different tasks, and
-a grid sweep has no study at all. Tune saves neither scheduler's state; a race's is written to `schema.RACE_FILE` in
+a grid sweep has no study at all. Tune saves neither scheduler's state; a race's is written to `names.RACE_FILE` in
 the experiment folder after every decision, and a resumed driver's scheduler reads it (and each trial's outcomes,
 checked against what the trial reported: `race_state`) back.
 """
@@ -31,15 +31,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import posixpath
 
 import pandas as pd
 from ray.tune.schedulers import AsyncHyperBandScheduler, FIFOScheduler, TrialScheduler
 
 from taylor_tune.config import Evaluation
-from taylor_tune.jsonio import write_whole
-from taylor_tune.schema import RACE_FILE, is_recovery_stage
-from taylor_tune.storage.folder import read_outcomes, read_ppl_windows
+from taylor_tune.schema import is_recovery_stage
+from taylor_tune.storage.folder import read_outcomes, read_ppl_windows, write_race
 from taylor_tune.storage.location import open_location
 from taylor_tune.sweep.race_state import RaceStateError, compared, item_scores, items_digest, read_race
 from taylor_tune.sweep.racing import Decision, Race
@@ -131,7 +129,7 @@ class RaceScheduler(FIFOScheduler):
         state = {"alpha": self.alpha, "objective": self.objective, "trials": self.trials,
                  "decisions": {model: [dataclasses.asdict(d) for d in race.decisions]
                                for model, race in self.races.items()}}
-        write_whole(filesystem, posixpath.join(root, RACE_FILE), json.dumps(state, indent=1).encode(), root)
+        write_race(filesystem, root, json.dumps(state, indent=1).encode())
 
     def _outcomes(self, folder: str, stage: str, metrics: dict, filesystem) -> pd.Series | pd.DataFrame | None:
         """What the race compares: each item's score (acc_mean), or each window's NLL and tokens (ppl)."""

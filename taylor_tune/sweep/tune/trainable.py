@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 import itertools
-import json
 import os
-import posixpath
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import ray
-from pyarrow import fs
 from ray import tune
 
 from taylor_tune.compat.ray import trial_storage
-from taylor_tune.jsonio import write_whole
-from taylor_tune.schema import PPL_WINDOWS_FILE, outcomes_file, zero_shot_stage
-from taylor_tune.storage.cache import StoreStats, retried
+from taylor_tune.schema import zero_shot_stage
+from taylor_tune.storage.cache import StoreStats
+from taylor_tune.storage.folder import copy_out, sibling_folders_holding, upload
+from taylor_tune.storage.names import PPL_WINDOWS_FILE, outcomes_file
 from taylor_tune.sweep.trial import FINISHED_ARTIFACTS, TrialConfig, completed_metrics, run_trial
 from taylor_tune.sweep.tune.leases import RayLeases
 from taylor_tune.sweep.tune.metrics import TrialMetrics
@@ -28,32 +26,10 @@ def trial_config(config: dict) -> TrialConfig:
     return TrialConfig.from_params(config)
 
 
-def _copy_finished(filesystem, source: str, folder: Path) -> bool:
-    """The finished artifacts of the trial folder `source` in storage, copied into `folder`; False if it has not
-    all of them (a first run, or one that never reached its final report)."""
-    try:
-        for name in FINISHED_ARTIFACTS:
-            fs.copy_files(f"{source}/{name}", str(folder / name), source_filesystem=filesystem)
-    except (OSError, FileNotFoundError):
-        return False
-    return True
-
-
 def _same_configuration_elsewhere(storage, trial: TrialConfig) -> Iterator[str]:
     """The experiment's other trial folders whose config.json is this trial's configuration: an earlier run's, when
     the sweep started afresh (its experiment state was lost) and Tune gave the configuration a new trial id."""
-    filesystem, own = storage.storage_filesystem, storage.trial_fs_path
-    wanted = trial.record()
-    for info in filesystem.get_file_info(fs.FileSelector(posixpath.dirname(own))):
-        if info.type != fs.FileType.Directory or info.path == own:
-            continue
-        try:
-            with filesystem.open_input_stream(f"{info.path}/config.json") as stream:
-                same = json.loads(stream.read()) == wanted
-        except (OSError, ValueError, UnicodeDecodeError):  # not a trial folder, or one without its configuration yet
-            continue
-        if same:
-            yield info.path
+    return sibling_folders_holding(storage.storage_filesystem, storage.trial_fs_path, "config.json", trial.record())
 
 
 def _finished_before(checkpoint, storage, trial: TrialConfig, working: Path) -> dict | None:
@@ -67,7 +43,7 @@ def _finished_before(checkpoint, storage, trial: TrialConfig, working: Path) -> 
             folder = Path(tmp)
             # the other folders are listed only when this trial's own holds no finished run
             sources = itertools.chain([storage.trial_fs_path], _same_configuration_elsewhere(storage, trial))
-            if not any(_copy_finished(storage.storage_filesystem, source, folder)
+            if not any(copy_out(storage.storage_filesystem, source, FINISHED_ARTIFACTS, folder)
                        and completed_metrics(folder, trial) is not None for source in sources):
                 return None
         done = completed_metrics(folder, trial)
@@ -79,15 +55,12 @@ def _finished_before(checkpoint, storage, trial: TrialConfig, working: Path) -> 
 
 
 def _upload(storage, working: Path, name: str, stats: StoreStats) -> None:
-    """A file of the trial's working folder into its folder in storage, whole and never through a link planted
-    there (`jsonio.write_whole`): the storage may be a folder others can write. Transient errors are retried and
-    counted (`storage.retried`)."""
-    path, data = f"{storage.trial_fs_path}/{name}", (working / name).read_bytes()
-    retried(lambda: write_whole(storage.storage_filesystem, path, data), stats, path)
+    """A file of the trial's working folder into its folder in storage (`storage.folder.upload`)."""
+    upload(storage.storage_filesystem, f"{storage.trial_fs_path}/{name}", (working / name).read_bytes(), stats)
 
 
 def node_copies() -> Path:
-    """This node's copies of shared entries read from object storage (`storage.Store`), named by their checksum:
+    """This node's copies of shared entries read from object storage (`storage.cache.Store`), named by their checksum:
     one folder per Ray node, so that nodes that happen to share a machine still keep copies of their own."""
     node = ray.get_runtime_context().get_node_id()
     return Path(tempfile.gettempdir()) / f"taylor_tune_copies_{os.getuid()}" / node
