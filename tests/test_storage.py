@@ -146,3 +146,22 @@ def test_a_sweep_pickled_before_storage_had_its_room_resumes_with_its_storage_ch
     from taylor_tune.storage.location import storage_full
 
     assert pickle.loads(b"ctaylor_tune.sweep.folder\nstorage_full\n.") is storage_full
+
+
+def test_a_trials_file_is_read_only_as_a_regular_file_of_its_own(tmp_path):
+    """What the export rebuilds from (a trial's config.json, params.json, pruning summary) is read as every file of a
+    sweep is: a symbolic link, or a file hard-linked with another, planted in the trial's folder is not read."""
+    import os
+
+    from taylor_tune.storage.folder import trial_file
+
+    trial, outside = tmp_path / "trial", tmp_path / "outside.json"
+    trial.mkdir()
+    outside.write_text('{"secret": 1}')
+    (trial / "config.json").write_text('{"model": "tiny-llama"}')
+    assert trial_file(str(trial), "config.json") == (f"{trial}/config.json", '{"model": "tiny-llama"}')
+    (trial / "params.json").symlink_to(outside)
+    os.link(outside, trial / "pruning_summary.json")
+    for name in ("params.json", "pruning_summary.json", "missing.json"):
+        with pytest.raises(FileNotFoundError, match="not a regular file of the trial's own"):
+            trial_file(str(trial), name)

@@ -8,6 +8,7 @@ into reports made to be shared. Reads JSON and parquet columns only; nothing her
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -106,23 +107,18 @@ def read_reports(filesystem, trial_dir: str) -> tuple[str | None, list, int]:
 
 
 def read_columns(trial_dir: str, name: str, columns: tuple[str, ...], index, filesystem=None) -> pd.DataFrame | None:
-    """Plain columns of a parquet file in a trial's folder (nothing is unpickled), indexed by `index`; None when the
-    trial did not write it."""
+    """Plain columns of a parquet file in a trial's folder (`read_bytes`; nothing is unpickled), indexed by `index`;
+    None when the trial did not write it."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     filesystem, root = open_location(trial_dir, filesystem)
-    path = posixpath.join(root, name)
+    data = read_bytes(filesystem, posixpath.join(root, name))
+    if data is None:
+        return None
     try:
-        if isinstance(filesystem, fs.LocalFileSystem):  # a file of the trial's own, as `read_text` reads one
-            data = read_own(path)
-            if data is None:
-                return None
-            table = pq.read_table(pa.BufferReader(data), columns=list(columns))
-        else:
-            with filesystem.open_input_file(path) as handle:
-                table = pq.read_table(handle, columns=list(columns))
-    except (FileNotFoundError, OSError):
+        table = pq.read_table(pa.BufferReader(data), columns=list(columns))
+    except OSError:
         return None
     return pd.DataFrame({column: table.column(column).to_numpy() for column in columns}).set_index(index)
 
@@ -141,13 +137,20 @@ def read_ppl_windows(trial_dir: str, filesystem=None) -> pd.DataFrame | None:
 
 
 def trial_file(folder: str, name: str) -> tuple[str, str]:
-    """(where, text) of a file of a trial's folder, a local path or a URI; OSError when it cannot be read, ValueError
-    when it is not UTF-8."""
+    """(where, text) of a file of a trial's folder, a local path or a URI: on a disk only a regular file of the
+    trial's own (`jsonio.read_own`), as every file read from a sweep. OSError when it cannot be read, ValueError when
+    it is not UTF-8."""
     filesystem, root = open_location(folder)
-    where = f"{str(folder).rstrip('/')}/{name}"
+    where, path = f"{str(folder).rstrip('/')}/{name}", posixpath.join(root, name)
+    if isinstance(filesystem, fs.LocalFileSystem):
+        data = read_own(path)
+        if data is None:
+            raise FileNotFoundError(errno.ENOENT, "missing, or not a regular file of the trial's own")
+    else:
+        with filesystem.open_input_stream(path) as stream:
+            data = stream.read()
     try:
-        with filesystem.open_input_stream(posixpath.join(root, name)) as stream:
-            return where, stream.read().decode("utf-8")
+        return where, data.decode("utf-8")
     except UnicodeDecodeError as error:
         raise ValueError(f"not UTF-8 ({error.reason})") from None
 
@@ -333,14 +336,14 @@ def check_experiment_folder(folder: str) -> None:
         raise StorageError(f"name: {local} is a file, not an experiment folder; choose another name or storage_path")
 
 
-def check_ours(folder: str) -> None:
+def check_ours(folder: str, listed: tuple | None = None) -> None:
     """A folder that holds a Tune experiment's state (`tuner.pkl`, `experiment_state-*.json`) but not the settings
     record every taylor_tune sweep writes before Tune saves anything (`EXPERIMENT_RECORD`) is another program's: a
     resume would unpickle its state, so it is refused before anything in it is read, in a bucket as on a disk
     (TAYLOR_TUNE_TRUST_EXPERIMENT=1 opts in, as for `check_resume_trust`)."""
     if trusted():
         return
-    _, files = top_files(folder)
+    _, files = listed or top_files(folder)
     tune_state = [n for n in files if n == "tuner.pkl" or n in states(files)]
     if tune_state and EXPERIMENT_RECORD not in files:
         found = ", ".join(sorted(tune_state)[:2])
@@ -349,7 +352,7 @@ def check_ours(folder: str) -> None:
                            "storage_path, or set TAYLOR_TUNE_TRUST_EXPERIMENT=1 if you trust it")
 
 
-def check_resume_trust(folder: str) -> None:
+def check_resume_trust(folder: str, listed: tuple | None = None) -> None:
     """Resuming is Ray's `Tuner.restore`, which unpickles the folder's state (`pickled_state`): refused unless the
     user opts in with TAYLOR_TUNE_TRUST_EXPERIMENT=1 (README: what is trusted in an experiment folder) where someone
     else could have written it. On a disk: the folder, or one of those files, owned by another user or writable by
@@ -360,7 +363,7 @@ def check_resume_trust(folder: str) -> None:
         return
     local = local_folder(folder)
     if local is None:
-        filesystem, files = top_files(folder)
+        filesystem, files = listed or top_files(folder)
         if pickled_state(files) and anyone_may_write(filesystem, open_location(folder)[1]):
             raise StorageError(f"{folder} can be written by anyone (a client without credentials wrote a probe "
                                "there), and resuming the sweep would unpickle its state (running code it names); "
@@ -378,14 +381,14 @@ def check_resume_trust(folder: str) -> None:
                                "names); make it yours alone (chmod o-w) or set TAYLOR_TUNE_TRUST_EXPERIMENT=1")
 
 
-def check_pickles_whole(folder: str) -> None:
+def check_pickles_whole(folder: str, listed: tuple | None = None) -> None:
     """Every pickle a resume would read is whole (`pickled_state`: the .pkl files, and Ray's pickles under a .json name
     such as `basic-variant-state-*.json`): its opcodes are walked up to the STOP that ends it (`pickletools`: read,
     never run). A searcher state cut short made Ray print a traceback, restart the search and hand out finished
     configurations again; it is refused with one line instead, in a bucket as on a disk."""
     import pickletools
 
-    filesystem, files = top_files(folder)
+    filesystem, files = listed or top_files(folder)
     for name in pickled_state(files):
         shown = f"{folder.rstrip('/')}/{name}"
         data = _read_whole(filesystem, files[name], shown)
@@ -400,13 +403,13 @@ def check_pickles_whole(folder: str) -> None:
                                "from a copy, or run the experiment under another --name") from None
 
 
-def check_state_intact(folder: str) -> None:
+def check_state_intact(folder: str, listed: tuple | None = None) -> None:
     """The experiment state a resume would start from parses, or none does. Ray restores from the newest
     `experiment_state-*.json`; a damaged one made it log a warning and start an empty sweep over the finished one
     (every result gone from its state). With an intact older state, refused: the user moves the damaged one aside
     to resume from it. With none intact (a state cut short by a full disk before any whole one was written) the
     sweep starts afresh (`set_aside_damaged_state`), reusing every finished trial from its folder."""
-    filesystem, files = top_files(folder)
+    filesystem, files = listed or top_files(folder)
     found = states(files)
     parses = {name: _parses(filesystem, files[name]) for name in found}
     if found and not parses[found[-1]] and any(parses[name] for name in found[:-1]):
@@ -442,12 +445,14 @@ def set_aside_damaged_state(folder: str) -> list[str]:
 def check_resumable(folder: str) -> None:
     """Every guard a sweep passes before it starts or resumes in `folder`, in order, before Ray starts and before
     anything in the folder is unpickled: it is a folder (or nothing yet), its Tune state is taylor_tune's, no one
-    else could have written it, its pickles are whole, and its newest state parses or none does."""
+    else could have written it, its pickles are whole, and its newest state parses or none does. The folder is
+    listed once for all of them (`listed`: what `top_files` returns; one listing of a bucket, not four)."""
     check_experiment_folder(folder)
-    check_ours(folder)
-    check_resume_trust(folder)
-    check_pickles_whole(folder)
-    check_state_intact(folder)
+    listed = top_files(folder)
+    check_ours(folder, listed)
+    check_resume_trust(folder, listed)
+    check_pickles_whole(folder, listed)
+    check_state_intact(folder, listed)
 
 
 def _parses(filesystem, path: str) -> bool:
