@@ -28,9 +28,15 @@ LONGEST_FIRST = (
 )
 
 
+# Before the `-m` selection (tryfirst): a test that asks for the run's Ray head is a Ray sweep, so it is slow, and
+# the quick tier (`make test-fast`) starts no Ray cluster without each such test having to say so.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     import torch  # here, not at the top: pytest-xdist's controller loads this file and needs no torch
 
+    for item in items:
+        if "ray_head" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
 
