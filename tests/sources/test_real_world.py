@@ -31,6 +31,10 @@ from tests.pruning.test_importance import brute_force
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 REAL_MODELS = ["smollm2-135m", "qwen2.5-0.5b"]
+# Items of each real task in the three comparisons with lm-eval below: ~220 requests of every kind the seven tasks
+# make, each compared on its own; twice as many doubled the cost of this module's heaviest tests for more requests of
+# the same kinds (BENCHMARKS: make test, issue 94)
+ITEMS = 10
 
 
 def logits(model, ids):
@@ -182,8 +186,8 @@ def test_pruned_real_folder_runs_in_lm_eval_cli(tmp_path, assets):
 
 @pytest.fixture(scope="module")
 def lm_eval_hf(assets):
-    """lm-eval's own `hf` model loading the SmolLM2-135M folder itself, on the seven real tasks, 20 items each: one
-    pass read by the two tests below. `names`: our task -> lm-eval's name for it; `requests`: every request's
+    """lm-eval's own `hf` model loading the SmolLM2-135M folder itself, on the seven real tasks, `ITEMS` items each:
+    one pass read by the two tests below. `names`: our task -> lm-eval's name for it; `requests`: every request's
     (log-likelihood, is_greedy) and `scores`: (acc, acc_norm), both by lm-eval's name, as `responses` gives them."""
     from lm_eval import simple_evaluate
 
@@ -191,7 +195,7 @@ def lm_eval_hf(assets):
 
     configs = {task: offline_task_config(task, assets["real"] / f"{task}.jsonl") for task in TASK_YAML}
     result = simple_evaluate(model="hf", model_args=f"pretrained={assets['smollm2-135m']},dtype=float32,device=cpu",
-                             tasks=list(configs.values()), task_manager=_task_manager(False), limit=20,
+                             tasks=list(configs.values()), task_manager=_task_manager(False), limit=ITEMS,
                              batch_size=16, bootstrap_iters=0, log_samples=True, verbosity="ERROR")
     return {"names": {task: config["task"] for task, config in configs.items()}, "results": result["results"],
             "requests": {name: [r[0] for sample in samples for r in sample["resps"]]
@@ -201,23 +205,23 @@ def lm_eval_hf(assets):
 
 
 def test_in_memory_scores_equal_lm_eval_hf_on_the_real_tasks(lm_eval_hf):
-    """SmolLM2-135M on the seven real tasks, 20 items each: our in-memory evaluation against lm-eval's own
+    """SmolLM2-135M on the seven real tasks, `ITEMS` items each: our in-memory evaluation against lm-eval's own
     `hf` model loading the folder itself."""
     from taylor_tune.evaluation.evaluate import evaluate
 
     model, tokenizer = load_model("smollm2-135m", dtype=torch.float32), load_tokenizer("smollm2-135m")
-    spec = EvalSpec(tasks="all", task_data="real", limit=20, ppl=None, batch_size=16)
+    spec = EvalSpec(tasks="all", task_data="real", limit=ITEMS, ppl=None, batch_size=16)
     ours = evaluate(model, tokenizer, spec, model_name="smollm2-135m")["tasks"]
     for task in spec.tasks:
         theirs = lm_eval_hf["results"][lm_eval_hf["names"][task]]
-        assert ours[task]["n"] == 20
+        assert ours[task]["n"] == ITEMS
         assert ours[task]["acc"] == theirs["acc,none"], task
         assert ours[task]["acc_norm"] == theirs.get("acc_norm,none"), task  # None for BoolQ, WinoGrande
 
 
 @pytest.mark.parametrize("pruned", [False, True], ids=["smollm2", "pruned-smollm2"])
 def test_prefix_scorer_equals_hflm_request_by_request_on_the_real_tasks(lm_eval_hf, pruned):
-    """The seven real tasks, 20 items each: every request's log-likelihood within 1e-4 of lm-eval's, the same
+    """The seven real tasks, `ITEMS` items each: every request's log-likelihood within 1e-4 of lm-eval's, the same
     is_greedy, the same acc and acc_norm. SmolLM2-135M against lm-eval's `hf` loading the folder itself (the pass
     shared with the test above); a blockwise-pruned one (layers of unequal shape) against HFLM around the same
     in-memory model."""
@@ -227,12 +231,12 @@ def test_prefix_scorer_equals_hflm_request_by_request_on_the_real_tasks(lm_eval_
         result = _pruned("smollm2-135m", "blockwise", blockwise_attention="closest_ratio")
         model, tokenizer = result.model, result.tokenizer
         model.eval()
-        theirs, their_scores = responses(model, tokenizer, "hflm", batch_size=16, limit=20, task_data="real")
+        theirs, their_scores = responses(model, tokenizer, "hflm", batch_size=16, limit=ITEMS, task_data="real")
     else:
         model, tokenizer = load_model("smollm2-135m", dtype=torch.float32), load_tokenizer("smollm2-135m")
         model.eval()
         theirs, their_scores = lm_eval_hf["requests"], lm_eval_hf["scores"]
-    ours, our_scores = responses(model, tokenizer, "prefix", batch_size=16, limit=20, task_data="real")
+    ours, our_scores = responses(model, tokenizer, "prefix", batch_size=16, limit=ITEMS, task_data="real")
     assert set(ours) == set(theirs) == set(lm_eval_hf["names"].values())
     assert_same_answers(ours, theirs)
     assert our_scores == their_scores
