@@ -53,7 +53,8 @@ def problems(benchmarks: str, pages: dict[str, str]) -> list[str]:
 
 
 def pages() -> dict[str, str]:
-    return {name: (REPO / name).read_text() for name in ("README.md", "docs/sweeps.md", "docs/pruning.md")}
+    names = ("README.md", "docs/sweeps.md", "docs/pruning.md", "docs/export.md")
+    return {name: (REPO / name).read_text() for name in names}
 
 
 def test_benchmarks_opens_on_the_current_figures_each_held_to_its_page_and_its_entry():
