@@ -165,3 +165,31 @@ def test_a_trials_file_is_read_only_as_a_regular_file_of_its_own(tmp_path):
     for name in ("params.json", "pruning_summary.json", "missing.json"):
         with pytest.raises(FileNotFoundError, match="not a regular file of the trial's own"):
             trial_file(str(trial), name)
+
+
+def test_a_running_trials_copies_from_storage_read_only_regular_files_of_their_own(tmp_path):
+    """What a rerun copies back from the sweep's folder (a finished trial's artifacts, another trial's config.json
+    found by its content, a trial's result.json) is read as every file of a sweep is: a symbolic link planted there
+    is neither copied nor matched, and its target is not read."""
+    from taylor_tune.storage.folder import copy_out, restore, sibling_folders_holding
+
+    local, experiment, outside = fs.LocalFileSystem(), tmp_path / "experiment", tmp_path / "outside.json"
+    outside.write_text('{"model": "tiny-llama"}')
+    own, plain, linked = (experiment / name for name in ("own", "plain", "linked"))
+    for folder in (own, plain, linked):
+        folder.mkdir(parents=True)
+    (plain / "config.json").write_text('{"model": "tiny-llama"}')
+    (linked / "config.json").symlink_to(outside)
+    assert list(sibling_folders_holding(local, str(own), "config.json", {"model": "tiny-llama"})) == [str(plain)]
+
+    into = tmp_path / "into"
+    into.mkdir()
+    assert copy_out(local, str(plain), ["config.json"], into) and (into / "config.json").read_text() == \
+        '{"model": "tiny-llama"}'
+    (into / "config.json").unlink()
+    assert not copy_out(local, str(linked), ["config.json"], into) and not (into / "config.json").exists()
+
+    assert restore(local, str(plain / "config.json"), tmp_path / "back" / "result.json")
+    assert (tmp_path / "back" / "result.json").read_text() == '{"model": "tiny-llama"}'
+    assert not restore(local, str(linked / "config.json"), tmp_path / "gone" / "result.json")
+    assert not (tmp_path / "gone").exists()

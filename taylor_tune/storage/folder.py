@@ -183,13 +183,14 @@ def upload(filesystem, path: str, data: bytes, stats: StoreStats) -> None:
 
 
 def copy_out(filesystem, folder: str, names, into: Path) -> bool:
-    """The files `names` of a folder in storage, copied into the local folder `into`; False where one is missing
-    or cannot be read."""
-    try:
-        for name in names:
-            fs.copy_files(f"{folder}/{name}", str(into / name), source_filesystem=filesystem)
-    except (OSError, FileNotFoundError):
-        return False
+    """The files `names` of a folder in storage, copied into the local folder `into` (each read as `read_bytes`
+    reads it: on a disk a regular file of the folder's own, never through a link); False where one is missing or
+    cannot be read."""
+    for name in names:
+        data = read_bytes(filesystem, f"{folder}/{name}")
+        if data is None:
+            return False
+        (into / name).write_bytes(data)
     return True
 
 
@@ -198,24 +199,23 @@ def sibling_folders_holding(filesystem, folder: str, name: str, wanted) -> Itera
     for info in filesystem.get_file_info(fs.FileSelector(posixpath.dirname(folder))):
         if info.type != fs.FileType.Directory or info.path == folder:
             continue
+        data = read_bytes(filesystem, f"{info.path}/{name}")
         try:
-            with filesystem.open_input_stream(f"{info.path}/{name}") as stream:
-                same = json.loads(stream.read()) == wanted
-        except (OSError, ValueError, UnicodeDecodeError):  # not a trial folder, or one without that file yet
+            same = data is not None and json.loads(data) == wanted
+        except ValueError:  # not a trial folder's file (UnicodeDecodeError is one)
             continue
         if same:
             yield info.path
 
 
 def restore(filesystem, path: str, local: Path) -> bool:
-    """A file in storage copied to `local` where it exists there; False where it does not or cannot be read."""
-    try:
-        if filesystem.get_file_info(path).type != fs.FileType.File:
-            return False
-        local.parent.mkdir(parents=True, exist_ok=True)
-        fs.copy_files(path, str(local), source_filesystem=filesystem)
-    except OSError:
+    """A file in storage copied to `local` where it exists there (read as `read_bytes` reads it); False where it does
+    not or cannot be read."""
+    data = read_bytes(filesystem, path)
+    if data is None:
         return False
+    local.parent.mkdir(parents=True, exist_ok=True)
+    local.write_bytes(data)
     return True
 
 
