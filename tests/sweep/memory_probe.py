@@ -6,6 +6,11 @@ executes is already resident and not counted as what it allocates.
 Run in a fresh process with MALLOC_MMAP_THRESHOLD_ fixed: glibc otherwise raises its mmap threshold after each large
 free, so later tensors come from the heap and stay resident after they are freed, and the peak would count that
 slack. usage: python -m tests.sweep.memory_probe STAGE DTYPE HIDDEN INTERMEDIATE LAYERS VOCAB BATCH SEQ_LEN
+
+    python -m tests.sweep.memory_probe --each '[[STAGE, DTYPE, HIDDEN, ...], ...]'
+
+measures each run in a process of its own forked from one that has imported the libraries and nothing more: what a
+fresh process would measure, without importing torch and transformers once per run. One JSON line per run, in order.
 """
 
 import copy
@@ -13,6 +18,7 @@ import gc
 import json
 import os
 import sys
+import traceback
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -58,6 +64,44 @@ def run(stage: str, model, teacher, layout, ids: torch.Tensor) -> None:
                 teacher=teacher)
 
 
+def import_stages() -> None:
+    """What a run imports (`run`'s stages, `main`'s layout), so that a forked run finds it resident."""
+    from taylor_tune.config import RecoverySpec, SpeedSpec  # noqa: F401
+    from taylor_tune.evaluation.speed import measure_paired  # noqa: F401
+    from taylor_tune.pruning.groups import describe_layout  # noqa: F401
+    from taylor_tune.pruning.importance import compute_importance  # noqa: F401
+    from taylor_tune.pruning.measured import calibration_loss  # noqa: F401
+    from taylor_tune.recovery.train import recover  # noqa: F401
+
+
+def each(runs: list[list]) -> None:
+    """Each run in a child forked from this process once the libraries are imported (no tensor made here yet, so no
+    thread pool is forked); the child's line is printed as it ends."""
+    import_stages()
+    for stage, dtype, *sizes in runs:
+        read, write = os.pipe()
+        child = os.fork()
+        if child == 0:
+            os.close(read)
+            code = 1
+            try:
+                with os.fdopen(write, "w") as out:
+                    sys.stdout = out
+                    main(stage, dtype, *map(int, sizes))
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)  # never back into the parent's loop
+        os.close(write)
+        with os.fdopen(read) as got:
+            line = got.read().strip()
+        _, status = os.waitpid(child, 0)
+        if status != 0:
+            raise SystemExit(f"{stage} {dtype} {sizes}: the forked run failed (wait status {status})")
+        print(line, flush=True)
+
+
 def main(stage: str, dtype: str, hidden: int, intermediate: int, layers: int, vocab: int, batch: int, seq_len: int):
     from taylor_tune.pruning.groups import describe_layout
 
@@ -84,4 +128,7 @@ def main(stage: str, dtype: str, hidden: int, intermediate: int, layers: int, vo
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], *map(int, sys.argv[3:]))
+    if sys.argv[1] == "--each":
+        each(json.loads(sys.argv[2]))
+    else:
+        main(sys.argv[1], sys.argv[2], *map(int, sys.argv[3:]))

@@ -40,21 +40,32 @@ def estimate(stage: str, dtype: str, hidden, intermediate, layers, vocab, batch,
     return peak.total - peak.parts["weights"]
 
 
+@pytest.fixture(scope="module")
+def measured() -> dict:
+    """Every stage on every shape (`memory_probe --each`): each run in a process of its own, forked from one that has
+    imported the libraries, as a fresh process would have them."""
+    runs = [(stage, shape) for shape in SHAPES for stage in STAGES]
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "tests.sweep.memory_probe", "--each",
+                          json.dumps([[stage, *SHAPES[shape]] for stage, shape in runs])],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == len(runs), out.stdout
+    return {run: json.loads(line) for run, line in zip(runs, lines)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("stage", STAGES)
-def test_the_estimate_is_a_lower_bound_within_the_measured_peak(stage, shape):
-    """Each stage run for real on a random LLaMA-shaped model in a fresh process, after a first run on a few tokens
-    (`memory_probe`): the peak it adds to the resident memory is at least the estimate (a refusal is never wrong) and
-    at most 2.5 times it (the estimate is not vacuous; the ratios measured are in BENCHMARKS)."""
+def test_the_estimate_is_a_lower_bound_within_the_measured_peak(stage, shape, measured):
+    """Each stage run for real on a random LLaMA-shaped model in a process of its own, after a first run on a few
+    tokens (`memory_probe`): the peak it adds to the resident memory is at least the estimate (a refusal is never
+    wrong) and at most 2.5 times it (the estimate is not vacuous; the ratios measured are in BENCHMARKS)."""
     dtype, *sizes = SHAPES[shape]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", "tests.sweep.memory_probe", stage, dtype, *map(str, sizes)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    measured = json.loads(out.stdout.strip().splitlines()[-1])
-    predicted = estimate(stage, dtype, *sizes, measured["params"], measured["layer_params"])
-    assert predicted <= measured["added"] <= 2.5 * predicted, (predicted, measured)
+    got = measured[stage, shape]
+    predicted = estimate(stage, dtype, *sizes, got["params"], got["layer_params"])
+    assert predicted <= got["added"] <= 2.5 * predicted, (predicted, got)
 
 
 SHAPE = memory.Shape(params=1000, layer_params=800, hidden=64, intermediate=192, layers=4, vocab=259, kv_width=32,
