@@ -59,6 +59,23 @@ def test_a_bad_search_space_file_is_one_line_and_not_echoed(capsys, tmp_path, co
     assert "secret-line" not in err and "root:x" not in err
 
 
+def test_a_storage_that_cannot_take_the_sweep_is_refused_before_torch_is_imported(tmp_path):
+    """The storage and the folder are checked before the preflight's torch and transformers are imported (seconds
+    of CPU): a refused storage is said at once. A fresh process, since this one has imported them already."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.sweep_helpers import REPO, env
+
+    code = ("import json, sys; from taylor_tune.cli import main; code = main(['sweep', sys.argv[1]]); "
+            "print(json.dumps([code, sorted(m for m in ('torch', 'transformers') if m in sys.modules)]))")
+    proc = subprocess.run([sys.executable, "-c", code, str(experiment(tmp_path, storage_path="/proc/no-write"))],
+                          capture_output=True, text=True, cwd=REPO, env=env(), timeout=120)
+    assert "storage_path: /proc/no-write is not writable" in proc.stderr, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [2, []]
+
+
 def test_an_experiment_folder_that_is_a_file_is_one_line(capsys, tmp_path):
     (tmp_path / "sweeps").mkdir()
     (tmp_path / "sweeps" / "exp").write_text("not a folder")

@@ -3,6 +3,7 @@ cheap pass, each stop checked against a paired test written out here on the outc
 folders, and the best trial is scored on every item."""
 
 import json
+from pathlib import Path
 from statistics import NormalDist
 
 import pandas as pd
@@ -41,17 +42,27 @@ def stop_reasons(folder) -> dict[str, str]:
     return dict(zip(table.invalid["trial_id"], table.invalid["reason"]))
 
 
-def test_a_raced_grid_stops_trials_by_a_paired_test_and_its_best_is_scored_on_every_item(tmp_path, ray_head):
-    experiment = write_experiment(
-        tmp_path, "race",
-        search_space={"taylor_seq_len": {"grid": [16, 32, 48]}, "taylor_num_samples": {"grid": [8]},
-                      "pruning_method": {"grid": ["taylor", "blockwise"]}},
-        search={"algorithm": "grid", "scheduler": "race", "alpha": ALPHA, "max_concurrent": 1},
-        evaluation={"tasks": ",".join(TASKS), "task_data": "world", "ppl": None, "batch_size": 16,
-                    "fidelities": [20, 60, None], "speed": None},
-    )
-    run_sweep_to_end(experiment, cluster=ray_head)
-    folder = tmp_path / "sweeps" / "race"
+# six trials raced on three blocks of the three tasks, one at a time (so that the race sees them in the grid's order)
+RACED_GRID = dict(
+    search_space={"taylor_seq_len": {"grid": [16, 32, 48]}, "taylor_num_samples": {"grid": [8]},
+                  "pruning_method": {"grid": ["taylor", "blockwise"]}},
+    search={"algorithm": "grid", "scheduler": "race", "alpha": ALPHA, "max_concurrent": 1},
+    evaluation={"tasks": ",".join(TASKS), "task_data": "world", "ppl": None, "batch_size": 16,
+                "fidelities": [20, 60, None], "speed": None},
+)
+
+
+@pytest.fixture(scope="module")
+def raced_grid(tmp_path_factory, ray_head) -> Path:
+    """The raced grid run to its end once, uninterrupted: checked by the first test, the reference of the killed
+    one (which only reads it)."""
+    root = tmp_path_factory.mktemp("raced-grid")
+    run_sweep_to_end(write_experiment(root, "race", **RACED_GRID), cluster=ray_head)
+    return root / "sweeps" / "race"
+
+
+def test_a_raced_grid_stops_trials_by_a_paired_test_and_its_best_is_scored_on_every_item(raced_grid):
+    folder = raced_grid
     rows = {r["trial_id"]: r for r in analysis_rows(folder)}
     race = json.loads((folder / RACE_FILE).read_text())
     assert len(rows) == 6 and set(race["trials"]) == set(rows)
@@ -154,7 +165,7 @@ def canonical_race(folder) -> dict:
             "reasons": {named(t): named(why) for t, why in stop_reasons(folder).items()}}
 
 
-def test_a_race_killed_and_resumed_keeps_every_decision_of_an_uninterrupted_run(tmp_path, ray_head):
+def test_a_race_killed_and_resumed_keeps_every_decision_of_an_uninterrupted_run(tmp_path, raced_grid):
     """Issue 80: after a SIGKILL and a resume of a racing sweep, the race's state held only its pre-kill decisions
     (Tune's restore puts back its copy of every .json at the top of the folder) and the report fell back to 'stopped
     early by the scheduler'. Now: the race's state and the report's reasons equal an uninterrupted run's."""
@@ -162,18 +173,8 @@ def test_a_race_killed_and_resumed_keeps_every_decision_of_an_uninterrupted_run(
 
     from tests.sweep.test_sweep_resilience import interrupt_sweep
 
-    changes = dict(
-        search_space={"taylor_seq_len": {"grid": [16, 32, 48]}, "taylor_num_samples": {"grid": [8]},
-                      "pruning_method": {"grid": ["taylor", "blockwise"]}},
-        search={"algorithm": "grid", "scheduler": "race", "alpha": ALPHA, "max_concurrent": 1},
-        evaluation={"tasks": ",".join(TASKS), "task_data": "world", "ppl": None, "batch_size": 16,
-                    "fidelities": [20, 60, None], "speed": None},
-    )
-    whole = write_experiment(tmp_path, "whole", **changes)
-    run_sweep_to_end(whole, cluster=ray_head)
-    reference = canonical_race(tmp_path / "sweeps" / "whole")
-
-    killed = write_experiment(tmp_path, "killed", **changes)
+    reference = canonical_race(raced_grid)
+    killed = write_experiment(tmp_path, "killed", **RACED_GRID)
     folder = tmp_path / "sweeps" / "killed"
 
     def raced(count: int) -> bool:

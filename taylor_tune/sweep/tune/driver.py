@@ -18,7 +18,6 @@ import threading
 from collections.abc import Callable
 
 import ray
-import torch
 from ray import tune
 
 from taylor_tune.compat.ray import init_local, on_loopback
@@ -29,14 +28,6 @@ from taylor_tune.storage.location import check_storage, joined
 from taylor_tune.storage.lock import driver_lock
 from taylor_tune.sweep.experiment import Experiment, check_models, check_sources
 from taylor_tune.sweep.folder import check_race_state, check_unchanged
-from taylor_tune.sweep.preflight import (
-    check_calibration_sizes,
-    check_memory,
-    check_plans,
-    check_recovery,
-    check_streaming,
-    memory_bytes,
-)
 from taylor_tune.sweep.tune.console import ConsoleCallback, FullStorage, quiet_when_full
 from taylor_tune.sweep.tune.leases import start_leases
 from taylor_tune.sweep.tune.metrics import SweepMetricsCallback
@@ -44,7 +35,6 @@ from taylor_tune.sweep.tune.reports import KeptReports
 from taylor_tune.sweep.tune.scheduler import FidelityASHA, RaceScheduler
 from taylor_tune.sweep.tune.search import PerModelSearcher, domains_of
 from taylor_tune.sweep.tune.space import fixed_settings, param_space
-from taylor_tune.sweep.tune.trainable import sweep_trainable
 
 
 def experiment_path(experiment: Experiment) -> str:
@@ -59,6 +49,19 @@ def validate(experiment: Experiment) -> None:
     folder = experiment_path(experiment)
     check_resumable(folder)
     check_race_state(folder)
+    # torch and transformers (~4 CPU-s of imports) once the storage and the folder are known to take the sweep: a
+    # refused storage is said in about a second
+    import torch
+
+    from taylor_tune.sweep.preflight import (  # torch and transformers too (above)
+        check_calibration_sizes,
+        check_memory,
+        check_plans,
+        check_recovery,
+        check_streaming,
+        memory_bytes,
+    )
+
     check_sources(experiment)
     check_models(experiment)
     check_plans(experiment)
@@ -158,6 +161,8 @@ def _fit(experiment: Experiment, verbose: bool, interrupted: Callable[[], bool])
     _start_ray(verbose)
     path = experiment_path(experiment)
     final_stage = zero_shot_stage(experiment.evaluation.fidelities[-1])
+    from taylor_tune.sweep.tune.trainable import sweep_trainable  # the trial's stack, once Tune is to run it
+
     trainable = tune.with_resources(sweep_trainable, _resources(experiment))
     if tune.Tuner.can_restore(path) and has_state(path):  # else afresh: finished trials are reused from their folders
         tuner = tune.Tuner.restore(path, trainable=trainable, resume_errored=True)
