@@ -12,6 +12,7 @@ torch build, close elsewhere).
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import sys
 import time
@@ -26,6 +27,8 @@ from taylor_tune.sources.families import FAMILIES  # noqa: E402
 from taylor_tune.sources.world import world_dir  # noqa: E402
 
 ARCHITECTURES = {family.tiny_name: model_type for model_type, family in FAMILIES.items()}  # seeded by world_seed
+# the sweep of every dense family (`taylor-tune sweep experiments/families.yaml`): its `models` line is written here
+FAMILIES_EXPERIMENT = Path(__file__).resolve().parent.parent / "experiments" / "families.yaml"
 DEFAULT_STEPS = 600
 # Granite-MoE with the tiny multipliers learns slower: at 600 steps its loss was 0.634 and it beat chance on 4 of the
 # seven tasks (tests/evaluation/test_evaluation.py asks 5); at 1,200, 0.456
@@ -95,6 +98,19 @@ def main() -> None:
         shutil.rmtree(target, ignore_errors=True)
         model.save_pretrained(target)
         tokenizer.save_pretrained(target)
+    if args.out.resolve() == world_dir().resolve():  # the shipped world: its experiment of every family follows it
+        list_dense_families(FAMILIES_EXPERIMENT)
+
+
+def list_dense_families(experiment: Path) -> None:
+    """Rewrite the experiment's `models` line as every dense family's trained tiny model, in the families' order, so
+    that a new family's module and its model are all the sweep of every family needs (the rest of the file is kept
+    as written)."""
+    models = ", ".join(family.tiny_name for family in FAMILIES.values() if family.experts is None)
+    text, count = re.subn(r"^models: \[[^\]]*\]$", f"models: [{models}]", experiment.read_text(), flags=re.M)
+    if count != 1:
+        raise SystemExit(f"{experiment}: no one `models: [...]` line to rewrite")
+    experiment.write_text(text)
 
 
 if __name__ == "__main__":

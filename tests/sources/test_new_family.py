@@ -3,8 +3,9 @@
 repository as one module of `sources/families/` and nothing else; the world script makes its tiny model
 (scripts/make_offline_world.py --models tiny-renamedllama); then every arch-wide test of the copy runs for it: each
 test parametrized by a family's tiny model (tests.helpers.ARCHS, the trained dense models), selected by its id, and
-each is one that Llama has too. Every one passes: the registries, the pruned class, the GGUF writer, the methods and
-the streamed passes all read the declaration.
+each is one that Llama has too, and the check that the sweep of every family (experiments/families.yaml, whose
+models the world script writes) names it. Every one passes: the registries, the pruned class, the GGUF writer, the
+methods and the streamed passes all read the declaration.
 
 The world script trains it 2 steps, not its 600: the family is Llama by construction, so the world's trained Llama
 is a trained model of it, and its weights are put in the folder the script wrote (whose configuration, tokenizer and
@@ -20,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.sweep_helpers import REPO
 
@@ -48,6 +50,10 @@ transformers.RenamedLlamaForCausalLM = RenamedLlamaForCausalLM  # where a releas
 
 FAMILY = Family("renamedllama", world_seed=13, gguf="llama", all_biases=True, gguf_rope_scalings=("default", "llama3"))
 '''
+
+
+# the check that the experiment of every family names each family's trained model: not parametrized by a family
+EVERY_FAMILY = "test_the_families_experiment_names_a_trained_model_of_every_family"
 
 
 def copy_repo(into: Path) -> Path:
@@ -101,6 +107,8 @@ def test_a_new_family_is_one_module_and_passes_every_arch_wide_test(tmp_path):
         assert (ours / name).read_bytes() == (llama / name).read_bytes(), name
     assert shapes(ours) == shapes(llama)
     shutil.copy2(llama / "model.safetensors", ours / "model.safetensors")  # the trained Llama (above)
+    # and the sweep of every family lists it (the world script writes that experiment's models)
+    assert "tiny-renamedllama" in yaml.safe_load((root / "experiments" / "families.yaml").read_text())["models"]
 
     listing = run(root, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "not gpu", "tests",
                   timeout=600)
@@ -110,9 +118,9 @@ def test_a_new_family_is_one_module_and_passes_every_arch_wide_test(tmp_path):
     assert len(ours) >= 30, sorted(ours)  # 36 when written: an empty selection would pass vacuously
     assert {i.replace("renamedllama", "llama") for i in ours} <= llamas  # each one Llama has too
 
-    proc = run(root, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", "tests", "-k", "renamedllama",
-               "--timeout", "1500")
+    proc = run(root, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", "tests", "-k",
+               f"renamedllama or {EVERY_FAMILY}", "--timeout", "1500")
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-2000:]
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
     passed = int(re.search(r"(\d+) passed", summary).group(1))
-    assert passed == len(ours) and "failed" not in summary and "error" not in summary, summary
+    assert passed == len(ours) + 1 and "failed" not in summary and "error" not in summary, summary
