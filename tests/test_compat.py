@@ -10,9 +10,10 @@ from taylor_tune.sources.models import load_model, load_tokenizer
 
 
 def test_the_pinned_versions_have_every_fenced_name():
-    from taylor_tune.compat import lm_eval, ray, transformers
+    from taylor_tune.compat import lm_eval, pyarrow, ray, transformers
 
     lm_eval.check(make_lm(load_model("tiny-llama"), load_tokenizer("tiny-llama"), 4, "hflm"))
+    pyarrow.check()
     ray.check()
     transformers.check()
     with transformers.no_init_weights():  # the context manager the GGUF conversion builds models in
@@ -30,6 +31,24 @@ def test_a_missing_lm_eval_name_fails_loudly(monkeypatch, target, name):
     monkeypatch.delattr(f"{target}.{name}")
     with pytest.raises(CompatError, match=rf"lm-eval: .*{name}.* no longer exist.*tested with lm-eval 0\.4\.13"):
         lm_eval.check()
+
+
+def test_an_s3_filesystem_is_made_again_from_its_options_and_a_changed_reduction_fails_loudly():
+    from pyarrow import fs
+
+    from taylor_tune.compat.pyarrow import s3_options
+
+    made = dict(endpoint_override="http://127.0.0.1:9", region="eu-west-3", scheme="http", access_key="k",
+                secret_key="s")
+    options = s3_options(fs.S3FileSystem(**made))
+    assert {k: options[k] for k in made} == made  # what the anonymous client is made with (storage.location)
+
+    class Moved:  # an upgrade that reduces a filesystem to something else
+        def __reduce__(self):
+            return (object, ("http://127.0.0.1:9",))
+
+    with pytest.raises(CompatError, match=r"pyarrow: S3FileSystem.__reduce__\(\)'s options no longer exist.*26"):
+        s3_options(Moved())
 
 
 def test_a_missing_hflm_attribute_fails_loudly():

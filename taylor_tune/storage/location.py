@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pyarrow import fs
 
+from taylor_tune.compat.pyarrow import s3_options
 from taylor_tune.errors import StorageError
 
 # What an object store's error says, and what it means for the user (pyarrow's AWS errors carry the SDK's code)
@@ -183,7 +184,7 @@ def anyone_may_write(filesystem: fs.FileSystem, folder: str) -> bool | None:
     store other than S3)."""
     if not isinstance(filesystem, fs.S3FileSystem):
         return None
-    options = filesystem.__reduce__()[1][0]  # the same endpoint, region and scheme, without the credentials
+    options = s3_options(filesystem)  # the same endpoint, region and scheme, without the credentials
     anonymous = fs.S3FileSystem(**{**options, "anonymous": True, "access_key": None, "secret_key": None,
                                    "session_token": None, "role_arn": "", "session_name": "", "external_id": "",
                                    "retry_strategy": fs.AwsStandardS3RetryStrategy(max_attempts=1)})
