@@ -9,8 +9,8 @@ methods and the streamed passes all read the declaration.
 
 The world script trains it 2 steps, not its 600: the family is Llama by construction, so the world's trained Llama
 is a trained model of it, and its weights are put in the folder the script wrote (whose configuration, tokenizer and
-shapes are checked to be that Llama's but for the type). Training a Llama a second time was two thirds of the
-test's time and would show nothing the trained Llama does not."""
+shapes are checked to be that Llama's but for the type). Training a Llama a second time was most of the test's time
+(BENCHMARKS.md, make-test-94c) and would show nothing the trained Llama does not."""
 
 import json
 import os

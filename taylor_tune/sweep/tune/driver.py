@@ -49,8 +49,8 @@ def validate(experiment: Experiment) -> None:
     folder = experiment_path(experiment)
     check_resumable(folder)
     check_race_state(folder)
-    # torch and transformers (~4 CPU-s of imports) once the storage and the folder are known to take the sweep: a
-    # refused storage is said in about a second
+    # torch and transformers (seconds of CPU to import) only once the storage and the folder take the sweep, so that
+    # a refused storage is said at once
     import torch
 
     from taylor_tune.sweep.preflight import (  # torch and transformers too (above)
