@@ -23,6 +23,13 @@ import traceback
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from taylor_tune.config import RecoverySpec, SpeedSpec
+from taylor_tune.evaluation.speed import measure_paired
+from taylor_tune.pruning.groups import describe_layout
+from taylor_tune.pruning.importance import compute_importance
+from taylor_tune.pruning.measured import calibration_loss
+from taylor_tune.recovery.train import recover
+
 
 def resident() -> int:
     with open("/proc/self/statm") as f:
@@ -41,12 +48,6 @@ def reset_peak() -> None:
 
 
 def run(stage: str, model, teacher, layout, ids: torch.Tensor) -> None:
-    from taylor_tune.config import RecoverySpec, SpeedSpec
-    from taylor_tune.evaluation.speed import measure_paired
-    from taylor_tune.pruning.importance import compute_importance
-    from taylor_tune.pruning.measured import calibration_loss
-    from taylor_tune.recovery.train import recover
-
     batch, seq_len = ids.shape
     if stage == "importance":
         compute_importance(model, layout, ids, micro_batch_size=batch)
@@ -64,20 +65,9 @@ def run(stage: str, model, teacher, layout, ids: torch.Tensor) -> None:
                 teacher=teacher)
 
 
-def import_stages() -> None:
-    """What a run imports (`run`'s stages, `main`'s layout), so that a forked run finds it resident."""
-    from taylor_tune.config import RecoverySpec, SpeedSpec  # noqa: F401
-    from taylor_tune.evaluation.speed import measure_paired  # noqa: F401
-    from taylor_tune.pruning.groups import describe_layout  # noqa: F401
-    from taylor_tune.pruning.importance import compute_importance  # noqa: F401
-    from taylor_tune.pruning.measured import calibration_loss  # noqa: F401
-    from taylor_tune.recovery.train import recover  # noqa: F401
-
-
 def each(runs: list[list]) -> None:
-    """Each run in a child forked from this process once the libraries are imported (no tensor made here yet, so no
-    thread pool is forked); the child's line is printed as it ends."""
-    import_stages()
+    """Each run in a child forked from this process, which has imported the libraries (at its top) and made no
+    tensor yet, so no thread pool is forked; the child's line is printed as it ends."""
     for stage, dtype, *sizes in runs:
         read, write = os.pipe()
         child = os.fork()
@@ -103,8 +93,6 @@ def each(runs: list[list]) -> None:
 
 
 def main(stage: str, dtype: str, hidden: int, intermediate: int, layers: int, vocab: int, batch: int, seq_len: int):
-    from taylor_tune.pruning.groups import describe_layout
-
     torch.manual_seed(0)
     torch.set_num_threads(1)
     config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
